@@ -1,0 +1,69 @@
+"""What every benchmark result carries: the command, commit, machine and versions."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def metadata() -> dict:
+    import torch
+
+    def version(mod: str) -> str | None:
+        try:
+            return __import__(mod).__version__
+        except Exception:
+            return None
+
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
+            ).stdout.strip()
+            or None
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                cwd=RESULTS.parent,
+            ).stdout.strip()
+        )
+    except OSError:
+        commit, dirty = None, None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit,
+        "dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": gpu,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": version("transformers"),
+            "triton": version("triton"),
+            "outrider": version("outrider"),
+        },
+    }
+
+
+def write_result(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({**metadata(), **payload}, indent=2) + "\n")
+    return path

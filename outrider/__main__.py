@@ -1,0 +1,5 @@
+import sys
+
+from outrider.cli import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""Engine configuration: frozen, composed dataclasses validated on construction.
+
+The CLI and YAML files read their defaults from these classes; nothing mutates a config after
+the engine starts. `EngineConfig.from_dict` takes the nested form YAML gives:
+
+    model: {model: path/to/model.gguf, dtype: float32}
+    cache: {block_size: 16, cpu_kv_bytes: 1073741824}
+    scheduler: {max_num_seqs: 64}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to serve and how. `model` None means the embedded default model."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    max_model_len: int | None = None  # None: the checkpoint's context length
+    attention_backend: str = "torch_ref"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"invalid dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES and not self.device.startswith("cuda:"):
+            raise ValueError(
+                f"invalid device={self.device!r}: use one of {', '.join(DEVICES)} or cuda:N"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(
+                f"invalid max_model_len={self.max_model_len}: use an integer >= 1 or None"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool. On CPU its size is a byte budget; on CUDA a fraction of free memory."""
+
+    block_size: int = 16
+    cpu_kv_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    num_blocks: int | None = None  # fixes the pool size, overriding both budgets (tests use this)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"invalid block_size={self.block_size}: use a power of two, e.g. 16")
+        if self.cpu_kv_bytes < 1:
+            raise ValueError(f"invalid cpu_kv_bytes={self.cpu_kv_bytes}: use a positive byte count")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"invalid gpu_memory_utilization={self.gpu_memory_utilization}: use a value in (0, 1]"
+            )
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"invalid num_blocks={self.num_blocks}: use at least 2, or None")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. Prompts longer than the token budget are prefilled in chunks."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"invalid max_num_seqs={self.max_num_seqs}: use an integer >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"invalid max_num_batched_tokens={self.max_num_batched_tokens}: use an integer >= 1"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        """Build from the nested dict form (YAML); unknown keys are errors, not silently dropped."""
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(sections)
+        if unknown:
+            raise ValueError(f"unknown config section(s) {sorted(unknown)}: use {sorted(sections)}")
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            section_cls = f.default_factory  # type: ignore[misc]
+            values = data.get(f.name) or {}
+            kwargs[f.name] = _build(section_cls, values, f.name)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config file {str(p)!r} not found: pass an existing YAML path")
+        return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+
+    def replace(self, **sections: dict[str, Any]) -> EngineConfig:
+        """A copy with some fields of some sections changed: replace(model={"dtype": "float32"})."""
+        kwargs = {}
+        for f in dataclasses.fields(self):
+            current = getattr(self, f.name)
+            changes = sections.get(f.name) or {}
+            kwargs[f.name] = _build(
+                type(current), {**dataclasses.asdict(current), **changes}, f.name
+            )
+        return EngineConfig(**kwargs)
+
+
+def _build(section_cls: type, values: dict[str, Any], section: str) -> Any:
+    names = {f.name for f in dataclasses.fields(section_cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {sorted(unknown)} in config section {section!r}: use {sorted(names)}"
+        )
+    return section_cls(**values)
+
+
+def defaults(section_cls: type) -> dict[str, Any]:
+    """Field defaults of a config section, for CLI flags."""
+    return {f.name: f.default for f in dataclasses.fields(section_cls)}

@@ -1,0 +1,264 @@
+"""Shared vocabulary between the engine (CPU bookkeeping) and the executor (the model).
+
+Everything here is plain data. The scheduler hands a `ScheduledBatch` down, the runner hands a
+`StepOutput` back; neither reaches into the other's state.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    """What one model forward computes. Every mode runs the same flat-batch forward.
+
+    PREFILL: at least one sequence computes a chunk of its prompt (decodes may ride along as
+             one-token queries). DECODE: every sequence computes exactly one token.
+    VERIFY:  every sequence computes 1 + k draft tokens (chain) or a tree's nodes.
+    DRAFT:   the drafter's own forward.
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+    DRAFT = "draft"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Validated on construction.
+
+    temperature 0 means greedy. top_k 0 or -1 means no top-k. seed makes a request's sampling
+    reproducible whatever else runs beside it.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 256
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists and a single string for convenience; store tuples so params stay hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        _check(
+            self.temperature >= 0,
+            "temperature",
+            self.temperature,
+            "use 0 for greedy or a value > 0",
+        )
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "use a value in (0, 1]; 1 disables top-p")
+        _check(
+            self.top_k == -1 or self.top_k >= 0,
+            "top_k",
+            self.top_k,
+            "use -1 or 0 to disable, or k >= 1",
+        )
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "use a value in [0, 1]; 0 disables min-p")
+        _check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            self.presence_penalty,
+            "use [-2, 2]",
+        )
+        _check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "use [-2, 2]",
+        )
+        _check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "use a value > 0; 1 disables it",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "use an integer >= 1, or None for up to the context length",
+        )
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "use an integer >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"keep it <= max_tokens ({self.max_tokens})",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            self.logprobs,
+            "use an integer in [0, 20]",
+        )
+        _check(all(s for s in self.stop), "stop", self.stop, "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check(ok: bool, name: str, value: object, hint: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: {hint}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_request_counter = itertools.count()
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (skipped prefill)
+    num_preemptions: int = 0
+
+
+@dataclass
+class Request:
+    """One generation request and all its mutable engine-side state.
+
+    Invariant: `num_computed_tokens` tokens of `all_token_ids` have their KV in the cache, laid
+    out in `block_ids` (block i holds positions [i*block_size, (i+1)*block_size)).
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    request_id: str = field(default_factory=lambda: f"req-{next(_request_counter)}")
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    # Set by the engine: a per-request RNG when params.seed is given (reproducible sampling).
+    generator: torch.Generator | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Top-N logprobs for each output token, when params.logprobs is set.
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute KV for `token_ids` at `start_pos`..., and sample
+    the next token after the last one when `sample` is true (a prompt chunk that does not end
+    the prompt samples nothing)."""
+
+    request: Request
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start_pos: int  # position of token_ids[0] == request.num_computed_tokens
+    block_ids: list[int]  # the request's block table, long enough for start_pos + len(token_ids)
+    sample: bool
+
+    @property
+    def query_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens visible to this sequence's last query once this step's KV is written."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    seqs: list[ScheduledSeq]
+    # Requests preempted (KV freed, to be recomputed) while building this batch.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.query_len for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class StepOutput:
+    """What the runner decided, one entry per sampling sequence of the batch, in batch order
+    (sequences with sample=False are absent)."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]  # new tokens per sequence (one without speculation)
+    # Per sequence, per new token: {token_id: logprob} for the sampled token and the top-N.
+    logprobs: list[list[dict[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What a caller receives: the whole output so far, or (streaming) the new part."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: dict[str, float | int | None]
+    logprobs: list[dict[int, float]] | None = None

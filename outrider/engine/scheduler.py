@@ -1,0 +1,278 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+One step has a token budget (max_num_batched_tokens) and at most max_num_seqs running requests.
+Running requests go first, in admission order, each computing what it still lacks: one token for
+a decode, a chunk for a prompt mid-prefill. Waiting requests are then admitted FIFO while seats
+and budget last. When the KV pool runs dry, the latest admitted request is preempted by
+recompute: its blocks are freed and it goes back to the front of the queue, to recompute its
+prompt and outputs later (the prefix cache usually returns most of them).
+
+Budget 8, chunked prefill, A decoding and B with a 13-token prompt just admitted:
+
+    step 1   A: 1 token          B: prompt[0:7]    (7 = what the budget has left)
+    step 2   A: 1 token          B: prompt[7:13]   samples B's first token
+    step 3   A: 1 token          B: 1 token        mode DECODE
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from outrider.config import SchedulerConfig
+from outrider.core import (
+    FinishReason,
+    ForwardMode,
+    Request,
+    RequestStatus,
+    ScheduledBatch,
+    ScheduledSeq,
+    StepOutput,
+)
+from outrider.engine.block_manager import BlockManager, cdiv
+
+
+class Scheduler:
+    """Invariants between steps:
+    - waiting requests hold no blocks and have num_computed_tokens 0 (new or preempted);
+    - running requests are in admission order, at most max_num_seqs of them, and each holds
+      blocks covering its computed tokens;
+    - every unfinished request is in exactly one of waiting and running.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+    ) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"invalid max_model_len={max_model_len}: use an integer >= 2")
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already queued: use unique ids")
+        if not req.prompt_token_ids:
+            raise ValueError(f"request {req.request_id} has an empty prompt: pass >= 1 token")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id} has a {req.num_prompt_tokens}-token prompt, leaving no "
+                f"room to generate within max_model_len={self.max_model_len}: shorten the prompt "
+                "or raise max_model_len"
+            )
+        req.status = RequestStatus.WAITING
+        req.metrics.num_prompt_tokens = req.num_prompt_tokens
+        self.waiting.append(req)
+        self._requests[req.request_id] = req
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch(mode=ForwardMode.DECODE, seqs=[])
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        # After a preemption memory is short: admitting more now would only preempt again next
+        # step. (A preemption always leaves a non-empty batch: a request that would have to
+        # preempt itself while alone raises instead.)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        if not batch.seqs and self.has_unfinished():
+            # Unreachable while the invariants hold; an empty batch would spin the engine forever.
+            req = self.waiting[0] if self.waiting else self.running[0]
+            raise RuntimeError(
+                f"nothing could be scheduled: request {req.request_id} ({req.num_tokens} tokens) "
+                f"waits with {self.num_running} running and {self.block_manager.num_free_blocks}"
+                f" of {self.block_manager.num_blocks} KV blocks free; were finished requests "
+                "passed to Scheduler.finish?"
+            )
+        one_token = all(s.query_len == 1 and s.sample for s in batch.seqs)
+        batch.mode = ForwardMode.DECODE if one_token else ForwardMode.PREFILL
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Advance each scheduled request by what the step computed and append sampled tokens.
+        Stop conditions are the engine's, which then calls `finish`."""
+        expected = [s.request.request_id for s in batch.seqs if s.sample]
+        if expected != output.request_ids or len(output.token_ids) != len(expected):
+            raise ValueError(
+                f"step output for requests {output.request_ids} with {len(output.token_ids)} "
+                f"token lists does not match the batch's sampling sequences {expected}: the "
+                "runner must return one entry per seq with sample=True, in batch order"
+            )
+        new_tokens = iter(output.token_ids)
+        new_logprobs = iter(output.logprobs) if output.logprobs is not None else None
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            req = seq.request
+            tokens = next(new_tokens) if seq.sample else None
+            logprobs = next(new_logprobs) if seq.sample and new_logprobs is not None else None
+            if req.is_finished:
+                continue  # aborted while the step ran; its blocks are already freed
+            if seq.start_pos != req.num_computed_tokens:
+                raise RuntimeError(
+                    f"request {req.request_id} was scheduled at position {seq.start_pos} but has "
+                    f"{req.num_computed_tokens} computed tokens: was this batch postprocessed twice?"
+                )
+            req.num_computed_tokens += seq.query_len
+            if tokens is not None:
+                req.output_token_ids.extend(tokens)
+                if logprobs is not None:
+                    req.output_logprobs.extend(logprobs)
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+            self.block_manager.commit(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if self._requests.get(req.request_id) is not req:
+            raise ValueError(
+                f"finish of request {req.request_id} (status {req.status.value}) that this "
+                "scheduler does not hold: finished twice, or never added?"
+            )
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        if self.block_manager.tracks(req):
+            self.block_manager.free(req)
+        del self._requests[req.request_id]
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.metrics.finished_time = time.perf_counter()
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request as aborted; None when no unfinished request has that id."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+        return req
+
+    # -- building a step ---------------------------------------------------------------------
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        """Schedule running requests in order; returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1  # does not fit what is left of the budget: it waits a step
+                continue
+            if not self._allocate_or_preempt(req, num_new, batch):
+                break  # req was the last running request and preempted itself
+            self._add_seq(batch, req, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Allocate req's new slots, preempting from the back of `running` until they fit.
+        Victims are never requests already scheduled this step: those sit before req."""
+        while not self.block_manager.allocate(req, num_new):
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                # Alone, with the whole pool free or evictable, and still short: never fits.
+                raise self._never_fits(req, req.num_computed_tokens + num_new)
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+        """Free req's KV and queue it first; it keeps output_token_ids and later recomputes
+        prompt + outputs as one prompt."""
+        assert self.running[-1] is req, "preemption takes the latest admitted request"
+        self.running.pop()
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        # Several preemptions in one step pop running from the back and each goes to the
+        # front, so the queue keeps their admission order.
+        self.waiting.appendleft(req)
+        batch.preempted.append(req)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            if cdiv(req.num_tokens + 1, bm.block_size) > bm.num_blocks:
+                raise self._never_fits(req, req.num_tokens + 1)
+            num_cached = bm.match_prefix(req)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if self.config.enable_chunked_prefill:
+                    num_new = budget
+                elif batch.seqs:
+                    self._unmatch(req)
+                    break
+                # else: an empty batch takes the whole over-budget prompt, or it never runs
+            if not bm.allocate(req, num_new):
+                self._unmatch(req)
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.perf_counter()
+                req.metrics.num_cached_tokens = num_cached  # not recounted after preemption
+            self._add_seq(batch, req, num_new)
+            budget -= num_new
+
+    def _unmatch(self, req: Request) -> None:
+        """Return the references match_prefix took, so a request left waiting holds nothing."""
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+
+    def _add_seq(self, batch: ScheduledBatch, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        batch.seqs.append(
+            ScheduledSeq(
+                request=req,
+                token_ids=_token_slice(req, start, start + num_new),
+                start_pos=start,
+                block_ids=list(req.block_ids),
+                sample=start + num_new == req.num_tokens,
+            )
+        )
+
+    def _never_fits(self, req: Request, num_positions: int) -> RuntimeError:
+        bm = self.block_manager
+        return RuntimeError(
+            f"request {req.request_id} ({req.num_prompt_tokens} prompt + "
+            f"{len(req.output_token_ids)} output tokens) needs {cdiv(num_positions, bm.block_size)}"
+            f" KV blocks for {num_positions} positions, but the whole pool has {bm.num_blocks} "
+            f"blocks of {bm.block_size} tokens: enlarge the KV pool (num_blocks, cpu_kv_bytes or "
+            "gpu_memory_utilization) or lower max_tokens / max_model_len"
+        )
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens req computes this step: all it lacks, or a budget-sized chunk when chunked
+        prefill is on, else 0 (it waits)."""
+        num_new = req.num_tokens - req.num_computed_tokens
+        if num_new <= budget:
+            return num_new
+        return budget if self.config.enable_chunked_prefill else 0
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """req.all_token_ids[start:end] without concatenating the whole sequence: a decode step
+    copies one token, not the full context, for every running request."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return req.output_token_ids[start - num_prompt : end - num_prompt]
+    if end <= num_prompt:
+        return req.prompt_token_ids[start:end]
+    return req.prompt_token_ids[start:] + req.output_token_ids[: end - num_prompt]

@@ -1,0 +1,45 @@
+"""The only reader of os.environ: OUTRIDER_* knobs, typed."""
+
+from __future__ import annotations
+
+import os
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: use 1/0, true/false, yes/no or on/off")
+
+
+def num_threads() -> int:
+    """OUTRIDER_NUM_THREADS: torch CPU threads; 0 keeps torch's own choice."""
+    return _int("OUTRIDER_NUM_THREADS", 0)
+
+
+def default_model() -> str | None:
+    """OUTRIDER_MODEL: a checkpoint to use when none is given (else the embedded default)."""
+    return os.environ.get("OUTRIDER_MODEL") or None
+
+
+def log_level() -> str:
+    return os.environ.get("OUTRIDER_LOG_LEVEL", "WARNING").upper()
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET: Triton kernels run on the CPU interpreter (tests)."""
+    return _bool("TRITON_INTERPRET", False)

@@ -1,0 +1,66 @@
+"""ScheduledBatch (plain Python data) -> the device tensors one forward needs, built once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outrider.core import ScheduledBatch
+from outrider.layers.forward_context import AttentionMetadata
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    # Rows of the hidden states whose logits are needed: the last token of each sampling seq.
+    logits_indices: torch.Tensor  # [num_sampling_seqs] int64
+
+
+def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardInputs:
+    """Worked example (block_size 4): a seq with block_ids [7, 2] computing tokens at positions
+    5..6 gets slot_mapping [2*4+1, 2*4+2] = [9, 10]: position p lives in block p // 4 of its
+    table, at offset p % 4."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    query_lens: list[int] = []
+    logits_indices: list[int] = []
+    max_blocks = max(len(s.block_ids) for s in batch.seqs)
+    block_tables = []
+    for s in batch.seqs:
+        n = s.query_len
+        ids += s.token_ids
+        pos = range(s.start_pos, s.start_pos + n)
+        positions += pos
+        slots += [s.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        query_start.append(query_start[-1] + n)
+        query_lens.append(n)
+        seq_lens.append(s.context_len)
+        block_tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+        if s.sample:
+            logits_indices.append(query_start[-1] - 1)
+
+    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+        # Built on the host, one non-blocking copy each (pinned staging buffers come with graphs).
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    attn = AttentionMetadata(
+        mode=batch.mode,
+        slot_mapping=t(slots, torch.int64),
+        query_start_loc=t(query_start, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_tables=t(block_tables, torch.int32),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return ForwardInputs(
+        input_ids=t(ids, torch.int64),
+        positions=t(positions, torch.int64),
+        attn=attn,
+        logits_indices=t(logits_indices, torch.int64),
+    )

@@ -1,0 +1,88 @@
+"""The paged KV pool: for every layer, `num_blocks` blocks of `block_size` token slots.
+
+What one slot holds is a parameter (`KVLayout`), not an assumption: multi-head attention caches
+k and v ([kv_heads, head_dim] each); MLA (DeepSeek-V3, Kimi-K2) caches one compressed latent
+([kv_lora_rank + rope_dim]); a drafter gets a pool of its own with its own layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from outrider.config import CacheConfig
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    components: tuple[tuple[str, tuple[int, ...]], ...]  # (name, per-token shape)
+    dtype: torch.dtype
+
+    @classmethod
+    def multi_head(cls, kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
+        return cls((("k", (kv_heads, head_dim)), ("v", (kv_heads, head_dim))), dtype)
+
+    @classmethod
+    def latent(cls, width: int, dtype: torch.dtype) -> KVLayout:
+        return cls((("latent", (width,)),), dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in one layer."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) for _, shape in self.components) * elem
+
+
+class KVPool:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.layout, self.num_layers = layout, num_layers
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # One tensor per component, [layers, blocks, block_size, *shape]: per-layer views are free.
+        self.tensors = {
+            name: torch.zeros(
+                (num_layers, num_blocks, block_size, *shape), dtype=layout.dtype, device=device
+            )
+            for name, shape in layout.components
+        }
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Views for layer i: name -> [num_blocks, block_size, *shape]."""
+        return {name: t[i] for name, t in self.tensors.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def num_blocks_for_budget(
+    layout: KVLayout, num_layers: int, cache: CacheConfig, device: torch.device
+) -> int:
+    """How many blocks fit: cache.num_blocks if set; on CPU the byte budget; on CUDA
+    gpu_memory_utilization of the device's total memory minus what is already in use."""
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    block_bytes = layout.bytes_per_token * num_layers * cache.block_size
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used
+        where = f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total / 2**30:.1f} GiB"
+    else:
+        budget = cache.cpu_kv_bytes
+        where = f"cpu_kv_bytes={cache.cpu_kv_bytes}"
+    blocks = budget // block_bytes
+    if blocks < 2:
+        raise ValueError(
+            f"the KV budget ({where}) holds {max(blocks, 0)} blocks of {block_bytes} bytes: "
+            f"raise it or lower max_model_len / the model size"
+        )
+    return int(blocks)

@@ -1,0 +1,130 @@
+"""Builds the model, loads its weights, allocates its KV pool, and runs one ScheduledBatch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from outrider.config import EngineConfig
+from outrider.core import ScheduledBatch, StepOutput
+from outrider.executor.inputs import ForwardInputs, build_inputs
+from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
+from outrider.executor.sampler import Sampler
+from outrider.layers.attn_backends.base import get_backend
+from outrider.layers.forward_context import ForwardContext, forward_context
+from outrider.loaders.checkpoint import Checkpoint
+from outrider.models.registry import model_class
+from outrider.models.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={name!r} but CUDA is not available here: use device='cpu' or 'auto'"
+        )
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+        self.config = config
+        self.model_config = cfg = checkpoint.config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.max_model_len = _max_model_len(config.model.max_model_len, cfg)
+        self.block_size = config.cache.block_size
+
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = model_class(cfg.architecture)(cfg, max_positions=self.max_model_len)
+        load_weights(self.model, checkpoint.iter_tensors())
+        self.model.eval()
+
+        layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        num_blocks = num_blocks_for_budget(layout, cfg.num_hidden_layers, config.cache, self.device)
+        self.kv_pool = KVPool(
+            layout, cfg.num_hidden_layers, num_blocks, self.block_size, self.device
+        )
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.kv_cache = self.kv_pool.layer(i)
+        self.backend = get_backend(config.model.attention_backend)
+        self.sampler = Sampler()
+        log.info(
+            "model %s on %s/%s: KV pool %d blocks x %d tokens (%.1f MiB)",
+            cfg.architecture,
+            self.device,
+            self.dtype,
+            num_blocks,
+            self.block_size,
+            self.kv_pool.nbytes / 2**20,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_pool.num_blocks
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ScheduledBatch, aux_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardInputs]:
+        """One forward over the batch's tokens: final hidden [num_tokens, hidden], the residual
+        streams entering `aux_layers`, and the inputs (for logits_indices)."""
+        inputs = build_inputs(batch, self.block_size, self.device)
+        self.backend.prepare(inputs.attn)
+        with forward_context(ForwardContext(inputs.attn, self.backend)):
+            hidden, aux = self.model(inputs.input_ids, inputs.positions, aux_layers)
+        return hidden, aux, inputs
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        hidden, _, inputs = self.forward(batch)
+        sampling = [s for s in batch.seqs if s.sample]
+        if not sampling:
+            return StepOutput(request_ids=[], token_ids=[])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        out = self.sampler(logits, sampling)
+        return StepOutput(
+            request_ids=[s.request.request_id for s in sampling],
+            token_ids=[[t] for t in out.token_ids],
+            logprobs=None if out.logprobs is None else [[lp or {}] for lp in out.logprobs],
+        )
+
+
+def _max_model_len(requested: int | None, cfg) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None and cfg.sliding_window < limit:
+        # Sliding-window attention is not implemented: beyond the window we would attend to
+        # tokens the model never saw together, so the context stops there.
+        limit = cfg.sliding_window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's context of {limit} tokens: use <= {limit}"
+        )
+    return requested

@@ -1,0 +1,387 @@
+"""The sampler: one row of logits per sequence in, one next token per sequence out.
+
+Processing order, per row (vLLM's semantics):
+  1. min_tokens: while the output is shorter than min_tokens, EOS (unless ignore_eos) and
+     stop_token_ids are masked to -inf.
+  2. penalties: repetition (HF style, over prompt + output), then frequency and presence
+     (OpenAI style, over the output only).
+  3. greedy rows (temperature 0) take the argmax of the penalised logits.
+  4. the other rows: temperature, top-k, top-p, min-p, softmax, then one draw.
+
+Every step is a small function over a [rows, vocab] float32 tensor, so the speculative
+rejection sampler can rebuild the exact distribution drawn from: `processed_probs` is that
+distribution, and the sampler draws from what it returns (one-hot for greedy rows).
+
+Logprobs are log_softmax of the raw model logits (before penalties and temperature), as vLLM
+reports them by default. The one host sync is reading the chosen ids (and logprobs) back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from outrider.core import SamplingParams, ScheduledSeq
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler reads about one logits row. Built from a ScheduledSeq; the verifier
+    builds its own rows (the same request with draft tokens appended to output_token_ids)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, seq: ScheduledSeq) -> SamplingRow:
+        r = seq.request
+        return cls(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, r.generator)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # None when no row asked for logprobs; otherwise one dict per row: {} for a row that did
+    # not ask, else the row's top-N in descending logprob order, then the sampled token if it
+    # is not among them (so the first N items are always the top-N).
+    logprobs: list[dict[int, float]] | None
+
+
+def as_rows(seqs: Sequence[ScheduledSeq] | Sequence[SamplingRow]) -> list[SamplingRow]:
+    return [s if isinstance(s, SamplingRow) else SamplingRow.of(s) for s in seqs]
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """The per-request RNG for a seeded request; it must live on the logits' device."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _to_device_no_sync(
+    values: list | np.ndarray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    # A pageable host->GPU copy waits for the stream; a pinned, non_blocking one does not.
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+# --- 1. min_tokens ---------------------------------------------------------------------------
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Masks EOS (unless ignore_eos) and stop_token_ids to -inf in rows whose output is still
+    shorter than min_tokens. In place on logits [R, V]; returns it."""
+    vocab = logits.shape[-1]
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            continue
+        banned = (
+            set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | row.eos_token_ids
+        )
+        # Ids past the logits' vocabulary cannot be sampled anyway; indexing them would fault.
+        ids = [t for t in banned if 0 <= t < vocab]
+        row_idx += [i] * len(ids)
+        tok_idx += ids
+    if row_idx:
+        both = _to_device_no_sync([row_idx, tok_idx], torch.long, logits.device)
+        # new_full fills on the device; torch.tensor(-inf, device=cuda) would be a blocking copy.
+        logits.index_put_((both[0], both[1]), logits.new_full((), _NEG_INF))
+    return logits
+
+
+def _any_min_tokens_active(rows: Sequence[SamplingRow]) -> bool:
+    return any(
+        len(r.output_token_ids) < r.params.min_tokens
+        and (r.params.stop_token_ids or (r.eos_token_ids and not r.params.ignore_eos))
+        for r in rows
+    )
+
+
+# --- 2. penalties ----------------------------------------------------------------------------
+
+
+def _padded_ids(
+    rows: list[tuple[Sequence[int], ...]], pad: int, device: torch.device
+) -> torch.Tensor:
+    """Each row's id lists laid end to end: [R, longest], padded with `pad` (an extra
+    vocabulary column, dropped after the scatter; ids past the vocabulary land there too).
+    numpy fills it: torch.tensor over nested lists costs ~10x more per id."""
+    lengths = [sum(len(part) for part in parts) for parts in rows]
+    arr = np.full((len(rows), max(1, *lengths)), pad, dtype=np.int64)
+    for i, parts in enumerate(rows):
+        at = 0
+        for part in parts:
+            arr[i, at : at + len(part)] = part
+            at += len(part)
+    np.minimum(arr, pad, out=arr)
+    return _to_device_no_sync(arr, torch.long, device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over prompt + output tokens (positive logits divided, negative ones
+    multiplied), then frequency (x count in output) and presence (x seen in output) penalties
+    subtracted. In place on logits [R, V]; returns it. Rows without penalties are untouched.
+
+    Cost: the token histories travel to the device every call, O(prompt + output) per
+    penalised row; a per-request device-side count would make this O(new tokens)."""
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not idx:
+        return logits
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    sel = [rows[i] for i in idx]
+    outputs = _padded_ids([(r.output_token_ids,) for r in sel], vocab, dev)  # [P, Lo]
+    histories = _padded_ids(
+        [(r.prompt_token_ids, r.output_token_ids) for r in sel], vocab, dev
+    )  # [P, Lp + Lo]
+    factors = _to_device_no_sync(
+        [
+            [r.params.repetition_penalty for r in sel],
+            [r.params.frequency_penalty for r in sel],
+            [r.params.presence_penalty for r in sel],
+        ],
+        torch.float32,
+        dev,
+    )
+    rep, freq, pres = (f.unsqueeze(1) for f in factors)  # [P, 1] each
+
+    counts = torch.zeros(len(sel), vocab + 1, dtype=torch.float32, device=dev)
+    counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    seen = torch.zeros(len(sel), vocab + 1, dtype=torch.bool, device=dev)
+    seen.scatter_(1, histories, True)
+    seen = seen[:, :vocab]
+
+    whole = len(idx) == num_rows
+    idx_t = None if whole else _to_device_no_sync(idx, torch.long, dev)
+    x = logits if whole else logits.index_select(0, idx_t)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0).float()
+    if whole:
+        logits.copy_(x)
+    else:
+        logits.index_copy_(0, idx_t, x)
+    return logits
+
+
+# --- 4. temperature, top-k, top-p, min-p ------------------------------------------------------
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Masks to -inf what top-k and then top-p drop. logits [R, V] (already divided by the
+    temperature); top_k [R] long (<= 0 or >= V: off) or None when no row uses it; top_p [R]
+    float (1: off) or None. Returns the masked logits (in place unless top_p is given).
+
+    top-k keeps every token whose logit is >= the k-th largest (ties at the edge are kept).
+    top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p,
+    computed on the top-k-renormalised distribution; the top token always stays.
+    max_top_k (the largest k in use, a host int) lets top-k alone use topk() instead of a
+    full vocabulary sort."""
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k_on = (top_k > 0) & (top_k < vocab)
+        k = torch.where(k_on, top_k, vocab).clamp(max=vocab)
+    if top_p is None:
+        if top_k is None:
+            return logits
+        width = vocab if max_top_k is None else min(max(max_top_k, 1), vocab)
+        top = torch.topk(logits, width, dim=-1).values  # [R, width], descending
+        kth = top.gather(1, (k.clamp(max=width) - 1).unsqueeze(1))
+        return logits.masked_fill_((logits < kth) & k_on.unsqueeze(1), _NEG_INF)
+
+    sorted_x, order = torch.sort(logits, dim=-1, descending=True)  # [R, V] each
+    if top_k is not None:
+        kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
+        sorted_x = sorted_x.masked_fill((sorted_x < kth) & k_on.unsqueeze(1), _NEG_INF)
+    probs = sorted_x.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly higher-ranked tokens
+    drop = mass_before >= top_p.unsqueeze(1)
+    # top_p == 1 must drop nothing, even where float cumsum overshoots 1 in the tail.
+    drop &= (top_p < 1).unsqueeze(1)
+    drop[:, 0] = False
+    sorted_x = sorted_x.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_x)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Masks tokens whose probability is below min_p x the top probability. logits [R, V],
+    min_p [R] (0: off). In place; returns logits. Applied after top-k/top-p it keeps the same
+    set as before them (they only remove tokens and keep the top one and the ratios)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def _sampled_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Step 4 for the non-greedy rows: x [S, V] penalised logits -> probs [S, V] float32."""
+    vocab = x.shape[-1]
+    ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+    # One host->device copy for all four per-row knobs (top-k < 2^24 is exact in float32).
+    knobs = _to_device_no_sync(
+        [
+            [r.params.temperature for r in rows],
+            [float(k) for k in ks],
+            [r.params.top_p for r in rows],
+            [r.params.min_p for r in rows],
+        ],
+        torch.float32,
+        x.device,
+    )
+    x = x / knobs[0].unsqueeze(1)  # a new tensor: the caller's logits stay untouched
+    any_k = any(ks)
+    any_p = any(r.params.top_p < 1.0 for r in rows)
+    if any_k or any_p:
+        x = apply_top_k_top_p(
+            x,
+            knobs[1].long() if any_k else None,
+            knobs[2] if any_p else None,
+            max_top_k=max(ks) if any_k else None,
+        )
+    if any(r.params.min_p > 0.0 for r in rows):
+        x = apply_min_p(x, knobs[3])
+    return x.softmax(dim=-1)
+
+
+def sample_from_probs_no_sync(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One draw per row from probs [R, V] -> ids [R] long, without a host sync.
+
+    Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i
+    exactly (min of independent Exp(p_i) variables). Rows with a generator draw their noise
+    from it alone, so a seeded row's tokens do not depend on its batch neighbours."""
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_()
+    for i, gen in enumerate(generators):
+        if gen is None:
+            continue
+        if gen.device.type != probs.device.type:
+            raise ValueError(
+                f"row {i}: its torch.Generator is on {gen.device} but the logits are on "
+                f"{probs.device}; create it with make_generator(seed, logits.device)"
+            )
+        noise[i].exponential_(generator=gen)
+    # Exp(1) can round to 0 (p 2^-24 per float): 0/0 = nan would win argmax on a masked token.
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+# --- the whole pipeline ---------------------------------------------------------------------
+
+
+def _prepare(
+    logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[torch.Tensor | None, list[int], torch.Tensor | None, torch.Tensor | None]:
+    """Steps 1-4 without drawing. Returns (argmax of the penalised logits [B], or None when no
+    row is greedy; indices of the non-greedy rows; those indices on the device, or None when
+    all rows are non-greedy; their processed probs [S, V], or None when S == 0)."""
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match {len(rows)} sequences: the "
+            "sampler wants one [V] row per sequence (gather the last position of each first)"
+        )
+    x = logits.float()
+    if _any_min_tokens_active(rows) or any(r.params.has_penalties for r in rows):
+        if x.data_ptr() == logits.data_ptr():
+            x = x.clone()  # steps 1-2 write in place; the raw logits still feed logprobs
+        apply_min_tokens(x, rows)
+        apply_penalties(x, rows)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(sampled) == len(rows):
+        return None, sampled, None, _sampled_probs(x, rows)
+    greedy_ids = x.argmax(dim=-1)
+    if not sampled:
+        return greedy_ids, sampled, None, None
+    idx_t = _to_device_no_sync(sampled, torch.long, x.device)
+    probs = _sampled_probs(x.index_select(0, idx_t), [rows[i] for i in sampled])
+    return greedy_ids, sampled, idx_t, probs
+
+
+def processed_probs(
+    logits: torch.Tensor, seqs: Sequence[ScheduledSeq] | Sequence[SamplingRow]
+) -> torch.Tensor:
+    """The exact distribution the sampler draws each row's token from: [B, V] float32, rows
+    summing to 1, one-hot at the penalised argmax for greedy rows. logits [B, V]."""
+    rows = as_rows(seqs)
+    greedy_ids, _, idx_t, probs = _prepare(logits, rows)
+    if greedy_ids is None:
+        return probs
+    out = torch.nn.functional.one_hot(greedy_ids, logits.shape[-1]).float()
+    return out if probs is None else out.index_copy_(0, idx_t, probs)
+
+
+def _logprob_rows_no_sync(
+    logits: torch.Tensor, ids: torch.Tensor, asked: list[int], top_n: int
+) -> torch.Tensor:
+    """For the rows in `asked`: [A, 1 + 2 * top_n] float64 = sampled logprob, top-n ids,
+    top-n logprobs. float64 carries both kinds exactly (ids < 2^53; float32 widens exactly),
+    so everything reaches the host in the one transfer."""
+    idx_t = _to_device_no_sync(asked, torch.long, logits.device)
+    lp = logits.index_select(0, idx_t).float().log_softmax(dim=-1)  # [A, V]
+    parts = [lp.gather(1, ids.index_select(0, idx_t).unsqueeze(1))]
+    if top_n > 0:
+        top = lp.topk(top_n, dim=-1)
+        parts += [top.indices.double(), top.values]
+    return torch.cat([p.double() for p in parts], dim=1)
+
+
+class Sampler:
+    """Chooses one token per row. Stateless: everything per row comes from the requests."""
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq] | Sequence[SamplingRow]
+    ) -> SamplerOutput:
+        """logits: [B, V], any float dtype, row i belongs to seqs[i]."""
+        rows = as_rows(seqs)
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        plain = not any(r.params.has_penalties for r in rows) and not _any_min_tokens_active(rows)
+        if plain and not asked and all(r.params.greedy for r in rows):
+            # Fast path: one argmax for the batch, nothing else.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)  # CPU-GPU sync point
+
+        for r in rows:
+            if r.params.seed is not None and r.generator is None and not r.params.greedy:
+                # Falling back to the shared RNG would silently break reproducibility.
+                raise ValueError(
+                    f"a request with seed={r.params.seed} has no generator: set "
+                    "request.generator = make_generator(seed, logits.device) when adding it"
+                )
+        ids, sampled, idx_t, probs = _prepare(logits, rows)
+        if probs is not None:
+            drawn = sample_from_probs_no_sync(probs, [rows[i].generator for i in sampled])
+            ids = drawn if ids is None else ids.index_copy(0, idx_t, drawn)
+        if not asked:
+            return SamplerOutput(ids.tolist(), None)  # CPU-GPU sync point
+
+        top_n = max(rows[i].params.logprobs or 0 for i in asked)
+        packed = _logprob_rows_no_sync(logits, ids, asked, top_n)
+        flat = torch.cat([ids.double(), packed.flatten()]).tolist()  # CPU-GPU sync point
+        token_ids = [int(t) for t in flat[: len(rows)]]
+        width = 1 + 2 * top_n
+        logprobs: list[dict[int, float]] = [{} for _ in rows]
+        for a, i in enumerate(asked):
+            rec = flat[len(rows) + a * width : len(rows) + (a + 1) * width]
+            n = rows[i].params.logprobs or 0
+            d = {
+                int(t): v
+                for t, v in zip(rec[1 : 1 + n], rec[1 + top_n : 1 + top_n + n], strict=True)
+            }
+            d.setdefault(token_ids[i], rec[0])
+            logprobs[i] = d
+        return SamplerOutput(token_ids, logprobs)

@@ -1,0 +1,52 @@
+"""Attention backends: registered by name, imported lazily. A new backend adds a file and a line."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+from outrider.layers.forward_context import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged attention over a flat batch.
+
+    Invariants: `forward` first writes this step's k/v into the cache at `meta.slot_mapping`,
+    then attends each query token to its own sequence's keys only (positions up to its own, or
+    as `meta.custom_mask` allows). Output rows follow the query rows.
+    """
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Derive per-step data once (into meta.backend_data) instead of once per layer.
+        The default derives nothing."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: dict[str, torch.Tensor],  # "k", "v": [num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+_BACKENDS = {
+    "torch_ref": "outrider.layers.attn_backends.torch_ref:TorchRefBackend",
+}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}: use one of {', '.join(sorted(_BACKENDS))}"
+        )
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,86 @@
+"""The reference backend: plain PyTorch on any device. It is the oracle the fast kernels are
+tested against, so clarity beats speed here; still, decode batches take one batched SDPA call
+per layer rather than one per sequence, which is what keeps CPU decoding usable."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from outrider.layers.attn_backends.base import AttentionBackend
+from outrider.layers.forward_context import AttentionMetadata
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        k_cache, v_cache = kv_cache["k"], kv_cache["v"]
+        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if meta.custom_mask is None and max(meta.query_lens_cpu) == 1:
+            return _decode(q, k_cache, v_cache, meta, scale)
+        return _per_sequence(q, k_cache, v_cache, meta, scale)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # One query per sequence: gather every sequence's blocks into a padded [B, L] key range and
+    # mask the padding. Query heads are grouped under their KV head (GQA without repeating KV):
+    # head h uses KV head h // group, so q -> [B, kv_heads, group, head_dim].
+    batch, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    mask = meta.backend_data.get("decode_mask")
+    if mask is None:
+        length = meta.block_tables.shape[1] * block_size
+        keys = torch.arange(length, device=q.device)
+        mask = (keys[None, :] < meta.seq_lens[:, None]).view(batch, 1, 1, length)
+        meta.backend_data["decode_mask"] = mask
+    bt = meta.block_tables.long()
+    keys = k_cache[bt].view(batch, -1, kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
+    values = v_cache[bt].view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    qg = q.view(batch, kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _per_sequence(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    plan = meta.backend_data.get("per_sequence")
+    if plan is None:
+        plan = meta.backend_data["per_sequence"] = _plan(meta, block_size, group, q.device)
+    out = torch.empty_like(q)
+    for start, end, ctx, blocks, mask in plan:
+        qlen = end - start
+        keys = k_cache[blocks].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)  # [kvh, ctx, d]
+        values = v_cache[blocks].view(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)
+        # [qlen, H, d] -> [kvh, group * qlen, d]; the mask repeats once per head of the group.
+        qg = q[start:end].view(qlen, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(kv_heads, group * qlen, head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        out[start:end] = (
+            o.view(kv_heads, group, qlen, head_dim)
+            .permute(2, 0, 1, 3)
+            .reshape(qlen, num_heads, head_dim)
+        )
+    return out
+
+
+def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.device) -> list:
+    # Per sequence: (first row, end row, context length, its blocks, mask [group * qlen, ctx]).
+    plan = []
+    start = 0
+    for i, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        end = start + qlen
+        blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
+        if meta.custom_mask is not None:
+            mask = meta.custom_mask[start:end, :ctx]
+        else:
+            q_pos = torch.arange(ctx - qlen, ctx, device=device)
+            mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]  # [qlen, ctx]
+        plan.append((start, end, ctx, blocks, mask.repeat(group, 1)))
+        start = end
+    return plan

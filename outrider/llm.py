@@ -1,0 +1,187 @@
+"""The offline API, in the shape vLLM users know:
+
+from outrider import LLM, SamplingParams
+llm = LLM()                                   # the embedded default model
+out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+print(out[0].text, out[0].finish_reason, out[0].metrics)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from outrider.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from outrider.core import RequestOutput, SamplingParams
+from outrider.engine.engine import EngineCore, request_metrics
+
+Prompt = str | list[int]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        config: EngineConfig | None = None,
+        **options: Any,
+    ) -> None:
+        """`options` are fields of the cache and scheduler configs (block_size, num_blocks,
+        cpu_kv_bytes, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, ...) or of
+        the model config (attention_backend, seed)."""
+        config = config or EngineConfig()
+        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        for key, value in options.items():
+            section = next((s for s, c in owners.items() if key in _field_names(c)), None)
+            if section is None:
+                known = sorted(set().union(*(_field_names(c) for c in owners.values())))
+                raise TypeError(f"LLM() got an unknown option {key!r}: known options are {known}")
+            sections[section][key] = value
+        sections["model"].update(
+            model=model if model is not None else config.model.model,
+            dtype=dtype if dtype != "auto" else config.model.dtype,
+            device=device if device != "auto" else config.model.device,
+            max_model_len=max_model_len
+            if max_model_len is not None
+            else config.model.max_model_len,
+        )
+        self.config = config.replace(**sections)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    # -- generation -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (a string, or a list of token ids); outputs in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        return self._run([self._encode(p) for p in prompts], prompts, sampling_params)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
+        return self._run([self.encode_chat_text(t) for t in texts], texts, sampling_params)
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield deltas (new text, new token ids) as they are decoded; the last has finished=True
+        and the request's metrics. Closing the iterator early aborts the request."""
+        params = sampling_params or SamplingParams()
+        req = self.engine.add_request(
+            self._encode(prompt), params, prompt=prompt if isinstance(prompt, str) else None
+        )
+        try:
+            while not req.is_finished:
+                for delta in self.engine.step():
+                    if delta.request_id == req.request_id:
+                        yield delta
+        finally:
+            if not req.is_finished:
+                self.engine.abort(req.request_id)
+
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """Token ids of a rendered chat template: the template writes BOS itself when the model
+        wants one, so the tokenizer must not add another."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _run(
+        self,
+        encoded: list[list[int]],
+        prompts: Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[RequestOutput]:
+        params = _as_params_list(sampling_params, len(encoded))
+        for ids, p in zip(encoded, params):  # validate all before any starts: nothing half-runs
+            self.engine.validate(ids, p)
+        requests = [
+            self.engine.add_request(ids, p, prompt=prompt if isinstance(prompt, str) else None)
+            for ids, p, prompt in zip(encoded, params, prompts)
+        ]
+        texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
+        while any(not r.is_finished for r in requests):
+            for delta in self.engine.step():
+                if delta.request_id in texts:
+                    texts[delta.request_id].append(delta.text)
+        return [
+            self._final(r, "".join(texts[r.request_id]), prompt)
+            for r, prompt in zip(requests, prompts)
+        ]
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _final(self, req, text: str, prompt: Prompt) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=req.prompt_token_ids,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finished=True,
+            finish_reason=str(req.finish_reason),
+            metrics=request_metrics(req),
+            logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+        )
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} - {"model", "dtype", "device", "max_model_len"}
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, str | list | tuple):
+            raise TypeError(
+                f"a prompt must be a string or a list of token ids, got {type(p).__name__}"
+            )
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(
+            f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt"
+        )
+    return params

@@ -1,0 +1,378 @@
+"""The model's tokenizer: a `tokenizers.Tokenizer` plus its chat template and special ids, built
+from an HF directory (tokenizer.json & co.) or from a GGUF file's `tokenizer.*` metadata."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+logger = logging.getLogger(__name__)
+
+# GGUF token types (gguf.TokenType): CONTROL tokens are special (matched whole, skipped on
+# decode), USER_DEFINED ones are plain added tokens (matched whole, kept on decode).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Split regexes per tokenizer.ggml.pre, as llama.cpp's llama-vocab.cpp applies them before
+# byte-level BPE. Each equals the regex in the model's own tokenizer.json.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BPE_PRE: dict[str, tuple[str, ...]] = {  # pre type -> regexes, applied in turn
+    "gpt2": (_GPT2_SPLIT,),
+    # StarCoder-style vocabularies (SmolLM among them) split every digit off first.
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+        (r"\p{N}", _GPT2_SPLIT),
+    ),
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"), (_LLAMA3_SPLIT,)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), (_QWEN2_SPLIT,)),
+}
+# llama.cpp matches a whole pre-token against the vocabulary before merging for these (HF's
+# "ignore_merges": true), and adds BOS unless the file says otherwise.
+_LLAMA3_LIKE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"})
+
+
+class Tokenizer:
+    """Text <-> ids for one model, and its chat template.
+
+    Invariants: `eos_token_ids` holds every id that ends generation (EOS, end-of-turn); ids in
+    `all_special_ids` are dropped by decode(skip_special_tokens=True).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        # bos_token / eos_token / ... as chat templates see them.
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        added = backend.get_added_tokens_decoder()
+        self.all_special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    # ---- construction --------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """tokenizer.json, plus tokenizer_config.json (chat template, special tokens),
+        chat_template.jinja, generation_config.json and config.json (EOS ids) where present."""
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(
+                f"{str(path / 'tokenizer.json')!r} not found: outrider reads fast-tokenizer files "
+                f"only; create one with transformers: AutoTokenizer.from_pretrained(dir)"
+                f".save_pretrained(dir)"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+        template = tok_cfg.get("chat_template")
+        # Several named templates: [{"name": "default", "template": ...}, {"name": "tool_use"...}]
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        specials = {
+            name: _token_content(tok_cfg[name])
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if tok_cfg.get(name) is not None
+        }
+        eos: list[int] = []
+        for cfg in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+            value = cfg.get("eos_token_id")
+            eos += value if isinstance(value, list) else [] if value is None else [value]
+        if (eos_id := backend.token_to_id(specials.get("eos_token", ""))) is not None:
+            eos.append(eos_id)
+        bos_id = backend.token_to_id(specials.get("bos_token", ""))
+        if bos_id is None:
+            bos_id = _read_json(path / "config.json").get("bos_token_id")
+        return cls(
+            backend,
+            chat_template=template,
+            bos_token_id=bos_id,
+            eos_token_ids=eos,
+            special_tokens=specials,
+        )
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        """From a GGUF's `tokenizer.*` metadata (keys as in the file, e.g. "tokenizer.ggml.tokens").
+
+        tokenizer.ggml.model "gpt2" is byte-level BPE, pre-tokenized per tokenizer.ggml.pre;
+        "llama" is SentencePiece-style BPE with byte fallback.
+        """
+        kind = fields.get("tokenizer.ggml.model")
+        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or ())
+        if not tokens:
+            raise ValueError("the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer")
+        types = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise ValueError(
+                f"the GGUF lists {len(tokens)} tokens but {len(types)} token types: the tokenizer "
+                f"metadata is broken; re-convert the model with llama.cpp's convert_hf_to_gguf.py"
+            )
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        if kind == "gpt2":
+            backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or [], pre)
+            default_bos = pre in _LLAMA3_LIKE
+        elif kind == "llama":
+            add_space = fields.get("tokenizer.ggml.add_space_prefix", True)
+            backend = _sentencepiece_bpe(tokens, types, fields, add_space)
+            default_bos = True
+        else:
+            raise ValueError(
+                f"the GGUF's tokenizer.ggml.model is {kind!r}: outrider builds 'gpt2' (byte-level "
+                f"BPE) and 'llama' (SentencePiece BPE) tokenizers; use the model's HF directory"
+            )
+        _add_gguf_special_tokens(backend, tokens, types)
+
+        def token(key: str) -> str | None:
+            i = fields.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        bos_id = fields.get("tokenizer.ggml.bos_token_id")
+        add_bos = fields.get("tokenizer.ggml.add_bos_token", default_bos) and bos_id is not None
+        add_eos = fields.get("tokenizer.ggml.add_eos_token", False)
+        eos_id = fields.get("tokenizer.ggml.eos_token_id")
+        bos = [tokens[bos_id]] if add_bos else []
+        eos = [tokens[eos_id]] if add_eos and eos_id is not None else []
+        backend.post_processor = processors.TemplateProcessing(
+            single=[*bos, "$A", *eos],
+            pair=[*bos, "$A", *eos, *bos, "$B", *eos],
+            special_tokens=list({tokens[i]: i for i in (bos_id, eos_id) if i is not None}.items()),
+        )
+        ends = [fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        names = {
+            "bos_token": "bos",
+            "eos_token": "eos",
+            "unk_token": "unknown",
+            "pad_token": "padding",
+        }
+        return cls(
+            backend,
+            chat_template=fields.get("tokenizer.chat_template"),
+            bos_token_id=bos_id,
+            eos_token_ids=[i for i in ends if i is not None],
+            special_tokens={k: t for k, v in names.items() if (t := token(f"{v}_token_id"))},
+        )
+
+    # ---- use -----------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids. add_special_tokens adds what the model's post-processor adds (BOS for
+        models that want it). Encode chat-template output with add_special_tokens=False: the
+        template writes BOS itself."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages as transformers' apply_chat_template(tokenize=False) does: the same
+        sandboxed jinja environment, helpers and variables, so prompts match token for token."""
+        if not self.chat_template:
+            raise ValueError(
+                "this model has no chat template (none in its tokenizer_config.json or GGUF "
+                "metadata): pass raw=True (--raw on the command line) to send the prompt as is"
+            )
+        # Keys set to None (OpenAI clients send content=None, tool_calls=None) are dropped, as
+        # transformers does: templates test for presence and would render "None".
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        variables = {**self.special_tokens, "documents": None, **kwargs}
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the model's chat template rejected the messages: {e}") from e
+
+
+# ---- GGUF vocabularies -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, the spelling of byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
+    # Normal tokens are stored in the byte alphabet already; respell any stored as raw text.
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+        for i, t in enumerate(tokens)
+    }
+    if pre not in _BPE_PRE:
+        logger.warning("GGUF tokenizer.ggml.pre=%r is unknown: splitting text like GPT-2", pre)
+    splits = _BPE_PRE.get(pre, _BPE_PRE["gpt2"])
+    model = models.BPE(
+        vocab=vocab,
+        merges=[tuple(m.split(" ", 1)) for m in merges],
+        ignore_merges=pre in _LLAMA3_LIKE,
+    )
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(
+    tokens: list[str], types: list[int], fields: dict[str, Any], add_space: bool
+) -> tokenizers.Tokenizer:
+    """llama.cpp's SPM tokenizer as BPE: merges are given or ranked by the merged token's score
+    (SPM merges the best-scoring pair first); bytes missing from the vocabulary fall back to
+    <0xNN> tokens; a space is prepended to each run of text between special tokens."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if fields.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    else:
+        scores = fields.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        ranked = sorted(
+            (-scores[i], vocab[t[:k]], vocab[t[k:]], t[:k], t[k:])
+            for i, t in enumerate(tokens)
+            if types[i] == 1
+            for k in range(1, len(t))
+            if t[:k] in vocab and t[k:] in vocab
+        )
+        merges = [(left, right) for *_, left, right in ranked]
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab=vocab,
+        merges=merges,
+        unk_token=tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = tokenizers.Tokenizer(model)
+    steps = [normalizers.Prepend("▁")] if add_space else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    return backend
+
+
+def _add_gguf_special_tokens(
+    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]
+) -> None:
+    """CONTROL tokens become special tokens, USER_DEFINED ones added tokens, each keeping the id
+    the file gives it (the content is found in the vocabulary, so no new id is made)."""
+    before = backend.get_vocab_size(with_added_tokens=True)
+    pairs = list(zip(tokens, types, strict=True))
+    control = [AddedToken(t, special=True, normalized=False) for t, k in pairs if k == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in pairs if k == _USER_DEFINED]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+    if backend.get_vocab_size(with_added_tokens=True) != before:
+        grown = [t.content for t in control + user if backend.token_to_id(t.content) >= before]
+        raise ValueError(
+            f"GGUF special tokens {grown[:5]} are not in the file's own vocabulary under the same "
+            f"spelling: the tokenizer metadata is inconsistent; use the model's HF directory"
+        )
+
+
+# ---- chat templates ----------------------------------------------------------------------
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it for
+    training masks): rendered as its body, so templates using it compile."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson escapes HTML (<, >, &), which would change prompts.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    # Sandboxed: chat templates come with checkpoints and are untrusted code.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _token_content(value: str | dict[str, Any]) -> str:
+    return value["content"] if isinstance(value, dict) else value

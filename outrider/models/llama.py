@@ -1,0 +1,150 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norms, SmolLM2)
+on one flat-batch forward: tokens of all sequences in one [num_tokens] row, positions beside
+them, paged KV through the attention layer. Module names follow HF so checkpoints map 1:1,
+except the packed projections listed in `packed_modules_mapping`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from outrider.layers.activation import SiluAndMul
+from outrider.layers.attention import Attention
+from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from outrider.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from outrider.layers.norm import RMSNorm
+from outrider.layers.rotary import RotaryEmbedding
+from outrider.loaders.hf_config import TransformerConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=cfg.attention_bias,
+        )
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add is fused into the next norm: (hidden, residual) together carry the
+        # residual stream, which equals hidden + residual (or hidden alone before layer 0).
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        # One rotary table for all layers; cos/sin are looked up once per forward.
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions)
+        residual = None
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                # The residual stream entering layer i == HF hidden_states[i] (EAGLE-3 capture).
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = layer(rope, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, aux
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (packed parameter name, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: TransformerConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions: [num_tokens] -> final hidden [num_tokens, hidden] and the
+        residual stream entering each layer in `aux_layers` (same shape each)."""
+        return self.model(input_ids, positions, aux_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab]
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,75 @@
+"""Checkpoint tensors -> model parameters, through each parameter's `weight_loader`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Checkpoint entries that are derived at run time, not parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load every parameter of `model` or fail naming what is missing.
+
+    Packed parameters (qkv_proj, gate_up_proj) receive their checkpoint shards one at a time via
+    the model's `packed_modules_mapping`; tied parameters (lm_head = embedding) load once.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if tied and name == "lm_head.weight":
+            continue  # some tied checkpoints store a copy; the embedding is the source of truth
+        target, shard = name, None
+        for ckpt_name, (packed_name, shard_id) in packed.items():
+            if f".{ckpt_name}." in name:
+                target, shard = name.replace(f".{ckpt_name}.", f".{packed_name}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            unexpected.append(name)
+            continue
+        tensor = tensor.to(dtype=param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(param.shape)}: the checkpoint does not match its config"
+                )
+            param.data.copy_(tensor)
+        elif shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(f"{target}#{shard}")
+    if unexpected:
+        log.warning(
+            "ignored %d checkpoint tensors with no parameter: %s", len(unexpected), unexpected[:5]
+        )
+    missing = []
+    for name in params:
+        if tied and name == "lm_head.weight":
+            continue
+        shards = [
+            s
+            for n, (p, s) in packed.items()
+            if name.endswith(f".{p}.weight") or name.endswith(f".{p}.bias")
+        ]
+        need = [f"{name}#{s}" for s in shards] if shards else [f"{name}#None"]
+        missing += [n for n in need if n not in loaded]
+    if missing:
+        raise ValueError(
+            f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}: "
+            f"is it complete and for this architecture ({type(model).__name__})?"
+        )

@@ -1,0 +1,11 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: run tests/gpu on a GPU machine")
+    for item in items:
+        if "tests/gpu" in str(item.fspath):
+            item.add_marker(skip)
