@@ -73,7 +73,9 @@ def num_blocks_for_budget(
     block_bytes = layout.bytes_per_token * num_layers * cache.block_size
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
+        # Memory torch's allocator holds but no tensor uses (a freed earlier engine) is ours.
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        used = total - free - idle
         budget = int(total * cache.gpu_memory_utilization) - used
         where = f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total / 2**30:.1f} GiB"
     else:

@@ -27,7 +27,7 @@ def cpu_reference():
 
 
 def test_fp32_cuda_equals_cpu(cpu_reference):
-    llm = LLM(dtype="float32", device="cuda")
+    llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2)
     outs = llm.chat(
         [[{"role": "user", "content": p}] for p in PROMPTS],
         SamplingParams(temperature=0, max_tokens=48),
@@ -36,7 +36,7 @@ def test_fp32_cuda_equals_cpu(cpu_reference):
 
 
 def test_bf16_cuda_runs_and_mostly_agrees(cpu_reference):
-    llm = LLM(dtype="bfloat16", device="cuda")
+    llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
     outs = llm.chat(
         [[{"role": "user", "content": p}] for p in PROMPTS],
         SamplingParams(temperature=0, max_tokens=48),
