@@ -38,8 +38,3 @@ def default_model() -> str | None:
 
 def log_level() -> str:
     return os.environ.get("OUTRIDER_LOG_LEVEL", "WARNING").upper()
-
-
-def triton_interpret() -> bool:
-    """TRITON_INTERPRET: Triton kernels run on the CPU interpreter (tests)."""
-    return _bool("TRITON_INTERPRET", False)

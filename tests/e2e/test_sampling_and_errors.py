@@ -94,3 +94,16 @@ def test_bad_model_paths():
 
     with pytest.raises(FileNotFoundError, match="no/such/model.gguf"):
         LLM("no/such/model.gguf")
+
+
+def test_logprobs_top_n(llm, chat_prompt_ids):
+    out = llm.generate(
+        [chat_prompt_ids[7]], SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    )[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 3
+        values = list(entry.values())
+        assert all(v <= 0 for v in values)
+        # Greedy picks the most likely token: it is first in the top-N order.
+        assert next(iter(entry)) == token and values[0] == max(values)

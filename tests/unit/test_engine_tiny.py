@@ -27,7 +27,9 @@ def tiny_dir(tmp_path_factory):
     trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"])
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
+    )
     return path, ref
 
 
@@ -111,6 +113,8 @@ def test_request_outgrowing_the_whole_pool_stops_with_length(tiny_dir, prompts):
     # 10 blocks of 8 hold 80 positions: a 64-token prompt can produce 16 tokens, then stops
     # cleanly instead of preempting itself forever.
     llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=10, block_size=8)
-    out = llm.generate([prompts[6]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    out = llm.generate([prompts[6]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[
+        0
+    ]
     assert out.finish_reason == "length" and len(out.token_ids) == 16
     assert llm.engine.block_manager.num_free_blocks == 10
