@@ -8,7 +8,15 @@ import sys
 import time
 
 from outrider import env
-from outrider.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, defaults
+from outrider.config import (
+    SPEC_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+    defaults,
+)
 
 _SAMPLING_FLAGS = (
     "temperature",
@@ -81,6 +89,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=m["max_model_len"])
     group.add_argument("--block-size", type=int, default=c["block_size"])
     group.add_argument("--max-num-seqs", type=int, default=s["max_num_seqs"])
+    sp = defaults(SpecConfig)
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--spec",
+        default=sp["method"],
+        choices=SPEC_METHODS,
+        help="draft ahead of the model and verify in one forward (default: off)",
+    )
+    spec.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=sp["num_draft_tokens"],
+        help="drafts verified per step (k)",
+    )
     group.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 
@@ -95,7 +117,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     }
     cache = {"block_size": args.block_size} if args.block_size != c["block_size"] else {}
     sched = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs != s["max_num_seqs"] else {}
-    return base.replace(model=model, cache=cache, scheduler=sched)
+    sp = defaults(SpecConfig)
+    spec = {
+        k: getattr(args, a)
+        for k, a in (("method", "spec"), ("num_draft_tokens", "num_draft_tokens"))
+        if getattr(args, a) != sp[k]
+    }
+    return base.replace(model=model, cache=cache, scheduler=sched, speculative=spec)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -120,6 +148,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     n = metrics.get("num_generated_tokens", 0)
     tps = metrics.get("decode_tokens_per_s") or metrics.get("tokens_per_s") or 0.0
     ttft = metrics.get("time_to_first_token_s") or 0.0
+    if metrics.get("accept_length"):
+        print(
+            f"[outrider] speculative {args.spec}: accept length {metrics['accept_length']:.2f} "
+            f"({metrics['num_accepted_tokens']}/{metrics['num_draft_tokens']} drafts accepted)",
+            file=sys.stderr,
+        )
     print(
         f"[outrider] {n} tokens, {tps:.1f} tok/s decode, first token {ttft * 1000:.0f} ms, "
         f"prompt {metrics.get('num_prompt_tokens', 0)} tokens, model load {load_s:.1f} s "

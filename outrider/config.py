@@ -6,6 +6,7 @@ the engine starts. `EngineConfig.from_dict` takes the nested form YAML gives:
     model: {model: path/to/model.gguf, dtype: float32}
     cache: {block_size: 16, cpu_kv_bytes: 1073741824}
     scheduler: {max_num_seqs: 64}
+    speculative: {method: ngram, num_draft_tokens: 4}
 """
 
 from __future__ import annotations
@@ -83,11 +84,44 @@ class SchedulerConfig:
             )
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding. method None decodes plainly; "ngram" drafts by prompt-and-output
+    lookup. num_draft_tokens is k, the drafts verified per sequence per step."""
+
+    method: str | None = None
+    num_draft_tokens: int = 4
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"unknown speculative method={self.method!r}: use one of {', '.join(SPEC_METHODS)}, "
+                f"or None to decode without speculation"
+            )
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"invalid num_draft_tokens={self.num_draft_tokens}: use 1..64")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(
+                f"invalid n-gram range min_n={self.ngram_min_n}, max_n={self.ngram_max_n}: "
+                f"use 1 <= min_n <= max_n"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

@@ -10,8 +10,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from outrider.spec.base import SeqDrafts
 
 
 class ForwardMode(enum.Enum):
@@ -158,6 +162,12 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (skipped prefill)
     num_preemptions: int = 0
+    # Speculative decoding: drafts verified, drafts accepted, verify steps, and how many
+    # drafts were accepted at each depth (index 0 = the first draft after the root).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -182,6 +192,8 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Top-N logprobs for each output token, when params.logprobs is set.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Drafts proposed for the next step (None or empty: a plain decode).
+    drafts: SeqDrafts | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -211,6 +223,8 @@ class ScheduledSeq:
     start_pos: int  # position of token_ids[0] == request.num_computed_tokens
     block_ids: list[int]  # the request's block table, long enough for start_pos + len(token_ids)
     sample: bool
+    # VERIFY: token_ids == [root] + drafts.token_ids, where the root is the last accepted token.
+    drafts: SeqDrafts | None = None
 
     @property
     def query_len(self) -> int:
@@ -245,6 +259,9 @@ class StepOutput:
 
     request_ids: list[str]
     token_ids: list[list[int]]  # new tokens per sequence (one without speculation)
+    # Per sequence: drafts accepted by verification (0 for sequences without drafts). The KV
+    # of the root and the accepted drafts is valid afterwards; the rest is rolled back.
+    num_accepted: list[int] | None = None
     # Per sequence, per new token: {token_id: logprob} for the sampled token and the top-N.
     logprobs: list[list[dict[int, float]]] | None = None
 

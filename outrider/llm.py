@@ -28,14 +28,21 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
+        speculative: dict[str, Any] | None = None,
         config: EngineConfig | None = None,
         **options: Any,
     ) -> None:
-        """`options` are fields of the cache and scheduler configs (block_size, num_blocks,
+        """`speculative` holds SpecConfig fields, e.g. {"method": "ngram", "num_draft_tokens":
+        4}. `options` are fields of the cache and scheduler configs (block_size, num_blocks,
         cpu_kv_bytes, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, ...) or of
         the model config (attention_backend, seed)."""
         config = config or EngineConfig()
-        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        sections: dict[str, dict[str, Any]] = {
+            "model": {},
+            "cache": {},
+            "scheduler": {},
+            "speculative": dict(speculative or {}),
+        }
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
         for key, value in options.items():
             section = next((s for s, c in owners.items() if key in _field_names(c)), None)

@@ -11,13 +11,23 @@ import torch
 
 from outrider import env
 from outrider.config import EngineConfig
-from outrider.core import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from outrider.core import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    ScheduledBatch,
+    StepOutput,
+)
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
+from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
 from outrider.engine.scheduler import Scheduler
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
+from outrider.spec.registry import build_proposer
+from outrider.spec.stats import SpecStats, accept_length, record_verify
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,8 @@ class EngineCore:
         self.vocab_size = self.checkpoint.config.vocab_size
         self._pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         self._tracked: dict[str, _Tracked] = {}
+        self.proposer = build_proposer(config.speculative)
+        self.spec_stats = SpecStats()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -99,6 +111,8 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._tracked.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -111,6 +125,8 @@ class EngineCore:
         if batch.is_empty:
             return []
         output = self.runner.run(batch)
+        if output.num_accepted is not None:
+            self._cut_at_token_stops(batch, output)
         self.scheduler.postprocess(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
@@ -118,20 +134,71 @@ class EngineCore:
             if tracked is None:
                 continue  # aborted while the step ran
             req = tracked.request
-            text = tracked.detokenizer.update(new_ids)
-            reason = (
-                FinishReason.STOP
-                if tracked.detokenizer.stop_hit
-                else check_stop(req, self.max_model_len)
-            )
+            text, new_ids = self._detokenize(tracked, new_ids)
+            if tracked.detokenizer.stop_hit:
+                reason = FinishReason.STOP
+            else:
+                reason = check_stop(req, self.max_model_len)
             if reason is None and req.num_tokens >= self._pool_tokens:
                 reason = FinishReason.LENGTH  # the next token would not fit even in an empty pool
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 text += tracked.detokenizer.flush()  # text held back as a possible stop string
                 del self._tracked[rid]
+                if self.proposer is not None:
+                    self.proposer.forget(rid)
             deltas.append(self._output(tracked, text, new_ids))
+        if self.proposer is not None:
+            self._propose()
         return deltas
+
+    def _cut_at_token_stops(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Several tokens may arrive at once from a verify: keep those up to the first EOS /
+        stop id / max_tokens / context end, and record acceptance statistics."""
+        sampling = [s for s in batch.seqs if s.sample]
+        for i, seq in enumerate(sampling):
+            if seq.drafts is None:
+                continue
+            accepted = output.num_accepted[i]
+            self.spec_stats.record(seq.drafts.num_nodes, accepted)
+            record_verify(seq.request.metrics, seq.drafts.num_nodes, accepted)
+            keep, _ = count_until_stop(seq.request, output.token_ids[i], self.max_model_len)
+            if keep < len(output.token_ids[i]):
+                output.token_ids[i] = output.token_ids[i][:keep]
+                output.num_accepted[i] = min(accepted, keep)
+
+    def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> tuple[str, list[int]]:
+        """Stream new ids through the detokenizer one at a time, so a stop string inside a run
+        of accepted drafts ends the output exactly where plain decoding would have."""
+        if len(new_ids) == 1:
+            return tracked.detokenizer.update(new_ids), new_ids
+        text = []
+        for j, token in enumerate(new_ids):
+            text.append(tracked.detokenizer.update([token]))
+            if tracked.detokenizer.stop_hit:
+                extra = len(new_ids) - (j + 1)
+                if extra:
+                    del tracked.request.output_token_ids[-extra:]
+                return "".join(text), new_ids[: j + 1]
+        return "".join(text), new_ids
+
+    def _propose(self) -> None:
+        """Draft for every running request that is decoding, capped so accepted drafts plus
+        the final token never pass max_tokens or the context."""
+        reqs = [
+            r
+            for r in self.scheduler.running
+            if r.num_computed_tokens == r.num_tokens - 1 and r.params.logprobs is None
+        ]
+        if not reqs:
+            return
+        k = self.config.speculative.num_draft_tokens
+        for req, drafts in zip(reqs, self.proposer.propose(reqs, k)):
+            room = self.max_model_len - req.num_tokens - 1
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+            n = min(drafts.num_nodes, room)
+            req.drafts = None if n <= 0 else drafts.truncated(n)
 
     def _output(self, tracked: _Tracked, delta_text: str, new_ids: list[int]) -> RequestOutput:
         req = tracked.request
@@ -168,4 +235,9 @@ def request_metrics(req: Request) -> dict[str, float | int | None]:
         "e2e_latency_s": end - m.arrival_time,
         "tokens_per_s": n / (end - start) if end > start else None,
         "decode_tokens_per_s": (n - 1) / decode_time if n > 1 and decode_time > 0 else None,
+        "accept_length": accept_length(m.num_accepted_tokens, m.num_verify_steps),
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "num_verify_steps": m.num_verify_steps,
+        "accepted_per_position": list(m.accepted_per_position),
     }

@@ -30,6 +30,7 @@ from outrider.core import (
     StepOutput,
 )
 from outrider.engine.block_manager import BlockManager, cdiv
+from outrider.spec.base import SeqDrafts
 
 
 class Scheduler:
@@ -97,8 +98,7 @@ class Scheduler:
                 f" of {self.block_manager.num_blocks} KV blocks free; were finished requests "
                 "passed to Scheduler.finish?"
             )
-        one_token = all(s.query_len == 1 and s.sample for s in batch.seqs)
-        batch.mode = ForwardMode.DECODE if one_token else ForwardMode.PREFILL
+        batch.mode = _mode(batch.seqs)
         return batch
 
     def postprocess(self, batch: ScheduledBatch, output: StepOutput) -> None:
@@ -114,6 +114,7 @@ class Scheduler:
         new_tokens = iter(output.token_ids)
         new_logprobs = iter(output.logprobs) if output.logprobs is not None else None
         now = time.perf_counter()
+        sampled_index = 0
         for seq in batch.seqs:
             req = seq.request
             tokens = next(new_tokens) if seq.sample else None
@@ -125,13 +126,20 @@ class Scheduler:
                     f"request {req.request_id} was scheduled at position {seq.start_pos} but has "
                     f"{req.num_computed_tokens} computed tokens: was this batch postprocessed twice?"
                 )
-            req.num_computed_tokens += seq.query_len
+            if seq.drafts is None:
+                req.num_computed_tokens += seq.query_len
+            else:
+                # The root's and the accepted drafts' KV is valid; rejected slots roll back.
+                req.num_computed_tokens = seq.start_pos + 1 + output.num_accepted[sampled_index]
             if tokens is not None:
                 req.output_token_ids.extend(tokens)
+                sampled_index += 1
                 if logprobs is not None:
                     req.output_logprobs.extend(logprobs)
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
+            if seq.drafts is not None:
+                self.block_manager.trim(req, req.num_tokens)  # free blocks of rejected drafts
             self.block_manager.commit(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -168,6 +176,19 @@ class Scheduler:
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
                 i += 1  # does not fit what is left of the budget: it waits a step
+                continue
+            drafts, req.drafts = req.drafts, None  # consumed now, verified or dropped
+            # Drafts ride on the decode only if their slots fit without preempting anyone: a
+            # draft is a bet, a running request's KV is not.
+            if (
+                num_new == 1
+                and drafts
+                and drafts.num_nodes + 1 <= budget
+                and self.block_manager.allocate(req, 1 + drafts.num_nodes)
+            ):
+                self._add_seq(batch, req, 1 + drafts.num_nodes, drafts)
+                budget -= 1 + drafts.num_nodes
+                i += 1
                 continue
             if not self._allocate_or_preempt(req, num_new, batch):
                 break  # req was the last running request and preempted itself
@@ -236,15 +257,22 @@ class Scheduler:
         self.block_manager.free(req)
         req.num_computed_tokens = 0
 
-    def _add_seq(self, batch: ScheduledBatch, req: Request, num_new: int) -> None:
+    def _add_seq(
+        self, batch: ScheduledBatch, req: Request, num_new: int, drafts: SeqDrafts | None = None
+    ) -> None:
         start = req.num_computed_tokens
+        if drafts is not None:  # VERIFY: the root (last accepted token) and its drafts
+            token_ids = [*_token_slice(req, start, start + 1), *drafts.token_ids]
+        else:
+            token_ids = _token_slice(req, start, start + num_new)
         batch.seqs.append(
             ScheduledSeq(
                 request=req,
-                token_ids=_token_slice(req, start, start + num_new),
+                token_ids=token_ids,
                 start_pos=start,
                 block_ids=list(req.block_ids),
-                sample=start + num_new == req.num_tokens,
+                sample=drafts is not None or start + num_new == req.num_tokens,
+                drafts=drafts,
             )
         )
 
@@ -265,6 +293,16 @@ class Scheduler:
         if num_new <= budget:
             return num_new
         return budget if self.config.enable_chunked_prefill else 0
+
+
+def _mode(seqs: list[ScheduledSeq]) -> ForwardMode:
+    """PREFILL when any sequence computes a prompt chunk; else VERIFY when any carries drafts;
+    else DECODE (every sequence computes one token and samples)."""
+    if any(s.drafts is None and (s.query_len > 1 or not s.sample) for s in seqs):
+        return ForwardMode.PREFILL
+    if any(s.drafts is not None for s in seqs):
+        return ForwardMode.VERIFY
+    return ForwardMode.DECODE
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

@@ -8,6 +8,7 @@ import torch
 
 from outrider.core import ScheduledBatch
 from outrider.layers.forward_context import AttentionMetadata
+from outrider.spec.tree import TreeTopology, verify_mask
 
 
 @dataclass
@@ -32,17 +33,27 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
     logits_indices: list[int] = []
     max_blocks = max(len(s.block_ids) for s in batch.seqs)
     block_tables = []
-    for s in batch.seqs:
+    trees: list[tuple[int, TreeTopology]] = []  # (batch index, topology) of non-chain drafts
+    for i, s in enumerate(batch.seqs):
         n = s.query_len
         ids += s.token_ids
-        pos = range(s.start_pos, s.start_pos + n)
-        positions += pos
-        slots += [s.block_ids[p // block_size] * block_size + p % block_size for p in pos]
+        # Token t's KV goes to slot position start_pos + t whatever its tree position: a tree
+        # node's rotary position is root + depth, its slot is root + 1 + node index.
+        slot_pos = range(s.start_pos, s.start_pos + n)
+        slots += [s.block_ids[p // block_size] * block_size + p % block_size for p in slot_pos]
+        if s.drafts is not None and not s.drafts.is_chain:
+            topology = TreeTopology.from_parents(s.drafts.parents)
+            positions += topology.positions(s.start_pos)
+            trees.append((i, topology))
+        else:
+            positions += slot_pos
         query_start.append(query_start[-1] + n)
         query_lens.append(n)
         seq_lens.append(s.context_len)
         block_tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
-        if s.sample:
+        if s.drafts is not None:  # every row: the root's and each draft's next-token logits
+            logits_indices += range(query_start[-2], query_start[-1])
+        elif s.sample:
             logits_indices.append(query_start[-1] - 1)
 
     def t(x: list, dtype: torch.dtype) -> torch.Tensor:
@@ -57,6 +68,7 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
         block_tables=t(block_tables, torch.int32),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
+        custom_mask=_tree_mask(batch, trees, query_start, max(seq_lens), device) if trees else None,
     )
     return ForwardInputs(
         input_ids=t(ids, torch.int64),
@@ -64,3 +76,24 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
         attn=attn,
         logits_indices=t(logits_indices, torch.int64),
     )
+
+
+def _tree_mask(
+    batch: ScheduledBatch,
+    trees: list[tuple[int, TreeTopology]],
+    query_start: list[int],
+    max_seq_len: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """[num_tokens, max_seq_len] bool: causal rows for ordinary sequences, the prefix plus the
+    ancestor mask for tree-verifying ones (row t of sequence i covers that sequence's keys)."""
+    mask = torch.zeros(query_start[-1], max_seq_len, dtype=torch.bool)
+    for s, start in zip(batch.seqs, query_start):
+        q_pos = torch.arange(s.context_len - s.query_len, s.context_len)
+        mask[start : start + s.query_len, : s.context_len] = (
+            torch.arange(s.context_len)[None, :] <= q_pos[:, None]
+        )
+    for i, topology in trees:
+        s, start = batch.seqs[i], query_start[i]
+        mask[start : start + s.query_len, : s.context_len] = verify_mask(topology, s.start_pos)
+    return mask.to(device, non_blocking=True)

@@ -44,7 +44,7 @@ class KVPool:
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.layout, self.num_layers = layout, num_layers
+        self.layout, self.num_layers, self.device = layout, num_layers, device
         self.num_blocks, self.block_size = num_blocks, block_size
         # One tensor per component, [layers, blocks, block_size, *shape]: per-layer views are free.
         self.tensors = {
@@ -57,6 +57,15 @@ class KVPool:
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """Views for layer i: name -> [num_blocks, block_size, *shape]."""
         return {name: t[i] for name, t in self.tensors.items()}
+
+    def move(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copy every layer's entries at src slots to dst slots (flat slot = block * size +
+        offset): accepted tree nodes move from node order to path order after a verify."""
+        src = torch.tensor(src_slots, device=self.device)
+        dst = torch.tensor(dst_slots, device=self.device)
+        for t in self.tensors.values():
+            flat = t.view(self.num_layers, self.num_blocks * self.block_size, *t.shape[3:])
+            flat.index_copy_(1, dst, flat.index_select(1, src))
 
     @property
     def nbytes(self) -> int:

@@ -9,15 +9,17 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from outrider.config import EngineConfig
-from outrider.core import ScheduledBatch, StepOutput
+from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler
+from outrider.executor.verify_step import sample_and_verify
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.loaders.checkpoint import Checkpoint
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
+from outrider.spec.tree import TreeTopology, accepted_kv_moves
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +108,28 @@ class ModelRunner:
         sampling = [s for s in batch.seqs if s.sample]
         if not sampling:
             return StepOutput(request_ids=[], token_ids=[])
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
-        out = self.sampler(logits, sampling)
-        return StepOutput(
-            request_ids=[s.request.request_id for s in sampling],
-            token_ids=[[t] for t in out.token_ids],
-            logprobs=None if out.logprobs is None else [[lp or {}] for lp in out.logprobs],
-        )
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
+        ids = [s.request.request_id for s in sampling]
+        if batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in sampling):
+            out = self.sampler(logits, sampling)
+            logprobs = None if out.logprobs is None else [[lp or {}] for lp in out.logprobs]
+            return StepOutput(ids, [[t] for t in out.token_ids], logprobs=logprobs)
+        tokens, accepted, logprobs = sample_and_verify(self.sampler, logits, sampling)
+        for s, nodes in zip(sampling, accepted):
+            if s.drafts is not None and not s.drafts.is_chain and nodes:
+                self._move_accepted_kv(s, nodes)
+        return StepOutput(ids, tokens, logprobs=logprobs, num_accepted=[len(n) for n in accepted])
+
+    def _move_accepted_kv(self, seq: ScheduledSeq, nodes: list[int]) -> None:
+        topology = TreeTopology.from_parents(seq.drafts.parents)
+        moves = accepted_kv_moves(topology, nodes, seq.start_pos)
+        if moves:
+            bs = self.block_size
+
+            def slot(p: int) -> int:
+                return seq.block_ids[p // bs] * bs + p % bs
+
+            self.kv_pool.move([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
 
 
 def _max_model_len(requested: int | None, cfg) -> int:

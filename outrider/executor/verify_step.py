@@ -1,0 +1,89 @@
+"""Turns a VERIFY forward's logits into accepted tokens, sequence by sequence.
+
+A sequence with N drafts has 1 + N logits rows: row 0 after the root (the last accepted token),
+row 1 + i after draft node i. Each row's target distribution is the one the sampler would draw
+from at that point, with the tokens on the path to it counted as already generated (penalties
+and min_tokens see them), so acceptance keeps exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from outrider.core import ScheduledSeq
+from outrider.executor.sampler import Sampler, SamplingRow, processed_probs
+from outrider.spec.tree import TreeTopology
+from outrider.spec.verify import Verdict, verify_greedy, verify_sampled
+
+
+def verify_seq(logits: torch.Tensor, seq: ScheduledSeq) -> Verdict:
+    """logits: [1 + N, vocab] for one sequence with drafts."""
+    drafts = seq.drafts
+    assert drafts is not None and logits.shape[0] == 1 + drafts.num_nodes
+    topology = TreeTopology.from_parents(drafts.parents)
+    req = seq.request
+    params = req.params
+    if (
+        params.greedy
+        and not params.has_penalties
+        and len(req.output_token_ids) >= params.min_tokens
+    ):
+        argmax = logits.argmax(dim=-1).tolist()  # CPU-GPU sync point: tokens to the scheduler
+        return verify_greedy(topology, drafts.token_ids, argmax)
+    rows = [
+        SamplingRow(
+            params,
+            req.prompt_token_ids,
+            req.output_token_ids + _path_tokens(topology, drafts.token_ids, node),
+            req.eos_token_ids,
+            req.generator,
+        )
+        for node in range(-1, drafts.num_nodes)
+    ]
+    target = processed_probs(logits, rows)  # [1 + N, vocab]
+    return verify_sampled(topology, drafts.token_ids, target, drafts.draft_probs, req.generator)
+
+
+def sample_and_verify(
+    sampler: Sampler, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]
+) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]] | None]:
+    """logits: the rows of every sampling sequence, in order (1 row per plain sequence, 1 + N
+    per verifying one). Returns per sequence: new tokens, accepted draft nodes (root-first),
+    and logprobs (None when no plain sequence asked; verifying sequences carry none)."""
+    plain_rows, plain_seqs, spans = [], [], []
+    row = 0
+    for s in seqs:
+        n = 1 + (s.drafts.num_nodes if s.drafts is not None else 0)
+        spans.append((row, n))
+        if s.drafts is None:
+            plain_rows.append(row)
+            plain_seqs.append(s)
+        row += n
+    plain, plain_logprobs = iter([]), None
+    if plain_seqs:
+        out = sampler(logits[plain_rows], plain_seqs)
+        plain = iter(out.token_ids)
+        plain_logprobs = iter(out.logprobs) if out.logprobs is not None else None
+    tokens, accepted, logprobs = [], [], []
+    for s, (start, n) in zip(seqs, spans):
+        if s.drafts is None:
+            tokens.append([next(plain)])
+            accepted.append([])
+            logprobs.append([next(plain_logprobs) or {}] if plain_logprobs else [{}])
+        else:
+            verdict = verify_seq(logits[start : start + n], s)
+            tokens.append(verdict.token_ids)
+            accepted.append(verdict.accepted_nodes)
+            logprobs.append([{} for _ in verdict.token_ids])
+    return tokens, accepted, logprobs if plain_logprobs is not None else None
+
+
+def _path_tokens(topology: TreeTopology, tokens: list[int], node: int) -> list[int]:
+    """Draft tokens from the root down to `node` inclusive (empty for the root, node -1)."""
+    path = []
+    while node != -1:
+        path.append(tokens[node])
+        node = topology.parents[node]
+    return path[::-1]

@@ -1,0 +1,57 @@
+"""N-gram speculation on the real default model keeps greedy output token for token (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from outrider import LLM, SamplingParams
+from outrider.bench.datasets import GROUNDED as DATASET_GROUNDED
+from tests.e2e.conftest import CHAT_PROMPTS
+
+GROUNDED = DATASET_GROUNDED + [
+    "Write the numbers from 1 to 30 separated by commas.",
+    "Write the alphabet in capital letters separated by spaces, twice.",
+    "List the days of the week, then list them again in reverse order.",
+    "Write a Python function that returns the sum of a list, then write it again with a loop.",
+    "Count down from 20 to 1.",
+    "Repeat the phrase 'speculative decoding is lossless' five times.",
+    "What are the first ten multiples of 7?",
+    "Write a limerick about a cat, then repeat it.",
+    "Spell the word 'lighthouse' letter by letter.",
+    "Write a short poem where every line starts with 'The sea'.",
+]
+
+
+@pytest.mark.slow
+def test_ngram_greedy_equals_plain_on_real_model(llm):
+    prompts = [
+        llm.encode_chat_text(llm.apply_chat_template([{"role": "user", "content": p}]))
+        for p in CHAT_PROMPTS + GROUNDED
+    ]
+    assert len(prompts) >= 30
+    # Varied boundaries: long outputs, short max_tokens, stop strings, some sampling-free
+    # requests asking for logprobs (they never speculate) in the same batches.
+    params = []
+    for i in range(len(prompts)):
+        if i % 7 == 3:
+            params.append(SamplingParams(temperature=0, max_tokens=i % 5 + 1))
+        elif i % 7 == 5:
+            params.append(SamplingParams(temperature=0, max_tokens=64, stop=[".", "\n\n"]))
+        elif i % 7 == 6:
+            params.append(SamplingParams(temperature=0, max_tokens=40, logprobs=1))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=64))
+    plain = llm.generate(prompts, params)
+    spec = LLM(
+        dtype="float32", device="cpu", speculative={"method": "ngram", "num_draft_tokens": 5}
+    )
+    outs = spec.generate(prompts, params)
+    for p, a, b in zip(prompts, plain, outs):
+        assert b.token_ids == a.token_ids, f"diverged on prompt {p[-12:]}"
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+    stats = spec.engine.spec_stats
+    assert stats.num_accepted_tokens > 0 and stats.accept_length > 1.0
+    grounded = [
+        o.metrics["accept_length"] for o in outs[len(CHAT_PROMPTS) :] if o.metrics["accept_length"]
+    ]
+    assert max(grounded) > 1.5  # copying the input is what n-gram lookup is for

@@ -1,0 +1,152 @@
+"""Speculative decoding through the whole engine on a tiny random HF checkpoint: lossless
+against plain decoding, oracle acceptance, tree verification with KV moves, stops inside
+accepted runs, and KV accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from outrider import LLM, SamplingParams
+from outrider.spec.base import SeqDrafts
+from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+
+
+class OracleProposer:
+    """Drafts the target's own greedy continuation (known from a plain run); optionally as a
+    tree with a wrong sibling beside every right node, so accepted nodes are not in node order."""
+
+    name = "oracle"
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], tree: bool = False):
+        self.continuations, self.tree = continuations, tree
+
+    def propose(self, requests, max_draft_tokens):
+        out = []
+        for req in requests:
+            full = self.continuations[tuple(req.prompt_token_ids)]
+            right = full[len(req.output_token_ids) : len(req.output_token_ids) + max_draft_tokens]
+            if not self.tree:
+                out.append(SeqDrafts.chain(right))
+                continue
+            tokens, parents, parent = [], [], -1
+            for tok in right:
+                tokens += [(tok + 1) % 512, tok]  # wrong sibling first, then the right one
+                parents += [parent, parent]
+                parent = len(tokens) - 1
+            n = max_draft_tokens - max_draft_tokens % 2  # whole (wrong, right) pairs only
+            out.append(SeqDrafts(tokens[:n], parents[:n]))
+        return out
+
+    def forget(self, request_id):
+        pass
+
+
+def _llm(tiny_dir, **kw):  # noqa: F811
+    return LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256, **kw)
+
+
+def test_ngram_greedy_equals_plain(tiny_dir, prompts, reference):  # noqa: F811
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    stats = llm.engine.spec_stats
+    # Random tiny models fall into loops, which n-gram lookup drafts: some drafts are accepted.
+    assert stats.num_verify_steps > 0 and stats.num_accepted_tokens > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_oracle_drafts_are_all_accepted(tiny_dir, prompts, reference, tree):  # noqa: F811
+    k = 4
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": k})
+    cont = {tuple(p): r for p, r in zip(prompts, reference)}
+    llm.engine.proposer = OracleProposer(cont, tree=tree)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    want = [
+        o.token_ids for o in _llm(tiny_dir).generate(prompts, params)
+    ]  # plain, EOS ignored like the oracle run
+    assert [o.token_ids for o in outs] == want
+    for o in outs:
+        m = o.metrics
+        # Every right draft is accepted. In the tree half the nodes are wrong siblings; near
+        # max_tokens the engine cuts trees to an odd node count (a trailing wrong sibling),
+        # which costs at most one right node over the request.
+        if tree:
+            assert m["num_accepted_tokens"] >= m["num_draft_tokens"] // 2 - 1
+        else:
+            assert m["num_accepted_tokens"] == m["num_draft_tokens"]
+        # 20 tokens: 1 from the prefill, then 19 over verify steps of up to k + 1 (chain) or
+        # k / 2 + 1 (tree) tokens each.
+        per_step = (k // 2 if tree else k) + 1
+        assert m["num_verify_steps"] == -(-19 // per_step)
+
+
+def test_oracle_tree_moves_accepted_kv(tiny_dir, prompts):  # noqa: F811
+    """With wrong siblings in node order, accepted nodes sit at odd node indices: their KV must
+    move into path order, or the next steps would attend to the wrong keys."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in _llm(tiny_dir).generate(prompts, params)]
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 6})
+    llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(prompts, plain)}, tree=True)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    # 3 right nodes + the bonus per step, fewer in the last steps capped by max_tokens.
+    assert all(o.metrics["accept_length"] >= 3.6 for o in outs)
+
+
+def test_stops_inside_accepted_runs(tiny_dir, prompts, reference):  # noqa: F811
+    cont = {tuple(p): r for p, r in zip(prompts, reference)}
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 8})
+    llm.engine.proposer = OracleProposer(cont)
+    for max_tokens in (1, 2, 5, 9, 13):
+        out = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+        assert out.token_ids == reference[3][:max_tokens]
+    # A stop token id in the middle of an accepted run ends the output right there.
+    stop_tok = reference[3][6]
+    first = reference[3].index(stop_tok)
+    out = llm.generate(
+        [prompts[3]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok])
+    )[0]
+    assert out.token_ids == reference[3][: first + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(tiny_dir, prompts):  # noqa: F811
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=24)
+    a = [o.token_ids for o in llm.generate(prompts[:4], params)]
+    b = [o.token_ids for o in llm.generate(prompts[:4], params)]
+    assert a == b
+
+
+@pytest.mark.slow
+def test_kv_accounting_after_1000_mixed_requests(tiny_dir):  # noqa: F811
+    llm = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=96, block_size=8,
+        speculative={"method": "ngram", "num_draft_tokens": 3}, max_num_seqs=32,
+    )  # fmt: skip
+    bm = llm.engine.block_manager
+    initial = bm.num_free_blocks
+    rng = random.Random(0)
+    prompts_ = []
+    params = []
+    for _ in range(1000):
+        n = rng.randint(2, 40)
+        # Repetitive prompts make n-gram lookup draft often; some requests sample.
+        base = [rng.randrange(3, 512) for _ in range(rng.randint(1, 6))]
+        prompts_.append((base * 40)[:n])
+        params.append(
+            SamplingParams(temperature=0, max_tokens=rng.randint(1, 12))
+            if rng.random() < 0.7
+            else SamplingParams(temperature=1.0, seed=rng.randrange(100), max_tokens=8)
+        )
+    for i in range(0, 1000, 100):
+        outs = llm.generate(prompts_[i : i + 100], params[i : i + 100])
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+    assert llm.engine.spec_stats.num_verify_steps > 100
+    assert bm.num_free_blocks == initial
+    assert not llm.engine.has_unfinished()
