@@ -20,6 +20,15 @@ class ForwardInputs:
     logits_indices: torch.Tensor  # [num_sampling_seqs] int64
 
 
+def to_device_no_sync(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values -> a device tensor without waiting on the stream: a pageable host->GPU copy
+    synchronises, a pinned non-blocking one does not."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardInputs:
     """Worked example (block_size 4): a seq with block_ids [7, 2] computing tokens at positions
     5..6 gets slot_mapping [2*4+1, 2*4+2] = [9, 10]: position p lives in block p // 4 of its
@@ -57,8 +66,7 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
             logits_indices.append(query_start[-1] - 1)
 
     def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        # Built on the host, one non-blocking copy each (pinned staging buffers come with graphs).
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+        return to_device_no_sync(x, dtype, device)
 
     attn = AttentionMetadata(
         mode=batch.mode,
@@ -96,4 +104,4 @@ def _tree_mask(
     for i, topology in trees:
         s, start = batch.seqs[i], query_start[i]
         mask[start : start + s.query_len, : s.context_len] = verify_mask(topology, s.start_pos)
-    return mask.to(device, non_blocking=True)
+    return mask if device.type == "cpu" else mask.pin_memory().to(device, non_blocking=True)

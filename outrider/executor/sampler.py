@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from outrider.core import SamplingParams, ScheduledSeq
+from outrider.executor.inputs import to_device_no_sync
 
 _NEG_INF = float("-inf")
 
@@ -64,16 +65,6 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _to_device_no_sync(
-    values: list | np.ndarray, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    # A pageable host->GPU copy waits for the stream; a pinned, non_blocking one does not.
-    t = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 # --- 1. min_tokens ---------------------------------------------------------------------------
 
 
@@ -95,7 +86,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         row_idx += [i] * len(ids)
         tok_idx += ids
     if row_idx:
-        both = _to_device_no_sync([row_idx, tok_idx], torch.long, logits.device)
+        both = to_device_no_sync([row_idx, tok_idx], torch.long, logits.device)
         # new_full fills on the device; torch.tensor(-inf, device=cuda) would be a blocking copy.
         logits.index_put_((both[0], both[1]), logits.new_full((), _NEG_INF))
     return logits
@@ -126,7 +117,7 @@ def _padded_ids(
             arr[i, at : at + len(part)] = part
             at += len(part)
     np.minimum(arr, pad, out=arr)
-    return _to_device_no_sync(arr, torch.long, device)
+    return to_device_no_sync(arr, torch.long, device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -146,7 +137,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     histories = _padded_ids(
         [(r.prompt_token_ids, r.output_token_ids) for r in sel], vocab, dev
     )  # [P, Lp + Lo]
-    factors = _to_device_no_sync(
+    factors = to_device_no_sync(
         [
             [r.params.repetition_penalty for r in sel],
             [r.params.frequency_penalty for r in sel],
@@ -165,7 +156,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     seen = seen[:, :vocab]
 
     whole = len(idx) == num_rows
-    idx_t = None if whole else _to_device_no_sync(idx, torch.long, dev)
+    idx_t = None if whole else to_device_no_sync(idx, torch.long, dev)
     x = logits if whole else logits.index_select(0, idx_t)
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - freq * counts - pres * (counts > 0).float()
@@ -234,7 +225,7 @@ def _sampled_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     vocab = x.shape[-1]
     ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
     # One host->device copy for all four per-row knobs (top-k < 2^24 is exact in float32).
-    knobs = _to_device_no_sync(
+    knobs = to_device_no_sync(
         [
             [r.params.temperature for r in rows],
             [float(k) for k in ks],
@@ -308,7 +299,7 @@ def _prepare(
     greedy_ids = x.argmax(dim=-1)
     if not sampled:
         return greedy_ids, sampled, None, None
-    idx_t = _to_device_no_sync(sampled, torch.long, x.device)
+    idx_t = to_device_no_sync(sampled, torch.long, x.device)
     probs = _sampled_probs(x.index_select(0, idx_t), [rows[i] for i in sampled])
     return greedy_ids, sampled, idx_t, probs
 
@@ -332,7 +323,7 @@ def _logprob_rows_no_sync(
     """For the rows in `asked`: [A, 1 + 2 * top_n] float64 = sampled logprob, top-n ids,
     top-n logprobs. float64 carries both kinds exactly (ids < 2^53; float32 widens exactly),
     so everything reaches the host in the one transfer."""
-    idx_t = _to_device_no_sync(asked, torch.long, logits.device)
+    idx_t = to_device_no_sync(asked, torch.long, logits.device)
     lp = logits.index_select(0, idx_t).float().log_softmax(dim=-1)  # [A, V]
     parts = [lp.gather(1, ids.index_select(0, idx_t).unsqueeze(1))]
     if top_n > 0:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outrider.executor.inputs import to_device_no_sync
 from outrider.spec.tree import TreeTopology
 
 # Residual mass at or below this is treated as zero: dividing by it would overflow float32.
@@ -186,7 +187,7 @@ def verify_sampled(
         )
     p = target_probs.float()
     q = None if draft_probs is None else draft_probs.to(p.device, torch.float32)
-    tokens = _to_device_no_sync(list(draft_tokens), p.device)
+    tokens = to_device_no_sync(list(draft_tokens), torch.long, p.device)
     if topology.is_chain:
         return _verify_chain(list(draft_tokens), tokens, p, q, generator)
     return _verify_tree(topology, list(draft_tokens), tokens, p, q, generator)
@@ -271,11 +272,3 @@ def _check_sizes(topology: TreeTopology, draft_tokens: Sequence[int], rows: int,
             f"{what} has {rows}; expected {n} draft tokens and {n + 1} rows (the root's row "
             "first, then one per node)"
         )
-
-
-def _to_device_no_sync(values: list[int], device: torch.device) -> torch.Tensor:
-    # A pageable host->GPU copy waits for the stream; a pinned, non_blocking one does not.
-    t = torch.as_tensor(values, dtype=torch.long)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -27,11 +27,10 @@ from outrider.spec.verify import (
 )
 
 V = 5
-# 50k trials per lossless test: verify_sampled costs ~0.2 ms a call on CPU (about 35 tiny
-# torch ops), so 1e5 would take ~25 s a test on 2 cores. With 50k, a bias of 0.006 on a cell
-# of probability 0.2 gives a chi-square noncentrality of ~9 (detected at p < 0.01 about half
-# the time per statistic); the wrong verifiers below are caught at p < 1e-6 with 20k.
-TRIALS = 50_000
+# 1e5 trials per lossless test (verify_sampled costs ~0.2 ms a call on CPU, so ~25 s a test on
+# 2 cores). With 1e5, a bias of 0.004 on a cell of probability 0.2 gives a chi-square
+# noncentrality of ~9; the wrong verifiers below are caught at p < 1e-6 with 20k.
+TRIALS = 100_000
 POWER_TRIALS = 20_000
 CHAIN2 = TreeTopology.chain(2)
 # root -> n0 -> {n2, n3}; root -> n1 -> n4: two siblings at both levels, and a lone child.
