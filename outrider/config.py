@@ -28,7 +28,11 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto: cuda when available
     max_model_len: int | None = None  # None: the checkpoint's context length
-    attention_backend: str = "torch_ref"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch_ref on CPU
+    # CUDA graphs for decode (and chain verify) steps. None: on for CUDA with a backend that
+    # supports them; False forces eager execution (debugging, profiling).
+    cuda_graphs: bool | None = None
+    cuda_graph_max_batch: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -37,6 +41,10 @@ class ModelConfig:
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(
                 f"invalid device={self.device!r}: use one of {', '.join(DEVICES)} or cuda:N"
+            )
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(
+                f"invalid cuda_graph_max_batch={self.cuda_graph_max_batch}: use an integer >= 1"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(

@@ -10,6 +10,7 @@ import torch
 
 from outrider.config import EngineConfig
 from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq, StepOutput
+from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler
@@ -69,13 +70,16 @@ class ModelRunner:
 
         layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
         num_blocks = num_blocks_for_budget(layout, cfg.num_hidden_layers, config.cache, self.device)
+        # One block more than the block manager hands out: padded graph rows write there.
+        self._num_blocks = num_blocks
         self.kv_pool = KVPool(
-            layout, cfg.num_hidden_layers, num_blocks, self.block_size, self.device
+            layout, cfg.num_hidden_layers, num_blocks + 1, self.block_size, self.device
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache = self.kv_pool.layer(i)
-        self.backend = get_backend(config.model.attention_backend)
+        self.backend = get_backend(config.model.attention_backend, self.device.type)
         self.sampler = Sampler()
+        self.graphs = self._capture_graphs(config)
         log.info(
             "model %s on %s/%s: KV pool %d blocks x %d tokens (%.1f MiB)",
             cfg.architecture,
@@ -88,7 +92,35 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
-        return self.kv_pool.num_blocks
+        """Blocks the block manager may hand out (the pool holds one more, a scratch block)."""
+        return self._num_blocks
+
+    def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
+        wanted = config.model.cuda_graphs
+        usable = self.device.type == "cuda" and ForwardMode.DECODE in self.backend.graph_modes
+        if wanted is False or (wanted is None and (not usable or self.backend.name != "triton")):
+            return None
+        if not usable:
+            raise ValueError(
+                f"cuda_graphs=True needs device cuda and a graph-safe attention backend; got "
+                f"device={self.device}, backend={self.backend.name}: set cuda_graphs=False"
+            )
+        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < config.model.cuda_graph_max_batch)
+        sizes += (config.model.cuda_graph_max_batch,)
+        tpq = (1,)
+        if config.speculative.enabled and ForwardMode.VERIFY in self.backend.graph_modes:
+            tpq = (1, 1 + config.speculative.num_draft_tokens)
+        runner = GraphRunner(
+            self.model,
+            self.backend,
+            max_blocks=-(-self.max_model_len // self.block_size),
+            scratch_block=self._num_blocks,
+            block_size=self.block_size,
+            batch_sizes=sizes,
+            tokens_per_seq=tpq,
+        )
+        runner.capture()
+        return runner
 
     @torch.inference_mode()
     def forward(
@@ -97,6 +129,9 @@ class ModelRunner:
         """One forward over the batch's tokens: final hidden [num_tokens, hidden], the residual
         streams entering `aux_layers`, and the inputs (for logits_indices)."""
         inputs = build_inputs(batch, self.block_size, self.device)
+        key = self.graphs.can_run(inputs) if self.graphs is not None and not aux_layers else None
+        if key is not None:
+            return self.graphs.replay(key, inputs), [], inputs
         self.backend.prepare(inputs.attn)
         with forward_context(ForwardContext(inputs.attn, self.backend)):
             hidden, aux = self.model(inputs.input_ids, inputs.positions, aux_layers)

@@ -19,6 +19,10 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    # Whether forward reads per-sequence lengths only from device tensors (never from
+    # meta.seq_lens_cpu), so a CUDA graph captured once serves any context: DECODE graphs
+    # need it, chain VERIFY graphs need it for multi-token queries too.
+    graph_modes: frozenset = frozenset()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive per-step data once (into meta.backend_data) instead of once per layer.
@@ -43,7 +47,9 @@ _BACKENDS = {
 }
 
 
-def get_backend(name: str) -> AttentionBackend:
+def get_backend(name: str, device_type: str = "cpu") -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch_ref"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}: use one of {', '.join(sorted(_BACKENDS))}"

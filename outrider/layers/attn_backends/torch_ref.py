@@ -7,12 +7,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from outrider.core import ForwardMode
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata
 
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    # The decode path reads lengths from device tensors only (it attends over the whole padded
+    # block table, which is correct but slow under graphs: the fast backends exist for that).
+    graph_modes = frozenset({ForwardMode.DECODE})
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache["k"], kv_cache["v"]

@@ -1,0 +1,228 @@
+"""Decode throughput on a GPU: outrider vs HF transformers (static cache + torch.compile), and
+how close batch-1 decoding gets to the memory-bandwidth roofline.
+
+    python benchmarks/gpu_decode.py [--concurrency 1 8 32 64] [--prompt-len 128] [--new-tokens 256]
+                                    [--skip-hf] [--skip-default]
+
+The Llama-3.1-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256)
+with random bf16 weights built on the GPU: speed does not depend on weight values. Roofline at
+C=1: bytes read per step (weights + KV) / device copy bandwidth measured in the same run.
+Writes benchmarks/results/gpu_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+LLAMA_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+)  # fmt: skip
+
+
+class _NullTokenizer:
+    """Random weights need no text: decode nothing, stop only at max_tokens."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+def copy_bandwidth_gbs() -> float:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / 10
+    return 2 * x.numel() / dt / 1e9  # bytes read + written
+
+
+def random_checkpoint(hf_config: dict):
+    from outrider.loaders.checkpoint import Checkpoint
+    from outrider.loaders.hf_config import TransformerConfig
+
+    cfg = TransformerConfig.from_hf_dict(hf_config)
+
+    class _Random:
+        def iter_tensors(self):
+            # Shapes from an HF model skeleton on the meta device; values random, on the GPU.
+            import transformers
+
+            meta_cfg = transformers.AutoConfig.for_model(**hf_config)
+            with torch.device("meta"):
+                skeleton = transformers.LlamaForCausalLM(meta_cfg)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            for name, p in skeleton.state_dict().items():
+                yield (
+                    name,
+                    torch.randn(p.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
+                )
+
+    return Checkpoint(Path("random"), "random", hf_config, cfg, _NullTokenizer(), _Random())
+
+
+def run_outrider(engine, concurrency: int, prompt_len: int, new_tokens: int) -> dict:
+    from outrider import SamplingParams
+
+    g = torch.Generator().manual_seed(concurrency)
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    prompts = [
+        torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(concurrency)
+    ]
+    reqs = [engine.add_request(p, params) for p in prompts]
+    # Prefill outside the timed region: this measures decoding.
+    while any(len(r.output_token_ids) == 0 for r in reqs):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.output_token_ids) - 1 for r in reqs)
+    return {"tok_per_s": tokens / dt, "step_ms": dt / steps * 1e3, "steps": steps}
+
+
+def run_hf(concurrency: int, prompt_len: int, new_tokens: int) -> dict:
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**LLAMA_8B)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    ids = torch.randint(0, cfg.vocab_size, (concurrency, prompt_len), device="cuda")
+    kwargs = dict(do_sample=False, cache_implementation="static", min_new_tokens=new_tokens)
+    with torch.inference_mode():
+        for _ in range(2):  # compile and warm up
+            model.generate(ids, max_new_tokens=new_tokens, **kwargs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, **kwargs)
+        torch.cuda.synchronize()
+        full = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **{**kwargs, "min_new_tokens": 1})
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"tok_per_s": concurrency * (new_tokens - 1) / (full - prefill)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-default", action="store_true")
+    ap.add_argument(
+        "--profile", action="store_true", help="print a torch profiler table of a C=1 step"
+    )
+    args = ap.parse_args()
+
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import EngineCore
+
+    bandwidth = copy_bandwidth_gbs()
+    max_c = max(args.concurrency)
+    config = EngineConfig().replace(
+        model={"dtype": "bfloat16", "device": "cuda", "max_model_len": 4096,
+               "attention_backend": args.backend, "cuda_graph_max_batch": max_c},
+        cache={"gpu_memory_utilization": 0.6, "enable_prefix_caching": False},
+        scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": 8192},
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    engine = EngineCore(config, random_checkpoint(LLAMA_8B))
+    load_s = time.perf_counter() - t0
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    rows = {}
+    for c in args.concurrency:
+        rows[c] = run_outrider(engine, c, args.prompt_len, args.new_tokens)
+        print(f"outrider 8B C={c}: {rows[c]}", flush=True)
+    # Bytes per step at C=1: every weight once, plus the KV read at the mean context.
+    cfg = engine.runner.model_config
+    kv_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers
+    mean_ctx = args.prompt_len + args.new_tokens / 2
+    step_bytes = weight_bytes + kv_per_token * mean_ctx
+    roofline = bandwidth * 1e9 / step_bytes
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bandwidth_gbs": round(bandwidth, 1),
+        "weight_bytes": weight_bytes,
+        "roofline_tok_per_s_c1": round(roofline, 1),
+        "pct_roofline_c1": round(100 * rows[min(args.concurrency)]["tok_per_s"] / roofline, 1)
+        if 1 in rows
+        else None,
+        "attention_backend": engine.runner.backend.name,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "engine_start_s": round(load_s, 1),
+        "outrider_8b": {str(c): {k: round(v, 2) for k, v in r.items()} for c, r in rows.items()},
+    }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_outrider(engine, 1, args.prompt_len, 16)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        print(table)
+        result["profile_c1"] = table
+    del engine
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        hf = {}
+        for c in (1, 32):
+            try:
+                hf[str(c)] = {
+                    k: round(v, 2) for k, v in run_hf(c, args.prompt_len, args.new_tokens).items()
+                }
+            except Exception as e:  # report, don't lose the rest of the run
+                hf[str(c)] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"HF static+compile C={c}: {hf[str(c)]}", flush=True)
+        result["hf_static_compile_8b"] = hf
+        if "32" in hf and "tok_per_s" in hf["32"] and "32" in result["outrider_8b"]:
+            result["speedup_c32_vs_hf"] = round(
+                result["outrider_8b"]["32"]["tok_per_s"] / hf["32"]["tok_per_s"], 2
+            )
+    if not args.skip_default:
+        default = EngineCore(EngineConfig().replace(
+            model={"dtype": "bfloat16", "device": "cuda", "attention_backend": args.backend},
+            cache={"gpu_memory_utilization": 0.3, "enable_prefix_caching": False},
+            scheduler={"max_num_seqs": 64},
+        ))  # fmt: skip
+        result["default_model"] = {
+            str(c): {
+                k: round(v, 2)
+                for k, v in run_outrider(default, c, args.prompt_len, args.new_tokens).items()
+            }
+            for c in (1, 64)
+        }
+        print(f"default model: {result['default_model']}", flush=True)
+    path = write_result("gpu_decode", result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
