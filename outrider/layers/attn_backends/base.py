@@ -44,6 +44,7 @@ class AttentionBackend(ABC):
 
 _BACKENDS = {
     "torch_ref": "outrider.layers.attn_backends.torch_ref:TorchRefBackend",
+    "triton": "outrider.layers.attn_backends.triton:TritonBackend",
 }
 
 

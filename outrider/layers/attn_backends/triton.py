@@ -1,0 +1,201 @@
+"""The Triton backend: paged attention kernels for CUDA (and, under TRITON_INTERPRET=1, the CPU,
+which is how the unit tests check their logic against torch_ref).
+
+A forward writes this step's k/v into the cache (one small kernel; negative slots are skipped,
+so padded rows may point nowhere), then runs one of two kernels:
+    every query_len == 1, no custom mask  -> triton_decode.decode_attention (split-K decode)
+    otherwise (prefill chunk, VERIFY)     -> triton_prefill.prefill_attention
+Both read every length from device tensors, so CUDA graphs captured once serve any context:
+DECODE and chain VERIFY graphs both work. What only depends on host data (which kernel, grid
+sizes, how many splits, the fp32 split workspace) is derived once per step and kept in
+meta.backend_data, not re-derived per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from outrider.core import ForwardMode
+from outrider.layers.attn_backends.base import AttentionBackend
+from outrider.layers.forward_context import AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "the 'triton' attention backend needs the triton package (CUDA builds of torch ship "
+        "it; elsewhere `pip install 'triton==3.6.*'`), or choose attention_backend='torch_ref'"
+    ) from e
+
+from outrider.layers.attn_backends.triton_decode import (  # noqa: E402
+    SplitWorkspace,
+    choose_num_splits,
+    decode_attention,
+)
+from outrider.layers.attn_backends.triton_prefill import (  # noqa: E402
+    MAX_SPLIT_QUERY_LEN,
+    prefill_attention,
+    prefill_config,
+    query_tile,
+)
+
+_PLAN_KEY = "triton"
+# Stand-in SM count off CUDA (the interpreter): small, so CPU tests still see a few splits.
+_CPU_SMS = 4
+
+
+@dataclass
+class _StepPlan:
+    decode: bool  # the decode kernel serves this step
+    batch: int  # sequences
+    max_seq_len: int
+    max_query_len: int
+    fixed_splits: int | None  # set by the caller (e.g. one value per CUDA graph bucket)
+    # Per (kv_heads, group): num_splits, filled by the first layer that asks; and the split
+    # workspaces, shared by all layers of the step (they run one after another).
+    splits: dict[tuple[int, int], int] = field(default_factory=dict)
+    workspaces: dict[tuple, SplitWorkspace] = field(default_factory=dict)
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        """num_splits: force this many context splits in every step (tuning, debugging);
+        None chooses per step from batch size and the longest context."""
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+        self.num_splits = num_splits
+
+    def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
+        """Host-only, once per step. `num_splits` fixes the context splits for this step (a CUDA
+        graph runner passes one value per captured batch size, so the grid does not depend on
+        the lengths seen at capture); None keeps the constructor's choice or the heuristic."""
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+        meta.backend_data[_PLAN_KEY] = _StepPlan(
+            decode=meta.custom_mask is None and max(meta.query_lens_cpu, default=1) == 1,
+            batch=meta.batch_size,
+            max_seq_len=max(meta.seq_lens_cpu, default=0),
+            max_query_len=max(meta.query_lens_cpu, default=0),
+            fixed_splits=num_splits if num_splits is not None else self.num_splits,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+        kv_cache: dict[str, torch.Tensor],  # "k", "v": [num_blocks, block_size, kv_heads, dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        k_cache, v_cache = kv_cache["k"], kv_cache["v"]
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if _PLAN_KEY not in meta.backend_data:
+            self.prepare(meta)
+        plan: _StepPlan = meta.backend_data[_PLAN_KEY]
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k_cache.shape[2]
+        group = num_heads // max(kv_heads, 1)
+        splits = plan.splits.get((kv_heads, group))
+        if splits is None:
+            splits = plan.splits[(kv_heads, group)] = self._choose_splits(plan, kv_heads, group, q)
+        workspace = None
+        if splits > 1:
+            key = (num_tokens, num_heads, splits, head_dim, q.device)
+            workspace = plan.workspaces.get(key)
+            if workspace is None:
+                workspace = SplitWorkspace.allocate(
+                    num_tokens, num_heads, splits, head_dim, q.device
+                )
+                plan.workspaces[key] = workspace
+        if plan.decode:
+            return decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits, workspace
+            )
+        mask = meta.custom_mask
+        if mask is not None and mask.shape[1] < plan.max_seq_len:
+            raise ValueError(
+                f"custom_mask is {mask.shape[1]} keys wide but a sequence has "
+                f"{plan.max_seq_len}: build it [num_tokens, max(seq_lens)]"
+            )
+        return prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            plan.max_query_len, scale, splits, mask, workspace,
+        )  # fmt: skip
+
+    @staticmethod
+    def _choose_splits(plan: _StepPlan, kv_heads: int, group: int, q: torch.Tensor) -> int:
+        if plan.fixed_splits is not None:
+            return plan.fixed_splits
+        programs = plan.batch * kv_heads
+        if not plan.decode:
+            if plan.max_query_len > MAX_SPLIT_QUERY_LEN:
+                return 1  # prefill chunks have q tiles enough to fill the GPU
+            block_m = prefill_config(q.shape[-1], q.dtype)[0]
+            block_q, _ = query_tile(plan.max_query_len, group, block_m)
+            programs *= triton.cdiv(plan.max_query_len, block_q)
+        return choose_num_splits(programs, plan.max_seq_len, _num_sms(q.device))
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; slot = block * block_size + offset
+) -> None:
+    """Scatter this step's k/v rows into the paged cache, one program per token, no host sync.
+    A negative slot leaves its token out (padded rows need not own a slot)."""
+    num_tokens, kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype} differs from the cache's {k_cache.dtype}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim,
+        PAGE_SIZE=k_cache.shape[1],
+    )  # fmt: skip
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    ok = (heads < KV_HEADS) & (slot >= 0)
+    k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=ok)
+    v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=ok)
+    k_dst = k_cache_ptr + page * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
+    v_dst = v_cache_ptr + page * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
+    tl.store(k_dst, k, mask=ok)
+    tl.store(v_dst, v, mask=ok)
