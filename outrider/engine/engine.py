@@ -184,7 +184,8 @@ class EngineCore:
 
     def _propose(self) -> None:
         """Draft for every running request that is decoding, capped so accepted drafts plus
-        the final token never pass max_tokens or the context."""
+        the final token never pass max_tokens or the context. Requests asking for logprobs do
+        not speculate yet: verification does not compute logprobs for accepted drafts."""
         reqs = [
             r
             for r in self.scheduler.running
