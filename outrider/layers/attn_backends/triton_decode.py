@@ -181,6 +181,15 @@ def merge_splits(workspace: SplitWorkspace, out: torch.Tensor) -> None:
 
 
 @triton.jit
+def load_paged_tile(ptr, kv_head, page, slot, dims, key_ok, stride_h, stride_b, stride_s):
+    """One [BLOCK_N, HEAD_DIM] tile of a K or V cache: row i is key i's head `kv_head`, found
+    at (page[i], slot[i]); rows past the context (key_ok False) load as zeros. Shared by the
+    decode and prefill kernels so both walk pages the same way."""
+    rows = ptr + kv_head * stride_h + page * stride_b + slot * stride_s
+    return tl.load(rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, dst_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is one MUFU op)
@@ -225,11 +234,8 @@ def _decode_split_kernel(
         # int64 page offsets: a layer's cache can pass 2^31 elements.
         page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = keys % PAGE_SIZE
-        k_rows = k_ptr + kv_head * stride_kh + page * stride_kb + slot * stride_ks
-        k = tl.load(
-            k_rows[:, None] + dims[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
+        k = load_paged_tile(
+            k_ptr, kv_head, page, slot, dims, key_ok, stride_kh, stride_kb, stride_ks
         )  # [BLOCK_N, HEAD_DIM]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(key_ok[None, :], s, float("-inf"))
@@ -238,12 +244,9 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v_rows = v_ptr + kv_head * stride_vh + page * stride_vb + slot * stride_vs
-        v = tl.load(
-            v_rows[:, None] + dims[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
-        )
+        v = load_paged_tile(
+            v_ptr, kv_head, page, slot, dims, key_ok, stride_vh, stride_vb, stride_vs
+        )  # [BLOCK_N, HEAD_DIM]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 

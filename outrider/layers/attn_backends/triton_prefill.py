@@ -32,6 +32,7 @@ from outrider.layers.attn_backends.triton_decode import (
     SplitWorkspace,
     check_paged_inputs,
     dot_precision,
+    load_paged_tile,
     merge_splits,
 )
 
@@ -195,11 +196,8 @@ def _prefill_kernel(
         key_ok = keys < end
         page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot = keys % PAGE_SIZE
-        k_rows = k_ptr + kv_head * stride_kh + page * stride_kb + slot * stride_ks
-        k = tl.load(
-            k_rows[:, None] + dims[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
+        k = load_paged_tile(
+            k_ptr, kv_head, page, slot, dims, key_ok, stride_kh, stride_kb, stride_ks
         )  # [BLOCK_N, HEAD_DIM]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if HAS_MASK:
@@ -219,12 +217,9 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        v_rows = v_ptr + kv_head * stride_vh + page * stride_vb + slot * stride_vs
-        v = tl.load(
-            v_rows[:, None] + dims[None, :],
-            mask=key_ok[:, None],
-            other=0.0,
-        )
+        v = load_paged_tile(
+            v_ptr, kv_head, page, slot, dims, key_ok, stride_vh, stride_vb, stride_vs
+        )  # [BLOCK_N, HEAD_DIM]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
