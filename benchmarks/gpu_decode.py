@@ -13,6 +13,7 @@ Writes benchmarks/results/gpu_decode.json.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -108,9 +109,15 @@ def run_hf(concurrency: int, prompt_len: int, new_tokens: int) -> dict:
     cfg = transformers.AutoConfig.for_model(**LLAMA_8B)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # generate() compiles its decoding forward itself when the cache is static (the documented
+    # path; wrapping model.forward in torch.compile too breaks its CUDA graphs).
+    compile_config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
     ids = torch.randint(0, cfg.vocab_size, (concurrency, prompt_len), device="cuda")
-    kwargs = dict(do_sample=False, cache_implementation="static", min_new_tokens=new_tokens)
+    mask = torch.ones_like(ids)
+    kwargs = dict(
+        do_sample=False, cache_implementation="static", min_new_tokens=new_tokens,
+        compile_config=compile_config, attention_mask=mask, pad_token_id=0,
+    )  # fmt: skip
     with torch.inference_mode():
         for _ in range(2):  # compile and warm up
             model.generate(ids, max_new_tokens=new_tokens, **kwargs)
@@ -119,6 +126,9 @@ def run_hf(concurrency: int, prompt_len: int, new_tokens: int) -> dict:
         model.generate(ids, max_new_tokens=new_tokens, **kwargs)
         torch.cuda.synchronize()
         full = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **{**kwargs, "min_new_tokens": 1})
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, **{**kwargs, "min_new_tokens": 1})
         torch.cuda.synchronize()
@@ -141,8 +151,14 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="print a torch profiler table of a C=1 step"
     )
+    ap.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="also time C=1 with the fused norm/rotary/SiLU kernels off, in the same run",
+    )
     args = ap.parse_args()
 
+    from outrider import env
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
 
@@ -177,6 +193,7 @@ def main() -> None:
         if 1 in rows
         else None,
         "attention_backend": engine.runner.backend.name,
+        "fused_kernels": env.fused_kernels(),
         "cuda_graphs": engine.runner.graphs is not None,
         "engine_start_s": round(load_s, 1),
         "outrider_8b": {str(c): {k: round(v, 2) for k, v in r.items()} for c, r in rows.items()},
@@ -189,8 +206,20 @@ def main() -> None:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
         print(table)
         result["profile_c1"] = table
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+        print(host)
+        result["profile_c1_host"] = host
     del engine
     torch.cuda.empty_cache()
+    if args.compare_unfused:
+        os.environ["OUTRIDER_FUSED_KERNELS"] = "0"
+        unfused = EngineCore(config, random_checkpoint(LLAMA_8B))
+        row = run_outrider(unfused, 1, args.prompt_len, args.new_tokens)
+        result["outrider_8b_unfused_c1"] = {k: round(v, 2) for k, v in row.items()}
+        print(f"outrider 8B C=1 unfused: {row}", flush=True)
+        del unfused
+        torch.cuda.empty_cache()
+        os.environ.pop("OUTRIDER_FUSED_KERNELS")
     if not args.skip_hf:
         hf = {}
         for c in (1, 32):

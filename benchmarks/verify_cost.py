@@ -77,6 +77,19 @@ def outrider_times(ks, batches, context) -> dict:
     return out
 
 
+def _rewind(cache, length: int) -> None:
+    """Put a static cache back to `length` tokens so every timed step writes the same slots.
+
+    Newer transformers keep a per-layer write offset (`cumulative_length`) that ignores
+    cache_position; older ones index by cache_position alone and need nothing."""
+    for layer in getattr(cache, "layers", ()):
+        offset = getattr(layer, "cumulative_length", None)
+        if isinstance(offset, torch.Tensor):
+            offset.fill_(length)
+        elif isinstance(offset, int):
+            layer.cumulative_length = length
+
+
 def hf_times(ks, batches, context) -> dict:
     import transformers
 
@@ -95,6 +108,7 @@ def hf_times(ks, batches, context) -> dict:
                 pos = torch.arange(context, context + t, device="cuda")
 
                 def step(x=x, pos=pos, cache=cache, t=t):
+                    _rewind(cache, context)
                     model(x, past_key_values=cache, cache_position=pos, logits_to_keep=t)
 
                 out[f"C{b}_k{k}"] = round(cuda_time_ms(step, reps=10), 3)

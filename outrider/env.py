@@ -38,3 +38,9 @@ def default_model() -> str | None:
 
 def log_level() -> str:
     return os.environ.get("OUTRIDER_LOG_LEVEL", "WARNING").upper()
+
+
+def fused_kernels() -> bool:
+    """OUTRIDER_FUSED_KERNELS: 0 turns the fused Triton norm/rotary/SiLU kernels off on CUDA
+    (the PyTorch ops run instead), to bisect a numerical difference."""
+    return _bool("OUTRIDER_FUSED_KERNELS", True)

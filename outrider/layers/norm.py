@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from outrider.layers import fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as HF does), optionally fused with the residual add:
@@ -16,6 +18,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._fusable(x, residual):
+            return fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -24,3 +28,12 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+    def _fusable(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (
+            x.dim() == 2
+            and x.stride(-1) == 1
+            and self.weight.dtype == x.dtype
+            and (residual is None or (residual.stride(-1) == 1 and residual.dtype == x.dtype))
+            and fused.use_fused(x)
+        )

@@ -4,12 +4,25 @@ layout; the GGUF loader undoes llama.cpp's interleaving permutation to get there
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from outrider.layers import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class Rope(NamedTuple):
+    """What every layer of one forward needs for rotary. Unfused: cos/sin gathered for the
+    step's positions, [T, 1, head_dim / 2]. Fused (CUDA): the whole tables, [max_positions,
+    head_dim / 2], and the kernel looks positions up itself."""
+
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
 
 
 class RotaryEmbedding(nn.Module):
@@ -32,18 +45,32 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the given positions: [T, 1, head_dim / 2] each. Done once per forward
-        and shared by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """Done once per forward and shared by every layer."""
+        if fused.use_fused(positions):
+            return Rope(positions, self.cos, self.sin, fused=True)
+        return Rope(
+            positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), False
+        )
 
     @staticmethod
-    def apply(
-        rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
-        cos, sin = rope
+        cos, sin = rope.cos, rope.sin
+        if rope.fused:  # tables, not rows: a caller that cannot rotate in place (q/k norms)
+            cos, sin = cos[rope.positions].unsqueeze(1), sin[rope.positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    @staticmethod
+    def apply_packed_(
+        rope: Rope, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> bool:
+        """Rotate the q and k heads of a packed [T, (heads + 2 * kv_heads) * head_dim] row in
+        place with one kernel; False (nothing done) where the fused kernel does not serve."""
+        if not rope.fused or qkv.stride(-1) != 1:
+            return False
+        fused.rotary_(qkv, rope.positions, rope.cos, rope.sin, num_heads, num_kv_heads, head_dim)
+        return True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

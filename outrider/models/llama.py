@@ -15,7 +15,7 @@ from outrider.layers.attention import Attention
 from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from outrider.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from outrider.layers.norm import RMSNorm
-from outrider.layers.rotary import RotaryEmbedding
+from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import TransformerConfig
 
 
@@ -40,17 +40,19 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        rotated = not self.qk_norm and RotaryEmbedding.apply_packed_(
+            rope, qkv, self.num_heads, self.num_kv_heads, self.head_dim
+        )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        if not rotated:
+            q, k = RotaryEmbedding.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -76,7 +78,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: Rope,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:

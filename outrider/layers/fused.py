@@ -1,0 +1,95 @@
+"""Fused elementwise kernels for CUDA: RMSNorm with the residual add, rotary on q and k in place,
+SiLU-and-mul. Each replaces several small PyTorch kernels (casts, pow, mean, rsqrt, muls, adds)
+with one launch, which is what a batch-1 decode step is made of once the GEMMs are near the
+bandwidth limit.
+
+Every kernel rounds where the PyTorch path rounds (the residual sum to the model dtype, the
+normalized row to the model dtype before the weight multiply, silu(gate) before the multiply by
+up), so fused and unfused forwards agree to the last bit except for the order of the fp32 sum
+inside the norm. The layers call `use_fused(x)`; it is true on CUDA with triton importable and
+`OUTRIDER_FUSED_KERNELS` not 0. The CPU suite checks the kernels under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from outrider import env
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """True when the fused kernels serve this tensor: CUDA (or the interpreter in tests, through
+    `force=True` at the call sites), triton importable, not disabled by OUTRIDER_FUSED_KERNELS=0."""
+    return x.is_cuda and env.fused_kernels() and _triton_ok()
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, N], rows contiguous
+    weight: torch.Tensor,  # [N], x's dtype
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, N]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """weight * norm(x) or, with residual, (weight * norm(x + residual), x + residual)."""
+    k = _kernels()
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else out
+    if rows:
+        res = residual if residual is not None else x
+        k.rms_norm_kernel[(rows,)](
+            x, res, out, res_out, weight, x.stride(0), res.stride(0), n, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=k.next_pow2(n),
+        )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+def rotary_(
+    qkv: torch.Tensor,  # [T, q_size + 2 * kv_size]; q and k heads rotated in place
+    positions: torch.Tensor,  # [T] int
+    cos: torch.Tensor,  # [max_positions, head_dim / 2] float32
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Rotate-half rotary on the q and k heads of a packed qkv row, in place."""
+    k = _kernels()
+    tokens = qkv.shape[0]
+    if tokens:
+        k.rotary_kernel[(tokens,)](
+            qkv, positions, cos, sin, qkv.stride(0), cos.stride(0),
+            HEADS=num_heads + num_kv_heads, HEADS_PAD=k.next_pow2(num_heads + num_kv_heads),
+            HALF=head_dim // 2,
+        )  # fmt: skip
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] packed gate|up -> silu(gate) * up: [T, I]."""
+    k = _kernels()
+    tokens, width = x.shape
+    inter = width // 2
+    out = torch.empty((tokens, inter), dtype=x.dtype, device=x.device)
+    if tokens:
+        block = min(1024, k.next_pow2(inter))
+        grid = (tokens, -(-inter // block))
+        k.silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    """Compiled lazily: importing this module never needs triton."""
+    from outrider.layers import fused_kernels
+
+    return fused_kernels

@@ -1,0 +1,67 @@
+"""The Triton kernels behind outrider/layers/fused.py (imported only when one is first used)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, stride_x, stride_res, n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # One program per row. out and res_out are contiguous [rows, n].
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like `x + residual`
+        tl.store(res_out_ptr + row * n + cols, x, mask=ok)
+    h = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+    normed = (h * inv).to(x.dtype)  # rounded before the weight multiply, as the torch path
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * n + cols, out.to(x.dtype), mask=ok)
+
+
+@triton.jit
+def rotary_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_cos,
+    HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    # One program per token; q heads then k heads sit back to back at the row's start, each
+    # head_dim = 2 * HALF wide, rotate-half pairs (i, i + HALF).
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cos + dims)[None, :]
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    ok = heads < HEADS
+    base = qkv_ptr + t * stride_t + heads * (2 * HALF) + dims[None, :]
+    x1 = tl.load(base, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF, mask=ok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, (a * cos - b * sin).to(x1.dtype), mask=ok)
+    tl.store(base + HALF, (b * cos + a * sin).to(x1.dtype), mask=ok)
+
+
+@triton.jit
+def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    g = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
+    u = tl.load(x_ptr + t * stride_x + inter + cols, mask=ok, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded like F.silu's output
+    out = act.to(tl.float32) * u.to(tl.float32)
+    tl.store(out_ptr + t * stride_out + cols, out.to(g.dtype), mask=ok)

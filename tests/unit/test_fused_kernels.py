@@ -1,0 +1,147 @@
+"""The fused norm / rotary / SiLU kernels (outrider/layers/fused.py) on the CPU under Triton's
+interpreter, against the PyTorch path of the same layers: each kernel alone (float32 and
+bfloat16, odd widths, strided rows) and a whole tiny Llama forward with the kernels forced on.
+
+float32 results agree to rounding noise. In bfloat16 the interpreter (numpy has no bfloat16)
+does not round float32 -> bfloat16 to nearest as the GPU does, so results there may sit one or
+two bf16 steps apart; tests/gpu/test_fused_cuda.py asserts the bf16 agreement on real hardware.
+
+As in test_triton_attention.py, TRITON_INTERPRET=1 has to be set before triton is imported, so
+the checks run in one subprocess that prints a JSON line per check.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+_RESULT = "@@fused-result "
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+
+def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
+    from outrider.layers import fused
+    from outrider.layers.activation import SiluAndMul
+    from outrider.layers.norm import RMSNorm
+    from outrider.layers.rotary import Rope, RotaryEmbedding
+
+    def report(name: str, fused_out: torch.Tensor, ref: torch.Tensor) -> None:
+        diff = (fused_out.float() - ref.float()).abs().max().item()
+        scaled = diff / max(ref.float().abs().max().item(), 1e-30)
+        same = (fused_out == ref).float().mean().item()
+        line = {"name": name, "diff": diff, "scaled": scaled, "same": same}
+        print(_RESULT + json.dumps(line), flush=True)
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        tag = str(dtype).removeprefix("torch.")
+        for rows, n in ((3, 128), (5, 100)):
+            norm = RMSNorm(n, 1e-5)
+            norm.weight.data = (1 + 0.1 * torch.randn(n)).to(dtype)
+            wide = torch.randn(rows, n + 7, dtype=dtype)
+            x = wide[:, :n]  # strided rows
+            res = torch.randn(rows, n, dtype=dtype)
+            report(f"norm-{tag}-{n}", fused.rms_norm(x, norm.weight, 1e-5), norm(x))
+            out, new_res = fused.rms_norm(x, norm.weight, 1e-5, res)
+            ref_out, ref_res = norm(x, res)
+            report(f"norm-res-{tag}-{n}", out, ref_out)
+            report(f"norm-res-sum-{tag}-{n}", new_res, ref_res)
+
+        heads, kv_heads, dim = 4, 2, 16
+        rope_mod = RotaryEmbedding(dim, 64, 10000.0)
+        positions = torch.tensor([0, 5, 63, 17, 2])
+        qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        ref = qkv.clone()
+        q, k, _ = ref.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        rows = Rope(
+            positions, rope_mod.cos[positions][:, None], rope_mod.sin[positions][:, None], False
+        )
+        rq, rk = RotaryEmbedding.apply(rows, q.view(5, heads, dim), k.view(5, kv_heads, dim))
+        table = Rope(positions, rope_mod.cos, rope_mod.sin, True)
+        assert RotaryEmbedding.apply_packed_(table, qkv, heads, kv_heads, dim)
+        report(f"rotary-q-{tag}", qkv[:, : heads * dim], rq.reshape(5, -1))
+        report(f"rotary-k-{tag}", qkv[:, heads * dim : (heads + kv_heads) * dim], rk.reshape(5, -1))
+        report(
+            f"rotary-v-untouched-{tag}",
+            qkv[:, (heads + kv_heads) * dim :],
+            ref[:, (heads + kv_heads) * dim :],
+        )
+
+        x = torch.randn(4, 2 * 1300, dtype=dtype)  # > one 1024 block, not a power of two
+        report(f"silu-{tag}", fused.silu_and_mul(x), SiluAndMul()(x))
+
+    # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
+    sys.path.insert(0, str(ROOT))
+    from tests.tiny import hf_reference, outrider_model, prefill_batch, run_forward, tiny_hf_config
+
+    cfg = tiny_hf_config()
+    state = hf_reference(cfg).state_dict()
+    prompts = [[5, 9, 33, 100, 7], list(range(40, 71))]
+    model, _ = outrider_model(cfg, state)
+    plain = run_forward(model, prefill_batch(prompts))
+    fused.use_fused = lambda x: True
+    model, _ = outrider_model(cfg, state)
+    report("llama-forward-f32", run_forward(model, prefill_batch(prompts)), plain)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tests.unit.test_fused_kernels import _worker; _worker()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    found = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(_RESULT):
+            r = json.loads(line[len(_RESULT) :])
+            found[r["name"]] = r
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return found
+
+
+BF16_STEPS = 2**-6  # two bfloat16 rounding steps, relative to the largest value
+
+
+def _close(r: dict, dtype: str) -> bool:
+    return r["diff"] <= 1e-5 if dtype == "float32" else r["scaled"] <= BF16_STEPS
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("width", [128, 100])
+def test_rms_norm_matches_torch(results, dtype, width):
+    for name in (
+        f"norm-{dtype}-{width}",
+        f"norm-res-{dtype}-{width}",
+        f"norm-res-sum-{dtype}-{width}",
+    ):
+        assert _close(results[name], dtype), results[name]
+    if dtype == "float32":  # the residual sum is one rounded add on both paths
+        assert results[f"norm-res-sum-{dtype}-{width}"]["same"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotary_in_place_matches_torch(results, dtype):
+    assert _close(results[f"rotary-q-{dtype}"], dtype), results[f"rotary-q-{dtype}"]
+    assert _close(results[f"rotary-k-{dtype}"], dtype), results[f"rotary-k-{dtype}"]
+    assert results[f"rotary-v-untouched-{dtype}"]["same"] == 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_silu_and_mul_matches_torch(results, dtype):
+    assert _close(results[f"silu-{dtype}"], dtype), results[f"silu-{dtype}"]
+
+
+def test_llama_forward_with_fused_kernels_matches_plain(results):
+    assert results["llama-forward-f32"]["diff"] <= 1e-4
