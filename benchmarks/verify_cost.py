@@ -69,7 +69,7 @@ def outrider_times(ks, batches, context) -> dict:
             slot = tables.long()[rows, pos // bs] * bs + pos % bs
             s.slot_mapping[: b * t].copy_(slot)
             mode = ForwardMode.DECODE if t == 1 else ForwardMode.VERIFY
-            graph, _ = graphs.graphs[GraphKey(mode, b, t)]
+            graph = graphs.graphs[GraphKey(mode, b, t)][0]
             out[f"C{b}_k{k}"] = round(cuda_time_ms(graph.replay), 3)
             print(f"outrider graphs C={b} k={k}: {out[f'C{b}_k{k}']} ms", flush=True)
     del engine, graphs, runner

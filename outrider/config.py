@@ -92,18 +92,24 @@ class SchedulerConfig:
             )
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "eagle3")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding. method None decodes plainly; "ngram" drafts by prompt-and-output
-    lookup. num_draft_tokens is k, the drafts verified per sequence per step."""
+    lookup; "eagle3" runs an EAGLE-3 draft network (`draft`: its directory; None picks the one
+    shipped for the default model). num_draft_tokens is k, the drafts verified per sequence per
+    step. EAGLE-3 trees: `topk` candidates per step over `num_steps` steps, the best
+    num_draft_tokens nodes kept; topk 1 is a chain of num_draft_tokens."""
 
     method: str | None = None
     num_draft_tokens: int = 4
     ngram_min_n: int = 1
     ngram_max_n: int = 4
+    draft: str | None = None
+    num_steps: int | None = None  # EAGLE-3: default num_draft_tokens for a chain
+    topk: int = 1
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -113,6 +119,18 @@ class SpecConfig:
             )
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError(f"invalid num_draft_tokens={self.num_draft_tokens}: use 1..64")
+        if not 1 <= self.topk <= 16:
+            raise ValueError(f"invalid topk={self.topk}: use 1..16 (1 drafts a chain)")
+        if self.num_steps is not None and not 1 <= self.num_steps <= self.num_draft_tokens:
+            raise ValueError(
+                f"invalid num_steps={self.num_steps}: use 1..num_draft_tokens "
+                f"({self.num_draft_tokens}); a tree of depth s holds at most k nodes"
+            )
+        if self.method != "eagle3" and (self.draft is not None or self.topk != 1):
+            raise ValueError(
+                f"draft={self.draft!r} / topk={self.topk} only apply to method='eagle3', "
+                f"not method={self.method!r}"
+            )
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
             raise ValueError(
                 f"invalid n-gram range min_n={self.ngram_min_n}, max_n={self.ngram_max_n}: "

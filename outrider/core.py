@@ -264,6 +264,12 @@ class StepOutput:
     num_accepted: list[int] | None = None
     # Per sequence, per new token: {token_id: logprob} for the sampled token and the top-N.
     logprobs: list[list[dict[int, float]]] | None = None
+    # VERIFY: per sampling sequence, the accepted draft nodes in path order (for a chain,
+    # 0..num_accepted-1); [] for sequences without drafts.
+    accepted_nodes: list[list[int]] | None = None
+    # When a drafter asked for them: the target's aux residual streams for every token of the
+    # batch, concatenated [num_tokens, len(aux_layers) * hidden] on the device.
+    aux_hidden: torch.Tensor | None = None
 
 
 @dataclass

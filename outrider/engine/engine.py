@@ -58,7 +58,10 @@ class EngineCore:
         self.vocab_size = self.checkpoint.config.vocab_size
         self._pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         self._tracked: dict[str, _Tracked] = {}
-        self.proposer = build_proposer(config.speculative)
+        self.proposer = build_proposer(config.speculative, self.runner)
+        # A drafter that runs on the target's features asks every forward for them.
+        self.runner.aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
+        self.runner.capture_graphs()
         self.spec_stats = SpecStats()
 
     # -- requests ---------------------------------------------------------------------------
@@ -128,6 +131,8 @@ class EngineCore:
         if output.num_accepted is not None:
             self._cut_at_token_stops(batch, output)
         self.scheduler.postprocess(batch, output)
+        if self.proposer is not None:
+            self.proposer.observe(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
             tracked = self._tracked.get(rid)
@@ -194,12 +199,22 @@ class EngineCore:
         if not reqs:
             return
         k = self.config.speculative.num_draft_tokens
+        if getattr(self.proposer, "writes_kv", False):
+            reqs = [r for r in reqs if self._reserve_draft_slots(r, k)]
         for req, drafts in zip(reqs, self.proposer.propose(reqs, k)):
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
             n = min(drafts.num_nodes, room)
             req.drafts = None if n <= 0 else drafts.truncated(n)
+
+    def _reserve_draft_slots(self, req: Request, k: int) -> bool:
+        """A drafter that writes its own KV while proposing writes it in the slots the next
+        VERIFY uses (root + k drafts): allocate them now, or skip drafting for this request
+        when the pool is short (drafts are a bet; nobody is preempted for them)."""
+        if req.num_computed_tokens + 1 + k > self.max_model_len:
+            return False  # the last few tokens of the context decode plainly
+        return self.block_manager.allocate(req, 1 + k)
 
     def _output(self, tracked: _Tracked, delta_text: str, new_ids: list[int]) -> RequestOutput:
         req = tracked.request

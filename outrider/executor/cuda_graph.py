@@ -71,15 +71,22 @@ class GraphRunner:
         block_size: int,
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
         tokens_per_seq: tuple[int, ...] = (1,),
+        aux_layers: tuple[int, ...] = (),
     ) -> None:
+        """aux_layers: the graphs also output those layers' input residual streams,
+        concatenated (a drafter's features), as eager forwards do."""
         self.model, self.backend = model, backend
+        self.aux_layers = tuple(aux_layers)
         self.max_blocks, self.scratch_block, self.block_size = max_blocks, scratch_block, block_size
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.tokens_per_seq = tuple(sorted(tokens_per_seq))
         device = next(model.parameters()).device
         max_batch, max_tpq = self.batch_sizes[-1], self.tokens_per_seq[-1]
         self.inputs = StaticInputs.allocate(max_batch, max_batch * max_tpq, max_blocks, device)
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # key -> (graph, hidden output, aux output or None)
+        self.graphs: dict[
+            GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]
+        ] = {}
         self.pool = None
 
     # -- capture ----------------------------------------------------------------------------
@@ -104,18 +111,18 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             meta.backend_data.clear()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self._forward(ids, pos, meta)
+                hidden, aux = self._forward(ids, pos, meta)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key] = (graph, hidden)
+        self.graphs[key] = (graph, hidden, aux)
 
     def _forward(
         self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
-            hidden, _ = self.model(ids, pos)
-        return hidden
+            hidden, aux = self.model(ids, pos, self.aux_layers)
+        return hidden, (torch.cat(aux, dim=-1) if aux else None)
 
     def _metadata(self, key: GraphKey) -> AttentionMetadata:
         b, t = key.batch, key.tokens_per_seq
@@ -174,8 +181,11 @@ class GraphRunner:
             return None
         return self.key_for(mode, meta.batch_size, tpq)
 
-    def replay(self, key: GraphKey, inputs: ForwardInputs) -> torch.Tensor:
-        """Copy the step's inputs into the static buffers, replay, return [num_tokens, hidden]."""
+    def replay(
+        self, key: GraphKey, inputs: ForwardInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copy the step's inputs into the static buffers, replay, return the hidden states
+        [num_tokens, hidden] and the aux streams [num_tokens, len(aux_layers) * hidden]."""
         meta, s = inputs.attn, self.inputs
         b, n = meta.batch_size, inputs.input_ids.shape[0]
         s.input_ids[:n].copy_(inputs.input_ids)
@@ -187,6 +197,6 @@ class GraphRunner:
         s.block_tables[:b, :width].copy_(meta.block_tables)
         s.block_tables[:b, width:].fill_(self.scratch_block)
         self._fill_padding(key, first_row=b)
-        graph, hidden = self.graphs[key]
+        graph, hidden, aux = self.graphs[key]
         graph.replay()
-        return hidden[:n]
+        return hidden[:n], (None if aux is None else aux[:n])

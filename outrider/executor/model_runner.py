@@ -78,8 +78,10 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.kv_cache = self.kv_pool.layer(i)
         self.backend = get_backend(config.model.attention_backend, self.device.type)
+        # Layers whose input residual stream every forward returns (a drafter sets them).
+        self.aux_layers: tuple[int, ...] = ()
         self.sampler = Sampler()
-        self.graphs = self._capture_graphs(config)
+        self.graphs: GraphRunner | None = None  # capture_graphs(), once aux_layers are known
         log.info(
             "model %s on %s/%s: KV pool %d blocks x %d tokens (%.1f MiB)",
             cfg.architecture,
@@ -94,6 +96,11 @@ class ModelRunner:
     def num_blocks(self) -> int:
         """Blocks the block manager may hand out (the pool holds one more, a scratch block)."""
         return self._num_blocks
+
+    def capture_graphs(self) -> None:
+        """Capture the CUDA graphs the config asks for (after `aux_layers` is set: the graphs
+        output those streams too). A no-op where graphs do not apply."""
+        self.graphs = self._capture_graphs(self.config)
 
     def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
         wanted = config.model.cuda_graphs
@@ -118,6 +125,7 @@ class ModelRunner:
             block_size=self.block_size,
             batch_sizes=sizes,
             tokens_per_seq=tpq,
+            aux_layers=self.aux_layers,
         )
         runner.capture()
         return runner
@@ -129,9 +137,12 @@ class ModelRunner:
         """One forward over the batch's tokens: final hidden [num_tokens, hidden], the residual
         streams entering `aux_layers`, and the inputs (for logits_indices)."""
         inputs = build_inputs(batch, self.block_size, self.device)
-        key = self.graphs.can_run(inputs) if self.graphs is not None and not aux_layers else None
+        graphs = self.graphs
+        usable = graphs is not None and tuple(aux_layers) == graphs.aux_layers
+        key = graphs.can_run(inputs) if usable else None
         if key is not None:
-            return self.graphs.replay(key, inputs), [], inputs
+            hidden, aux = graphs.replay(key, inputs)
+            return hidden, ([] if aux is None else [aux]), inputs
         self.backend.prepare(inputs.attn)
         with forward_context(ForwardContext(inputs.attn, self.backend)):
             hidden, aux = self.model(inputs.input_ids, inputs.positions, aux_layers)
@@ -139,21 +150,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        hidden, _, inputs = self.forward(batch)
+        hidden, aux, inputs = self.forward(batch, self.aux_layers)
+        aux_hidden = torch.cat(aux, dim=-1) if aux else None
         sampling = [s for s in batch.seqs if s.sample]
         if not sampling:
-            return StepOutput(request_ids=[], token_ids=[])
+            return StepOutput(request_ids=[], token_ids=[], aux_hidden=aux_hidden)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
         ids = [s.request.request_id for s in sampling]
         if batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in sampling):
             out = self.sampler(logits, sampling)
             logprobs = None if out.logprobs is None else [[lp or {}] for lp in out.logprobs]
-            return StepOutput(ids, [[t] for t in out.token_ids], logprobs=logprobs)
+            return StepOutput(
+                ids, [[t] for t in out.token_ids], logprobs=logprobs, aux_hidden=aux_hidden
+            )
         tokens, accepted, logprobs = sample_and_verify(self.sampler, logits, sampling)
         for s, nodes in zip(sampling, accepted):
             if s.drafts is not None and not s.drafts.is_chain and nodes:
                 self._move_accepted_kv(s, nodes)
-        return StepOutput(ids, tokens, logprobs=logprobs, num_accepted=[len(n) for n in accepted])
+        return StepOutput(
+            ids, tokens, logprobs=logprobs, num_accepted=[len(n) for n in accepted],
+            accepted_nodes=accepted, aux_hidden=aux_hidden,
+        )  # fmt: skip
 
     def _move_accepted_kv(self, seq: ScheduledSeq, nodes: list[int]) -> None:
         topology = TreeTopology.from_parents(seq.drafts.parents)

@@ -110,14 +110,14 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions)
         residual = None
-        aux = []
+        captured = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 # The residual stream entering layer i == HF hidden_states[i] (EAGLE-3 capture).
-                aux.append(hidden if residual is None else hidden + residual)
+                captured[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(rope, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
-        return hidden, aux
+        return hidden, [captured[i] for i in aux_layers]  # in the order asked, repeats kept
 
 
 class LlamaForCausalLM(nn.Module):

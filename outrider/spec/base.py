@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from outrider.core import Request
+from outrider.core import Request, ScheduledBatch, StepOutput
 
 
 @dataclass
@@ -62,6 +62,11 @@ class Proposer(Protocol):
     name: str
 
     def propose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[SeqDrafts]: ...
+
+    def observe(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Called after every step's postprocess with what the target just computed (drafters
+        that follow the target's features catch up here; others do nothing)."""
+        ...
 
     def forget(self, request_id: str) -> None:
         """Drop per-request state; the engine calls it when a request finishes or aborts."""

@@ -245,6 +245,9 @@ class NgramProposer:
             drafts.append(SeqDrafts.chain(tokens))
         return drafts
 
+    def observe(self, batch, output) -> None:
+        """Lookup indexes the request's own tokens in `propose`; nothing to catch up on."""
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state; with the shared cache on, hand it to the cache."""
         seq = self._seqs.pop(request_id, None)

@@ -6,7 +6,8 @@ from outrider.config import SpecConfig
 from outrider.spec.base import Proposer
 
 
-def build_proposer(config: SpecConfig) -> Proposer | None:
+def build_proposer(config: SpecConfig, runner=None) -> Proposer | None:
+    """runner: the target's ModelRunner, for drafters that are networks (EAGLE-3)."""
     if config.method is None:
         return None
     if config.method == "ngram":
@@ -19,4 +20,8 @@ def build_proposer(config: SpecConfig) -> Proposer | None:
                 num_draft_tokens=config.num_draft_tokens,
             )
         )
+    if config.method == "eagle3":
+        from outrider.spec.eagle3 import build_eagle3_proposer
+
+        return build_eagle3_proposer(config, runner)
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -41,6 +41,9 @@ class OracleProposer:
             out.append(SeqDrafts(tokens[:n], parents[:n]))
         return out
 
+    def observe(self, batch, output):
+        pass
+
     def forget(self, request_id):
         pass
 

@@ -1,0 +1,212 @@
+"""EAGLE-3 proposals: the draft network runs ahead of the target on the target's own features.
+
+Alignment (C = a request's computed tokens; x_p its token at position p; h_p the target's aux
+features computed at p). The draft's row at position p takes (x_{p+1}, h_p) and predicts
+x_{p+2}, so its KV pool is indexed by the same positions as the target's and shares the
+target's block tables (one layer, same block ids; a separate pool).
+
+    after every target forward (`observe`): one EXTEND over the rows the target just made
+    valid — a prompt chunk's tokens, a decode's token, a verify's root and accepted drafts —
+    with h from that forward (no extra target forward). Its last row, at C - 1, gives d_1.
+    `propose`: chain step j (2..k) runs at position C + j - 2 on (d_{j-1}, its own pre-norm
+    hidden) over the draft KV of positions < C + j - 1, and gives d_j.
+
+The chain steps write draft KV at positions C..C+k-2, inside the slots the next VERIFY uses
+(C..C+k): the engine allocates those blocks before proposing (`writes_kv`). The next EXTEND
+overwrites them with features of the accepted tokens. A prefix-cache hit reuses the draft KV
+of the block's earlier owner too: identical except at a block's last position, whose input is
+the next block's first token; a draft-quality effect only, never a correctness one.
+
+Drafts are the draft's argmax, proposed as deterministic (one-hot) drafts: verification stays
+lossless for sampled requests too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, StepOutput
+from outrider.executor.inputs import build_inputs
+from outrider.executor.kv_cache import KVLayout, KVPool
+from outrider.layers.forward_context import ForwardContext, forward_context
+from outrider.models.eagle3 import Eagle3Draft
+from outrider.spec.base import SeqDrafts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Frontier:
+    """A request's draft state after its last EXTEND: the first draft, ready for step 2."""
+
+    position: int  # the extend's last row (C - 1)
+    first: torch.Tensor  # [] int64 target id of d_1, on the device
+    hidden: torch.Tensor  # [H] the draft's pre-norm output at that row
+
+
+class Eagle3Proposer:
+    name = "eagle3"
+    writes_kv = True  # chain steps write draft KV in the next verify's slots
+
+    def __init__(self, draft: Eagle3Draft, runner) -> None:
+        """runner: the target's ModelRunner (device, dtype, block size, backend, embedding)."""
+        self.draft = draft
+        self.runner = runner
+        self.device, self.block_size = runner.device, runner.block_size
+        cfg = draft.config
+        target = runner.model_config
+        if cfg.target_hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the drafter was built for a target with hidden size {cfg.target_hidden_size} "
+                f"and vocabulary {cfg.vocab_size}, but the target has {target.hidden_size} and "
+                f"{target.vocab_size}: use a drafter trained for this model "
+                "(`outrider drafter train`), or check it with `outrider drafter doctor`"
+            )
+        if max(cfg.aux_layers) >= target.num_hidden_layers:
+            raise ValueError(
+                f"drafter aux layers {cfg.aux_layers} exceed the target's "
+                f"{target.num_hidden_layers} layers: it was trained for another model"
+            )
+        self.aux_layers = tuple(cfg.aux_layers)
+        draft.bind_embedding(runner.model.model.embed_tokens)
+        layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, runner.dtype)
+        # Same block ids as the target's pool (+1 scratch block, as there).
+        self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
+        draft.attention_layers()[0].kv_cache = self.kv_pool.layer(0)
+        self._frontier: dict[str, _Frontier] = {}
+
+    # -- after every target forward ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def observe(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """EXTEND the draft over the rows this step made valid (call after postprocess)."""
+        if output.aux_hidden is None:
+            raise RuntimeError("the target forward returned no aux hidden states for EAGLE-3")
+        rows: list[int] = []
+        seqs: list[ScheduledSeq] = []
+        row0 = 0
+        sampled = 0
+        for s in batch.seqs:
+            req = s.request
+            if s.drafts is not None:
+                nodes = output.accepted_nodes[sampled]
+                own = [row0] + [row0 + 1 + n for n in nodes]
+            else:
+                own = list(range(row0, row0 + s.query_len))
+            row0 += s.query_len
+            sampled += s.sample
+            if req.is_finished or not req.block_ids:
+                continue
+            # Each row's next token: the prompt's, the sampled one, or an accepted draft.
+            nxt = req.all_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(own)]
+            own = own[: len(nxt)]
+            if not own or s.start_pos + len(own) > req.num_computed_tokens:
+                continue
+            rows += own
+            seqs.append(ScheduledSeq(req, nxt, s.start_pos, req.block_ids, sample=True))
+        if not seqs:
+            return
+        hidden = output.aux_hidden[torch.as_tensor(rows, device=output.aux_hidden.device)]
+        first, last_hidden = self._run(ScheduledBatch(ForwardMode.PREFILL, seqs), hidden)
+        for i, s in enumerate(seqs):
+            self._frontier[s.request.request_id] = _Frontier(
+                s.context_len - 1, first[i], last_hidden[i]
+            )
+
+    # -- the engine's proposal call ---------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[SeqDrafts]:
+        live = [
+            (i, r)
+            for i, r in enumerate(requests)
+            if (f := self._frontier.get(r.request_id)) is not None
+            and f.position == r.num_computed_tokens - 1
+        ]
+        out = [SeqDrafts([], []) for _ in requests]
+        if not live or max_draft_tokens < 1:
+            return out
+        reqs = [r for _, r in live]
+        steps = [torch.stack([self._frontier[r.request_id].first for r in reqs])]  # [B]
+        hidden = torch.stack([self._frontier[r.request_id].hidden for r in reqs])  # [B, H]
+        for j in range(2, max_draft_tokens + 1):
+            seqs = [
+                ScheduledSeq(r, [0], r.num_computed_tokens + j - 2, r.block_ids, sample=True)
+                for r in reqs
+            ]
+            tokens, hidden = self._run(ScheduledBatch(ForwardMode.DECODE, seqs), hidden, steps[-1])
+            steps.append(tokens)
+        drafts = torch.stack(steps, dim=1).tolist()  # [B, k]  # CPU-GPU sync point
+        for (i, _), ids in zip(live, drafts):
+            out[i] = SeqDrafts.chain(ids)
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._frontier.pop(request_id, None)
+
+    def positions_needed(self, k: int) -> int:
+        """Slots past the computed tokens that proposing k drafts writes (root excluded)."""
+        return max(k - 1, 0)
+
+    # -- one draft forward ------------------------------------------------------------------
+
+    def _run(
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,  # [num_tokens, 3 * Ht] or [num_tokens, H]
+        input_ids: torch.Tensor | None = None,  # [num_tokens] on the device; None: batch's ids
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (target id of each seq's argmax at its last row [B], pre-norm hidden there [B, H])."""
+        inputs = build_inputs(batch, self.block_size, self.device)
+        ids = inputs.input_ids if input_ids is None else input_ids
+        backend = self.runner.backend
+        backend.prepare(inputs.attn)
+        with forward_context(ForwardContext(inputs.attn, backend)):
+            normed, summed = self.draft(ids, inputs.positions, hidden)
+        last = inputs.logits_indices
+        logits = self.draft.compute_logits(normed[last])  # [B, draft_vocab]
+        return self.draft.to_target_ids(logits.argmax(dim=-1)), summed[last]
+
+
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
+
+
+def shipped_drafter(target) -> Path:
+    """The drafter shipped in the package for `target` (a TransformerConfig): a folder under
+    outrider/data whose name contains 'eagle3' and whose config.json was written for a target of
+    this shape (outrider.target: hidden size, layers, vocabulary)."""
+    want = [target.hidden_size, target.num_hidden_layers, target.vocab_size]
+    for d in sorted(SHIPPED_DIR.glob("*eagle3*")):
+        try:
+            meta = json.loads((d / "config.json").read_text()).get("outrider", {})
+        except (OSError, ValueError):
+            continue
+        t = meta.get("target", {})
+        if [t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size")] == want:
+            return d
+    raise ValueError(
+        f"no EAGLE-3 drafter ships for this model (hidden {want[0]}, {want[1]} layers, vocabulary "
+        f"{want[2]}): pass speculative={{'method': 'eagle3', 'draft': PATH}} or train one with "
+        "`outrider drafter datagen` and `outrider drafter train`"
+    )
+
+
+def build_eagle3_proposer(config, runner) -> Eagle3Proposer:
+    """config: SpecConfig. Loads config.draft (or the drafter shipped for the default model)."""
+    from outrider.models.eagle3_io import load_drafter
+
+    path = config.draft or shipped_drafter(runner.model_config)
+    draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype)
+    if config.topk != 1:
+        raise ValueError(
+            f"topk={config.topk}: EAGLE-3 tree proposals are not available yet; use topk=1 (a "
+            f"chain of num_draft_tokens={config.num_draft_tokens})"
+        )
+    log.info("EAGLE-3 drafter %s, aux layers %s", path, draft.config.aux_layers)
+    return Eagle3Proposer(draft.eval(), runner)
