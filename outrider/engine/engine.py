@@ -58,7 +58,7 @@ class EngineCore:
         self.vocab_size = self.checkpoint.config.vocab_size
         self._pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         self._tracked: dict[str, _Tracked] = {}
-        self.proposer = build_proposer(config.speculative, self.runner)
+        self.proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # A drafter that runs on the target's features asks every forward for them.
         self.runner.aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
         self.runner.capture_graphs()
@@ -209,12 +209,14 @@ class EngineCore:
             req.drafts = None if n <= 0 else drafts.truncated(n)
 
     def _reserve_draft_slots(self, req: Request, k: int) -> bool:
-        """A drafter that writes its own KV while proposing writes it in the slots the next
-        VERIFY uses (root + k drafts): allocate them now, or skip drafting for this request
-        when the pool is short (drafts are a bet; nobody is preempted for them)."""
-        if req.num_computed_tokens + 1 + k > self.max_model_len:
+        """A drafter that writes its own KV while proposing writes it in slots past the computed
+        tokens, which the next VERIFY uses too (root + k drafts): allocate them now, or skip
+        drafting for this request when the pool is short (drafts are a bet; nobody is
+        preempted for them)."""
+        need = self.proposer.positions_needed(k)
+        if req.num_computed_tokens + need > self.max_model_len:
             return False  # the last few tokens of the context decode plainly
-        return self.block_manager.allocate(req, 1 + k)
+        return self.block_manager.allocate(req, need)
 
     def _output(self, tracked: _Tracked, delta_text: str, new_ids: list[int]) -> RequestOutput:
         req = tracked.request

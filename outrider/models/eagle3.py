@@ -15,7 +15,7 @@ both the normed hidden (for logits) and the pre-norm sum, which is the hidden th
 step takes (EAGLE feeds its own features back).
 
 Aux layer ids are stored in outrider's convention, the index of the layer whose *input* is
-captured (HF hidden_states[i]); the SGLang and vLLM spellings are converted in spec/eagle3_io.py.
+captured (HF hidden_states[i]); the SGLang and vLLM spellings are converted in models/eagle3_io.py.
 """
 
 from __future__ import annotations

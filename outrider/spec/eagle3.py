@@ -46,7 +46,8 @@ class _Frontier:
     """A request's draft state after its last EXTEND: the first draft, ready for step 2."""
 
     position: int  # the extend's last row (C - 1)
-    first: torch.Tensor  # [] int64 target id of d_1, on the device
+    top_ids: torch.Tensor  # [topk] int64 target ids of the best first drafts, on the device
+    top_logp: torch.Tensor  # [topk] float32 their draft log-probabilities
     hidden: torch.Tensor  # [H] the draft's pre-norm output at that row
 
 
@@ -54,9 +55,13 @@ class Eagle3Proposer:
     name = "eagle3"
     writes_kv = True  # chain steps write draft KV in the next verify's slots
 
-    def __init__(self, draft: Eagle3Draft, runner) -> None:
-        """runner: the target's ModelRunner (device, dtype, block size, backend, embedding)."""
+    def __init__(
+        self, draft: Eagle3Draft, runner, topk: int = 1, num_steps: int | None = None
+    ) -> None:
+        """runner: the target's ModelRunner (device, dtype, block size, backend, embedding).
+        topk 1 drafts chains of k; topk > 1 grows trees of depth num_steps (spec/eagle3_tree.py)."""
         self.draft = draft
+        self.topk, self.num_steps = topk, num_steps
         self.runner = runner
         self.device, self.block_size = runner.device, runner.block_size
         cfg = draft.config
@@ -113,10 +118,12 @@ class Eagle3Proposer:
         if not seqs:
             return
         hidden = output.aux_hidden[torch.as_tensor(rows, device=output.aux_hidden.device)]
-        first, last_hidden = self._run(ScheduledBatch(ForwardMode.PREFILL, seqs), hidden)
+        logits, last_hidden = self._run(ScheduledBatch(ForwardMode.PREFILL, seqs), hidden)
+        top_logp, top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        top_ids = self.draft.to_target_ids(top)
         for i, s in enumerate(seqs):
             self._frontier[s.request.request_id] = _Frontier(
-                s.context_len - 1, first[i], last_hidden[i]
+                s.context_len - 1, top_ids[i], top_logp[i], last_hidden[i]
             )
 
     # -- the engine's proposal call ---------------------------------------------------------
@@ -133,15 +140,23 @@ class Eagle3Proposer:
         if not live or max_draft_tokens < 1:
             return out
         reqs = [r for _, r in live]
-        steps = [torch.stack([self._frontier[r.request_id].first for r in reqs])]  # [B]
-        hidden = torch.stack([self._frontier[r.request_id].hidden for r in reqs])  # [B, H]
+        frontiers = [self._frontier[r.request_id] for r in reqs]
+        if self.topk > 1:
+            from outrider.spec.eagle3_tree import propose_trees
+
+            trees = propose_trees(self, reqs, frontiers, max_draft_tokens)
+            for (i, _), tree in zip(live, trees):
+                out[i] = tree
+            return out
+        steps = [torch.stack([f.top_ids[0] for f in frontiers])]  # [B]
+        hidden = torch.stack([f.hidden for f in frontiers])  # [B, H]
         for j in range(2, max_draft_tokens + 1):
             seqs = [
                 ScheduledSeq(r, [0], r.num_computed_tokens + j - 2, r.block_ids, sample=True)
                 for r in reqs
             ]
-            tokens, hidden = self._run(ScheduledBatch(ForwardMode.DECODE, seqs), hidden, steps[-1])
-            steps.append(tokens)
+            logits, hidden = self._run(ScheduledBatch(ForwardMode.DECODE, seqs), hidden, steps[-1])
+            steps.append(self.draft.to_target_ids(logits.argmax(dim=-1)))
         drafts = torch.stack(steps, dim=1).tolist()  # [B, k]  # CPU-GPU sync point
         for (i, _), ids in zip(live, drafts):
             out[i] = SeqDrafts.chain(ids)
@@ -151,8 +166,10 @@ class Eagle3Proposer:
         self._frontier.pop(request_id, None)
 
     def positions_needed(self, k: int) -> int:
-        """Slots past the computed tokens that proposing k drafts writes (root excluded)."""
-        return max(k - 1, 0)
+        """Slots from position C (the root's) that proposing k drafts and verifying them use:
+        the verify's root + k drafts, and a tree's frontier nodes (topk per step but the last)."""
+        steps = self.num_steps or k
+        return max(1 + k, (steps - 1) * self.topk if self.topk > 1 else 0)
 
     # -- one draft forward ------------------------------------------------------------------
 
@@ -162,16 +179,19 @@ class Eagle3Proposer:
         hidden: torch.Tensor,  # [num_tokens, 3 * Ht] or [num_tokens, H]
         input_ids: torch.Tensor | None = None,  # [num_tokens] on the device; None: batch's ids
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (target id of each seq's argmax at its last row [B], pre-norm hidden there [B, H])."""
+        """-> (draft logits at each seq's last row [B, draft_vocab], pre-norm hidden there [B, H])."""
         inputs = build_inputs(batch, self.block_size, self.device)
         ids = inputs.input_ids if input_ids is None else input_ids
+        return self.run_rows(ids, inputs.positions, inputs.attn, hidden, inputs.logits_indices)
+
+    def run_rows(self, ids, positions, meta, hidden, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward -> (draft logits [len(rows), draft_vocab], pre-norm [len(rows), H])
+        at `rows`."""
         backend = self.runner.backend
-        backend.prepare(inputs.attn)
-        with forward_context(ForwardContext(inputs.attn, backend)):
-            normed, summed = self.draft(ids, inputs.positions, hidden)
-        last = inputs.logits_indices
-        logits = self.draft.compute_logits(normed[last])  # [B, draft_vocab]
-        return self.draft.to_target_ids(logits.argmax(dim=-1)), summed[last]
+        backend.prepare(meta)
+        with forward_context(ForwardContext(meta, backend)):
+            normed, summed = self.draft(ids, positions, hidden)
+        return self.draft.compute_logits(normed[rows]), summed[rows]
 
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -197,16 +217,21 @@ def shipped_drafter(target) -> Path:
     )
 
 
-def build_eagle3_proposer(config, runner) -> Eagle3Proposer:
-    """config: SpecConfig. Loads config.draft (or the drafter shipped for the default model)."""
+def build_eagle3_proposer(config, runner, checkpoint=None) -> Eagle3Proposer:
+    """config: SpecConfig. Loads config.draft (or the drafter shipped for the default model)
+    after the doctor's static checks against the target (checkpoint: its config and tokenizer):
+    a drafter for another model or tokenizer is refused here, not discovered as accept length 1."""
     from outrider.models.eagle3_io import load_drafter
+    from outrider.spec.eagle3_doctor import diagnose
 
     path = config.draft or shipped_drafter(runner.model_config)
+    if checkpoint is not None:
+        report = diagnose(path, checkpoint)
+        if not report.ok:
+            raise ValueError(
+                f"refusing EAGLE-3 drafter {path} for this model:\n{report}\n"
+                "train one for it with `outrider drafter train`"
+            )
     draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype)
-    if config.topk != 1:
-        raise ValueError(
-            f"topk={config.topk}: EAGLE-3 tree proposals are not available yet; use topk=1 (a "
-            f"chain of num_draft_tokens={config.num_draft_tokens})"
-        )
     log.info("EAGLE-3 drafter %s, aux layers %s", path, draft.config.aux_layers)
-    return Eagle3Proposer(draft.eval(), runner)
+    return Eagle3Proposer(draft.eval(), runner, topk=config.topk, num_steps=config.num_steps)

@@ -6,8 +6,9 @@ from outrider.config import SpecConfig
 from outrider.spec.base import Proposer
 
 
-def build_proposer(config: SpecConfig, runner=None) -> Proposer | None:
-    """runner: the target's ModelRunner, for drafters that are networks (EAGLE-3)."""
+def build_proposer(config: SpecConfig, runner=None, checkpoint=None) -> Proposer | None:
+    """runner, checkpoint: the target's ModelRunner and checkpoint, for drafters that are
+    networks (EAGLE-3)."""
     if config.method is None:
         return None
     if config.method == "ngram":
@@ -23,5 +24,5 @@ def build_proposer(config: SpecConfig, runner=None) -> Proposer | None:
     if config.method == "eagle3":
         from outrider.spec.eagle3 import build_eagle3_proposer
 
-        return build_eagle3_proposer(config, runner)
+        return build_eagle3_proposer(config, runner, checkpoint)
     raise ValueError(f"unknown speculative method {config.method!r}")

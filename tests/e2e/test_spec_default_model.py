@@ -55,3 +55,30 @@ def test_ngram_greedy_equals_plain_on_real_model(llm):
         o.metrics["accept_length"] for o in outs[len(CHAT_PROMPTS) :] if o.metrics["accept_length"]
     ]
     assert max(grounded) > 1.5  # copying the input is what n-gram lookup is for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topk", [1, 3])
+def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
+    """Losslessness does not depend on the drafter's quality: a random EAGLE-3 drafter for the
+    real model (chain, and a tree of 3 candidates per step) keeps greedy output exact."""
+    from outrider.spec.eagle3 import Eagle3Proposer
+    from tests.unit.test_spec_eagle3 import random_drafter
+
+    prompts = [
+        llm.encode_chat_text(llm.apply_chat_template([{"role": "user", "content": p}]))
+        for p in CHAT_PROMPTS[:3] + GROUNDED[:2]
+    ]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = llm.generate(prompts, params)
+    spec = LLM(
+        dtype="float32", device="cpu", speculative={"method": "ngram", "num_draft_tokens": 4}
+    )
+    target = spec.engine.checkpoint.config
+    spec.engine.proposer = Eagle3Proposer(
+        random_drafter(target, draft_vocab=8000), spec.engine.runner, topk=topk, num_steps=3
+    )
+    spec.engine.runner.aux_layers = spec.engine.proposer.aux_layers
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert spec.engine.spec_stats.num_verify_steps > 0

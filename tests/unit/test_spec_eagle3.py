@@ -130,3 +130,55 @@ def test_eagle3_rejects_a_drafter_for_another_target(tiny_dir):  # noqa: F811
     other = TransformerConfig.from_hf_dict(tiny_hf_config(hidden_size=64, intermediate_size=128))
     with pytest.raises(ValueError, match="hidden size 64"):
         Eagle3Proposer(random_drafter(other), llm.engine.runner)
+
+
+@pytest.mark.parametrize("topk,steps", [(2, 3), (3, 2)])
+def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, steps):  # noqa: F811
+    llm = eagle_llm(tiny_dir)
+    proposer = llm.engine.proposer
+    proposer.topk, proposer.num_steps = topk, steps
+    seen_trees = []
+    propose = proposer.propose
+
+    def spy(reqs, k):
+        out = propose(reqs, k)
+        seen_trees.extend(d for d in out if d.num_nodes)
+        return out
+
+    proposer.propose = spy
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert seen_trees and any(not d.is_chain for d in seen_trees)
+    for d in seen_trees:
+        assert d.num_nodes <= K and all(p < i for i, p in enumerate(d.parents))
+        # at most topk children per node, root included
+        for parent in [-1, *range(d.num_nodes)]:
+            assert d.parents.count(parent) <= topk
+    assert llm.engine.spec_stats.num_verify_steps > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_eagle3_tree_code_with_topk_1_equals_the_chain(tiny_dir, prompts):  # noqa: F811
+    """The tree path (masks, slots, positions, gathers) run with topk 1 must draft exactly
+    the chain the chain path drafts."""
+    from outrider.spec.eagle3_tree import propose_trees
+
+    llm = eagle_llm(tiny_dir)
+    engine, proposer = llm.engine, llm.engine.proposer
+    reqs = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=30)) for p in prompts[:4]
+    ]
+    compared = 0
+    for _ in range(6):
+        engine.step()
+        live = [r for r in reqs if r.drafts and r.num_computed_tokens == r.num_tokens - 1]
+        if not live:
+            continue
+        proposer.num_steps = K
+        fronts = [proposer._frontier[r.request_id] for r in live]
+        trees = propose_trees(proposer, live, fronts, K)
+        proposer.num_steps = None
+        for r, tree in zip(live, trees):
+            assert tree.token_ids == r.drafts.token_ids and tree.is_chain
+            compared += 1
+    assert compared >= 4
