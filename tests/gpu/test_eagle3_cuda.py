@@ -1,0 +1,64 @@
+"""EAGLE-3 on CUDA: greedy output with a drafter (random weights: losslessness does not depend
+on its quality) equals plain decoding in fp32, chain and tree, with the target's CUDA graphs
+returning the aux streams; the graphs' aux output equals the eager forward's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider import LLM, SamplingParams
+from outrider.bench.datasets import GROUNDED, OPEN
+
+pytestmark = pytest.mark.gpu
+
+
+def _eagle_llm(path: str, topk: int) -> LLM:
+    return LLM(
+        dtype="float32", device="cuda", gpu_memory_utilization=0.2,
+        speculative={"method": "eagle3", "draft": path, "num_draft_tokens": 4, "topk": topk,
+                     "num_steps": 3 if topk > 1 else None},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def drafter_path(tmp_path_factory):
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.models.eagle3_io import save_drafter
+    from tests.unit.test_spec_eagle3 import random_drafter
+
+    target = open_checkpoint(None).config
+    path = tmp_path_factory.mktemp("eagle3") / "drafter"
+    save_drafter(random_drafter(target, draft_vocab=8000), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2)
+    want = [o.token_ids for o in plain.chat(convs, params)]
+    del plain
+    spec = _eagle_llm(drafter_path, topk)
+    runner = spec.engine.runner
+    assert runner.graphs is not None and runner.graphs.aux_layers == runner.aux_layers
+    outs = spec.chat(convs, params)
+    assert [o.token_ids for o in outs] == want
+    assert spec.engine.spec_stats.num_verify_steps > 0
+
+
+def test_graph_aux_streams_equal_eager(drafter_path):
+    from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq
+
+    spec = _eagle_llm(drafter_path, 1)
+    runner = spec.engine.runner
+    reqs = [Request(prompt_token_ids=[1, 2, 3], params=SamplingParams()) for _ in range(3)]
+    seqs = [ScheduledSeq(r, [5 + i], 20 + i, [i, 7], True) for i, r in enumerate(reqs)]
+    batch = ScheduledBatch(ForwardMode.DECODE, seqs)
+    graphed, aux_g, _ = runner.forward(batch, runner.aux_layers)
+    graphs, runner.graphs = runner.graphs, None
+    eager, aux_e, _ = runner.forward(batch, runner.aux_layers)
+    runner.graphs = graphs
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(aux_g, -1), torch.cat(aux_e, -1), rtol=1e-4, atol=1e-4)
