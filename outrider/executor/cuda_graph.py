@@ -14,7 +14,8 @@ Capture goes largest first into one shared memory pool, so smaller graphs reuse 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,12 +46,20 @@ class StaticInputs:
     seq_lens: torch.Tensor  # [max_batch] int32
     query_start_loc: torch.Tensor  # [max_batch + 1] int32
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
+    # Per-token inputs of a custom step, by name: [max_tokens, width] (a drafter's hidden).
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, max_batch: int, max_tokens: int, max_blocks: int, device) -> StaticInputs:
+    def allocate(
+        cls, max_batch: int, max_tokens: int, max_blocks: int, device, extra_widths=None
+    ) -> StaticInputs:
         def z(*shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
 
+        extras = {
+            name: z(max_tokens, width, dtype=dtype)
+            for name, (width, dtype) in (extra_widths or {}).items()
+        }
         return cls(
             z(max_tokens, dtype=torch.int64),
             z(max_tokens, dtype=torch.int64),
@@ -58,7 +67,12 @@ class StaticInputs:
             z(max_batch, dtype=torch.int32),
             z(max_batch + 1, dtype=torch.int32),
             z(max_batch, max_blocks, dtype=torch.int32),
+            extras,
         )
+
+
+# (input_ids [T], positions [T], extras {name: [T, width]}) -> outputs, each [T, ...] or None
+StepFn = Callable[[torch.Tensor, torch.Tensor, dict], tuple]
 
 
 class GraphRunner:
@@ -72,28 +86,36 @@ class GraphRunner:
         batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
         tokens_per_seq: tuple[int, ...] = (1,),
         aux_layers: tuple[int, ...] = (),
+        step: StepFn | None = None,
+        extra_widths: dict[str, tuple[int, torch.dtype]] | None = None,
+        mode: ForwardMode | None = None,
     ) -> None:
         """aux_layers: the graphs also output those layers' input residual streams,
-        concatenated (a drafter's features), as eager forwards do."""
+        concatenated (a drafter's features), as eager forwards do.
+        step: what a graph runs, (ids, positions, extras) -> outputs; None runs the model's
+        forward -> (hidden, aux streams or None). extra_widths: name -> (width, dtype) of the
+        per-token inputs `step` reads. mode: every key's mode (DRAFT for a drafter's steps);
+        None keys 1 token per sequence as DECODE and more as VERIFY."""
         self.model, self.backend = model, backend
         self.aux_layers = tuple(aux_layers)
+        self.step = step or self._model_step
+        self.mode = mode
         self.max_blocks, self.scratch_block, self.block_size = max_blocks, scratch_block, block_size
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.tokens_per_seq = tuple(sorted(tokens_per_seq))
         device = next(model.parameters()).device
         max_batch, max_tpq = self.batch_sizes[-1], self.tokens_per_seq[-1]
-        self.inputs = StaticInputs.allocate(max_batch, max_batch * max_tpq, max_blocks, device)
-        # key -> (graph, hidden output, aux output or None)
-        self.graphs: dict[
-            GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]
-        ] = {}
+        self.inputs = StaticInputs.allocate(
+            max_batch, max_batch * max_tpq, max_blocks, device, extra_widths
+        )
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> outputs
         self.pool = None
 
     # -- capture ----------------------------------------------------------------------------
 
     def capture(self) -> None:
         for tpq in reversed(self.tokens_per_seq):
-            mode = ForwardMode.DECODE if tpq == 1 else ForwardMode.VERIFY
+            mode = self._mode(tpq)
             for batch in reversed(self.batch_sizes):
                 self._capture(GraphKey(mode, batch, tpq))
         log.info("captured %d CUDA graphs", len(self.graphs))
@@ -103,26 +125,33 @@ class GraphRunner:
         meta = self._metadata(key)
         n = key.batch * key.tokens_per_seq
         ids, pos = self.inputs.input_ids[:n], self.inputs.positions[:n]
+        extras = {name: t[:n] for name, t in self.inputs.extras.items()}
         with torch.inference_mode():
             for _ in range(2):  # warm up: lazy inits and autotuning happen outside the capture
                 meta.backend_data.clear()
-                self._forward(ids, pos, meta)
+                self._forward(ids, pos, extras, meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             meta.backend_data.clear()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden, aux = self._forward(ids, pos, meta)
+                outputs = self._forward(ids, pos, extras, meta)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key] = (graph, hidden, aux)
+        self.graphs[key] = (graph, outputs)
 
-    def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids, pos, extras: dict, meta: AttentionMetadata) -> tuple:
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
-            hidden, aux = self.model(ids, pos, self.aux_layers)
+            return self.step(ids, pos, extras)
+
+    def _model_step(self, ids, pos, extras) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, aux = self.model(ids, pos, self.aux_layers)
         return hidden, (torch.cat(aux, dim=-1) if aux else None)
+
+    def _mode(self, tokens_per_seq: int) -> ForwardMode:
+        if self.mode is not None:
+            return self.mode
+        return ForwardMode.DECODE if tokens_per_seq == 1 else ForwardMode.VERIFY
 
     def _metadata(self, key: GraphKey) -> AttentionMetadata:
         b, t = key.batch, key.tokens_per_seq
@@ -176,16 +205,14 @@ class GraphRunner:
         if len(lens) != 1:
             return None
         tpq = lens.pop()
-        mode = ForwardMode.DECODE if tpq == 1 else ForwardMode.VERIFY
-        if meta.mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
+        if self.mode is None and meta.mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
             return None
-        return self.key_for(mode, meta.batch_size, tpq)
+        return self.key_for(self._mode(tpq), meta.batch_size, tpq)
 
-    def replay(
-        self, key: GraphKey, inputs: ForwardInputs
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copy the step's inputs into the static buffers, replay, return the hidden states
-        [num_tokens, hidden] and the aux streams [num_tokens, len(aux_layers) * hidden]."""
+    def replay(self, key: GraphKey, inputs: ForwardInputs, extras: dict | None = None) -> tuple:
+        """Copy the step's inputs (and `extras`, by name) into the static buffers, replay, and
+        return the step's outputs cut to the real tokens: for the model's forward, the hidden
+        states [num_tokens, hidden] and the aux streams [num_tokens, n_aux * hidden] or None."""
         meta, s = inputs.attn, self.inputs
         b, n = meta.batch_size, inputs.input_ids.shape[0]
         s.input_ids[:n].copy_(inputs.input_ids)
@@ -196,7 +223,9 @@ class GraphRunner:
         width = meta.block_tables.shape[1]
         s.block_tables[:b, :width].copy_(meta.block_tables)
         s.block_tables[:b, width:].fill_(self.scratch_block)
+        for name, t in (extras or {}).items():
+            s.extras[name][:n].copy_(t)
         self._fill_padding(key, first_row=b)
-        graph, hidden, aux = self.graphs[key]
+        graph, outputs = self.graphs[key]
         graph.replay()
-        return hidden[:n], (None if aux is None else aux[:n])
+        return tuple(None if o is None else o[:n] for o in outputs)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, StepOutput
+from outrider.executor.cuda_graph import GraphRunner
 from outrider.executor.inputs import build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool
 from outrider.layers.forward_context import ForwardContext, forward_context
@@ -85,6 +86,7 @@ class Eagle3Proposer:
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
         draft.attention_layers()[0].kv_cache = self.kv_pool.layer(0)
         self._frontier: dict[str, _Frontier] = {}
+        self._graphs: GraphRunner | None = None
 
     # -- after every target forward ---------------------------------------------------------
 
@@ -150,13 +152,25 @@ class Eagle3Proposer:
             return out
         steps = [torch.stack([f.top_ids[0] for f in frontiers])]  # [B]
         hidden = torch.stack([f.hidden for f in frontiers])  # [B, H]
+        graphs = self._draft_graphs()
         for j in range(2, max_draft_tokens + 1):
             seqs = [
                 ScheduledSeq(r, [0], r.num_computed_tokens + j - 2, r.block_ids, sample=True)
                 for r in reqs
             ]
-            logits, hidden = self._run(ScheduledBatch(ForwardMode.DECODE, seqs), hidden, steps[-1])
-            steps.append(self.draft.to_target_ids(logits.argmax(dim=-1)))
+            inputs = build_inputs(
+                ScheduledBatch(ForwardMode.DRAFT, seqs), self.block_size, self.device
+            )
+            inputs.input_ids = steps[-1]
+            key = graphs.can_run(inputs) if graphs is not None else None
+            if key is not None:
+                tokens, hidden = graphs.replay(key, inputs, {"hidden": hidden})
+            else:
+                logits, hidden = self.run_rows(
+                    inputs.input_ids, inputs.positions, inputs.attn, hidden, inputs.logits_indices
+                )
+                tokens = self.draft.to_target_ids(logits.argmax(dim=-1))
+            steps.append(tokens)
         drafts = torch.stack(steps, dim=1).tolist()  # [B, k]  # CPU-GPU sync point
         for (i, _), ids in zip(live, drafts):
             out[i] = SeqDrafts.chain(ids)
@@ -172,6 +186,27 @@ class Eagle3Proposer:
         return max(1 + k, (steps - 1) * self.topk if self.topk > 1 else 0)
 
     # -- one draft forward ------------------------------------------------------------------
+
+    def _draft_graphs(self) -> GraphRunner | None:
+        """DRAFT graphs for chain steps (one token per sequence), through the same graph runner
+        as the target's, captured on first use where the target runs graphs."""
+        if self._graphs is None and self.runner.graphs is not None:
+            target = self.runner.graphs
+            self._graphs = GraphRunner(
+                self.draft, self.runner.backend, max_blocks=target.max_blocks,
+                scratch_block=target.scratch_block, block_size=self.block_size,
+                batch_sizes=target.batch_sizes, tokens_per_seq=(1,), step=self._graph_step,
+                extra_widths={"hidden": (self.draft.config.hidden_size, self.runner.dtype)},
+                mode=ForwardMode.DRAFT,
+            )  # fmt: skip
+            self._graphs.capture()
+        return self._graphs
+
+    def _graph_step(self, ids, positions, extras) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain step, all on the device: -> (next draft's target id [B], pre-norm [B, H])."""
+        normed, summed = self.draft(ids, positions, extras["hidden"])
+        logits = self.draft.compute_logits(normed)
+        return self.draft.to_target_ids(logits.argmax(dim=-1)), summed
 
     def _run(
         self,

@@ -46,6 +46,8 @@ def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
     outs = spec.chat(convs, params)
     assert [o.token_ids for o in outs] == want
     assert spec.engine.spec_stats.num_verify_steps > 0
+    if topk == 1:  # chain steps replay DRAFT graphs through the same graph runner
+        assert spec.engine.proposer._graphs is not None and spec.engine.proposer._graphs.graphs
 
 
 def test_graph_aux_streams_equal_eager(drafter_path):
