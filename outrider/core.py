@@ -125,6 +125,12 @@ class SamplingParams:
             "use an integer in [0, 20]",
         )
         _check(all(s for s in self.stop), "stop", self.stop, "stop strings must be non-empty")
+        _check(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            "seed",
+            self.seed,
+            "use an integer that fits in 64 bits (a torch.Generator seed)",
+        )
 
     @property
     def greedy(self) -> bool:

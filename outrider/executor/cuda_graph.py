@@ -98,7 +98,7 @@ class GraphRunner:
         None keys 1 token per sequence as DECODE and more as VERIFY."""
         self.model, self.backend = model, backend
         self.aux_layers = tuple(aux_layers)
-        self.step = step or self._model_step
+        self.step = step  # None: _model_step (not stored: a bound method would be a cycle)
         self.mode = mode
         self.max_blocks, self.scratch_block, self.block_size = max_blocks, scratch_block, block_size
         self.batch_sizes = tuple(sorted(batch_sizes))
@@ -142,7 +142,7 @@ class GraphRunner:
     def _forward(self, ids, pos, extras: dict, meta: AttentionMetadata) -> tuple:
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
-            return self.step(ids, pos, extras)
+            return (self.step or self._model_step)(ids, pos, extras)
 
     def _model_step(self, ids, pos, extras) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, aux = self.model(ids, pos, self.aux_layers)

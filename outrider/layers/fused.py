@@ -29,9 +29,10 @@ def _triton_ok() -> bool:
 
 
 def use_fused(x: torch.Tensor) -> bool:
-    """True when the fused kernels serve this tensor: CUDA (or the interpreter in tests, through
-    `force=True` at the call sites), triton importable, not disabled by OUTRIDER_FUSED_KERNELS=0."""
-    return x.is_cuda and env.fused_kernels() and _triton_ok()
+    """True when the fused kernels serve this tensor: CUDA, triton importable, not disabled by
+    OUTRIDER_FUSED_KERNELS=0, and autograd off (the kernels have no backward: training a
+    drafter runs the PyTorch ops; serving and feature capture run under inference mode)."""
+    return x.is_cuda and not torch.is_grad_enabled() and env.fused_kernels() and _triton_ok()
 
 
 def rms_norm(

@@ -195,18 +195,12 @@ class Eagle3Proposer:
             self._graphs = GraphRunner(
                 self.draft, self.runner.backend, max_blocks=target.max_blocks,
                 scratch_block=target.scratch_block, block_size=self.block_size,
-                batch_sizes=target.batch_sizes, tokens_per_seq=(1,), step=self._graph_step,
+                batch_sizes=target.batch_sizes, tokens_per_seq=(1,), step=_chain_step(self.draft),
                 extra_widths={"hidden": (self.draft.config.hidden_size, self.runner.dtype)},
                 mode=ForwardMode.DRAFT,
             )  # fmt: skip
             self._graphs.capture()
         return self._graphs
-
-    def _graph_step(self, ids, positions, extras) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chain step, all on the device: -> (next draft's target id [B], pre-norm [B, H])."""
-        normed, summed = self.draft(ids, positions, extras["hidden"])
-        logits = self.draft.compute_logits(normed)
-        return self.draft.to_target_ids(logits.argmax(dim=-1)), summed
 
     def _run(
         self,
@@ -227,6 +221,19 @@ class Eagle3Proposer:
         with forward_context(ForwardContext(meta, backend)):
             normed, summed = self.draft(ids, positions, hidden)
         return self.draft.compute_logits(normed[rows]), summed[rows]
+
+
+def _chain_step(draft: Eagle3Draft):
+    """One chain step for a DRAFT graph, all on the device: -> (next draft's target id [B],
+    pre-norm hidden [B, H]). A closure over the draft, not the proposer: the graph runner
+    holding it must not keep the proposer (and the engine) alive in a reference cycle."""
+
+    def step(ids, positions, extras) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = draft(ids, positions, extras["hidden"])
+        logits = draft.compute_logits(normed)
+        return draft.to_target_ids(logits.argmax(dim=-1)), summed
+
+    return step
 
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"

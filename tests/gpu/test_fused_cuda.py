@@ -15,6 +15,19 @@ from outrider.layers.rotary import Rope, RotaryEmbedding
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def no_grad():
+    """The fused kernels serve forwards without autograd (serving runs in inference mode)."""
+    with torch.no_grad():
+        yield
+
+
+def test_fused_kernels_step_aside_under_autograd():
+    x = torch.randn(4, 64, device="cuda", requires_grad=True)
+    with torch.enable_grad():
+        assert not fused.use_fused(x)  # no backward: training must run the PyTorch ops
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a == b).float().mean().item()
 

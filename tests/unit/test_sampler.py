@@ -307,3 +307,12 @@ def test_processing_and_drawing_never_wait_for_the_gpu() -> None:
         sample_from_probs_no_sync(probs, [None, None, seqs[2].request.generator, None])
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_seed_outside_64_bits_is_refused_at_validation(seed) -> None:
+    from outrider.core import SamplingParams
+
+    with pytest.raises(ValueError, match=r"invalid seed=.*64 bits"):
+        SamplingParams(seed=seed)
+    SamplingParams(seed=2**63 - 1)  # the largest one is fine

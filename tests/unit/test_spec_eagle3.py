@@ -182,3 +182,32 @@ def test_eagle3_tree_code_with_topk_1_equals_the_chain(tiny_dir, prompts):  # no
             assert tree.token_ids == r.drafts.token_ids and tree.is_chain
             compared += 1
     assert compared >= 4
+
+
+def test_engines_and_graph_runners_free_without_the_cycle_collector(tiny_dir):  # noqa: F811
+    """GPU memory of an engine goes back when its last reference goes: no reference cycle may
+    hold a model, a KV pool or a graph runner until gc runs (seen on CUDA: a second LLM in the
+    same process found its memory budget taken)."""
+    import gc
+    import weakref
+
+    from outrider.executor.cuda_graph import GraphRunner
+    from outrider.layers.attn_backends.base import get_backend
+    from outrider.spec.eagle3 import _chain_step
+
+    gc.disable()
+    try:
+        llm = eagle_llm(tiny_dir)
+        proposer = llm.engine.proposer
+        runners = [
+            GraphRunner(llm.engine.runner.model, get_backend("torch_ref", "cpu"), 4, 0, 16),
+            GraphRunner(
+                proposer.draft, get_backend("torch_ref", "cpu"), 4, 0, 16,
+                step=_chain_step(proposer.draft), extra_widths={"hidden": (128, torch.float32)},
+            ),
+        ]  # fmt: skip
+        refs = [weakref.ref(x) for x in (llm.engine, proposer, *runners)]
+        del llm, proposer, runners
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
