@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-tokens", type=int, default=sp["max_tokens"])
     group.add_argument("--min-tokens", type=int, default=sp["min_tokens"])
     group.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+    from outrider.train.cli import add_drafter_parser
+
+    add_drafter_parser(sub)
     return parser
 
 
@@ -103,6 +107,17 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=sp["num_draft_tokens"],
         help="drafts verified per step (k)",
     )
+    spec.add_argument(
+        "--draft",
+        default=sp["draft"],
+        help="EAGLE-3: the drafter's directory (default: the one shipped for the default model)",
+    )
+    spec.add_argument(
+        "--num-steps", type=int, default=sp["num_steps"], help="EAGLE-3 tree: draft steps"
+    )
+    spec.add_argument(
+        "--topk", type=int, default=sp["topk"], help="EAGLE-3 tree: candidates per step (1: chain)"
+    )
     group.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 
@@ -120,7 +135,13 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     sp = defaults(SpecConfig)
     spec = {
         k: getattr(args, a)
-        for k, a in (("method", "spec"), ("num_draft_tokens", "num_draft_tokens"))
+        for k, a in (
+            ("method", "spec"),
+            ("num_draft_tokens", "num_draft_tokens"),
+            ("draft", "draft"),
+            ("num_steps", "num_steps"),
+            ("topk", "topk"),
+        )
         if getattr(args, a) != sp[k]
     }
     return base.replace(model=model, cache=cache, scheduler=sched, speculative=spec)
@@ -170,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "drafter":
+            from outrider.train.cli import cmd_drafter
+
+            return cmd_drafter(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"outrider: error: {e}", file=sys.stderr)
         return 2

@@ -44,3 +44,19 @@ def fused_kernels() -> bool:
     """OUTRIDER_FUSED_KERNELS: 0 turns the fused Triton norm/rotary/SiLU kernels off on CUDA
     (the PyTorch ops run instead), to bisect a numerical difference."""
     return _bool("OUTRIDER_FUSED_KERNELS", True)
+
+
+
+def world_size() -> int:
+    """WORLD_SIZE: processes in a torchrun job; 1 outside torchrun."""
+    return _int("WORLD_SIZE", 1)
+
+
+def rank() -> int:
+    """RANK: this process's global rank in a torchrun job; 0 outside torchrun."""
+    return _int("RANK", 0)
+
+
+def local_rank() -> int:
+    """LOCAL_RANK: this process's rank on its host (its GPU index); 0 outside torchrun."""
+    return _int("LOCAL_RANK", 0)

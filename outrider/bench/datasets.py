@@ -49,3 +49,24 @@ OPEN = [
 ]
 
 TASKS = {"grounded": GROUNDED, "open": OPEN}
+
+# Prompts no built-in drafter training set contains (outrider/train/seed_prompts.py is checked
+# against them in tests): where a drafter's accept length is measured.
+HELDOUT = [
+    "Describe how a bicycle gear system works.",
+    "Write a short story about a robot who learns to paint.",
+    "What are three ways to save water at home?",
+    "Explain the difference between weather and climate.",
+    "Give me a recipe for a simple tomato soup.",
+    "Write a polite email declining a meeting invitation.",
+    "What is the Pythagorean theorem? Give an example.",
+    "List five animals that live in the Arctic.",
+    "Write a Python function that counts the vowels in a string.",
+    "Summarize the plot of Cinderella in three sentences.",
+    "How do vaccines help the immune system?",
+    "Suggest a weekend plan for a family with two kids.",
+    "How do ocean tides work?",
+    "Write a four-line poem about the moon.",
+    "Explain what a noun is, with examples.",
+    "What should I pack for a beach holiday?",
+]

@@ -1,0 +1,222 @@
+"""`outrider drafter datagen | train | eval | export`. Every flag's default comes from the
+config dataclasses (config.py); `--help` shows them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from typing import Any
+
+from outrider.config import DEVICES, DTYPES
+from outrider.models.eagle3_io import LAYOUTS
+from outrider.train.config import DatagenConfig, EvalConfig, TrainConfig
+
+
+def add_drafter_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `drafter` and its subcommands to the top-level parser's subparsers."""
+    drafter = subparsers.add_parser(
+        "drafter",
+        help="build EAGLE-3 drafters: generate data, train, evaluate, export",
+        description="Train an EAGLE-3 drafter for the target outrider serves, on hidden states "
+        "outrider itself computes. Typical: datagen -> train -> eval -> export.",
+    )
+    sub = drafter.add_subparsers(dest="drafter_command", metavar="SUBCOMMAND")
+    sub.required = True
+
+    gen = sub.add_parser(
+        "datagen",
+        help="write conversations whose answers the target generates (JSONL)",
+        description="Prompts from the built-in seed set, Magpie-style self-generated turns and "
+        "an optional user file; the target answers each through outrider. Resumable: rerun "
+        "the same command to continue.",
+    )
+    _add_config_flags(gen, DatagenConfig)
+    _add_target_flags(gen)
+    gen.add_argument("--max-model-len", type=int, default=None, help="context for generation")
+
+    tr = sub.add_parser(
+        "train",
+        help="train a drafter (torchrun for several GPUs)",
+        description="TTT training with online target features. Several GPUs: torchrun "
+        "--nproc-per-node N -m outrider drafter train ...",
+    )
+    _add_config_flags(tr, TrainConfig, choices={"dtype": DTYPES})
+
+    ev = sub.add_parser(
+        "eval",
+        help="per-step accuracy and estimated accept length on held-out samples",
+        description="Scores the drafter on the dataset's last --num-samples samples (train "
+        "with --holdout N to keep them out). --serving N also runs N of them through real "
+        "speculative decoding and reports the measured accept length.",
+    )
+    _add_config_flags(ev, EvalConfig, choices={"dtype": DTYPES})
+    ev.add_argument("--serving", type=int, default=0, help="prompts to decode speculatively")
+    ev.add_argument("--max-tokens", type=int, default=128, help="tokens per --serving prompt")
+
+    ex = sub.add_parser(
+        "export",
+        help="rewrite a drafter for SGLang or vLLM",
+        description="Load a drafter (any supported layout), check it against the target, and "
+        "save it in the layout the chosen engine reads (aux layer ids converted).",
+    )
+    ex.add_argument("drafter", help="drafter directory")
+    ex.add_argument("out", help="output directory")
+    ex.add_argument("--format", choices=LAYOUTS, default="sglang", help="target engine layout")
+    ex.add_argument("--model", default=None, help="the target (default: the embedded model)")
+
+    doc = sub.add_parser(
+        "doctor",
+        help="check a drafter against a target before serving it",
+        description="Hidden size, the aux layer-id convention (SGLang vs vLLM, one layer "
+        "apart), the d2t/t2d vocabulary map against the target's tokenizer, and (--live N) "
+        "the accept length it reaches on N prompts. Exits 1 when a check fails.",
+    )
+    doc.add_argument("drafter", help="drafter directory")
+    doc.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    doc.add_argument("--layout", choices=LAYOUTS, default=None, help="for files without a record")
+    doc.add_argument("--min-overlap", type=float, default=0.9, help="vocabulary overlap floor")
+    doc.add_argument("--live", type=int, default=0, help="prompts to decode speculatively")
+    return drafter
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from outrider.spec.eagle3_doctor import diagnose
+
+    factory = None
+    if args.live:
+
+        def factory():
+            from outrider.llm import LLM
+
+            spec = {"method": "eagle3", "draft": args.drafter, "num_draft_tokens": 4}
+            return LLM(args.model, speculative=spec)
+
+    report = diagnose(
+        args.drafter, args.model, min_overlap=args.min_overlap, live_prompts=args.live,
+        layout=args.layout, llm_factory=factory,
+    )  # fmt: skip
+    print(report)
+    return 0 if report.ok else 1
+
+
+def cmd_drafter(args: argparse.Namespace) -> int:
+    try:
+        return _COMMANDS[args.drafter_command](args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _datagen(args: argparse.Namespace) -> int:
+    from outrider.llm import LLM
+    from outrider.train.datagen import generate_dataset
+
+    c = _config(DatagenConfig, args)
+    llm = LLM(c.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    path = generate_dataset(
+        llm, c.out, num_samples=c.num_samples, max_new_tokens=c.max_new_tokens,
+        seed_prompts=c.seed_prompts, self_generated=c.self_generated, user_file=c.user_file,
+        batch_size=c.batch_size, temperature=c.temperature, seed=c.seed,
+    )  # fmt: skip
+    print(f"dataset: {path}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from outrider.train.trainer import train
+
+    result = train(_config(TrainConfig, args))
+    if result.drafter is not None:
+        acc = " ".join(f"{a:.3f}" for a in result.step_acc)
+        print(f"drafter: {result.drafter} (step {result.step}; per-step accuracy {acc})")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from outrider.llm import LLM
+    from outrider.models.eagle3_io import load_drafter
+    from outrider.train.dataset import read_samples
+    from outrider.train.evaluate import evaluate_drafter, serving_accept_length
+
+    c = _config(EvalConfig, args)
+    llm = LLM(c.model, dtype=c.dtype, device=c.device)
+    runner = llm.engine.runner
+    draft = load_drafter(c.drafter, runner.model_config, device=runner.device)
+    samples = read_samples(c.data, runner.model_config.vocab_size)[-c.num_samples :]
+    res = evaluate_drafter(draft, llm, samples, ttt_steps=c.ttt_steps, max_len=c.max_len)
+    report: dict[str, Any] = {
+        "samples": len(samples),
+        "tokens": res.num_tokens,
+        "step_acc": [round(a, 4) for a in res.step_acc],
+        "estimated_accept_length": round(res.estimated_accept_length, 3),
+    }
+    if args.serving > 0:
+        from outrider.core import SamplingParams
+
+        del llm, draft
+        spec = LLM(c.model, dtype=c.dtype, device=c.device,
+                   speculative={"method": "eagle3", "draft": c.drafter})  # fmt: skip
+        prompts = [s.prompt() for s in samples[: args.serving]]
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+        report["serving_accept_length"] = round(serving_accept_length(spec, prompts, params), 3)
+    print(json.dumps(report))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.models.eagle3_io import load_drafter, save_drafter
+
+    target = open_checkpoint(args.model).config
+    draft = load_drafter(args.drafter, target)
+    print(f"drafter: {save_drafter(draft, args.out, args.format)} ({args.format} layout)")
+    return 0
+
+
+_COMMANDS = {
+    "doctor": _doctor,
+    "datagen": _datagen,
+    "train": _train,
+    "eval": _eval,
+    "export": _export,
+}
+
+
+# -- flags from dataclasses -------------------------------------------------------------------
+
+
+def _add_target_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help=f"{', '.join(DEVICES)} or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+
+
+def _add_config_flags(
+    parser: argparse.ArgumentParser, cls: type, choices: dict[str, Any] | None = None
+) -> None:
+    """One --flag per dataclass field, typed from its annotation, defaulting to its default."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _base_type(hints[f.name])
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
+        extra = {"choices": choices[f.name]} if choices and choices.get(f.name) else {}
+        parser.add_argument(
+            flag, type=kind, default=f.default, help=f"(default: {f.default})", **extra
+        )
+
+
+def _base_type(hint: Any) -> type:
+    """int | None -> int; str -> str."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _config(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

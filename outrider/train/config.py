@@ -1,0 +1,120 @@
+"""Drafter training configuration: frozen dataclasses validated on construction; the
+`outrider drafter` flags read their defaults from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from outrider.config import DEVICES, DTYPES
+from outrider.models.eagle3_io import LAYOUTS
+from outrider.train.ttt import ATTENTION_BACKENDS
+
+
+def _check(ok: bool, name: str, value, hint: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid {name}={value!r}: {hint}")
+
+
+@dataclass(frozen=True)
+class DatagenConfig:
+    """Which conversations to build and how the target answers them."""
+
+    out: str = "drafter-data.jsonl"
+    model: str | None = None  # the target; None: the embedded default
+    num_samples: int = 1000
+    max_new_tokens: int = 512
+    seed_prompts: bool = True
+    self_generated: int = 0  # Magpie-style user turns written by the target itself
+    user_file: str | None = None  # JSONL: {"prompt"}, {"messages"} or ShareGPT {"conversations"}
+    batch_size: int = 32
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_samples >= 1, "num_samples", self.num_samples, "use an integer >= 1")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "use >= 1")
+        _check(self.self_generated >= 0, "self_generated", self.self_generated, "use >= 0")
+        _check(self.batch_size >= 1, "batch_size", self.batch_size, "use an integer >= 1")
+        _check(self.temperature >= 0, "temperature", self.temperature, "use >= 0 (0 = greedy)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: str = "drafter-data.jsonl"
+    output_dir: str = "drafter-run"
+    model: str | None = None  # the target; None: the embedded default
+    device: str = "auto"
+    dtype: str = "auto"  # the target's compute dtype; the draft keeps fp32 master weights
+    draft_vocab_size: int | None = None  # None: min(32000, target vocab)
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    max_len: int = 2048  # tokens per packed row
+    batch_rows: int = 1  # rows per micro-batch
+    grad_accum: int = 1
+    holdout: int = 0  # the dataset's last samples, kept out for `drafter eval`
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None: epochs decide
+    lr: float = 1e-4
+    warmup_ratio: float = 0.02
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    init_std: float = 0.02
+    seed: int = 0
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 2
+    resume: bool = False
+    # auto: flex on CUDA (skips masked blocks), dense elsewhere; dense holds (j + 1) T x T
+    # scores at step j, too much past T ~ 2048 on a GPU.
+    attention: str = "auto"
+    feature_cache: str | None = None  # directory of captured target features (bf16 shards)
+    layout: str = "sglang"  # of the final drafter
+    log_every: int = 10
+    target_num_blocks: int = 16  # the serving engine's own pool; capture uses a private one
+
+    def __post_init__(self) -> None:
+        _check(self.device in DEVICES or self.device.startswith("cuda:"), "device",
+               self.device, f"use one of {', '.join(DEVICES)} or cuda:N")  # fmt: skip
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"use one of {', '.join(DTYPES)}")
+        _check(self.draft_vocab_size is None or self.draft_vocab_size >= 1,
+               "draft_vocab_size", self.draft_vocab_size, "use >= 1, or None for min(32000, vocab)")  # fmt: skip
+        _check(1 <= self.ttt_steps <= 16, "ttt_steps", self.ttt_steps, "use 1..16 (7 is usual)")
+        _check(0 < self.step_decay <= 1, "step_decay", self.step_decay, "use (0, 1], e.g. 0.8")
+        _check(self.max_len >= 4, "max_len", self.max_len, "use >= 4 tokens per row")
+        _check(self.batch_rows >= 1, "batch_rows", self.batch_rows, "use an integer >= 1")
+        _check(self.grad_accum >= 1, "grad_accum", self.grad_accum, "use an integer >= 1")
+        _check(self.holdout >= 0, "holdout", self.holdout, "use an integer >= 0")
+        _check(self.epochs >= 1, "epochs", self.epochs, "use an integer >= 1")
+        _check(self.max_steps is None or self.max_steps >= 1, "max_steps", self.max_steps,
+               "use >= 1, or None to run `epochs` epochs")  # fmt: skip
+        _check(self.lr > 0, "lr", self.lr, "use a positive learning rate, e.g. 1e-4")
+        _check(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "use [0, 1)")
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "use [0, 1]")
+        _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "use >= 0")
+        _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "use > 0, e.g. 0.5")
+        _check(self.init_std > 0, "init_std", self.init_std, "use > 0, e.g. 0.02")
+        _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "use >= 1")
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "use >= 1")
+        _check(self.attention in ATTENTION_BACKENDS, "attention", self.attention,
+               f"use one of {', '.join(ATTENTION_BACKENDS)}")  # fmt: skip
+        _check(self.layout in LAYOUTS, "layout", self.layout, f"use one of {', '.join(LAYOUTS)}")
+        _check(self.log_every >= 1, "log_every", self.log_every, "use >= 1")
+        _check(self.target_num_blocks >= 2, "target_num_blocks", self.target_num_blocks,
+               "use >= 2")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    drafter: str = "drafter-run/drafter"
+    data: str = "drafter-data.jsonl"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    num_samples: int = 64  # held-out samples scored (the file's last ones)
+    ttt_steps: int = 7
+    max_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _check(self.num_samples >= 1, "num_samples", self.num_samples, "use an integer >= 1")
+        _check(1 <= self.ttt_steps <= 16, "ttt_steps", self.ttt_steps, "use 1..16")
+        _check(self.max_len >= 4, "max_len", self.max_len, "use >= 4")

@@ -1,0 +1,267 @@
+"""The whole pipeline on a tiny random target: datagen -> train (the loss falls) -> save ->
+load -> an interrupted run resumed from its checkpoint continues exactly; bad inputs fail
+with errors that say what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from outrider import LLM
+from outrider.models.eagle3_io import load_drafter
+from outrider.train.config import TrainConfig
+from outrider.train.datagen import generate_dataset
+from outrider.train.seed_prompts import SEED_PROMPTS
+from outrider.train.trainer import train
+from tests.tiny import hf_reference, tiny_hf_config
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tiny_target(path, seed: int = 0):
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    cfg = tiny_hf_config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=8, eos_token_id=4,
+    )  # fmt: skip
+    ref = hf_reference(cfg, seed=seed)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8.0)  # a peaked target: something a drafter can learn fast
+    ref.save_pretrained(path, safe_serialization=True)
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials)
+    tok.train_from_iterator(list(SEED_PROMPTS) * 2 + ["user assistant system"], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML})
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = _tiny_target(tmp_path_factory.mktemp("tiny-target"))
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=256, block_size=16)
+    return path, llm
+
+
+@pytest.fixture(scope="module")
+def dataset(target, tmp_path_factory):
+    _, llm = target
+    out = tmp_path_factory.mktemp("data") / "data.jsonl"
+    generate_dataset(llm, out, num_samples=12, max_new_tokens=16, batch_size=12)
+    return out
+
+
+def _config(data, out, **over) -> TrainConfig:
+    base = dict(
+        data=str(data), output_dir=str(out), device="cpu", dtype="float32",
+        draft_vocab_size=256, ttt_steps=3, max_len=64, batch_rows=2, max_steps=24,
+        lr=3e-3, warmup_ratio=0.1, checkpoint_every=6, log_every=1, init_std=0.05,
+    )  # fmt: skip
+    base.update(over)
+    return TrainConfig(**base)
+
+
+def test_dataset_records(dataset):
+    recs = [json.loads(line) for line in dataset.read_text().splitlines()]
+    assert len(recs) == 12 and len({r["id"] for r in recs}) == 12
+    for r in recs:
+        assert len(r["input_ids"]) == len(r["loss_mask"])
+        # the prompt (mask 0) comes first, then the target's answer (mask 1)
+        first = r["loss_mask"].index(1)
+        assert first > 0 and all(r["loss_mask"][first:])
+
+
+@pytest.fixture(scope="module")
+def whole_run(target, dataset, tmp_path_factory):
+    _, llm = target
+    return train(_config(dataset, tmp_path_factory.mktemp("whole")), llm=llm)
+
+
+@pytest.mark.slow
+def test_train_loss_falls_and_drafter_round_trips(target, whole_run):
+    _, llm = target
+    result = whole_run
+    assert result.step == 24 and len(result.losses) == 24
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < 0.8 * first, result.losses
+    loaded = load_drafter(result.drafter, llm.engine.runner.model_config)
+    trained = result.draft.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, trained[name].detach()), name
+    assert int(loaded.t2d.sum()) == 256
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(target, dataset, whole_run, tmp_path):
+    _, llm = target
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_7(step, _metrics):
+        if step == 7:  # one step past the checkpoint at 6: that step is lost and redone
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(_config(dataset, tmp_path / "cut"), llm=llm, callback=crash_at_7)
+    assert sorted(p.name for p in (tmp_path / "cut").glob("step-*")) == ["step-00000006"]
+    resumed = train(_config(dataset, tmp_path / "cut", resume=True), llm=llm)
+    assert resumed.step == 24
+    assert resumed.losses == whole_run.losses[6:]
+    whole = whole_run.draft.state_dict()
+    for name, tensor in resumed.draft.state_dict().items():
+        assert torch.equal(tensor, whole[name]), name
+
+
+def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
+    path, llm = target
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="holds no samples"):
+        train(_config(empty, tmp_path / "e"), llm=llm)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        train(_config(dataset, tmp_path / "v", draft_vocab_size=4096), llm=llm)
+
+    # A checkpoint made for this target...
+    run = tmp_path / "run"
+    train(_config(dataset, run, max_steps=2, checkpoint_every=2), llm=llm)
+    # ...refuses another target of the same shape,
+    other = _tiny_target(tmp_path / "other", seed=7)
+    other_llm = LLM(str(other), dtype="float32", device="cpu", num_blocks=64)
+    with pytest.raises(ValueError, match="another target"):
+        train(_config(dataset, run, max_steps=4, resume=True), llm=other_llm)
+    # ...and, corrupted, says so and what to do.
+    ckpt = next(run.glob("step-*"))
+    shutil.copy(ckpt / "model.safetensors", tmp_path / "good.safetensors")
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match="corrupt.*resume=False"):
+        train(_config(dataset, run, max_steps=4, resume=True), llm=llm)
+    shutil.copy(tmp_path / "good.safetensors", ckpt / "model.safetensors")
+    (ckpt / "optimizer.safetensors").unlink()
+    with pytest.raises(ValueError, match="incomplete"):
+        train(_config(dataset, run, max_steps=4, resume=True), llm=llm)
+
+
+def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path):
+    import argparse
+
+    from outrider.train.cli import _config, add_drafter_parser, cmd_drafter
+    from outrider.train.dataset import read_samples
+    from outrider.train.evaluate import estimated_accept_length, evaluate_drafter
+
+    path, llm = target
+    samples = read_samples(dataset)[-4:]
+    res = evaluate_drafter(whole_run.draft, llm, samples, ttt_steps=3, max_len=64, batch_rows=2)
+    assert len(res.step_acc) == 3 and all(0 <= a <= 1 for a in res.step_acc)
+    assert res.num_tokens > 0
+    assert estimated_accept_length([0.8, 0.6]) == pytest.approx(2.28)
+
+    parser = argparse.ArgumentParser()
+    add_drafter_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["drafter", "train", "--data", "x.jsonl", "--no-resume"])
+    assert _config(TrainConfig, args) == TrainConfig(data="x.jsonl")
+    out = tmp_path / "vllm"
+    args = parser.parse_args(
+        ["drafter", "export", str(whole_run.drafter), str(out), "--format", "vllm",
+         "--model", str(path)]
+    )  # fmt: skip
+    assert cmd_drafter(args) == 0
+    assert json.loads((out / "config.json").read_text())["outrider"]["layout"] == "vllm"
+    loaded = load_drafter(out, llm.engine.runner.model_config)
+    trained = whole_run.draft.state_dict()
+    assert all(torch.equal(t, trained[n]) for n, t in loaded.state_dict().items())
+    bad = parser.parse_args(["drafter", "export", str(tmp_path / "nope"), str(out)])
+    assert cmd_drafter(bad) == 2
+
+
+def test_datagen_sources_and_resume(target, tmp_path):
+    _, llm = target
+    user = tmp_path / "user.jsonl"
+    user.write_text(
+        json.dumps({"prompt": "Why is the sky blue?"}) + "\n"
+        + json.dumps({"conversations": [
+            {"from": "human", "value": "Write a haiku about autumn leaves."},
+            {"from": "gpt", "value": "an answer that is regenerated"},
+            {"from": "human", "value": "Now make it rhyme."},
+        ]}) + "\n"
+    )  # fmt: skip
+    out = tmp_path / "d.jsonl"
+    kw = dict(num_samples=4, max_new_tokens=6, seed_prompts=False, self_generated=2,
+              user_file=user, batch_size=4)  # fmt: skip
+    generate_dataset(llm, out, **kw)
+    recs = {json.loads(line)["id"]: json.loads(line) for line in out.read_text().splitlines()}
+    assert set(recs) == {"user-1", "user-2", "self-0", "self-1"}
+    # Both turns regenerated; the first keeps its mask only when the template re-renders the
+    # generated tokens unchanged (a random model's 6 tokens do not end the turn: they do not).
+    two, one = recs["user-2"], recs["user-1"]
+    assert two["loss_mask"][-6:] == [1] * 6 and len(two["input_ids"]) > len(one["input_ids"])
+    # A crash mid-write leaves half a line: it is dropped and that sample regenerated.
+    text = out.read_text()
+    out.write_text(text[: len(text) - 20])
+    generate_dataset(llm, out, **kw)
+    assert out.read_text() == text
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no user turns"):
+        generate_dataset(llm, out, **{**kw, "user_file": empty})
+
+
+@pytest.mark.slow
+def test_trained_drafter_serves_losslessly(target, dataset, whole_run):
+    from outrider import SamplingParams
+    from outrider.train.dataset import read_samples
+    from outrider.train.evaluate import serving_accept_length
+
+    path, llm = target
+    spec = LLM(str(path), dtype="float32", device="cpu", num_blocks=256,
+               speculative={"method": "eagle3", "draft": str(whole_run.drafter),
+                            "num_draft_tokens": 3})  # fmt: skip
+    prompts = [s.prompt() for s in read_samples(dataset)[:4]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert serving_accept_length(spec, prompts, params) > 1.0
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [
+        o.token_ids for o in llm.generate(prompts, params)
+    ]
+    with pytest.raises(ValueError, match="speculative"):
+        serving_accept_length(llm, prompts, params)
+
+
+def test_feature_cache_round_trip(target, dataset, tmp_path):
+    _, llm = target
+    cache = tmp_path / "cache"
+    first = train(_config(dataset, tmp_path / "a", max_steps=3, feature_cache=str(cache)), llm=llm)
+    assert list(cache.glob("shard-*.safetensors")) and (cache / "index-0.json").is_file()
+    again = train(_config(dataset, tmp_path / "b", max_steps=3, feature_cache=str(cache)), llm=llm)
+    # Cached features are bf16: the same run up to that rounding.
+    assert again.losses == pytest.approx(first.losses, rel=2e-2)
+
+
+def test_epochs_that_pack_into_fewer_batches_do_not_overrun(target, dataset, tmp_path, monkeypatch):
+    """Later epochs reshuffle and may pack into fewer rows than epoch 0 (seen on a GPU run:
+    IndexError at the end of an epoch); training runs on through them."""
+    import outrider.train.trainer as trainer_mod
+
+    _, llm = target
+    real = trainer_mod.pack_rows
+
+    def shrinking(samples, max_len, seed, epoch):
+        rows = real(samples, max_len, seed, epoch)
+        return rows if epoch == 0 else rows[: max(2, len(rows) - 2 * epoch)]
+
+    monkeypatch.setattr(trainer_mod, "pack_rows", shrinking)
+    per_epoch = len(trainer_mod.micro_batches(real(trainer_mod.read_samples(dataset), 64, 0, 0), 2))
+    result = train(_config(dataset, tmp_path / "run", max_steps=3 * per_epoch), llm=llm)
+    assert result.step == 3 * per_epoch
