@@ -71,9 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--min-tokens", type=int, default=sp["min_tokens"])
     group.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
+    from outrider.server.cli import add_deploy_parser, add_serve_parser
     from outrider.train.cli import add_drafter_parser
 
+    add_serve_parser(sub)
     add_drafter_parser(sub)
+    add_deploy_parser(sub)
     return parser
 
 
@@ -195,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             from outrider.train.cli import cmd_drafter
 
             return cmd_drafter(args)
+        if args.command == "serve":
+            from outrider.server.cli import cmd_serve
+
+            return cmd_serve(args)
+        if args.command == "deploy":
+            from outrider.server.cli import cmd_deploy
+
+            return cmd_deploy(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"outrider: error: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,10 @@ def fused_kernels() -> bool:
     return _bool("OUTRIDER_FUSED_KERNELS", True)
 
 
+def notify_socket() -> str | None:
+    """NOTIFY_SOCKET: systemd's readiness socket (set by systemd for Type=notify units)."""
+    return os.environ.get("NOTIFY_SOCKET") or None
+
 
 def world_size() -> int:
     """WORLD_SIZE: processes in a torchrun job; 1 outside torchrun."""

@@ -1,0 +1,140 @@
+"""The FastAPI app: routes, guards and error handlers around one ServerState.
+
+    GET  /health               200 when the engine can still produce a token, else 503
+    GET  /metrics              Prometheus text
+    GET  /v1/models            the served model
+    POST /v1/chat/completions  serving_chat.py
+    POST /v1/completions       serving_completion.py
+
+Every route but /health needs the API key when one is configured. Every error, whatever
+raised it, leaves as OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from outrider.server.errors import APIError, error_body, from_validation_error
+from outrider.server.guards import APIKeyGuard, BodyLimitGuard
+from outrider.server.metrics import CONTENT_TYPE
+from outrider.server.protocol import ModelCard, ModelList
+from outrider.server.serving_chat import create_chat_completion
+from outrider.server.serving_completion import create_completion
+from outrider.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+_RECENT_STEP_S = 5.0  # a step this recent proves the engine works; older, /health probes it
+
+
+def build_app(state: ServerState, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="outrider", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    _add_routes(app, state)
+    _add_error_handlers(app)
+    # Starlette runs the middleware added last first: CORS, the key, the body cap, the count.
+    app.add_middleware(_CountInFlight, state=state)
+    app.add_middleware(BodyLimitGuard, max_bytes=state.config.max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=api_key)
+    if state.config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        engine = state.engine
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.is_alive:
+            return JSONResponse({"status": "engine stopped", "error": repr(engine.error)}, 503)
+        age = time.monotonic() - engine.last_step_time
+        busy = engine.stats.num_running + engine.stats.num_waiting > 0
+        if age <= _RECENT_STEP_S:
+            return JSONResponse({"status": "ok", "last_step_age_s": round(age, 3)})
+        if busy:
+            # A busy engine steps continuously: a long silence means it is stuck.
+            ok = age <= state.config.health_stall_s
+        else:
+            ok = await engine.probe(timeout=state.config.health_stall_s)
+        if ok:
+            return JSONResponse({"status": "ok", "probe": not busy})
+        return JSONResponse({"status": "stalled", "last_step_age_s": round(age, 3)}, 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await create_chat_completion(state, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(state, request)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}: see GET /v1/models"
+        return JSONResponse(
+            error_body(exc.status_code, message), exc.status_code, headers=exc.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {exc!r}"), 500)
+
+
+class _CountInFlight:
+    """Counts generation requests from arrival until their response's last byte (a stream's
+    ASGI call returns only when the stream ends): what a graceful shutdown waits for."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or not scope["path"].startswith("/v1/")
+        ):
+            await self.app(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1

@@ -1,0 +1,104 @@
+"""ServerConfig: the HTTP side of `outrider serve`, frozen and validated like the engine's configs.
+
+One YAML file holds both: a `server:` section for this class and the engine's sections
+(`model`, `cache`, `scheduler`, `speculative`) for `EngineConfig`:
+
+    server: {host: 0.0.0.0, port: 8000, api_key_file: /etc/outrider/key, max_n: 4}
+    model: {model: /srv/models/model.gguf, dtype: bfloat16}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from outrider.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Invariants after construction: 0 <= port <= 65535, at most one of api_key and
+    api_key_file, every limit positive, parsers named in the registries. cors_origins empty
+    means no CORS headers at all."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    api_key_file: str | None = None  # a file whose stripped content is the key (keeps it out of ps)
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    max_n: int = 8  # choices per request
+    default_max_tokens: int | None = None  # when a request gives none; None: up to the context
+    cors_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests, then aborts
+    served_model_name: str | None = None  # None: the checkpoint's file or directory name
+    tool_parser: str | None = None  # e.g. "hermes", "kimi_k2" (see parsers/registry.py)
+    reasoning_parser: str | None = None  # e.g. "think"
+    chat_template: str | None = None  # a jinja file replacing the checkpoint's chat template
+    health_stall_s: float = 30.0  # /health fails when a busy engine has not stepped this long
+    log_level: str = "warning"  # uvicorn's access and error log level
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"invalid port={self.port}: use 0..65535 (0 picks a free port)")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both: prefer api_key_file")
+        if self.api_key == "":
+            raise ValueError("invalid api_key='': use a non-empty key, or None for no auth")
+        for name in ("max_body_bytes", "max_n", "shutdown_timeout", "health_stall_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"invalid {name}={getattr(self, name)!r}: use a positive value")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(
+                f"invalid default_max_tokens={self.default_max_tokens}: use an integer >= 1 or None"
+            )
+        from outrider.server.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
+
+        for name, value, known in (
+            ("tool_parser", self.tool_parser, TOOL_PARSERS),
+            ("reasoning_parser", self.reasoning_parser, REASONING_PARSERS),
+        ):
+            if value is not None and value not in known:
+                raise ValueError(f"unknown {name}={value!r}: use one of {sorted(known)}, or None")
+
+    def resolve_api_key(self) -> str | None:
+        """The key requests must carry, read from api_key_file when that is set."""
+        if self.api_key_file is None:
+            return self.api_key
+        path = Path(self.api_key_file)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"api_key_file {str(path)!r} not found: create it (one line, the key) or drop it"
+            )
+        key = path.read_text().strip()
+        if not key:
+            raise ValueError(f"api_key_file {str(path)!r} is empty: write the key into it")
+        return key
+
+    def replace(self, **changes: Any) -> ServerConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
+    """Both configs from one YAML file; unknown sections and keys are errors."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} not found: pass an existing YAML path")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(p)!r} must hold a mapping of sections")
+    return server_config_from_dict(data.pop("server", None) or {}), EngineConfig.from_dict(data)
+
+
+def server_config_from_dict(values: dict[str, Any]) -> ServerConfig:
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {sorted(unknown)} in config section 'server': use {sorted(names)}"
+        )
+    return ServerConfig(**values)

@@ -1,0 +1,1 @@
+"""Tool-call and reasoning parsers, registered by name in `registry.py`."""

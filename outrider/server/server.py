@@ -1,0 +1,192 @@
+"""Running the server: load and warm the engine, start its thread, serve HTTP with uvicorn,
+and shut down gracefully.
+
+Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /health 503),
+systemd hears STOPPING=1, in-flight requests get up to `shutdown_timeout` seconds to finish,
+then whatever is left is aborted (its clients get finish_reason "abort"), uvicorn closes and
+the process exits 0. A second SIGINT exits at once. If the engine thread dies, the server
+shuts down and exits 1, for the service manager to restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from outrider.config import EngineConfig
+from outrider.core import SamplingParams
+from outrider.engine.engine import EngineCore
+from outrider.server import sdnotify
+from outrider.server.app import build_app
+from outrider.server.async_engine import AsyncEngine
+from outrider.server.config import ServerConfig
+from outrider.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+_ABORT_GRACE_S = 5.0  # after aborting leftovers, time for their last chunks to reach clients
+
+
+class OutriderServer(uvicorn.Server):
+    """uvicorn.Server with outrider's drain on SIGTERM and sd_notify readiness."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.engine_failed = False
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.bound_address()
+            print(
+                f"[outrider] serving {self.state.model_name} on http://{host}:{port}",
+                file=sys.stderr,
+                flush=True,
+            )
+            sdnotify.notify(f"READY=1\nSTATUS=serving {self.state.model_name} on port {port}")
+
+    async def on_tick(self, counter: int) -> bool:
+        # A dead engine thread cannot recover in this process: exit non-zero so the service
+        # manager (Restart=on-failure) starts a fresh one, instead of answering 503 forever.
+        if not self.state.engine.is_alive and not self.engine_failed:
+            log.error("the engine thread has stopped (%r): shutting down", self.state.engine.error)
+            self.engine_failed = True
+            self.state.draining = True
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    def bound_address(self) -> tuple[str, int]:
+        sock = self.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return host, port
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Not uvicorn's: it would re-raise the signal after shutdown, exiting non-zero.
+        if self.state.draining:
+            if sig == signal.SIGINT:
+                self.force_exit = self.should_exit = True
+            return
+        self.begin_drain()
+
+    def begin_drain(self) -> None:
+        """Stop admission and drain in a thread (safe from a signal handler or any thread)."""
+        self.state.draining = True
+        sdnotify.notify("STOPPING=1\nSTATUS=draining")
+        threading.Thread(target=self._drain, name="outrider-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        state = self.state
+        deadline = time.monotonic() + state.config.shutdown_timeout
+        while state.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if state.in_flight > 0:
+            log.warning(
+                "shutdown timeout (%.1f s) reached: aborting %d request(s)",
+                state.config.shutdown_timeout,
+                state.in_flight,
+            )
+            state.engine.abort_all()
+            grace = time.monotonic() + _ABORT_GRACE_S
+            while state.in_flight > 0 and time.monotonic() < grace:
+                time.sleep(0.05)
+        self.should_exit = True
+
+
+def load_engine(engine_config: EngineConfig) -> EngineCore:
+    core = EngineCore(engine_config)
+    _warm_up(core)
+    return core
+
+
+def _warm_up(core: EngineCore) -> None:
+    """One short generation before READY: the first forward allocates and (on GPU) compiles."""
+    req = core.add_request([core.tokenizer.bos_token_id or 0], SamplingParams(max_tokens=2))
+    while not req.is_finished:
+        core.step()
+
+
+def model_name(server_config: ServerConfig, core: EngineCore) -> str:
+    if server_config.served_model_name:
+        return server_config.served_model_name
+    path = Path(str(core.checkpoint.path))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def build_server(
+    server_config: ServerConfig, core: EngineCore
+) -> tuple[OutriderServer, ServerState]:
+    engine = AsyncEngine(core)
+    state = ServerState.build(engine, server_config, model_name(server_config, core))
+    app = build_app(state, server_config.resolve_api_key())
+    uv_config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=int(_ABORT_GRACE_S),
+        access_log=server_config.log_level in ("debug", "info"),
+    )
+    return OutriderServer(uv_config, state), state
+
+
+def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Blocks until shutdown; returns the process exit code."""
+    api_key = server_config.resolve_api_key()  # fail on a bad key file before loading a model
+    if api_key is None and server_config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "serving on %s without an API key: anyone who reaches it can use it", server_config.host
+        )
+    core = load_engine(engine_config)
+    server, state = build_server(server_config, core)
+    state.engine.start()
+    try:
+        server.run()
+    finally:
+        state.engine.stop()
+    return 1 if server.engine_failed else 0
+
+
+class ServerThread:
+    """A server on 127.0.0.1 and a free port, in a background thread (tests, notebooks).
+
+    with ServerThread(ServerConfig(api_key="k"), core) as s: openai.OpenAI(base_url=s.url, ...)
+    """
+
+    def __init__(self, server_config: ServerConfig, core: EngineCore) -> None:
+        self.server, self.state = build_server(server_config.replace(host="127.0.0.1"), core)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._run, name="outrider-http", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self.server.serve(sockets=[self._sock]))
+
+    def __enter__(self) -> ServerThread:
+        self.state.engine.start()
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start within 30 s")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.state.engine.stop()
+        self._sock.close()

@@ -1,0 +1,203 @@
+"""What both completion endpoints share: parsing the body, turning request fields into
+SamplingParams, logprobs in OpenAI's shapes, SSE framing, and watching for a client that left."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from outrider.core import SamplingParams
+from outrider.server.errors import APIError, bad_request, from_validation_error
+from outrider.server.protocol import SamplingFields
+from outrider.server.state import ServerState
+
+M = TypeVar("M", bound=BaseModel)
+_GREEDY_BELOW = 1e-5  # temperatures this small divide logits into inf: treat them as greedy
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients get a large negative number instead
+
+
+async def read_body(request: Request, model: type[M]) -> M:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"the request body is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def sampling_params(
+    state: ServerState,
+    req: SamplingFields,
+    *,
+    prompt_len: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    choice: int,
+) -> SamplingParams:
+    """SamplingParams for choice `choice` of a request. max_tokens defaults to what the context
+    leaves (or the server's default_max_tokens) and may not exceed it. A seeded request gives
+    choice i the seed + i, so n choices differ yet each is reproducible."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server: drop it", "logit_bias")
+    room = state.engine.max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens but the context holds "
+            f"{state.engine.max_model_len}, leaving no room to generate: shorten the prompt",
+            "messages" if hasattr(req, "messages") else "prompt",
+        )
+    if max_tokens is None:
+        max_tokens = min(state.config.default_max_tokens or room, room)
+    elif max_tokens > room:
+        raise bad_request(
+            f"max_tokens={max_tokens} is more than the context leaves: the prompt has "
+            f"{prompt_len} tokens and max_model_len is {state.engine.max_model_len}, so at most "
+            f"{room}; lower max_tokens or shorten the prompt",
+            "max_tokens",
+        )
+    bad_ids = [t for t in req.stop_token_ids or () if not 0 <= t < state.engine.vocab_size]
+    if bad_ids:
+        raise bad_request(
+            f"stop_token_ids {bad_ids[:5]} are outside the vocabulary [0, "
+            f"{state.engine.vocab_size})",
+            "stop_token_ids",
+        )
+    temperature = 1.0 if req.temperature is None else req.temperature
+    seed = None if req.seed is None else (req.seed + choice) % 2**63
+    try:
+        return SamplingParams(
+            temperature=0.0 if temperature < _GREEDY_BELOW else temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=tuple([req.stop] if isinstance(req.stop, str) else req.stop or ()),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def check_n(state: ServerState, n: int) -> None:
+    if n > state.config.max_n:
+        raise bad_request(
+            f"n={n} is more than this server allows ({state.config.max_n}): ask for fewer "
+            "choices, or raise max_n in the server config",
+            "n",
+        )
+
+
+def validate(state: ServerState, prompt_ids: list[int], params: SamplingParams, param: str):
+    try:
+        state.engine.validate(prompt_ids, params)
+    except ValueError as e:
+        raise bad_request(str(e), param) from None
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+def _lp(x: float) -> float:
+    return _MIN_LOGPROB if math.isnan(x) or x < _MIN_LOGPROB else x
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    """The n most likely of an engine logprobs entry (it holds the sampled token plus the top n,
+    so the sampled one may be an (n+1)-th)."""
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:n]
+
+
+def chat_logprobs(state: ServerState, ids: list[int], entries: list[dict[int, float]], n: int):
+    """OpenAI chat: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+    content = []
+    for token_id, entry in zip(ids, entries):
+        text = _token_text(state, token_id)
+        top = [
+            {"token": (t := _token_text(state, i)), "logprob": _lp(lp), "bytes": list(t.encode())}
+            for i, lp in _top(entry, n)
+        ]
+        lp = entry.get(token_id, _MIN_LOGPROB)
+        content.append(
+            {"token": text, "logprob": _lp(lp), "bytes": list(text.encode()), "top_logprobs": top}
+        )
+    return content
+
+
+def completion_logprobs(
+    state: ServerState, ids: list[int], entries: list[dict[int, float]], n: int, offset: int
+) -> dict:
+    """OpenAI legacy completions: {tokens, token_logprobs, top_logprobs, text_offset}."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entry in zip(ids, entries):
+        text = _token_text(state, token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(entry.get(token_id, _MIN_LOGPROB)))
+        out["top_logprobs"].append({_token_text(state, i): _lp(lp) for i, lp in _top(entry, n)})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+# -- transport ---------------------------------------------------------------------------------
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is read already: the next ASGI message is the client going away.
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    except Exception:  # no way to tell: never claim a disconnect that did not happen
+        await asyncio.Event().wait()
+
+
+async def unless_disconnected(request: Request, work: Awaitable):
+    """Await `work`; if the client disconnects first, cancel it (which aborts its engine
+    requests and frees their KV) and answer 499, nginx's "client closed request"."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise APIError(499, "the client closed the request")

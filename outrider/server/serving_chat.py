@@ -1,0 +1,297 @@
+"""POST /v1/chat/completions: messages -> chat template (with tools) -> engine -> message,
+reasoning_content and tool_calls, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from outrider.server.async_engine import EngineDeadError
+from outrider.server.choice_text import ChoiceText
+from outrider.server.errors import APIError, bad_request
+from outrider.server.parsers.base import ToolCall
+from outrider.server.protocol import ChatCompletionRequest, ChatMessage, new_id
+from outrider.server.serving import (
+    SSE_DONE,
+    chat_logprobs,
+    check_n,
+    read_body,
+    sampling_params,
+    sse,
+    unless_disconnected,
+    validate,
+)
+from outrider.server.state import ServerState
+
+
+async def create_chat_completion(state: ServerState, request: Request):
+    req = await read_body(request, ChatCompletionRequest)
+    state.check_admission()
+    state.check_model(req.model)
+    check_n(state, req.n)
+    tools = _check_tools(state, req)
+    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    prompt_ids = await asyncio.to_thread(_render, state, req, messages, tools)
+    top_n = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    rid = new_id("chatcmpl")
+    requests = []
+    for i in range(req.n):
+        params = sampling_params(
+            state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens, logprobs=top_n, choice=i
+        )
+        if state.tool_parser is not None and state.tool_parser.needs_special_tokens and tools:
+            params = _keep_special_tokens(params)
+        validate(state, prompt_ids, params, "messages")
+        requests.append((f"{rid}-{i}", prompt_ids, params))
+    parser = state.tool_parser if tools else None
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, rid, requests, parser, top_n),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    body = await unless_disconnected(request, _complete(state, req, rid, requests, parser, top_n))
+    return JSONResponse(body)
+
+
+def _check_tools(state: ServerState, req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the template renders: none when absent or tool_choice is "none"."""
+    choice = req.tool_choice
+    if choice == "required" or (choice is not None and not isinstance(choice, str)):
+        raise bad_request(
+            f"tool_choice={choice if isinstance(choice, str) else 'a named function'!r} needs "
+            "constrained decoding, which this server does not have yet: use 'auto' or 'none'",
+            "tool_choice",
+        )
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request(
+            f"response_format type {req.response_format.type!r} is not supported (no "
+            "constrained decoding yet): use 'text'",
+            "response_format",
+        )
+    if not req.tools or choice == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as HF chat templates expect it: text content, tool-call arguments as dicts."""
+    if isinstance(m.content, list):
+        kinds = {p.type for p in m.content} - {"text"}
+        if kinds:
+            raise bad_request(
+                f"messages[{index}] has content parts of type {sorted(kinds)}: this server "
+                "reads text parts only",
+                f"messages.{index}.content",
+            )
+        content = "".join(p.text or "" for p in m.content)
+    else:
+        content = m.content or ""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+    out["content"] = content
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments),
+                },
+            }
+            for c in m.tool_calls
+        ]
+    return out
+
+
+def _arguments(arguments: str | dict) -> dict | str:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def _render(state: ServerState, req: ChatCompletionRequest, messages, tools) -> list[int]:
+    """Template and tokenize (in a worker thread: both cost milliseconds per request)."""
+    try:
+        text = state.chat_tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            tools=tools,
+            **(req.chat_template_kwargs or {}),
+        )
+        # The template writes BOS itself when the model wants one.
+        return state.chat_tokenizer.encode(text, add_special_tokens=False)
+    except (ValueError, TypeError, UnicodeError) as e:
+        raise bad_request(
+            f"the messages could not be rendered or tokenized: {e}", "messages"
+        ) from None
+
+
+def _keep_special_tokens(params):
+    return dataclasses.replace(params, skip_special_tokens=False)
+
+
+def _strip_eos_text(state: ServerState, text: str) -> str:
+    for token_id in state.engine.tokenizer.eos_token_ids:
+        eos = state.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        if eos and text.endswith(eos):
+            return text[: -len(eos)]
+    return text
+
+
+def _tool_calls_json(calls: list[ToolCall], with_index: bool = False) -> list[dict]:
+    return [
+        {
+            **({"index": i} if with_index else {}),
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for i, c in enumerate(calls)
+    ]
+
+
+def _usage(prompt_len: int, completion: int) -> dict:
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+    }
+
+
+async def _complete(state, req, rid, requests, parser, top_n) -> dict:
+    n = len(requests)
+    texts, ids, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    try:
+        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                texts[i].append(out.text)
+                ids[i].extend(out.token_ids)
+                lps[i].extend(out.logprobs or ())
+                if out.finished:
+                    reasons[i] = out.finish_reason
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    choices = []
+    for i in range(n):
+        text = "".join(texts[i])
+        if parser is not None and parser.needs_special_tokens:
+            text = _strip_eos_text(state, text)
+        split = ChoiceText(state.reasoning_parser, parser)
+        r1, c1 = split.feed(text)
+        r2, c2, calls = split.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": (c1 + c2) or None}
+        if state.reasoning_parser is not None:
+            message["reasoning_content"] = (r1 + r2) or None
+        if calls:
+            message["tool_calls"] = _tool_calls_json(calls)
+        elif message["content"] is None:
+            message["content"] = ""
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": {"content": chat_logprobs(state, ids[i], lps[i], top_n)}
+                if top_n is not None
+                else None,
+                "finish_reason": "tool_calls" if calls else reasons[i],
+            }
+        )
+    prompt_len = len(requests[0][1])
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(prompt_len, sum(len(x) for x in ids)),
+    }
+
+
+async def _stream(state, req, rid, requests, parser, top_n):
+    created, n = int(time.time()), len(requests)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage_field = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": state.model_name,
+                "choices": [choice],
+                **usage_field,
+            }
+        )
+
+    splits = [ChoiceText(state.reasoning_parser, parser) for _ in range(n)]
+    completion_tokens = 0
+    for i in range(n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    try:
+        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                completion_tokens += len(out.token_ids)
+                text = out.text
+                if out.finished and parser is not None and parser.needs_special_tokens:
+                    text = _strip_eos_text(state, text)
+                reasoning, content = splits[i].feed(text)
+                delta = _delta(reasoning, content)
+                logprobs = None
+                if top_n is not None and out.token_ids:
+                    logprobs = {
+                        "content": chat_logprobs(state, out.token_ids, out.logprobs or [], top_n)
+                    }
+                if not out.finished:
+                    if delta or logprobs:
+                        yield chunk(i, delta, logprobs=logprobs)
+                    continue
+                r, c, calls = splits[i].finish()
+                delta = _delta(reasoning + r, content + c)
+                if calls:
+                    delta["tool_calls"] = _tool_calls_json(calls, with_index=True)
+                reason = "tool_calls" if calls else out.finish_reason
+                yield chunk(i, delta, reason, logprobs)
+    except EngineDeadError as e:
+        yield sse(APIError(503, str(e)).to_dict())
+    if include_usage:
+        usage = _usage(len(requests[0][1]), completion_tokens)
+        yield sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": state.model_name,
+                "choices": [],
+                "usage": usage,
+            }
+        )
+    yield SSE_DONE
+
+
+def _delta(reasoning: str, content: str) -> dict:
+    delta = {}
+    if reasoning:
+        delta["reasoning_content"] = reasoning
+    if content:
+        delta["content"] = content
+    return delta

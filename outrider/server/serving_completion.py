@@ -1,0 +1,198 @@
+"""POST /v1/completions: prompt(s) as text or token ids -> engine -> text choices, whole or as
+SSE chunks. Choice index = prompt index * n + i, as OpenAI numbers them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from outrider.server.async_engine import EngineDeadError
+from outrider.server.errors import APIError, bad_request
+from outrider.server.protocol import CompletionRequest, new_id
+from outrider.server.serving import (
+    SSE_DONE,
+    check_n,
+    completion_logprobs,
+    read_body,
+    sampling_params,
+    sse,
+    unless_disconnected,
+    validate,
+)
+from outrider.server.state import ServerState
+
+_MAX_PROMPTS = 64  # prompts in one request: a batch beyond this belongs in several requests
+
+
+async def create_completion(state: ServerState, request: Request):
+    req = await read_body(request, CompletionRequest)
+    state.check_admission()
+    state.check_model(req.model)
+    check_n(state, req.n)
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server: drop it", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of={req.best_of} must equal n={req.n} here", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported: use one or the other", "echo")
+    prompts = _prompt_list(req.prompt)
+    if len(prompts) * req.n > max(_MAX_PROMPTS, state.config.max_n):
+        raise bad_request(
+            f"{len(prompts)} prompts x n={req.n} choices is more than this server runs in one "
+            f"request ({max(_MAX_PROMPTS, state.config.max_n)}): split the request",
+            "prompt",
+        )
+    encoded = await asyncio.to_thread(_encode_all, state, prompts)
+    rid = new_id("cmpl")
+    requests, echoes = [], []
+    for p, ids in enumerate(encoded):
+        for i in range(req.n):
+            params = sampling_params(
+                state,
+                req,
+                prompt_len=len(ids),
+                max_tokens=req.max_tokens,
+                logprobs=req.logprobs,
+                choice=i,
+            )
+            validate(state, ids, params, "prompt")
+            requests.append((f"{rid}-{p * req.n + i}", ids, params))
+            echoes.append(_echo_text(state, prompts[p], ids) if req.echo else "")
+    prompt_tokens = sum(len(ids) for ids in encoded)
+    if req.stream:
+        return StreamingResponse(
+            _stream(state, req, rid, requests, echoes, prompt_tokens),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    body = await unless_disconnected(
+        request, _complete(state, req, rid, requests, echoes, prompt_tokens)
+    )
+    return JSONResponse(body)
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    """str | [str] | [int] | [[int]] -> one entry per prompt."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt is an empty list: give a string or token ids", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            try:
+                out.append(state.engine.tokenizer.encode(p))
+            except (ValueError, TypeError, UnicodeError) as e:
+                raise bad_request(f"the prompt could not be tokenized: {e}", "prompt") from None
+        else:
+            out.append(list(p))
+    return out
+
+
+def _echo_text(state: ServerState, prompt: str | list[int], ids: list[int]) -> str:
+    return prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(ids)
+
+
+def _choice_logprobs(state, req, ids, lps, offset):
+    if req.logprobs is None:
+        return None
+    return completion_logprobs(state, ids, lps, req.logprobs, offset)
+
+
+async def _complete(state, req, rid, requests, echoes, prompt_tokens) -> dict:
+    n = len(requests)
+    texts, ids, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    try:
+        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                texts[i].append(out.text)
+                ids[i].extend(out.token_ids)
+                lps[i].extend(out.logprobs or ())
+                if out.finished:
+                    reasons[i] = out.finish_reason
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    choices = [
+        {
+            "index": i,
+            "text": echoes[i] + "".join(texts[i]),
+            "logprobs": _choice_logprobs(state, req, ids[i], lps[i], 0),
+            "finish_reason": reasons[i],
+        }
+        for i in range(n)
+    ]
+    completion = sum(len(x) for x in ids)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        },
+    }
+
+
+async def _stream(state, req, rid, requests, echoes, prompt_tokens):
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    usage_field = {"usage": None} if include_usage else {}
+    offsets = [0] * len(requests)
+    completion = 0
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            **usage_field,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    for i, echo in enumerate(echoes):
+        if echo:
+            offsets[i] = len(echo)
+            yield chunk([{"index": i, "text": echo, "logprobs": None, "finish_reason": None}])
+    try:
+        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                completion += len(out.token_ids)
+                if not out.text and not out.finished and not out.token_ids:
+                    continue
+                logprobs = _choice_logprobs(state, req, out.token_ids, out.logprobs, offsets[i])
+                offsets[i] += len(out.text)
+                choice = {
+                    "index": i,
+                    "text": out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+                yield chunk([choice])
+    except EngineDeadError as e:
+        yield sse(APIError(503, str(e)).to_dict())
+    if include_usage:
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+        yield chunk([], usage)
+    yield SSE_DONE

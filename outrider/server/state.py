@@ -1,0 +1,74 @@
+"""ServerState: what every route needs, built once at start-up and read-only afterwards
+(except `draining`, which only ever goes from False to True)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+from outrider.server.async_engine import AsyncEngine
+from outrider.server.config import ServerConfig
+from outrider.server.errors import APIError
+from outrider.server.metrics import ServerMetrics
+from outrider.server.parsers.base import ReasoningParser, ToolParser
+from outrider.server.parsers.registry import build_reasoning_parser, build_tool_parser
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    config: ServerConfig
+    model_name: str
+    metrics: ServerMetrics
+    chat_tokenizer: object  # the engine's tokenizer, or a copy with config.chat_template
+    tool_parser: ToolParser | None
+    reasoning_parser: ReasoningParser | None
+    draining: bool = False
+    in_flight: int = 0  # POST /v1/* requests between arrival and their last byte (event loop)
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, config: ServerConfig, model_name: str) -> ServerState:
+        chat_tokenizer = engine.tokenizer
+        if config.chat_template is not None:
+            path = Path(config.chat_template)
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"chat_template {str(path)!r} not found: pass a jinja file, or drop the option "
+                    "to use the checkpoint's own template"
+                )
+            chat_tokenizer = copy.copy(engine.tokenizer)
+            chat_tokenizer.chat_template = path.read_text()
+        metrics = ServerMetrics(model_name, lambda: engine.stats)
+        engine.observer = metrics
+        return cls(
+            engine=engine,
+            config=config,
+            model_name=model_name,
+            metrics=metrics,
+            chat_tokenizer=chat_tokenizer,
+            tool_parser=build_tool_parser(config.tool_parser) if config.tool_parser else None,
+            reasoning_parser=build_reasoning_parser(config.reasoning_parser)
+            if config.reasoning_parser
+            else None,
+        )
+
+    def check_admission(self) -> None:
+        if self.draining:
+            raise APIError(
+                503, "the server is shutting down and takes no new requests: retry on another"
+            )
+        if not self.engine.is_alive:
+            raise APIError(
+                503, f"the engine has stopped ({self.engine.error!r}): restart the server"
+            )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist here: this server serves {self.model_name!r}"
+                " (GET /v1/models lists it)",
+                param="model",
+                code="model_not_found",
+            )

@@ -1,0 +1,168 @@
+"""AsyncEngine against a scripted stand-in for EngineCore: deltas reach the right caller, an
+early close aborts in the engine thread, a failing engine fails its callers and /health."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from outrider.core import RequestOutput, SamplingParams
+from outrider.server.async_engine import AsyncEngine, EngineDeadError
+
+
+class FakeCore:
+    """Each request emits `tokens` one-token deltas, one per step, then finishes."""
+
+    def __init__(self, tokens: int = 3, fail_at_step: int | None = None) -> None:
+        self.tokenizer = SimpleNamespace(bos_token_id=1)
+        self.max_model_len, self.vocab_size = 64, 100
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
+        self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
+        self.spec_stats = SimpleNamespace(
+            num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
+        )
+        self.tokens, self.fail_at_step = tokens, fail_at_step
+        self.live: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.thread_ids: set[int] = set()
+
+    def validate(self, ids, params) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+
+    def add_request(self, ids, params, request_id=None):
+        self.thread_ids.add(threading.get_ident())
+        self.live[request_id] = 0
+
+    def abort(self, request_id) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.live.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            raise RuntimeError("CUDA error: device lost")
+        outs = []
+        for rid in list(self.live):
+            self.live[rid] += 1
+            done = self.live[rid] == self.tokens
+            outs.append(
+                RequestOutput(
+                    rid, None, [1], f"t{self.live[rid]}", [7], done, "length" if done else None, {}
+                )
+            )
+            if done:
+                del self.live[rid]
+        return outs
+
+
+@contextlib.contextmanager
+def running(core):
+    engine = AsyncEngine(core)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+P = SamplingParams(max_tokens=3)
+
+
+def test_deltas_reach_their_request_in_order():
+    core = FakeCore(tokens=3)
+
+    async def main():
+        got: dict[int, list[str]] = {0: [], 1: []}
+        async for i, out in engine.generate([("a", [1], P), ("b", [1], P)]):
+            got[i].append(out.text)
+        return got
+
+    with running(core) as engine:
+        got = asyncio.run(main())
+        assert got == {0: ["t1", "t2", "t3"], 1: ["t1", "t2", "t3"]}
+        assert engine.num_active == 0
+    # Only the engine thread touched the core.
+    assert len(core.thread_ids) == 1 and threading.get_ident() not in core.thread_ids
+
+
+def test_closing_early_aborts_in_the_engine():
+    core = FakeCore(tokens=1000)
+
+    async def main():
+        async with contextlib.aclosing(engine.generate([("a", [1], P), ("b", [1], P)])) as gen:
+            async for _ in gen:
+                break
+
+    with running(core) as engine:
+        asyncio.run(main())
+        for _ in range(100):
+            if sorted(core.aborted) == ["a", "b"]:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert sorted(core.aborted) == ["a", "b"] and not core.live
+
+
+def test_abort_all_ends_callers_with_abort():
+    core = FakeCore(tokens=10**9)
+
+    async def main():
+        reasons = []
+        async for _, out in engine.generate([("a", [1], P)]):
+            if len(reasons) == 0:
+                engine.abort_all()
+            reasons.append(out.finish_reason)
+        return reasons
+
+    with running(core) as engine:
+        reasons = asyncio.run(asyncio.wait_for(main(), 10))
+    assert reasons[-1] == "abort" and core.aborted == ["a"]
+
+
+def test_a_failing_engine_fails_callers_and_health():
+    core = FakeCore(tokens=5, fail_at_step=2)
+
+    async def main():
+        async for _ in engine.generate([("a", [1], P)]):
+            pass
+
+    with running(core) as engine:
+        with pytest.raises(EngineDeadError, match="device lost"):
+            asyncio.run(asyncio.wait_for(main(), 10))
+        assert not engine.is_alive and "device lost" in repr(engine.error)
+        with pytest.raises(EngineDeadError):
+            asyncio.run(main())
+        assert asyncio.run(engine.probe(timeout=1)) is False
+
+
+def test_probe_produces_a_token():
+    with running(FakeCore(tokens=1)) as engine:
+        assert asyncio.run(engine.probe(timeout=5)) is True
+
+
+def test_a_dead_engine_gets_503_and_stops_the_server():
+    import time
+
+    import httpx
+
+    from outrider.server.config import ServerConfig
+    from outrider.server.server import ServerThread
+
+    s = ServerThread(ServerConfig(served_model_name="fake"), FakeCore(fail_at_step=1))
+    with s:
+        r = httpx.post(s.url + "/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while not s.server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.server.engine_failed and s.state.draining  # serve() then exits 1
