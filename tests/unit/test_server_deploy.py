@@ -81,3 +81,25 @@ def test_deploy_refuses_a_missing_model(tmp_path, capsys):
     config.write_text("model: {model: /nonexistent/m.gguf}\n")
     rc = main(["deploy", "systemd", "--config", str(config), "--output", str(tmp_path / "o")])
     assert rc == 2 and "/nonexistent/m.gguf" in capsys.readouterr().err
+
+
+def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
+    """Debian's systemd checks the unit as systemd itself would load it."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("systemd-analyze")
+    assert tool, (
+        "systemd-analyze is missing: install Debian's systemd package (apt-get install systemd)"
+    )
+    config = tmp_path / "server.yaml"
+    config.write_text(YAML)
+    out = tmp_path / "out"
+    assert main(["deploy", "systemd", "--config", str(config), "--output", str(out)]) == 0
+    proc = subprocess.run(
+        [tool, "verify", str(out / "outrider.service")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # systemd only warns (exit 0) on an unknown key or a bad value: any remark about the unit
+    # file itself is a failure ("outrider.service:9: Failed to parse service type, ignoring").
+    assert "outrider.service:" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
