@@ -152,6 +152,11 @@ def main() -> None:
         "--profile", action="store_true", help="print a torch profiler table of a C=1 step"
     )
     ap.add_argument(
+        "--compare-async",
+        action="store_true",
+        help="also time C=1 and C=32 with async scheduling on, in the same run",
+    )
+    ap.add_argument(
         "--compare-unfused",
         action="store_true",
         help="also time C=1 with the fused norm/rotary/SiLU kernels off, in the same run",
@@ -211,6 +216,17 @@ def main() -> None:
         result["profile_c1_host"] = host
     del engine
     torch.cuda.empty_cache()
+    if args.compare_async:
+        ahead = EngineCore(
+            config.replace(scheduler={"async_scheduling": True}), random_checkpoint(LLAMA_8B)
+        )
+        result["outrider_8b_async"] = {}
+        for c in (1, 32):
+            row = run_outrider(ahead, c, args.prompt_len, args.new_tokens)
+            result["outrider_8b_async"][str(c)] = {k: round(v, 2) for k, v in row.items()}
+            print(f"outrider 8B C={c} async scheduling: {row}", flush=True)
+        del ahead
+        torch.cuda.empty_cache()
     if args.compare_unfused:
         os.environ["OUTRIDER_FUSED_KERNELS"] = "0"
         unfused = EngineCore(config, random_checkpoint(LLAMA_8B))

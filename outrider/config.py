@@ -82,6 +82,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Launch the next plain decode step before reading this one's tokens, so the host's
+    # bookkeeping overlaps the device's work (engine/overlap.py). None: off for now (on CUDA
+    # once measured there); the CPU gains nothing from it.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -20,6 +20,7 @@ from outrider.core import (
     ScheduledBatch,
     StepOutput,
 )
+from outrider.engine import overlap
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
 from outrider.engine.scheduler import Scheduler
@@ -59,6 +60,11 @@ class EngineCore:
         self._pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         self._tracked: dict[str, _Tracked] = {}
         self.proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
+        # Async scheduling (engine/overlap.py): opt-in until measured on a GPU; speculative
+        # steps are not run ahead.
+        self._async = bool(config.scheduler.async_scheduling) and self.proposer is None
+        self._ahead: overlap.Ahead | None = None
+        self.num_steps_run_ahead = 0
         # A drafter that runs on the target's features asks every forward for them.
         self.runner.aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
         self.runner.capture_graphs()
@@ -123,11 +129,42 @@ class EngineCore:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return a delta (new text and token ids) per request that advanced."""
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        output = self.runner.run(batch)
+        """Run one batch; return a delta (new text and token ids) per request that advanced.
+
+        With async scheduling, a plain decode step launches the next one before reading its
+        own tokens (engine/overlap.py): that step is then taken here instead of a new schedule."""
+        if self._ahead is not None:
+            batch, ids = self._ahead.batch, self._ahead.token_ids
+            self._ahead = None
+        else:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return []
+            if not (self._async and overlap.can_run_ahead(batch)):
+                return self._advance(batch, self.runner.run(batch))
+            ids = self.runner.launch(batch)
+        self._ahead = self._run_ahead(batch, ids)
+        tokens = ids.tolist()  # CPU-GPU sync point (the device is busy with the step run ahead)
+        rids = [s.request.request_id for s in batch.seqs]
+        return self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
+
+    def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:
+        """Launch the decode after `batch` on its sampled ids, still on the device; None when
+        requests wait to be scheduled or the step cannot run ahead."""
+        if self.scheduler.num_waiting or not overlap.can_run_ahead(batch):
+            return None
+        nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len)
+        if nxt is None:
+            return None
+        next_batch, keep = nxt
+        if len(keep) != len(batch.seqs):
+            ids = ids.index_select(0, torch.as_tensor(keep, device=ids.device))
+        self.num_steps_run_ahead += 1
+        return overlap.Ahead(next_batch, self.runner.launch(next_batch, ids))
+
+    def _advance(self, batch: ScheduledBatch, output: StepOutput) -> list[RequestOutput]:
+        """Everything after the forward: stops inside accepted runs, the scheduler's and the
+        drafter's bookkeeping, detokenizing, finishing, the next drafts."""
         if output.num_accepted is not None:
             self._cut_at_token_stops(batch, output)
         self.scheduler.postprocess(batch, output)

@@ -132,11 +132,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ScheduledBatch, aux_layers: Sequence[int] = ()
+        self,
+        batch: ScheduledBatch,
+        aux_layers: Sequence[int] = (),
+        input_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardInputs]:
         """One forward over the batch's tokens: final hidden [num_tokens, hidden], the residual
-        streams entering `aux_layers`, and the inputs (for logits_indices)."""
+        streams entering `aux_layers`, and the inputs (for logits_indices). `input_ids` (on the
+        device) replaces the batch's token ids: tokens a previous step sampled, not yet read."""
         inputs = build_inputs(batch, self.block_size, self.device)
+        if input_ids is not None:
+            inputs.input_ids = input_ids
         graphs = self.graphs
         usable = graphs is not None and tuple(aux_layers) == graphs.aux_layers
         key = graphs.can_run(inputs) if usable else None
@@ -171,6 +177,15 @@ class ModelRunner:
             ids, tokens, logprobs=logprobs, num_accepted=[len(n) for n in accepted],
             accepted_nodes=accepted, aux_hidden=aux_hidden,
         )  # fmt: skip
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A DECODE step without waiting for it: forward, logits and sampling are queued on the
+        device and the sampled ids [B] returned there (read them with .tolist() later). Plain
+        rows only: no drafts, no logprobs (engine/overlap.py decides)."""
+        hidden, _, inputs = self.forward(batch, input_ids=input_ids)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sampler.sample_no_sync(logits, batch.seqs)
 
     def _move_accepted_kv(self, seq: ScheduledSeq, nodes: list[int]) -> None:
         topology = TreeTopology.from_parents(seq.drafts.parents)

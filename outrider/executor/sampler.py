@@ -335,17 +335,14 @@ def _logprob_rows_no_sync(
 class Sampler:
     """Chooses one token per row. Stateless: everything per row comes from the requests."""
 
-    def __call__(
+    def sample_no_sync(
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq] | Sequence[SamplingRow]
-    ) -> SamplerOutput:
-        """logits: [B, V], any float dtype, row i belongs to seqs[i]."""
+    ) -> torch.Tensor:
+        """The chosen ids [B] int64, left on the device (no host sync)."""
         rows = as_rows(seqs)
-        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         plain = not any(r.params.has_penalties for r in rows) and not _any_min_tokens_active(rows)
-        if plain and not asked and all(r.params.greedy for r in rows):
-            # Fast path: one argmax for the batch, nothing else.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)  # CPU-GPU sync point
-
+        if plain and all(r.params.greedy for r in rows):
+            return logits.argmax(dim=-1)  # fast path: one argmax for the batch
         for r in rows:
             if r.params.seed is not None and r.generator is None and not r.params.greedy:
                 # Falling back to the shared RNG would silently break reproducibility.
@@ -357,6 +354,15 @@ class Sampler:
         if probs is not None:
             drawn = sample_from_probs_no_sync(probs, [rows[i].generator for i in sampled])
             ids = drawn if ids is None else ids.index_copy(0, idx_t, drawn)
+        return ids
+
+    def __call__(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq] | Sequence[SamplingRow]
+    ) -> SamplerOutput:
+        """logits: [B, V], any float dtype, row i belongs to seqs[i]."""
+        rows = as_rows(seqs)
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        ids = self.sample_no_sync(logits, rows)
         if not asked:
             return SamplerOutput(ids.tolist(), None)  # CPU-GPU sync point
 

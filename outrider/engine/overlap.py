@@ -1,0 +1,74 @@
+"""Decoding one step ahead (async scheduling): while the device runs step n+1, the host reads
+step n's tokens and does its bookkeeping (detokenize, stop checks, the next schedule).
+
+    step n launched ──> launch n+1 with n's sampled ids, still on the device ──> read n's ids
+    (host sync; the device is busy with n+1) ──> postprocess n ──> next call: n+1 is launched,
+    launch n+2 ...
+
+Step n+1 is the same sequences one position further, so everything but the token values is
+known before step n's tokens are read: positions, slots (one more is allocated now), lengths.
+What this costs: a request that finishes at step n has one wasted row in step n+1 (ignored,
+its KV slot is its own and freed after the write is queued, so stream order keeps it safe);
+a request that arrives while a step runs ahead joins one step later (nothing runs ahead while
+requests wait).
+
+Only plain decode runs ahead: every sequence samples one token with no drafts, no logprobs,
+no penalties and no active min_tokens (those read output tokens the host does not have yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
+from outrider.engine.block_manager import BlockManager
+
+PLACEHOLDER = 0  # the token id written into a step's host inputs; the device ids replace it
+
+
+@dataclass
+class Ahead:
+    """A launched step whose tokens are not read yet."""
+
+    batch: ScheduledBatch
+    token_ids: torch.Tensor  # [len(batch.seqs)] int64 on the device
+
+
+def can_run_ahead(batch: ScheduledBatch) -> bool:
+    """Whether `batch` can be launched without reading the previous step's tokens, and followed
+    by a step launched without reading its own."""
+    if batch.mode != ForwardMode.DECODE:
+        return False
+    for s in batch.seqs:
+        p = s.request.params
+        if not s.sample or s.drafts is not None or s.query_len != 1:
+            return False
+        if p.logprobs is not None or p.has_penalties:
+            return False
+        if len(s.request.output_token_ids) < p.min_tokens:
+            return False  # the sampler would count an output one token short
+    return True
+
+
+def next_batch(
+    batch: ScheduledBatch, blocks: BlockManager, max_model_len: int
+) -> tuple[ScheduledBatch, list[int]] | None:
+    """The decode after `batch` for its unfinished sequences, each one position further, and
+    the rows of `batch` they continue; None when a sequence's next slot does not fit (the
+    context ends, or the pool is short: no one is preempted for a step run ahead).
+
+    Called before `batch` is postprocessed: num_computed_tokens is still `batch`'s start."""
+    keep = [i for i, s in enumerate(batch.seqs) if not s.request.is_finished]
+    if not keep:
+        return None
+    for i in keep:
+        s = batch.seqs[i]
+        if s.start_pos + 2 > max_model_len or not blocks.allocate(s.request, 2):
+            return None
+    seqs = [
+        ScheduledSeq(s.request, [PLACEHOLDER], s.start_pos + 1, s.request.block_ids, sample=True)
+        for s in (batch.seqs[i] for i in keep)
+    ]
+    return ScheduledBatch(ForwardMode.DECODE, seqs), keep

@@ -1,0 +1,70 @@
+"""Async scheduling (engine/overlap.py) on the CPU, forced on: the same outputs as stepping
+one batch at a time — greedy and seeded sampling, stops and max_tokens, requests arriving and
+aborted mid-run — with steps actually run ahead, and every KV block back at the end."""
+
+from __future__ import annotations
+
+from outrider import LLM, SamplingParams
+from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
+
+
+def _llm(tiny_dir, async_scheduling):  # noqa: F811
+    return LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+
+
+def _params(i: int) -> SamplingParams:
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=24),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=17, seed=i),
+        SamplingParams(temperature=0, max_tokens=5),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[7, 11, 13]),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6),  # runs ahead once >= 6
+        SamplingParams(temperature=0, max_tokens=9, logprobs=2),  # never runs ahead
+    ]
+    return kinds[i % len(kinds)]
+
+
+def _drive(llm, prompts):  # noqa: F811
+    """Add half the requests, step, add the rest mid-run, abort one; collect every delta."""
+    engine = llm.engine
+    got: dict[str, list[int]] = {}
+    ids = []
+    for i, p in enumerate(prompts[:4]):
+        ids.append(engine.add_request(p, _params(i), request_id=f"r{i}").request_id)
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+        if steps == 3:
+            for i, p in enumerate(prompts[4:], start=4):
+                engine.add_request(p, _params(i), request_id=f"r{i}")
+        if steps == 6:
+            engine.abort("r2")
+    return got
+
+
+def test_async_scheduling_gives_the_same_outputs(tiny_dir, prompts):  # noqa: F811
+    plain = _drive(_llm(tiny_dir, False), prompts)
+    llm = _llm(tiny_dir, True)
+    ahead = _drive(llm, prompts)
+    assert ahead == plain
+    assert llm.engine.num_steps_run_ahead > 10
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    # and the next batch of work on the same engine still matches
+    again = llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=8))
+    want = _llm(tiny_dir, False).generate(prompts[:3], SamplingParams(temperature=0, max_tokens=8))
+    assert [o.token_ids for o in again] == [o.token_ids for o in want]
+
+
+def test_async_scheduling_is_off_by_default_and_with_speculation(tiny_dir):  # noqa: F811
+    assert not _llm(tiny_dir, None).engine._async
+    spec = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
+        async_scheduling=True, speculative={"method": "ngram"},
+    )  # fmt: skip
+    assert not spec.engine._async
