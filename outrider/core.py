@@ -66,6 +66,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: token ids only, no text (saves the per-token detokenizing where nobody reads text,
+    # e.g. generating training data); stop strings then cannot be matched.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and a single string for convenience; store tuples so params stay hashable.
@@ -125,6 +128,13 @@ class SamplingParams:
             "use an integer in [0, 20]",
         )
         _check(all(s for s in self.stop), "stop", self.stop, "stop strings must be non-empty")
+        _check(
+            self.detokenize or not self.stop,
+            "stop",
+            self.stop,
+            "stop strings are matched in the text: keep detokenize=True, or stop on token ids "
+            "(stop_token_ids)",
+        )
         _check(
             self.seed is None or -(2**63) <= self.seed < 2**63,
             "seed",

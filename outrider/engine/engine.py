@@ -185,7 +185,8 @@ class EngineCore:
                 reason = FinishReason.LENGTH  # the next token would not fit even in an empty pool
             if reason is not None:
                 self.scheduler.finish(req, reason)
-                text += tracked.detokenizer.flush()  # text held back as a possible stop string
+                if req.params.detokenize:
+                    text += tracked.detokenizer.flush()  # text held back as a stop string
                 del self._tracked[rid]
                 if self.proposer is not None:
                     self.proposer.forget(rid)
@@ -212,6 +213,8 @@ class EngineCore:
     def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> tuple[str, list[int]]:
         """Stream new ids through the detokenizer one at a time, so a stop string inside a run
         of accepted drafts ends the output exactly where plain decoding would have."""
+        if not tracked.request.params.detokenize:
+            return "", new_ids
         if len(new_ids) == 1:
             return tracked.detokenizer.update(new_ids), new_ids
         text = []

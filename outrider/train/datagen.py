@@ -132,13 +132,19 @@ def _generate(llm, jobs: list[_Job], max_new: int, temperature: float, seed: int
         if not round_jobs:
             break
         params = [
-            SamplingParams(temperature=temperature, max_tokens=max_new, seed=_seed(seed, j.id))
+            SamplingParams(
+                temperature=temperature,
+                max_tokens=max_new,
+                seed=_seed(seed, j.id),
+                detokenize=False,  # token ids are all a sample keeps
+            )  # fmt: skip
             for j in round_jobs
         ]
         for job, o in zip(round_jobs, llm.generate(prompts, params)):
             job.ids = job.ids + list(o.token_ids)
             job.mask = job.mask + [1] * len(o.token_ids)
-            job.history = job.history + [{"role": "assistant", "content": o.text}]
+            text = llm.engine.tokenizer.decode(list(o.token_ids), skip_special_tokens=True)
+            job.history = job.history + [{"role": "assistant", "content": text}]
     return [j for j in live if any(j.mask)]
 
 

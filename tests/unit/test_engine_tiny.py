@@ -118,3 +118,17 @@ def test_request_outgrowing_the_whole_pool_stops_with_length(tiny_dir, prompts):
     ]
     assert out.finish_reason == "length" and len(out.token_ids) == 16
     assert llm.engine.block_manager.num_free_blocks == 10
+
+
+def test_detokenize_false_gives_ids_only(tiny_dir, prompts):  # noqa: F811
+    from outrider import LLM, SamplingParams
+
+    llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=128)
+    with_text = llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12))
+    ids_only = llm.generate(
+        prompts[:3], SamplingParams(temperature=0, max_tokens=12, detokenize=False)
+    )
+    assert [o.token_ids for o in ids_only] == [o.token_ids for o in with_text]
+    assert all(o.text == "" for o in ids_only) and any(o.text for o in with_text)
+    with pytest.raises(ValueError, match="stop strings are matched in the text"):
+        SamplingParams(stop=["x"], detokenize=False)
