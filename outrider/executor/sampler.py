@@ -43,7 +43,10 @@ class SamplingRow:
 
     @classmethod
     def of(cls, seq: ScheduledSeq) -> SamplingRow:
-        r = seq.request
+        return cls.of_request(seq.request)
+
+    @classmethod
+    def of_request(cls, r) -> SamplingRow:
         return cls(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, r.generator)
 
 
@@ -248,6 +251,12 @@ def _sampled_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     if any(r.params.min_p > 0.0 for r in rows):
         x = apply_min_p(x, knobs[3])
     return x.softmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's temperature, top-k, top-p and min-p (no penalties, no min_tokens) applied to
+    logits [S, V]: probs [S, V] float32. What a drafter samples its own proposals from."""
+    return _sampled_probs(logits.float(), rows)
 
 
 def sample_from_probs_no_sync(

@@ -35,6 +35,7 @@ from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, St
 from outrider.executor.cuda_graph import GraphRunner
 from outrider.executor.inputs import build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool
+from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
 from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.spec.base import SeqDrafts
@@ -50,6 +51,7 @@ class _Frontier:
     top_ids: torch.Tensor  # [topk] int64 target ids of the best first drafts, on the device
     top_logp: torch.Tensor  # [topk] float32 their draft log-probabilities
     hidden: torch.Tensor  # [H] the draft's pre-norm output at that row
+    logits: torch.Tensor | None  # [draft_vocab] at that row, kept for sampled requests
 
 
 class Eagle3Proposer:
@@ -124,8 +126,9 @@ class Eagle3Proposer:
         top_logp, top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
         top_ids = self.draft.to_target_ids(top)
         for i, s in enumerate(seqs):
+            keep = None if s.request.params.greedy else logits[i]
             self._frontier[s.request.request_id] = _Frontier(
-                s.context_len - 1, top_ids[i], top_logp[i], last_hidden[i]
+                s.context_len - 1, top_ids[i], top_logp[i], last_hidden[i], keep
             )
 
     # -- the engine's proposal call ---------------------------------------------------------
@@ -152,6 +155,10 @@ class Eagle3Proposer:
             return out
         steps = [torch.stack([f.top_ids[0] for f in frontiers])]  # [B]
         hidden = torch.stack([f.hidden for f in frontiers])  # [B, H]
+        sampling = _SampledRows(self, reqs)
+        if sampling:
+            first = torch.stack([frontiers[i].logits for i in sampling.index])
+            steps[0] = sampling.draw(steps[0], first)
         graphs = self._draft_graphs()
         for j in range(2, max_draft_tokens + 1):
             seqs = [
@@ -164,16 +171,17 @@ class Eagle3Proposer:
             inputs.input_ids = steps[-1]
             key = graphs.can_run(inputs) if graphs is not None else None
             if key is not None:
-                tokens, hidden = graphs.replay(key, inputs, {"hidden": hidden})
+                tokens, hidden, logits = graphs.replay(key, inputs, {"hidden": hidden})
             else:
                 logits, hidden = self.run_rows(
                     inputs.input_ids, inputs.positions, inputs.attn, hidden, inputs.logits_indices
                 )
                 tokens = self.draft.to_target_ids(logits.argmax(dim=-1))
-            steps.append(tokens)
+            steps.append(sampling.draw(tokens, logits) if sampling else tokens)
         drafts = torch.stack(steps, dim=1).tolist()  # [B, k]  # CPU-GPU sync point
-        for (i, _), ids in zip(live, drafts):
-            out[i] = SeqDrafts.chain(ids)
+        probs = sampling.per_request() if sampling else {}
+        for b, ((i, _), ids) in enumerate(zip(live, drafts)):
+            out[i] = SeqDrafts.chain(ids, probs.get(b))
         return out
 
     def forget(self, request_id: str) -> None:
@@ -225,15 +233,54 @@ class Eagle3Proposer:
 
 def _chain_step(draft: Eagle3Draft):
     """One chain step for a DRAFT graph, all on the device: -> (next draft's target id [B],
-    pre-norm hidden [B, H]). A closure over the draft, not the proposer: the graph runner
+    pre-norm hidden [B, H], draft logits [B, draft_vocab] for requests that sample). A closure over the draft, not the proposer: the graph runner
     holding it must not keep the proposer (and the engine) alive in a reference cycle."""
 
-    def step(ids, positions, extras) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(ids, positions, extras) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         normed, summed = draft(ids, positions, extras["hidden"])
         logits = draft.compute_logits(normed)
-        return draft.to_target_ids(logits.argmax(dim=-1)), summed
+        return draft.to_target_ids(logits.argmax(dim=-1)), summed, logits
 
     return step
+
+
+class _SampledRows:
+    """The requests of a proposal that sample (temperature > 0): their drafts are drawn from
+    the draft's distribution under the request's own temperature / top-k / top-p / min-p,
+    with the request's generator, and that distribution (over the target vocabulary) goes
+    with the drafts, so rejection sampling accepts more and stays exact. Greedy requests keep
+    the argmax and deterministic drafts."""
+
+    def __init__(self, proposer: Eagle3Proposer, reqs: Sequence[Request]) -> None:
+        self.index = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        self.rows = [SamplingRow.of_request(reqs[i]) for i in self.index]
+        self.draft = proposer.draft
+        self.vocab = proposer.draft.config.vocab_size
+        self.probs: list[torch.Tensor] = []  # per step: [S, vocab]
+        if self.index:
+            self.index_t = torch.as_tensor(self.index, device=proposer.device)
+            vd = proposer.draft.config.draft_vocab_size
+            self.target_ids = proposer.draft.to_target_ids(torch.arange(vd, device=proposer.device))
+
+    def __bool__(self) -> bool:
+        return bool(self.index)
+
+    def draw(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (argmax drafts), logits [B or S, draft_vocab] -> tokens with the sampled
+        rows redrawn; remembers their distributions."""
+        if logits.shape[0] != len(self.index):
+            logits = logits.index_select(0, self.index_t)
+        full = logits.new_full((len(self.index), self.vocab), float("-inf"), dtype=torch.float32)
+        full[:, self.target_ids] = logits.float()
+        probs = sampling_probs(full, self.rows)  # [S, vocab]
+        self.probs.append(probs)
+        drawn = sample_from_probs_no_sync(probs, [r.generator for r in self.rows])
+        return tokens.index_copy(0, self.index_t, drawn)
+
+    def per_request(self) -> dict[int, torch.Tensor]:
+        """Batch row -> [k, vocab] distributions its k drafts were drawn from."""
+        stacked = torch.stack(self.probs, dim=1)  # [S, k, vocab]
+        return {b: stacked[j] for j, b in enumerate(self.index)}
 
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"

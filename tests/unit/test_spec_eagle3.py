@@ -211,3 +211,42 @@ def test_engines_and_graph_runners_free_without_the_cycle_collector(tiny_dir):  
         assert [r() is None for r in refs] == [True] * len(refs)
     finally:
         gc.enable()
+
+
+def test_sampled_requests_draw_drafts_from_the_distribution_they_report(tiny_dir, prompts):  # noqa: F811
+    """A request that samples gets drafts drawn from the draft's own distribution under its
+    temperature / top-p, and that distribution is what goes to rejection sampling: the first
+    draft's frequencies over many proposals match the reported row (chi-squared), and every
+    draft has positive probability in its row."""
+    from tests.unit.test_spec_verify import chi2_pvalue
+
+    llm = eagle_llm(tiny_dir, random_drafter(_target(tiny_dir), seed=3))
+    engine, proposer = llm.engine, llm.engine.proposer
+    req = engine.add_request(prompts[1], SamplingParams(temperature=1.5, top_p=0.95, max_tokens=30))
+    engine.step()  # prefill: the frontier is ready
+    assert req.num_computed_tokens == req.num_tokens - 1
+    counts: dict[int, int] = {}
+    q = None
+    for _ in range(3000):
+        d = proposer.propose([req], K)[0]
+        assert d.draft_probs is not None and d.draft_probs.shape == (K, 512)
+        rows = d.draft_probs[torch.arange(K), torch.tensor(d.token_ids)]
+        assert bool((rows > 0).all())
+        q = d.draft_probs[0] if q is None else q
+        assert torch.equal(d.draft_probs[0], q)  # same state, same first distribution
+        counts[d.token_ids[0]] = counts.get(d.token_ids[0], 0) + 1
+    torch.testing.assert_close(q.sum(), torch.tensor(1.0))
+    obs = torch.zeros(512)
+    for t, n in counts.items():
+        obs[t] = n
+    assert int((q * 3000 >= 5).sum()) >= 5  # enough well-filled cells for the test to bite
+    assert chi2_pvalue(obs, q) > 0.001
+    greedy = engine.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=10))
+    engine.step()
+    assert proposer.propose([greedy], K)[0].draft_probs is None  # greedy: deterministic drafts
+
+
+def _target(tiny_dir):  # noqa: F811
+    from outrider.loaders.checkpoint import open_checkpoint
+
+    return open_checkpoint(str(tiny_dir[0])).config
