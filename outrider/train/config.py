@@ -54,6 +54,9 @@ class TrainConfig:
     holdout: int = 0  # the dataset's last samples, kept out for `drafter eval`
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; None: epochs decide
+    # Wall-clock budget for this output_dir's training (resumes continue its clock); the LR
+    # schedule follows the clock when it is ahead of the steps. None: steps / epochs decide.
+    max_minutes: float | None = None
     lr: float = 1e-4
     warmup_ratio: float = 0.02
     min_lr_ratio: float = 0.0
@@ -87,6 +90,8 @@ class TrainConfig:
         _check(self.epochs >= 1, "epochs", self.epochs, "use an integer >= 1")
         _check(self.max_steps is None or self.max_steps >= 1, "max_steps", self.max_steps,
                "use >= 1, or None to run `epochs` epochs")  # fmt: skip
+        _check(self.max_minutes is None or self.max_minutes > 0, "max_minutes",
+               self.max_minutes, "use a positive number of minutes, or None")  # fmt: skip
         _check(self.lr > 0, "lr", self.lr, "use a positive learning rate, e.g. 1e-4")
         _check(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "use [0, 1)")
         _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", self.min_lr_ratio, "use [0, 1]")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,12 +49,19 @@ class TrainResult:
     draft: torch.nn.Module | None = None  # the trained Eagle3Draft itself
 
 
-def lr_at(step: int, total: int, config: TrainConfig) -> float:
-    """Linear warmup over warmup_ratio * total steps, then cosine down to min_lr_ratio * lr."""
+def lr_at(step: int, total: int, config: TrainConfig, time_frac: float = 0.0) -> float:
+    """Linear warmup over warmup_ratio * total steps, then cosine down to min_lr_ratio * lr.
+    With a time budget, `time_frac` (elapsed / budget) drives the same schedule whenever it is
+    further along than the steps are: a run cut by the clock still ends on a decayed rate."""
     warmup = int(config.warmup_ratio * total)
-    if step < warmup:
+    if time_frac > 0 and time_frac > step / max(total, 1):
+        if time_frac < config.warmup_ratio:
+            return config.lr * time_frac / config.warmup_ratio
+        frac = (time_frac - config.warmup_ratio) / max(1e-9, 1 - config.warmup_ratio)
+    elif step < warmup:
         return config.lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
+    else:
+        frac = (step - warmup) / max(1, total - warmup)
     cos = 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cos)
 
@@ -196,6 +204,10 @@ class Trainer:
             state = ckpt.load_checkpoint(self.resume_from[0], self.draft, self.optimizer)
             step, epoch, pos = state["step"], state["epoch"], state["batch"]
             log.info("resumed from %s at step %d", self.resume_from[0], step)
+        elapsed_before = state.get("elapsed_s", 0.0) if self.resume_from else 0.0
+        budget = c.max_minutes * 60 if c.max_minutes else None
+        started = time.perf_counter() - elapsed_before
+        out_of_time = False
         result = TrainResult(step=step)
         bar = tqdm(total=total, initial=step, disable=self.rank != 0, desc="drafter", unit="step")
         autocast = torch.autocast("cuda", torch.bfloat16) if self.device.type == "cuda" else None
@@ -206,7 +218,8 @@ class Trainer:
             batches = micro_batches(pack_rows(self.samples, c.max_len, c.seed, epoch), c.batch_rows)
             while pos + per_step <= len(batches) and step < total:
                 # 1. Learning rate: a function of the step alone (nothing else to checkpoint).
-                lr = lr_at(step, total, c)
+                elapsed = time.perf_counter() - started
+                lr = lr_at(step, total, c, elapsed / budget if budget else 0.0)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 # 2. grad_accum micro-batches; DDP all-reduces gradients on the last one only.
@@ -237,12 +250,21 @@ class Trainer:
                     acc = "/".join(f"{a:.2f}" for a in metrics["acc"][:4])
                     bar.set_postfix_str(f"loss {metrics['loss']:.3f} acc {acc}")
                 bar.update(1)
-                if step % c.checkpoint_every == 0 or step == total:
-                    self._checkpoint(step, epoch, pos, total_steps=total)
+                # 5. The clock (a budget ends the run like the last step does).
+                elapsed = time.perf_counter() - started
+                out_of_time = budget is not None and elapsed >= budget
+                if step % c.checkpoint_every == 0 or step == total or out_of_time:
+                    self._checkpoint(step, epoch, pos, total_steps=total, elapsed_s=elapsed)
                 if callback is not None:
                     callback(step, metrics)
+                if out_of_time:
+                    break
+            if out_of_time:
+                break
             epoch, pos = epoch + 1, 0
         bar.close()
+        if pending:  # steps not reported yet (a run stopped by the clock between reports)
+            self._flush(pending, result, lr, step)
         result.step, result.draft = step, self.draft
         if self.rank == 0:
             extra = {"trained_steps": step, "target": self.fingerprint}
@@ -279,12 +301,15 @@ class Trainer:
                 f.write(json.dumps(metrics) + "\n")
         return metrics
 
-    def _checkpoint(self, step: int, epoch: int, pos: int, total_steps: int) -> None:
+    def _checkpoint(
+        self, step: int, epoch: int, pos: int, total_steps: int, elapsed_s: float = 0.0
+    ) -> None:
         if self.rank == 0:
             state = {
                 "epoch": epoch,
                 "batch": pos,
                 "total_steps": total_steps,
+                "elapsed_s": elapsed_s,
                 "target": self.fingerprint,
                 "config": asdict(self.config),
             }

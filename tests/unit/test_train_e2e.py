@@ -265,3 +265,22 @@ def test_epochs_that_pack_into_fewer_batches_do_not_overrun(target, dataset, tmp
     per_epoch = len(trainer_mod.micro_batches(real(trainer_mod.read_samples(dataset), 64, 0, 0), 2))
     result = train(_config(dataset, tmp_path / "run", max_steps=3 * per_epoch), llm=llm)
     assert result.step == 3 * per_epoch
+
+
+def test_time_budget_stops_training_on_a_decayed_rate(target, dataset, tmp_path):
+    """max_minutes ends the run by the clock: fewer steps than max_steps, the drafter and a
+    checkpoint written, and the learning rate at the end already decayed by the clock."""
+    from outrider.train.trainer import lr_at
+
+    _, llm = target
+    config = _config(dataset, tmp_path / "run", max_steps=10_000, max_minutes=0.05, log_every=5)
+    result = train(config, llm=llm)
+    assert 1 <= result.step < 10_000 and result.drafter is not None
+    assert len(result.losses) == result.step
+    state = json.loads((tmp_path / "run" / f"step-{result.step:08d}" / "state.json").read_text())
+    assert state["elapsed_s"] >= 3.0
+    # the schedule by the clock: warmup, the top, then cosine down to min_lr_ratio * lr
+    assert lr_at(0, 10_000, config, time_frac=0.05) == pytest.approx(config.lr * 0.5)
+    assert lr_at(0, 10_000, config, time_frac=0.1) == pytest.approx(config.lr)
+    assert lr_at(5, 10_000, config, time_frac=1.0) == pytest.approx(config.min_lr_ratio * config.lr)
+    assert lr_at(5, 10_000, config) == pytest.approx(config.lr * 6 / 1000)  # steps alone
