@@ -4,7 +4,7 @@ measure it: datagen (the target answers built-in and self-written prompts throug
 length on held-out prompts (outrider/bench/datasets.HELDOUT), chain and tree.
 
     python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--max-new 384]
-        [--train-minutes 5] [--draft-vocab 16384] [--device cuda]
+        [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
 
 Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results/
 eagle3_train_default.json.
@@ -28,6 +28,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", required=True)
+    ap.add_argument("--data", default=None, help="train on this JSONL instead of generating one")
     ap.add_argument("--samples", type=int, default=4000)
     ap.add_argument("--max-new", type=int, default=384)
     ap.add_argument("--train-minutes", type=float, default=5.0)
@@ -59,10 +60,15 @@ def main() -> None:
         **({"gpu_memory_utilization": 0.35, "max_num_seqs": 256, "cuda_graph_max_batch": 256}
            if cuda else {}),
     )  # fmt: skip
-    data = generate_dataset(
-        llm, out / "data.jsonl", num_samples=args.samples, max_new_tokens=args.max_new,
-        batch_size=256 if cuda else 8,
-    )  # fmt: skip
+    if args.data:
+        data = Path(args.data)  # a dataset from an earlier run: no generation
+    else:
+        # 4x more prompts per call than run at once: the engine refills finished slots, so
+        # one long answer does not hold the batch (max_num_seqs is what runs together).
+        data = generate_dataset(
+            llm, out / "data.jsonl", num_samples=args.samples, max_new_tokens=args.max_new,
+            batch_size=1024 if cuda else 8,
+        )  # fmt: skip
     result["datagen_s"] = round(time.perf_counter() - t0, 1)
     print(f"datagen: {result['datagen_s']} s", flush=True)
 
