@@ -39,10 +39,11 @@ def random_drafter(target: TransformerConfig, draft_vocab: int = 300, seed: int 
     return draft
 
 
-def eagle_llm(tiny_dir, draft: Eagle3Draft | None = None) -> LLM:  # noqa: F811
+def eagle_llm(tiny_dir, draft: Eagle3Draft | None = None, **options) -> LLM:  # noqa: F811
+    options = {"num_blocks": 256, **options}
     llm = LLM(
-        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256,
-        speculative={"method": "ngram", "num_draft_tokens": K},
+        str(tiny_dir[0]), dtype="float32", device="cpu",
+        speculative={"method": "ngram", "num_draft_tokens": K}, **options,
     )  # fmt: skip
     engine = llm.engine
     target = engine.checkpoint.config
@@ -250,3 +251,24 @@ def _target(tiny_dir):  # noqa: F811
     from outrider.loaders.checkpoint import open_checkpoint
 
     return open_checkpoint(str(tiny_dir[0])).config
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_blocks": 14, "block_size": 8, "enable_prefix_caching": False},  # preemption
+        {"num_blocks": 64, "block_size": 8},  # prefix hits reuse the draft KV of cached blocks
+        {"max_num_batched_tokens": 7},  # chunked prefill: an extend per chunk
+    ],
+)
+def test_eagle3_under_preemption_prefix_hits_and_chunking(tiny_dir, prompts, reference, options):  # noqa: F811
+    llm = eagle_llm(tiny_dir, **options)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    again = llm.generate(prompts[:3], GREEDY)  # the second time some prefixes are cached
+    assert [o.token_ids for o in again] == reference[:3]
+    engine = llm.engine
+    assert engine.spec_stats.num_verify_steps > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    if options.get("num_blocks") == 14:
+        assert engine.scheduler.num_preemptions > 0
