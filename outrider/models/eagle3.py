@@ -37,6 +37,7 @@ from outrider.layers.linear import (
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import TransformerConfig
+from outrider.models.llama import LlamaForCausalLM
 
 # q, k, v: [T, heads, dim], [T, kv_heads, dim] x2 -> [T, heads * dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -146,13 +147,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    # The decoder layer packs q/k/v and gate/up as the target's layers do.
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, cfg: Eagle3Config, max_positions: int | None = None) -> None:
         super().__init__()

@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -201,3 +202,42 @@ async def unless_disconnected(request: Request, work: Awaitable):
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     raise APIError(499, "the client closed the request")
+
+
+@dataclass
+class Collected:
+    """One choice of a non-streaming request, run to its end."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str | None
+
+
+async def collect(state: ServerState, requests: list) -> list[Collected]:
+    """Run `requests` (engine.generate's (id, prompt ids, params) tuples) to the end; one
+    Collected per request, in order. A dead engine is a 503."""
+    from outrider.server.async_engine import EngineDeadError
+
+    n = len(requests)
+    texts, ids, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    try:
+        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                texts[i].append(out.text)
+                ids[i].extend(out.token_ids)
+                lps[i].extend(out.logprobs or ())
+                if out.finished:
+                    reasons[i] = out.finish_reason
+    except EngineDeadError as e:
+        raise APIError(503, str(e)) from None
+    return [Collected("".join(texts[i]), ids[i], lps[i], reasons[i]) for i in range(n)]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -22,10 +22,12 @@ from outrider.server.serving import (
     SSE_DONE,
     chat_logprobs,
     check_n,
+    collect,
     read_body,
     sampling_params,
     sse,
     unless_disconnected,
+    usage,
     validate,
 )
 from outrider.server.state import ServerState
@@ -167,31 +169,11 @@ def _tool_calls_json(calls: list[ToolCall], with_index: bool = False) -> list[di
     ]
 
 
-def _usage(prompt_len: int, completion: int) -> dict:
-    return {
-        "prompt_tokens": prompt_len,
-        "completion_tokens": completion,
-        "total_tokens": prompt_len + completion,
-    }
-
-
 async def _complete(state, req, rid, requests, parser, top_n) -> dict:
-    n = len(requests)
-    texts, ids, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
-    try:
-        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
-            async for i, out in outputs:
-                texts[i].append(out.text)
-                ids[i].extend(out.token_ids)
-                lps[i].extend(out.logprobs or ())
-                if out.finished:
-                    reasons[i] = out.finish_reason
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
+    done = await collect(state, requests)
     choices = []
-    for i in range(n):
-        text = "".join(texts[i])
+    for i, c in enumerate(done):
+        text = c.text
         if parser is not None and parser.needs_special_tokens:
             text = _strip_eos_text(state, text)
         split = ChoiceText(state.reasoning_parser, parser)
@@ -208,10 +190,10 @@ async def _complete(state, req, rid, requests, parser, top_n) -> dict:
             {
                 "index": i,
                 "message": message,
-                "logprobs": {"content": chat_logprobs(state, ids[i], lps[i], top_n)}
+                "logprobs": {"content": chat_logprobs(state, c.token_ids, c.logprobs, top_n)}
                 if top_n is not None
                 else None,
-                "finish_reason": "tool_calls" if calls else reasons[i],
+                "finish_reason": "tool_calls" if calls else c.finish_reason,
             }
         )
     prompt_len = len(requests[0][1])
@@ -221,7 +203,7 @@ async def _complete(state, req, rid, requests, parser, top_n) -> dict:
         "created": int(time.time()),
         "model": state.model_name,
         "choices": choices,
-        "usage": _usage(prompt_len, sum(len(x) for x in ids)),
+        "usage": usage(prompt_len, sum(len(c.token_ids) for c in done)),
     }
 
 
@@ -274,7 +256,7 @@ async def _stream(state, req, rid, requests, parser, top_n):
     except EngineDeadError as e:
         yield sse(APIError(503, str(e)).to_dict())
     if include_usage:
-        usage = _usage(len(requests[0][1]), completion_tokens)
+        totals = usage(len(requests[0][1]), completion_tokens)
         yield sse(
             {
                 "id": rid,
@@ -282,7 +264,7 @@ async def _stream(state, req, rid, requests, parser, top_n):
                 "created": created,
                 "model": state.model_name,
                 "choices": [],
-                "usage": usage,
+                "usage": totals,
             }
         )
     yield SSE_DONE

@@ -16,11 +16,13 @@ from outrider.server.protocol import CompletionRequest, new_id
 from outrider.server.serving import (
     SSE_DONE,
     check_n,
+    collect,
     completion_logprobs,
     read_body,
     sampling_params,
     sse,
     unless_disconnected,
+    usage,
     validate,
 )
 from outrider.server.state import ServerState
@@ -110,40 +112,23 @@ def _choice_logprobs(state, req, ids, lps, offset):
 
 
 async def _complete(state, req, rid, requests, echoes, prompt_tokens) -> dict:
-    n = len(requests)
-    texts, ids, lps = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
-    try:
-        async with contextlib.aclosing(state.engine.generate(requests)) as outputs:
-            async for i, out in outputs:
-                texts[i].append(out.text)
-                ids[i].extend(out.token_ids)
-                lps[i].extend(out.logprobs or ())
-                if out.finished:
-                    reasons[i] = out.finish_reason
-    except EngineDeadError as e:
-        raise APIError(503, str(e)) from None
+    done = await collect(state, requests)
     choices = [
         {
             "index": i,
-            "text": echoes[i] + "".join(texts[i]),
-            "logprobs": _choice_logprobs(state, req, ids[i], lps[i], 0),
-            "finish_reason": reasons[i],
+            "text": echoes[i] + c.text,
+            "logprobs": _choice_logprobs(state, req, c.token_ids, c.logprobs, 0),
+            "finish_reason": c.finish_reason,
         }
-        for i in range(n)
+        for i, c in enumerate(done)
     ]
-    completion = sum(len(x) for x in ids)
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": state.model_name,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        },
+        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done)),
     }
 
 
@@ -154,7 +139,7 @@ async def _stream(state, req, rid, requests, echoes, prompt_tokens):
     offsets = [0] * len(requests)
     completion = 0
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(choices: list[dict], totals: dict | None = None) -> str:
         body = {
             "id": rid,
             "object": "text_completion",
@@ -163,8 +148,8 @@ async def _stream(state, req, rid, requests, echoes, prompt_tokens):
             "choices": choices,
             **usage_field,
         }
-        if usage is not None:
-            body["usage"] = usage
+        if totals is not None:
+            body["usage"] = totals
         return sse(body)
 
     for i, echo in enumerate(echoes):
@@ -189,10 +174,5 @@ async def _stream(state, req, rid, requests, echoes, prompt_tokens):
     except EngineDeadError as e:
         yield sse(APIError(503, str(e)).to_dict())
     if include_usage:
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-        yield chunk([], usage)
+        yield chunk([], usage(prompt_tokens, completion))
     yield SSE_DONE
