@@ -164,7 +164,7 @@ class EngineConfig:
         for f in dataclasses.fields(cls):
             section_cls = f.default_factory  # type: ignore[misc]
             values = data.get(f.name) or {}
-            kwargs[f.name] = _build(section_cls, values, f.name)
+            kwargs[f.name] = build_section(section_cls, values, f.name)
         return cls(**kwargs)
 
     @classmethod
@@ -182,13 +182,14 @@ class EngineConfig:
         for f in dataclasses.fields(self):
             current = getattr(self, f.name)
             changes = sections.get(f.name) or {}
-            kwargs[f.name] = _build(
+            kwargs[f.name] = build_section(
                 type(current), {**dataclasses.asdict(current), **changes}, f.name
             )
         return EngineConfig(**kwargs)
 
 
-def _build(section_cls: type, values: dict[str, Any], section: str) -> Any:
+def build_section(section_cls: type, values: dict[str, Any], section: str) -> Any:
+    """A config dataclass from one YAML section; an unknown key is an error naming it."""
     names = {f.name for f in dataclasses.fields(section_cls)}
     unknown = set(values) - names
     if unknown:

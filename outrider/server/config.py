@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.config import EngineConfig
+from outrider.config import EngineConfig, build_section
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,4 @@ def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
 
 
 def server_config_from_dict(values: dict[str, Any]) -> ServerConfig:
-    names = {f.name for f in dataclasses.fields(ServerConfig)}
-    unknown = set(values) - names
-    if unknown:
-        raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in config section 'server': use {sorted(names)}"
-        )
-    return ServerConfig(**values)
+    return build_section(ServerConfig, values, "server")
