@@ -5,9 +5,11 @@ length on held-out prompts (outrider/bench/datasets.HELDOUT), chain and tree.
 
     python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--max-new 384]
         [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
+        [--datagen-only] [--gen-minutes M]
 
 Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results/
-eagle3_train_default.json.
+eagle3_train_default.json. `--datagen-only` stops after the data; runs given `--data` load a
+small target of their own (a fixed KV pool), so several can train side by side on one GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
+    ap.add_argument("--datagen-only", action="store_true", help="stop once the data is written")
+    ap.add_argument("--gen-minutes", type=float, default=None, help="stop datagen after this")
+    ap.add_argument("--gen-batch", type=int, default=4096, help="prompts per generate call")
+    ap.add_argument("--gen-seqs", type=int, default=512, help="sequences decoded together")
     args = ap.parse_args()
 
     from outrider import LLM, SamplingParams
@@ -55,29 +62,40 @@ def main() -> None:
     result: dict = {"args": vars(args)}
     t0 = time.perf_counter()
     # 1. Data: the target answers through outrider itself.
-    llm = LLM(
-        dtype=dtype, device=args.device, max_model_len=2048,
-        **({"gpu_memory_utilization": 0.35, "max_num_seqs": 256, "cuda_graph_max_batch": 256}
-           if cuda else {}),
-    )  # fmt: skip
     if args.data:
         data = Path(args.data)  # a dataset from an earlier run: no generation
+        llm = None  # the trainer loads its own target with a small fixed KV pool
     else:
-        # 4x more prompts per call than run at once: the engine refills finished slots, so
-        # one long answer does not hold the batch (max_num_seqs is what runs together).
-        data = generate_dataset(
-            llm, out / "data.jsonl", num_samples=args.samples, max_new_tokens=args.max_new,
-            batch_size=1024 if cuda else 8,
+        llm = LLM(
+            dtype=dtype, device=args.device, max_model_len=2048,
+            **({"gpu_memory_utilization": 0.35, "max_num_seqs": args.gen_seqs,
+                "cuda_graph_max_batch": args.gen_seqs} if cuda else {}),
         )  # fmt: skip
+        # Many more prompts per call than run at once: the engine refills finished slots, so
+        # one long answer does not hold the batch. Calls of growing size resume the same file
+        # (datagen skips ids already written), so --gen-minutes can stop between them.
+        batch = args.gen_batch if cuda else 8
+        data = out / "data.jsonl"
+        for upto in range(batch, args.samples + batch, batch):
+            generate_dataset(
+                llm, data, num_samples=min(upto, args.samples), max_new_tokens=args.max_new,
+                batch_size=batch,
+            )  # fmt: skip
+            if args.gen_minutes and time.perf_counter() - t0 > args.gen_minutes * 60:
+                print(f"datagen: stopped by --gen-minutes at {min(upto, args.samples)} prompts")
+                break
     result["datagen_s"] = round(time.perf_counter() - t0, 1)
-    print(f"datagen: {result['datagen_s']} s", flush=True)
+    result["samples_written"] = sum(1 for _ in open(data))
+    print(f"datagen: {result['samples_written']} samples, {result['datagen_s']} s", flush=True)
+    if args.datagen_only:
+        return
 
     # 2. Train until the schedule ends or the wall-clock budget does.
     config = TrainConfig(
         data=str(data), output_dir=str(out / "run"), device=args.device, dtype=dtype,
         draft_vocab_size=args.draft_vocab, max_len=args.max_len, batch_rows=args.batch_rows,
         max_steps=args.steps, max_minutes=args.train_minutes, lr=args.lr,
-        checkpoint_every=10**9, log_every=25,
+        checkpoint_every=500, log_every=25,
     )  # fmt: skip
     trainer = Trainer(config, llm)
     start = time.perf_counter()
@@ -90,16 +108,16 @@ def main() -> None:
     result["train_log_tail"] = log[-3:]
     result["train_steps"] = steps
     shipped = out / "drafter"
-    target = llm.engine.checkpoint.config
+    target = trainer.capture.config
     extra = {
         "target": {"hidden_size": target.hidden_size, "num_hidden_layers": target.num_hidden_layers,
                    "vocab_size": target.vocab_size, "model": "SmolLM2-135M-Instruct (Q4_1 GGUF)"},
         "trained_steps": result["train_steps"], "train_seconds": round(train_s),
-        "samples": args.samples,
+        "samples": result["samples_written"], "lr": args.lr,
     }  # fmt: skip
     save_drafter(draft.to(torch.bfloat16), shipped, "sglang", extra)
     print(f"trained {result['train_steps']} steps in {train_s:.0f} s -> {shipped}", flush=True)
-    del trainer, llm
+    del trainer, llm, train, draft
     if cuda:
         torch.cuda.empty_cache()
 
@@ -113,7 +131,7 @@ def main() -> None:
         eagle = LLM(
             dtype=dtype, device=args.device,
             speculative={"method": "eagle3", "draft": str(shipped), **spec},
-            **({"gpu_memory_utilization": 0.2} if cuda else {}),
+            **({"num_blocks": 4096} if cuda else {}),  # fixed: side-by-side runs share the GPU
         )  # fmt: skip
         outs = eagle.chat(convs, params)
         steps_v = sum(o.metrics["num_verify_steps"] for o in outs)
@@ -122,7 +140,8 @@ def main() -> None:
         print(f"{name}: accept length {result[f'accept_length_{name}']}", flush=True)
         del eagle
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    print(f"wrote {write_result('eagle3_train_default', result)}")
+    name = "eagle3_train_default" + (f"_{args.tag}" if args.tag else "")
+    print(f"wrote {write_result(name, result)}")
 
 
 if __name__ == "__main__":
