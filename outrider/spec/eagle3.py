@@ -172,6 +172,9 @@ class Eagle3Proposer:
             key = graphs.can_run(inputs) if graphs is not None else None
             if key is not None:
                 tokens, hidden, logits = graphs.replay(key, inputs, {"hidden": hidden})
+                # Views of the graph's static outputs: the next replay overwrites them, and
+                # `steps` keeps every step's ids (hidden is copied in before that replay).
+                tokens = tokens.clone()
             else:
                 logits, hidden = self.run_rows(
                     inputs.input_ids, inputs.positions, inputs.attn, hidden, inputs.logits_indices

@@ -64,3 +64,25 @@ def test_graph_aux_streams_equal_eager(drafter_path):
     runner.graphs = graphs
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat(aux_g, -1), torch.cat(aux_e, -1), rtol=1e-4, atol=1e-4)
+
+
+def test_chain_drafts_from_draft_graphs_equal_eager(drafter_path):
+    """Chain steps replayed from DRAFT graphs propose the drafts the eager chain proposes, for
+    every step: each replay's outputs are views of the graph's static buffers, so drafts kept
+    across steps must be copies (kept views all read the last step's ids)."""
+    spec = _eagle_llm(drafter_path, 1)
+    engine, proposer = spec.engine, spec.engine.proposer
+    params = SamplingParams(temperature=0, max_tokens=32)
+    prompts = [
+        spec.encode_chat_text(spec.apply_chat_template([{"role": "user", "content": p}], True))
+        for p in GROUNDED[:3] + OPEN[:3]
+    ]
+    reqs = [engine.add_request(ids, params) for ids in prompts]
+    engine.step()  # prefill: every frontier is ready
+    assert all(r.num_computed_tokens == r.num_tokens - 1 for r in reqs)
+    graphed = [d.token_ids for d in proposer.propose(reqs, 4)]
+    assert proposer._graphs is not None and proposer._graphs.graphs
+    proposer._draft_graphs = lambda: None  # the eager chain, same KV slots, same inputs
+    eager = [d.token_ids for d in proposer.propose(reqs, 4)]
+    assert graphed == eager
+    assert any(len(set(ids)) > 1 for ids in eager)  # the drafts vary, so aliasing would show
