@@ -154,7 +154,7 @@ def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
         train(_config(dataset, run, max_steps=4, resume=True), llm=llm)
 
 
-def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path):
+def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
     import argparse
 
     from outrider.train.cli import _config, add_drafter_parser, cmd_drafter
@@ -184,6 +184,20 @@ def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path):
     assert all(torch.equal(t, trained[n]) for n, t in loaded.state_dict().items())
     bad = parser.parse_args(["drafter", "export", str(tmp_path / "nope"), str(out)])
     assert cmd_drafter(bad) == 2
+
+    # Drafters ship in bf16; `drafter eval` runs them in the target's dtype (fp32 here).
+    from outrider.models.eagle3_io import save_drafter
+
+    half = tmp_path / "bf16"
+    save_drafter(whole_run.draft.to(torch.bfloat16), half)
+    args = parser.parse_args(
+        ["drafter", "eval", "--drafter", str(half), "--data", str(dataset), "--model",
+         str(path), "--dtype", "float32", "--device", "cpu", "--num-samples", "2",
+         "--ttt-steps", "2", "--max-len", "64"]
+    )  # fmt: skip
+    assert cmd_drafter(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["samples"] == 2 and len(report["step_acc"]) == 2
 
 
 def test_datagen_sources_and_resume(target, tmp_path):
