@@ -85,7 +85,8 @@ def main() -> None:
                 print(f"datagen: stopped by --gen-minutes at {min(upto, args.samples)} prompts")
                 break
     result["datagen_s"] = round(time.perf_counter() - t0, 1)
-    result["samples_written"] = sum(1 for _ in open(data))
+    with open(data) as f:
+        result["samples_written"] = sum(1 for _ in f)
     print(f"datagen: {result['samples_written']} samples, {result['datagen_s']} s", flush=True)
     if args.datagen_only:
         return
