@@ -5,16 +5,20 @@ length on held-out prompts (outrider/bench/datasets.HELDOUT), chain and tree.
 
     python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--max-new 384]
         [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
-        [--datagen-only] [--gen-minutes M]
+        [--datagen-only] [--gen-minutes M] [--gen-procs 4]
 
 Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results/
 eagle3_train_default.json. `--datagen-only` stops after the data; runs given `--data` load a
 small target of their own (a fixed KV pool), so several can train side by side on one GPU.
+`--gen-procs N` generates the data in N processes (shards of one dataset, concatenated): at
+large batches the engine's host work per step bounds one process, not the GPU. The held-out
+prompts are excluded from the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +27,56 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+
+
+def _datagen(args, data: Path, shard: tuple[int, int], t0: float):
+    """Generate (this shard of) the dataset into `data`; -> the LLM that did it."""
+    from outrider import LLM
+    from outrider.bench.datasets import HELDOUT
+    from outrider.train.datagen import generate_dataset
+
+    cuda = args.device.startswith("cuda")
+    llm = LLM(
+        dtype="bfloat16" if cuda else "float32", device=args.device, max_model_len=2048,
+        # A fixed pool (prompt + answer fit in 48 blocks of 16), so shards share the GPU.
+        **({"num_blocks": args.gen_seqs * 48, "max_num_seqs": args.gen_seqs,
+            "cuda_graph_max_batch": args.gen_seqs} if cuda else {}),
+    )  # fmt: skip
+    # Many more prompts per call than run at once: the engine refills finished slots, so one
+    # long answer does not hold the batch. Calls of growing size resume the same file (datagen
+    # skips ids already written), so --gen-minutes can stop between them.
+    batch = args.gen_batch if cuda else 8
+    step = batch * shard[1]
+    for upto in range(step, args.samples + step, step):
+        generate_dataset(
+            llm, data, num_samples=min(upto, args.samples), max_new_tokens=args.max_new,
+            batch_size=batch, exclude=HELDOUT, shard=shard,
+        )  # fmt: skip
+        if args.gen_minutes and time.perf_counter() - t0 > args.gen_minutes * 60:
+            print(f"datagen: stopped by --gen-minutes at {min(upto, args.samples)} prompts")
+            break
+    return llm
+
+
+def _datagen_in_processes(args, out: Path) -> Path:
+    """Run --gen-procs shards of this script's datagen side by side; concatenate their files."""
+    procs = []
+    for i in range(args.gen_procs):
+        cmd = [sys.executable, __file__, "--out", str(out / f"shard{i}"), "--datagen-only",
+               "--gen-shard", str(i), "--gen-procs", str(args.gen_procs),
+               "--samples", str(args.samples), "--max-new", str(args.max_new),
+               "--gen-batch", str(args.gen_batch), "--gen-seqs", str(args.gen_seqs),
+               "--device", args.device, "--tag", f"{args.tag}shard{i}"]  # fmt: skip
+        if args.gen_minutes:
+            cmd += ["--gen-minutes", str(args.gen_minutes)]
+        procs.append(subprocess.Popen(cmd))
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit("a datagen shard failed: see its output above")
+    data = out / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(args.gen_procs):
+            f.write((out / f"shard{i}" / "data.jsonl").read_text())
+    return data
 
 
 def main() -> None:
@@ -46,13 +100,14 @@ def main() -> None:
     ap.add_argument("--gen-minutes", type=float, default=None, help="stop datagen after this")
     ap.add_argument("--gen-batch", type=int, default=4096, help="prompts per generate call")
     ap.add_argument("--gen-seqs", type=int, default=512, help="sequences decoded together")
+    ap.add_argument("--gen-procs", type=int, default=1, help="datagen processes (shards)")
+    ap.add_argument("--gen-shard", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     from outrider import LLM, SamplingParams
     from outrider.bench.datasets import HELDOUT
     from outrider.models.eagle3_io import save_drafter
     from outrider.train.config import TrainConfig
-    from outrider.train.datagen import generate_dataset
     from outrider.train.trainer import Trainer
 
     out = Path(args.out)
@@ -65,25 +120,12 @@ def main() -> None:
     if args.data:
         data = Path(args.data)  # a dataset from an earlier run: no generation
         llm = None  # the trainer loads its own target with a small fixed KV pool
+    elif args.gen_procs > 1 and args.gen_shard is None:
+        data = _datagen_in_processes(args, out)
+        llm = None
     else:
-        llm = LLM(
-            dtype=dtype, device=args.device, max_model_len=2048,
-            **({"gpu_memory_utilization": 0.35, "max_num_seqs": args.gen_seqs,
-                "cuda_graph_max_batch": args.gen_seqs} if cuda else {}),
-        )  # fmt: skip
-        # Many more prompts per call than run at once: the engine refills finished slots, so
-        # one long answer does not hold the batch. Calls of growing size resume the same file
-        # (datagen skips ids already written), so --gen-minutes can stop between them.
-        batch = args.gen_batch if cuda else 8
         data = out / "data.jsonl"
-        for upto in range(batch, args.samples + batch, batch):
-            generate_dataset(
-                llm, data, num_samples=min(upto, args.samples), max_new_tokens=args.max_new,
-                batch_size=batch,
-            )  # fmt: skip
-            if args.gen_minutes and time.perf_counter() - t0 > args.gen_minutes * 60:
-                print(f"datagen: stopped by --gen-minutes at {min(upto, args.samples)} prompts")
-                break
+        llm = _datagen(args, data, (args.gen_shard or 0, args.gen_procs), t0)
     result["datagen_s"] = round(time.perf_counter() - t0, 1)
     with open(data) as f:
         result["samples_written"] = sum(1 for _ in f)

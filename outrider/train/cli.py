@@ -121,6 +121,7 @@ def _datagen(args: argparse.Namespace) -> int:
         llm, c.out, num_samples=c.num_samples, max_new_tokens=c.max_new_tokens,
         seed_prompts=c.seed_prompts, self_generated=c.self_generated, user_file=c.user_file,
         batch_size=c.batch_size, temperature=c.temperature, seed=c.seed,
+        shard=(c.shard, c.num_shards),
     )  # fmt: skip
     print(f"dataset: {path}")
     return 0

@@ -29,8 +29,13 @@ class DatagenConfig:
     batch_size: int = 32
     temperature: float = 0.0
     seed: int = 0
+    shard: int = 0  # with num_shards N: this process generates every N-th sample from here
+    num_shards: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.num_shards >= 1, "num_shards", self.num_shards, "use an integer >= 1")
+        _check(0 <= self.shard < self.num_shards, "shard", self.shard,
+               f"use 0..{self.num_shards - 1} (one per process, with the same --num-shards)")  # fmt: skip
         _check(self.num_samples >= 1, "num_samples", self.num_samples, "use an integer >= 1")
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "use >= 1")
         _check(self.self_generated >= 0, "self_generated", self.self_generated, "use >= 0")

@@ -9,7 +9,14 @@ Sources of user turns, in this order (each sample's id says where it came from):
     seed-<n>  the built-in seed prompts (seed_prompts.py)
     self-<n>  Magpie-style turns the target writes itself: the chat template rendered up to
               where a user message's content starts, then sampled at temperature 1 until the
-              end of the turn
+              end of the turn. Three in four start from an opener (seed_prompts.MAGPIE_OPENERS,
+              chosen by id: "Write a poem", "How do I", ...) that the target continues; turns
+              that do not end within MAGPIE_MAX_TOKENS are dropped (they ramble)
+
+`exclude` drops user turns equal to any of these strings (case and spacing aside): keep a
+benchmark's prompts out of the data it is measured against. `shard=(i, n)` keeps every n-th
+job from the i-th: n processes writing n files generate one dataset side by side (the engine's
+host work per step is the bound at large batches, so processes scale on one GPU).
 
 Output: JSONL, one {"id", "input_ids", "loss_mask"} per sample: the whole conversation's token
 ids and 1 on the tokens the target generated as the assistant. Resumable: ids already in the
@@ -20,16 +27,18 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from outrider.core import SamplingParams
-from outrider.train.seed_prompts import SEED_PROMPTS
+from outrider.train.seed_prompts import MAGPIE_OPENERS, SEED_PROMPTS
 
 log = logging.getLogger(__name__)
 
 _SENTINEL = "\u2063OUTRIDER-USER-TURN\u2063"
+MAGPIE_MAX_TOKENS = 160  # a generated user turn longer than this is dropped
 
 
 @dataclass
@@ -55,9 +64,14 @@ def generate_dataset(
     batch_size: int = 32,
     temperature: float = 0.0,
     seed: int = 0,
+    exclude: Sequence[str] = (),
+    shard: tuple[int, int] = (0, 1),
 ) -> Path:
     """Write up to num_samples samples to out_path (see the module docstring). self_generated
     None fills what the other sources leave of num_samples with Magpie turns."""
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard={shard!r}: use (i, n) with 0 <= i < n, e.g. (0, 4)")
     from tqdm import tqdm
 
     out = Path(out_path)
@@ -73,6 +87,8 @@ def generate_dataset(
         raise ValueError(
             "nothing to generate: enable seed_prompts, give a user_file or self_generated > 0"
         )
+    jobs = jobs[index::count]
+    banned = {_norm(p) for p in exclude}
     done = _existing_ids(out)
     todo = [j for j in jobs if j.id not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +96,7 @@ def generate_dataset(
     with open(out, "a") as f:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            for job in _generate(llm, batch, max_new_tokens, temperature, seed):
+            for job in _generate(llm, batch, max_new_tokens, temperature, seed, banned):
                 f.write(json.dumps({"id": job.id, "input_ids": job.ids, "loss_mask": job.mask}))
                 f.write("\n")
             f.flush()
@@ -94,19 +110,28 @@ def generate_dataset(
     return out
 
 
-def _generate(llm, jobs: list[_Job], max_new: int, temperature: float, seed: int) -> list[_Job]:
-    # 1. Magpie: the target writes the user turn (sampled, temperature 1, seeded per id).
+def _generate(
+    llm, jobs: list[_Job], max_new: int, temperature: float, seed: int, banned: set[str]
+) -> list[_Job]:
+    # 1. Magpie: the target writes the user turn (sampled, temperature 1, seeded per id),
+    # most from an opener it continues.
     magpie = [j for j in jobs if j.magpie]
     if magpie:
         prefix, stop = magpie_prefix(llm)
-        ids = llm.encode_chat_text(prefix)
+        openers = [magpie_opener(j.id) for j in magpie]
+        prompts = [llm.encode_chat_text(prefix + o) for o in openers]
         params = [
-            SamplingParams(temperature=1.0, max_tokens=max_new, seed=_seed(seed, j.id), stop=stop)
+            SamplingParams(
+                temperature=1.0, max_tokens=MAGPIE_MAX_TOKENS, stop=stop, seed=_seed(seed, j.id)
+            )  # fmt: skip
             for j in magpie
         ]
-        for job, o in zip(magpie, llm.generate([ids] * len(magpie), params)):
-            text = o.text.strip()
+        for job, opener, o in zip(magpie, openers, llm.generate(prompts, params)):
+            text = (opener + o.text).strip() if o.finish_reason != "length" else ""
             job.turns = [text] if text else []
+    for job in jobs:
+        if job.turns and _norm(job.turns[0]) in banned:
+            job.turns = []
     # 2. Answers, round r over the conversations with more than r user turns.
     live = [j for j in jobs if j.turns]
     limit = llm.engine.max_model_len
@@ -146,6 +171,19 @@ def _generate(llm, jobs: list[_Job], max_new: int, temperature: float, seed: int
             text = llm.engine.tokenizer.decode(list(o.token_ids), skip_special_tokens=True)
             job.history = job.history + [{"role": "assistant", "content": text}]
     return [j for j in live if any(j.mask)]
+
+
+def magpie_opener(sample_id: str) -> str:
+    """The opener a Magpie turn starts from: none for one id in four, else one of
+    MAGPIE_OPENERS, both chosen by a hash of the id (stable across runs and shards)."""
+    import zlib
+
+    h = zlib.crc32(sample_id.encode())
+    return "" if h % 4 == 0 else MAGPIE_OPENERS[(h // 4) % len(MAGPIE_OPENERS)]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
 
 
 def magpie_prefix(llm) -> tuple[str, tuple[str, ...]]:

@@ -167,3 +167,34 @@ SEED_PROMPTS: tuple[str, ...] = (
     "Can you help me come up with a name for my new kitten?",
     "What should I say in a toast at a retirement party?",
 )
+
+# How user requests open, across the same kinds of task. A Magpie turn may start from one of
+# these (datagen.py): the target writes the rest of the request itself, so the data keeps the
+# target's own phrasing but spreads over the kinds of request a chat model is asked, instead of
+# the few kinds a small model drifts to when it writes unprompted.
+MAGPIE_OPENERS: tuple[str, ...] = (
+    # writing
+    "Write a", "Write a short", "Write a story", "Write a poem", "Write a haiku",
+    "Write a limerick", "Write a song", "Write a letter", "Write an email", "Write a speech",
+    "Write a blog post", "Write a product description", "Write a review", "Write a dialogue",
+    "Write a cover letter", "Write a toast", "Write a joke", "Compose", "Draft",
+    # code and math
+    "Write a Python function", "Write a function", "Write a program", "Write a SQL query",
+    "Fix this code", "Debug", "Implement", "Calculate", "Solve", "Prove", "Convert",
+    # explaining and answering
+    "Explain", "Explain how", "Explain why", "Explain the difference between", "What is",
+    "What are", "What are some", "What happens when", "What's the best way to", "Why do",
+    "Why is", "How do", "How does", "How can I", "How do I", "How many", "Who", "Which",
+    "When", "Where", "Is it", "Define", "Describe", "Tell me about", "Tell me a",
+    "Teach me", "Do you know",
+    # lists, plans and advice
+    "List", "List five", "Name", "Give me", "Give me a recipe", "Give me some tips",
+    "Suggest", "Recommend", "Plan", "Create a plan", "Make a checklist", "Brainstorm",
+    "Come up with", "What should I", "Should I", "I need", "I want to", "I'm", "Help me",
+    "Can you", "Could you", "Please",
+    # transforming text
+    "Summarize", "Rewrite", "Paraphrase", "Translate", "Edit", "Correct", "Simplify",
+    "Classify", "Extract", "Compare", "Outline",
+    # imagination
+    "Imagine", "Pretend", "Invent", "Design", "Create", "If",
+)  # fmt: skip

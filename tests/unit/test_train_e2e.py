@@ -216,7 +216,8 @@ def test_datagen_sources_and_resume(target, tmp_path):
               user_file=user, batch_size=4)  # fmt: skip
     generate_dataset(llm, out, **kw)
     recs = {json.loads(line)["id"]: json.loads(line) for line in out.read_text().splitlines()}
-    assert set(recs) == {"user-1", "user-2", "self-0", "self-1"}
+    # A random target's Magpie turns ramble past MAGPIE_MAX_TOKENS and are dropped.
+    assert {"user-1", "user-2"} <= set(recs) <= {"user-1", "user-2", "self-0", "self-1"}
     # Both turns regenerated; the first keeps its mask only when the template re-renders the
     # generated tokens unchanged (a random model's 6 tokens do not end the turn: they do not).
     two, one = recs["user-2"], recs["user-1"]
@@ -231,6 +232,79 @@ def test_datagen_sources_and_resume(target, tmp_path):
     empty.write_text("\n")
     with pytest.raises(ValueError, match="no user turns"):
         generate_dataset(llm, out, **{**kw, "user_file": empty})
+
+
+def test_datagen_shards_make_the_same_dataset(target, tmp_path):
+    _, llm = target
+    kw = dict(num_samples=5, max_new_tokens=5, self_generated=0, batch_size=2)
+    generate_dataset(llm, tmp_path / "whole.jsonl", **kw)
+    parts = []
+    for i in range(2):
+        generate_dataset(llm, tmp_path / f"part{i}.jsonl", shard=(i, 2), **kw)
+        parts += (tmp_path / f"part{i}.jsonl").read_text().splitlines()
+    whole = (tmp_path / "whole.jsonl").read_text().splitlines()
+    assert len(whole) == 5 and sorted(parts) == sorted(whole)
+    with pytest.raises(ValueError, match="shard"):
+        generate_dataset(llm, tmp_path / "x.jsonl", shard=(2, 2), **kw)
+
+
+class _CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+class _ScriptedLLM:
+    """Answers Magpie calls with scripted turns, so the opener / cap / exclusion logic is
+    tested on its own: a real target's turns are what the other datagen tests run."""
+
+    def __init__(self, turns):
+        from types import SimpleNamespace
+
+        self.engine = SimpleNamespace(max_model_len=4096, tokenizer=_CharTokenizer())
+        self.turns, self.magpie_prompts = turns, []
+
+    def apply_chat_template(self, messages, add_generation_prompt):
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
+
+    def encode_chat_text(self, text):
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(self, prompts, params):
+        from types import SimpleNamespace
+
+        if params[0].stop:  # the Magpie call: one scripted (text, finish_reason) per prompt
+            self.magpie_prompts = [self.engine.tokenizer.decode(p) for p in prompts]
+            return [SimpleNamespace(text=t, finish_reason=f) for t, f in self.turns]
+        return [SimpleNamespace(token_ids=[5, 6, 7]) for _ in prompts]
+
+
+def test_magpie_turns_start_from_openers_and_drop_rambling_and_excluded(tmp_path):
+    from outrider.train.datagen import MAGPIE_OPENERS, magpie_opener
+
+    openers = [magpie_opener(f"self-{i}") for i in range(400)]
+    assert 60 <= openers.count("") <= 140  # one id in four writes unprompted
+    assert set(openers) - {""} <= set(MAGPIE_OPENERS) and len(set(openers)) > 50
+    ids = [f"self-{i}" for i in range(4)]
+    fake = _ScriptedLLM([
+        (" about the sea.", "stop"), (" and on and on", "length"), (" stop here", "stop"),
+        (" something else entirely", "stop"),
+    ])  # fmt: skip
+    want = [magpie_opener(i) for i in ids]
+    excluded = (want[2] + " stop here").upper()  # case and spacing do not matter
+    out = tmp_path / "m.jsonl"
+    generate_dataset(fake, out, num_samples=4, max_new_tokens=3, seed_prompts=False,
+                     exclude=[f"  {excluded} "])  # fmt: skip
+    assert [p.endswith(o) for p, o in zip(fake.magpie_prompts, want)] == [True] * 4
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["self-0", "self-3"]  # rambling and excluded dropped
+    prompt = _CharTokenizer().decode(recs[0]["input_ids"][:-3])
+    assert prompt == f"<user>{(want[0] + ' about the sea.').strip()}</user><assistant>"
+    assert recs[0]["loss_mask"][-3:] == [1, 1, 1] and not any(recs[0]["loss_mask"][:-3])
 
 
 @pytest.mark.slow
