@@ -141,7 +141,7 @@ def _eval(args: argparse.Namespace) -> int:
     from outrider.llm import LLM
     from outrider.models.eagle3_io import load_drafter
     from outrider.train.dataset import read_samples
-    from outrider.train.evaluate import evaluate_drafter, serving_accept_length
+    from outrider.train.evaluate import evaluate_drafter, replay_chain, serving_accept_length
 
     c = _config(EvalConfig, args)
     llm = LLM(c.model, dtype=c.dtype, device=c.device)
@@ -149,11 +149,15 @@ def _eval(args: argparse.Namespace) -> int:
     draft = load_drafter(c.drafter, runner.model_config, device=runner.device, dtype=runner.dtype)
     samples = read_samples(c.data, runner.model_config.vocab_size)[-c.num_samples :]
     res = evaluate_drafter(draft, llm, samples, ttt_steps=c.ttt_steps, max_len=c.max_len)
+    replay = replay_chain(draft, llm, samples, k=c.chain, max_len=c.max_len)
     report: dict[str, Any] = {
         "samples": len(samples),
         "tokens": res.num_tokens,
         "step_acc": [round(a, 4) for a in res.step_acc],
         "estimated_accept_length": round(res.estimated_accept_length, 3),
+        # What the engine's greedy chain of `chain` accepts on these answers (exact when they
+        # are the target's own greedy answers, as datagen writes at temperature 0).
+        f"replayed_chain{c.chain}_accept_length": round(replay.accept_length, 3),
     }
     if args.serving > 0:
         from outrider.core import SamplingParams

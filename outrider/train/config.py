@@ -123,8 +123,10 @@ class EvalConfig:
     num_samples: int = 64  # held-out samples scored (the file's last ones)
     ttt_steps: int = 7
     max_len: int = 2048
+    chain: int = 4  # the greedy chain replayed offline (exact on greedy datagen samples)
 
     def __post_init__(self) -> None:
         _check(self.num_samples >= 1, "num_samples", self.num_samples, "use an integer >= 1")
+        _check(1 <= self.chain <= 16, "chain", self.chain, "use 1..16 draft tokens")
         _check(1 <= self.ttt_steps <= 16, "ttt_steps", self.ttt_steps, "use 1..16")
         _check(self.max_len >= 4, "max_len", self.max_len, "use >= 4")

@@ -7,6 +7,14 @@ target's argmax, acc_j. With greedy verification a chain's draft k is accepted o
 (the 1 is the target's own bonus token). acc_j is measured with ground-truth inputs and the
 draft's own hidden states, as TTT trains it; it overestimates a little where errors correlate.
 
+Replayed (`replay_chain`): the greedy chain of k the engine runs, replayed offline on samples
+that are the target's own greedy answers. Draft j of a verify rooted after row t is TTT step
+j - 1 at row t (its inputs are the accepted tokens, i.e. the sample's); the engine accepts the
+leading correct drafts plus its bonus token and roots the next verify a + 1 rows on, with drafts
+capped so they never pass the answer's end. On such samples it equals the engine's accept
+length exactly (a test holds it to that): a drafter that scores well here but not in serving
+points at serving, not at training.
+
 In the engine: `serving_accept_length(llm, prompts)` runs real speculative decoding (build the
 LLM with speculative={"method": "eagle3", "draft": path}) and averages each request's
 metrics["accept_length"]. That, not the estimate, is the number that decides speed.
@@ -25,7 +33,7 @@ from outrider.models.eagle3 import Eagle3Draft
 from outrider.train.batch import DraftVocabMaps, build_batch
 from outrider.train.capture import TargetCapture
 from outrider.train.dataset import Sample, micro_batches, pack_rows
-from outrider.train.ttt import resolve_attention, ttt_forward
+from outrider.train.ttt import resolve_attention, ttt_forward, unroll
 
 
 @dataclass
@@ -84,6 +92,56 @@ def evaluate_drafter(
     loss_rows, correct, count = sums.cpu()  # CPU-GPU sync point
     n = count.clamp(min=1)
     return EvalResult((correct / n).tolist(), (loss_rows / n).tolist(), int(count[0]))
+
+
+@dataclass
+class ChainReplay:
+    accepted: int  # drafts accepted over all verify steps
+    verify_steps: int
+
+    @property
+    def accept_length(self) -> float:
+        return 1 + self.accepted / max(self.verify_steps, 1)
+
+
+@torch.no_grad()
+def replay_chain(
+    draft: Eagle3Draft, llm, samples: list[Sample], k: int = 4, max_len: int = 4096
+) -> ChainReplay:
+    """The engine's greedy chain of k drafts replayed on `samples` (see the module docstring):
+    each sample's answer must be the target's own greedy continuation of its prompt (datagen at
+    temperature 0, same dtype) for this to be the accept length the engine will measure."""
+    if not 1 <= k <= 16:
+        raise ValueError(f"invalid chain length k={k}: use 1..16 draft tokens")
+    capture = TargetCapture(llm)
+    vocab = DraftVocabMaps.from_d2t(draft.d2t, capture.config.vocab_size, capture.device)
+    was_training = draft.training
+    draft.eval()
+    accepted = steps = 0
+    for i, s in enumerate(samples):
+        first = len(s.prompt())
+        n = min(len(s), max_len)
+        if first == 0 or first >= n:
+            continue  # no prompt, or no answer inside max_len
+        batch = build_batch(capture, samples, [[i]], n, vocab)  # one row, n wide
+        ids = batch.input_ids[0].tolist()
+        # preds[j][t]: TTT step j at row t proposes the token at t + 2 + j.
+        preds = [
+            draft.to_target_ids(draft.compute_logits(out).argmax(-1)).tolist()
+            for out in unroll(draft, batch, k, attention="dense")
+        ]
+        t = first - 1  # the prefill's last row: its bonus token is the answer's first
+        while t + 2 < n:  # tokens x_{first}..x_{t+1} generated, x_{t+2}.. still to come
+            room = min(k, n - (t + 2) - 1)  # the engine's cap: accepted + bonus <= the rest
+            if room <= 0:
+                t += 1  # the last token decodes plainly
+                continue
+            a = 0
+            while a < room and preds[a][t] == ids[t + 2 + a]:
+                a += 1
+            accepted, steps, t = accepted + a, steps + 1, t + a + 1
+    draft.train(was_training)
+    return ChainReplay(accepted, steps)
 
 
 def serving_accept_length(

@@ -198,6 +198,7 @@ def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
     assert cmd_drafter(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["samples"] == 2 and len(report["step_acc"]) == 2
+    assert report["replayed_chain4_accept_length"] >= 1.0
 
 
 def test_datagen_sources_and_resume(target, tmp_path):
@@ -305,6 +306,30 @@ def test_magpie_turns_start_from_openers_and_drop_rambling_and_excluded(tmp_path
     prompt = _CharTokenizer().decode(recs[0]["input_ids"][:-3])
     assert prompt == f"<user>{(want[0] + ' about the sea.').strip()}</user><assistant>"
     assert recs[0]["loss_mask"][-3:] == [1, 1, 1] and not any(recs[0]["loss_mask"][:-3])
+
+
+@pytest.mark.slow
+def test_offline_chain_replay_equals_the_engine(target, dataset, whole_run):
+    """Training and serving read the same rows: the chain replayed on TTT outputs accepts
+    exactly what the engine accepts, step for step, on the target's own greedy answers."""
+    from outrider import SamplingParams
+    from outrider.train.dataset import read_samples
+    from outrider.train.evaluate import replay_chain
+
+    path, llm = target
+    samples = read_samples(dataset)
+    served_draft = load_drafter(whole_run.drafter, llm.engine.runner.model_config)
+    replay = replay_chain(served_draft, llm, samples, k=3)
+    spec = LLM(str(path), dtype="float32", device="cpu", num_blocks=256,
+               speculative={"method": "eagle3", "draft": str(whole_run.drafter),
+                            "num_draft_tokens": 3})  # fmt: skip
+    answers = [s.input_ids[len(s.prompt()) :].tolist() for s in samples]
+    params = [SamplingParams(temperature=0, max_tokens=len(a), ignore_eos=True) for a in answers]
+    outs = spec.generate([s.prompt() for s in samples], params)
+    assert [o.token_ids for o in outs] == answers  # the samples are the target's greedy answers
+    served = (sum(o.metrics["num_accepted_tokens"] for o in outs),
+              sum(o.metrics["num_verify_steps"] for o in outs))  # fmt: skip
+    assert replay.accepted > 0 and (replay.accepted, replay.verify_steps) == served
 
 
 @pytest.mark.slow
