@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import math
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -233,6 +234,16 @@ async def collect(state: ServerState, requests: list) -> list[Collected]:
     except EngineDeadError as e:
         raise APIError(503, str(e)) from None
     return [Collected("".join(texts[i]), ids[i], lps[i], reasons[i]) for i in range(n)]
+
+
+def response(
+    state: ServerState, rid: str, obj: str, choices: list[dict], created: int | None = None, **extra
+) -> dict:
+    """The OpenAI envelope of a response or stream chunk, for both endpoints: id, object,
+    created (now unless given: a stream keeps its first chunk's), model, choices, then extra."""
+    created = int(time.time()) if created is None else created
+    return {"id": rid, "object": obj, "created": created, "model": state.model_name,
+            "choices": choices, **extra}  # fmt: skip
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

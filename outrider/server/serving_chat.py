@@ -24,6 +24,7 @@ from outrider.server.serving import (
     check_n,
     collect,
     read_body,
+    response,
     sampling_params,
     sse,
     unless_disconnected,
@@ -197,14 +198,8 @@ async def _complete(state, req, rid, requests, parser, top_n) -> dict:
             }
         )
     prompt_len = len(requests[0][1])
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "choices": choices,
-        "usage": usage(prompt_len, sum(len(c.token_ids) for c in done)),
-    }
+    totals = usage(prompt_len, sum(len(c.token_ids) for c in done))
+    return response(state, rid, "chat.completion", choices, usage=totals)
 
 
 async def _stream(state, req, rid, requests, parser, top_n):
@@ -214,16 +209,7 @@ async def _stream(state, req, rid, requests, parser, top_n):
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": state.model_name,
-                "choices": [choice],
-                **usage_field,
-            }
-        )
+        return sse(response(state, rid, "chat.completion.chunk", [choice], created, **usage_field))
 
     splits = [ChoiceText(state.reasoning_parser, parser) for _ in range(n)]
     completion_tokens = 0
@@ -257,16 +243,7 @@ async def _stream(state, req, rid, requests, parser, top_n):
         yield sse(APIError(503, str(e)).to_dict())
     if include_usage:
         totals = usage(len(requests[0][1]), completion_tokens)
-        yield sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": state.model_name,
-                "choices": [],
-                "usage": totals,
-            }
-        )
+        yield sse(response(state, rid, "chat.completion.chunk", [], created, usage=totals))
     yield SSE_DONE
 
 

@@ -19,6 +19,7 @@ from outrider.server.serving import (
     collect,
     completion_logprobs,
     read_body,
+    response,
     sampling_params,
     sse,
     unless_disconnected,
@@ -122,14 +123,8 @@ async def _complete(state, req, rid, requests, echoes, prompt_tokens) -> dict:
         }
         for i, c in enumerate(done)
     ]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in done)),
-    }
+    totals = usage(prompt_tokens, sum(len(c.token_ids) for c in done))
+    return response(state, rid, "text_completion", choices, usage=totals)
 
 
 async def _stream(state, req, rid, requests, echoes, prompt_tokens):
@@ -140,17 +135,8 @@ async def _stream(state, req, rid, requests, echoes, prompt_tokens):
     completion = 0
 
     def chunk(choices: list[dict], totals: dict | None = None) -> str:
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-            **usage_field,
-        }
-        if totals is not None:
-            body["usage"] = totals
-        return sse(body)
+        extra = usage_field if totals is None else {"usage": totals}
+        return sse(response(state, rid, "text_completion", choices, created, **extra))
 
     for i, echo in enumerate(echoes):
         if echo:
