@@ -107,6 +107,7 @@ def main() -> None:
     from outrider import LLM, SamplingParams
     from outrider.bench.datasets import HELDOUT
     from outrider.models.eagle3_io import save_drafter
+    from outrider.spec.stats import accept_length
     from outrider.train.config import TrainConfig
     from outrider.train.trainer import Trainer
 
@@ -179,7 +180,7 @@ def main() -> None:
         outs = eagle.chat(convs, params)
         steps_v = sum(o.metrics["num_verify_steps"] for o in outs)
         acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
-        result[f"accept_length_{name}"] = round(1 + acc / max(steps_v, 1), 3)
+        result[f"accept_length_{name}"] = round(accept_length(acc, steps_v) or 1.0, 3)
         print(f"{name}: accept length {result[f'accept_length_{name}']}", flush=True)
         del eagle
     result["total_s"] = round(time.perf_counter() - t0, 1)

@@ -30,6 +30,7 @@ import torch
 
 from outrider.core import SamplingParams
 from outrider.models.eagle3 import Eagle3Draft
+from outrider.spec.stats import accept_length
 from outrider.train.batch import DraftVocabMaps, build_batch
 from outrider.train.capture import TargetCapture
 from outrider.train.dataset import Sample, micro_batches, pack_rows
@@ -101,7 +102,7 @@ class ChainReplay:
 
     @property
     def accept_length(self) -> float:
-        return 1 + self.accepted / max(self.verify_steps, 1)
+        return accept_length(self.accepted, self.verify_steps) or 1.0  # no verify step: 1
 
 
 @torch.no_grad()
@@ -128,6 +129,7 @@ def replay_chain(
         # preds[j][t]: TTT step j at row t proposes the token at t + 2 + j.
         preds = [
             draft.to_target_ids(draft.compute_logits(out).argmax(-1)).tolist()
+            # dense: one sample per row, so every row is a new shape (flex would recompile)
             for out in unroll(draft, batch, k, attention="dense")
         ]
         t = first - 1  # the prefill's last row: its bonus token is the answer's first
