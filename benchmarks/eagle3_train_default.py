@@ -5,19 +5,22 @@ length on held-out prompts (outrider/bench/datasets.HELDOUT), chain and tree.
 
     python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--max-new 384]
         [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
-        [--datagen-only] [--gen-minutes M] [--gen-procs 4]
+        [--datagen-only] [--gen-minutes M] [--gen-procs 4] [--init DRAFTER]
 
 Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results/
 eagle3_train_default.json. `--datagen-only` stops after the data; runs given `--data` load a
 small target of their own (a fixed KV pool), so several can train side by side on one GPU.
 `--gen-procs N` generates the data in N processes (shards of one dataset, concatenated): at
 large batches the engine's host work per step bounds one process, not the GPU. The held-out
-prompts are excluded from the data.
+prompts are excluded from the data. `--init DRAFTER` fine-tunes that drafter (its weights and
+draft vocabulary) instead of starting from random weights; the saved drafter's record keeps the
+record of the one it started from.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -102,6 +105,7 @@ def main() -> None:
     ap.add_argument("--gen-seqs", type=int, default=512, help="sequences decoded together")
     ap.add_argument("--gen-procs", type=int, default=1, help="datagen processes (shards)")
     ap.add_argument("--gen-shard", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--init", default=None, help="a drafter directory to fine-tune")
     args = ap.parse_args()
 
     from outrider import LLM, SamplingParams
@@ -137,9 +141,9 @@ def main() -> None:
     # 2. Train until the schedule ends or the wall-clock budget does.
     config = TrainConfig(
         data=str(data), output_dir=str(out / "run"), device=args.device, dtype=dtype,
-        draft_vocab_size=args.draft_vocab, max_len=args.max_len, batch_rows=args.batch_rows,
-        max_steps=args.steps, max_minutes=args.train_minutes, lr=args.lr,
-        checkpoint_every=500, log_every=25,
+        draft_vocab_size=None if args.init else args.draft_vocab, init_from=args.init,
+        max_len=args.max_len, batch_rows=args.batch_rows, max_steps=args.steps,
+        max_minutes=args.train_minutes, lr=args.lr, checkpoint_every=500, log_every=25,
     )  # fmt: skip
     trainer = Trainer(config, llm)
     start = time.perf_counter()
@@ -159,6 +163,9 @@ def main() -> None:
         "trained_steps": result["train_steps"], "train_seconds": round(train_s),
         "samples": result["samples_written"], "lr": args.lr,
     }  # fmt: skip
+    if args.init:
+        record = json.loads((Path(args.init) / "config.json").read_text()).get("outrider", {})
+        extra["fine_tuned_from"] = {k: v for k, v in record.items() if k != "target"}
     save_drafter(draft.to(torch.bfloat16), shipped, "sglang", extra)
     print(f"trained {result['train_steps']} steps in {train_s:.0f} s -> {shipped}", flush=True)
     del trainer, llm, train, draft

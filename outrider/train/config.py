@@ -72,6 +72,9 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     resume: bool = False
+    # A drafter directory to fine-tune (any layout load_drafter reads): its weights and its
+    # draft vocabulary are kept (a regenerated d2t would no longer match its lm_head rows).
+    init_from: str | None = None
     # auto: flex on CUDA (skips masked blocks), dense elsewhere; dense holds (j + 1) T x T
     # scores at step j, too much past T ~ 2048 on a GPU.
     attention: str = "auto"

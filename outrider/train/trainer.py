@@ -24,6 +24,7 @@ import torch
 
 from outrider import env
 from outrider.executor.model_runner import resolve_device
+from outrider.models.eagle3 import Eagle3Draft
 from outrider.models.eagle3_io import save_drafter
 from outrider.spec.eagle3_vocab import build_draft_vocab
 from outrider.train import checkpoint as ckpt
@@ -130,10 +131,14 @@ class Trainer:
         self.fingerprint = target_fingerprint(self.capture, c.model)
         self.out = Path(c.output_dir)
         self.resume_from = ckpt.list_checkpoints(self.out)[-1:] if c.resume else []
-        # 1. The draft vocabulary: the checkpoint's on resume, else the most frequent learned
-        #    tokens (every rank counts the same file, so all agree without a broadcast).
+        # 1. The draft vocabulary: the checkpoint's on resume, the fine-tuned drafter's with
+        #    init_from, else the most frequent learned tokens (every rank counts the same file,
+        #    so all agree without a broadcast).
+        init = self._init_drafter(c.init_from, target) if c.init_from else None
         if self.resume_from:
             d2t, t2d = self._vocab_from_checkpoint(self.resume_from[0])
+        elif init is not None:
+            d2t, t2d = init.d2t, init.t2d
         else:
             size = c.draft_vocab_size or min(32000, target.vocab_size)
             if size > target.vocab_size:
@@ -142,10 +147,13 @@ class Trainer:
                     f"{target.vocab_size}: use <= {target.vocab_size}"
                 )
             d2t, t2d = build_draft_vocab(count_tokens(self.samples, target.vocab_size), size)
-        self.draft = new_draft(
-            target, d2t, t2d, max_positions=c.max_len + c.ttt_steps, std=c.init_std,
-            seed=c.seed, device=self.device,
-        )  # fmt: skip
+        if init is not None:  # its own shape (a published drafter's may differ from ours)
+            self.draft = init.to(self.device).requires_grad_(True).train()
+        else:
+            self.draft = new_draft(
+                target, d2t, t2d, max_positions=c.max_len + c.ttt_steps, std=c.init_std,
+                seed=c.seed, device=self.device,
+            )  # fmt: skip
         self.vocab = DraftVocabMaps.from_d2t(d2t, target.vocab_size, self.device)
         self.module: torch.nn.Module = TTTModel(
             self.draft, c.ttt_steps, c.step_decay, self.attention
@@ -165,6 +173,21 @@ class Trainer:
                 f"feature cache {c.feature_cache}: {tokens} tokens x 4 x {target.hidden_size} x "
                 f"2 bytes = {cache_cost_bytes(tokens, target.hidden_size) / 2**30:.2f} GiB of disk"
             )
+
+    def _init_drafter(self, path: str, target) -> Eagle3Draft:
+        from outrider.models.eagle3_io import load_drafter
+
+        c = self.config
+        draft = load_drafter(path, target, device="cpu", dtype=torch.float32,
+                             max_positions=c.max_len + c.ttt_steps)  # fmt: skip
+        vd = draft.config.draft_vocab_size
+        if c.draft_vocab_size is not None and c.draft_vocab_size != vd:
+            raise ValueError(
+                f"draft_vocab_size={c.draft_vocab_size} but init_from={path!r} has a draft "
+                f"vocabulary of {vd}: fine-tuning keeps the drafter's vocabulary; drop "
+                f"draft_vocab_size (or set it to {vd})"
+            )
+        return draft
 
     def _vocab_from_checkpoint(self, path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors import SafetensorError, safe_open

@@ -125,6 +125,29 @@ def test_resume_continues_exactly(target, dataset, whole_run, tmp_path):
         assert torch.equal(tensor, whole[name]), name
 
 
+@pytest.mark.slow
+def test_fine_tuning_starts_from_the_drafter_and_keeps_its_vocabulary(
+    target, dataset, whole_run, tmp_path
+):
+    from outrider.train.trainer import Trainer
+
+    _, llm = target
+    init = load_drafter(whole_run.drafter, llm.engine.runner.model_config)
+    # draft_vocab_size None would build min(32000, vocab) slots from the data: init's are kept.
+    tuner = Trainer(_config(dataset, tmp_path / "ft", draft_vocab_size=None, max_steps=3,
+                            init_from=str(whole_run.drafter)), llm)  # fmt: skip
+    params = dict(tuner.draft.named_parameters())
+    for name, tensor in init.named_parameters():
+        assert torch.equal(params[name].detach(), tensor.float()), name
+    result = tuner.run()
+    assert torch.equal(result.draft.d2t.cpu(), init.d2t) and int(result.draft.t2d.sum()) == 256
+    # It starts where the drafter ended, not from a random draft's loss.
+    assert result.losses[0] < 0.8 * whole_run.losses[0], (result.losses, whole_run.losses[:3])
+    with pytest.raises(ValueError, match="fine-tuning keeps the drafter's vocabulary"):
+        Trainer(_config(dataset, tmp_path / "ft2", draft_vocab_size=128,
+                        init_from=str(whole_run.drafter)), llm)  # fmt: skip
+
+
 def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
     path, llm = target
     empty = tmp_path / "empty.jsonl"
@@ -265,7 +288,7 @@ class _ScriptedLLM:
         from types import SimpleNamespace
 
         self.engine = SimpleNamespace(max_model_len=4096, tokenizer=_CharTokenizer())
-        self.turns, self.magpie_prompts = turns, []
+        self.turns, self.magpie_prompts, self.magpie_params = turns, [], []
 
     def apply_chat_template(self, messages, add_generation_prompt):
         return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + (
@@ -280,6 +303,7 @@ class _ScriptedLLM:
 
         if params[0].stop:  # the Magpie call: one scripted (text, finish_reason) per prompt
             self.magpie_prompts = [self.engine.tokenizer.decode(p) for p in prompts]
+            self.magpie_params = params
             return [SimpleNamespace(text=t, finish_reason=f) for t, f in self.turns]
         return [SimpleNamespace(token_ids=[5, 6, 7]) for _ in prompts]
 
@@ -290,19 +314,24 @@ def test_magpie_turns_start_from_openers_and_drop_rambling_and_excluded(tmp_path
     openers = [magpie_opener(f"self-{i}") for i in range(400)]
     assert 60 <= openers.count("") <= 140  # one id in four writes unprompted
     assert set(openers) - {""} <= set(MAGPIE_OPENERS) and len(set(openers)) > 50
-    ids = [f"self-{i}" for i in range(4)]
+    ids = [f"self-{i}" for i in range(6)]
     fake = _ScriptedLLM([
         (" about the sea.", "stop"), (" and on and on", "length"), (" stop here", "stop"),
-        (" something else entirely", "stop"),
+        (" something else entirely", "stop"), ("  ", "stop"), ("Hi there.", "stop"),
     ])  # fmt: skip
     want = [magpie_opener(i) for i in ids]
+    assert want[4] and not want[5]  # self-4 continues an opener, self-5 writes unprompted
     excluded = (want[2] + " stop here").upper()  # case and spacing do not matter
     out = tmp_path / "m.jsonl"
-    generate_dataset(fake, out, num_samples=4, max_new_tokens=3, seed_prompts=False,
+    generate_dataset(fake, out, num_samples=6, max_new_tokens=3, seed_prompts=False,
                      exclude=[f"  {excluded} "])  # fmt: skip
-    assert [p.endswith(o) for p, o in zip(fake.magpie_prompts, want)] == [True] * 4
+    assert [p.endswith(o) for p, o in zip(fake.magpie_prompts, want)] == [True] * 6
+    # Openers are continued to the end of their line; unprompted turns may run over lines.
+    assert ["\n" in p.stop for p in fake.magpie_params] == [True] * 5 + [False]
+    assert {(p.temperature, p.top_p) for p in fake.magpie_params} == {(0.7, 0.9)}
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in recs] == ["self-0", "self-3"]  # rambling and excluded dropped
+    # Rambling, excluded and an opener with nothing added are dropped.
+    assert [r["id"] for r in recs] == ["self-0", "self-3", "self-5"]
     prompt = _CharTokenizer().decode(recs[0]["input_ids"][:-3])
     assert prompt == f"<user>{(want[0] + ' about the sea.').strip()}</user><assistant>"
     assert recs[0]["loss_mask"][-3:] == [1, 1, 1] and not any(recs[0]["loss_mask"][:-3])
