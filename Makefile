@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: install
-	$(VENV)/bin/outrider generate "$(PROMPT)"
+	$(VENV)/bin/outrider generate --spec eagle3 "$(PROMPT)"
 
 test: install
 	$(PY) -m pytest -q -ra tests

@@ -1,6 +1,9 @@
-"""N-gram speculation on the real default model keeps greedy output token for token (fp32)."""
+"""Speculation on the real default model keeps greedy output token for token (fp32): n-gram,
+a random EAGLE-3 drafter, and the drafter shipped with the package."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -82,3 +85,29 @@ def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert spec.engine.spec_stats.num_verify_steps > 0
+
+
+@pytest.mark.slow
+def test_the_shipped_drafter_serves_the_default_model(llm):
+    """speculative={"method": "eagle3"} with no draft path picks the drafter shipped for the
+    default model: SGLang layout, <= 40 MB, passes the doctor, keeps greedy output exact (chain
+    and tree) and drafts tokens the target accepts (a random drafter's accept length is ~1)."""
+    from outrider.spec.eagle3 import SHIPPED_DIR, shipped_drafter
+    from outrider.spec.eagle3_doctor import diagnose
+
+    path = shipped_drafter(llm.engine.checkpoint.config)
+    assert path.parent == SHIPPED_DIR and "eagle3" in path.name
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 40 * 2**20
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert raw["outrider"]["layout"] == "sglang"
+    report = diagnose(path, llm.engine.checkpoint)
+    assert report.ok, str(report)
+    convs = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = llm.chat(convs, params)
+    for spec in ({"num_draft_tokens": 4}, {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}):
+        eagle = LLM(dtype="float32", device="cpu", speculative={"method": "eagle3", **spec})
+        outs = eagle.chat(convs, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], spec
+        assert eagle.engine.spec_stats.accept_length > 1.8, spec

@@ -133,6 +133,16 @@ def test_eagle3_rejects_a_drafter_for_another_target(tiny_dir):  # noqa: F811
         Eagle3Proposer(random_drafter(other), llm.engine.runner)
 
 
+def test_no_shipped_drafter_for_another_model_says_what_to_do(tiny_dir):  # noqa: F811
+    llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64)
+    target = llm.engine.runner.model_config
+    with pytest.raises(
+        ValueError, match=rf"no EAGLE-3 drafter ships .*hidden {target.hidden_size}"
+    ):
+        LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
+            speculative={"method": "eagle3"})  # fmt: skip
+
+
 @pytest.mark.parametrize("topk,steps", [(2, 3), (3, 2)])
 def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, steps):  # noqa: F811
     llm = eagle_llm(tiny_dir)
