@@ -6,6 +6,7 @@ length on held-out prompts (outrider/bench/datasets.HELDOUT), chain and tree.
     python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--max-new 384]
         [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
         [--datagen-only] [--gen-minutes M] [--gen-procs 4] [--init DRAFTER]
+        [--eval-tokens 128 512] [--eval-only DRAFTER]
 
 Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results/
 eagle3_train_default.json. `--datagen-only` stops after the data; runs given `--data` load a
@@ -14,7 +15,9 @@ small target of their own (a fixed KV pool), so several can train side by side o
 large batches the engine's host work per step bounds one process, not the GPU. The held-out
 prompts are excluded from the data. `--init DRAFTER` fine-tunes that drafter (its weights and
 draft vocabulary) instead of starting from random weights; the saved drafter's record keeps the
-record of the one it started from.
+record of the one it started from. The held-out accept length is measured at each
+`--eval-tokens` answer length; `--eval-only DRAFTER` measures only that (e.g. the shipped
+drafter) and writes benchmarks/results/eagle3_eval_default.json.
 """
 
 from __future__ import annotations
@@ -82,6 +85,36 @@ def _datagen_in_processes(args, out: Path) -> Path:
     return data
 
 
+def _eval_heldout(args, drafter: Path, result: dict) -> None:
+    """Serve `drafter` on the held-out prompts (temperature 0), chain of 4 and a tree, for each
+    --eval-tokens length: result["accept_length_<spec>"] for the first length,
+    "..._<spec>_<n>tok" for the others (a small target's answers grow repetitive with length,
+    and drafts of repeated text are easy)."""
+    from outrider import LLM, SamplingParams
+    from outrider.bench.datasets import HELDOUT
+    from outrider.spec.stats import accept_length
+
+    cuda = args.device.startswith("cuda")
+    convs = [[{"role": "user", "content": p}] for p in HELDOUT]
+    for name, spec in (
+        ("chain_k4", {"num_draft_tokens": 4}),
+        ("tree_k8_t3_s4", {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}),
+    ):
+        eagle = LLM(
+            dtype="bfloat16" if cuda else "float32", device=args.device,
+            speculative={"method": "eagle3", "draft": str(drafter), **spec},
+            **({"num_blocks": 4096} if cuda else {}),  # fixed: side-by-side runs share the GPU
+        )  # fmt: skip
+        for i, n in enumerate(args.eval_tokens):
+            outs = eagle.chat(convs, SamplingParams(temperature=0, max_tokens=n))
+            steps_v = sum(o.metrics["num_verify_steps"] for o in outs)
+            acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
+            key = f"accept_length_{name}" + (f"_{n}tok" if i else "")
+            result[key] = round(accept_length(acc, steps_v) or 1.0, 3)
+            print(f"{name}, {n} tokens: accept length {result[key]}", flush=True)
+        del eagle
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,7 +130,19 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument(
+        "--eval-tokens",
+        type=int,
+        nargs="+",
+        default=[128, 512],
+        help="answer lengths the held-out accept length is measured at",
+    )
+    ap.add_argument(
+        "--eval-only",
+        default=None,
+        metavar="DRAFTER",
+        help="only measure this drafter on the held-out prompts",
+    )
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("--datagen-only", action="store_true", help="stop once the data is written")
     ap.add_argument("--gen-minutes", type=float, default=None, help="stop datagen after this")
@@ -108,10 +153,7 @@ def main() -> None:
     ap.add_argument("--init", default=None, help="a drafter directory to fine-tune")
     args = ap.parse_args()
 
-    from outrider import LLM, SamplingParams
-    from outrider.bench.datasets import HELDOUT
     from outrider.models.eagle3_io import save_drafter
-    from outrider.spec.stats import accept_length
     from outrider.train.config import TrainConfig
     from outrider.train.trainer import Trainer
 
@@ -121,6 +163,12 @@ def main() -> None:
     dtype = "bfloat16" if cuda else "float32"
     result: dict = {"args": vars(args)}
     t0 = time.perf_counter()
+    if args.eval_only:
+        _eval_heldout(args, Path(args.eval_only), result)
+        print(
+            f"wrote {write_result('eagle3_eval_default' + (f'_{args.tag}' if args.tag else ''), result)}"
+        )
+        return
     # 1. Data: the target answers through outrider itself.
     if args.data:
         data = Path(args.data)  # a dataset from an earlier run: no generation
@@ -173,23 +221,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     # 3. The real accept length on held-out prompts, chain of 4 and a tree.
-    params = SamplingParams(temperature=0, max_tokens=args.eval_tokens)
-    convs = [[{"role": "user", "content": p}] for p in HELDOUT]
-    for name, spec in (
-        ("chain_k4", {"num_draft_tokens": 4}),
-        ("tree_k8_t3_s4", {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}),
-    ):
-        eagle = LLM(
-            dtype=dtype, device=args.device,
-            speculative={"method": "eagle3", "draft": str(shipped), **spec},
-            **({"num_blocks": 4096} if cuda else {}),  # fixed: side-by-side runs share the GPU
-        )  # fmt: skip
-        outs = eagle.chat(convs, params)
-        steps_v = sum(o.metrics["num_verify_steps"] for o in outs)
-        acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
-        result[f"accept_length_{name}"] = round(accept_length(acc, steps_v) or 1.0, 3)
-        print(f"{name}: accept length {result[f'accept_length_{name}']}", flush=True)
-        del eagle
+    _eval_heldout(args, shipped, result)
     result["total_s"] = round(time.perf_counter() - t0, 1)
     name = "eagle3_train_default" + (f"_{args.tag}" if args.tag else "")
     print(f"wrote {write_result(name, result)}")
