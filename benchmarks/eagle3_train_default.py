@@ -151,6 +151,8 @@ def main() -> None:
     ap.add_argument("--gen-procs", type=int, default=1, help="datagen processes (shards)")
     ap.add_argument("--gen-shard", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--init", default=None, help="a drafter directory to fine-tune")
+    ap.add_argument("--head-from-target", action="store_true",
+                    help="start lm_head and the final norm from the target's")  # fmt: skip
     args = ap.parse_args()
 
     from outrider.models.eagle3_io import save_drafter
@@ -192,6 +194,7 @@ def main() -> None:
         draft_vocab_size=None if args.init else args.draft_vocab, init_from=args.init,
         max_len=args.max_len, batch_rows=args.batch_rows, max_steps=args.steps,
         max_minutes=args.train_minutes, lr=args.lr, checkpoint_every=500, log_every=25,
+        head_from_target=args.head_from_target,
     )  # fmt: skip
     trainer = Trainer(config, llm)
     start = time.perf_counter()

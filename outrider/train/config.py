@@ -68,6 +68,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 0.5
     init_std: float = 0.02
+    # Start lm_head (draft-vocabulary rows) and the final norm from the target's own.
+    head_from_target: bool = False
     seed: int = 0
     checkpoint_every: int = 500
     keep_checkpoints: int = 2

@@ -45,3 +45,14 @@ def init_weights(draft: Eagle3Draft, std: float = 0.02, seed: int = 0) -> None:
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
             p.requires_grad_(True)
+
+
+def head_from_target(draft: Eagle3Draft, target: torch.nn.Module) -> None:
+    """Start the draft's output head as the target's: `lm_head` rows of the draft vocabulary
+    (target id = i + d2t[i]) and the final norm's weight, so the draft has only to approach
+    the target's last hidden state, not also learn to read out tokens from it."""
+    ids = torch.arange(draft.d2t.numel(), device=draft.d2t.device) + draft.d2t
+    head, norm = target.lm_head.weight, target.model.norm.weight
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(head[ids.to(head.device)].float())
+        draft.norm.weight.copy_(norm.float())

@@ -32,7 +32,7 @@ from outrider.train.batch import DraftVocabMaps, build_batch
 from outrider.train.capture import FeatureCache, TargetCapture, cache_cost_bytes
 from outrider.train.config import TrainConfig
 from outrider.train.dataset import count_tokens, micro_batches, pack_rows, read_samples
-from outrider.train.draft import new_draft
+from outrider.train.draft import head_from_target, new_draft
 from outrider.train.ttt import TTTModel, resolve_attention
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,8 @@ class Trainer:
                 target, d2t, t2d, max_positions=c.max_len + c.ttt_steps, std=c.init_std,
                 seed=c.seed, device=self.device,
             )  # fmt: skip
+            if c.head_from_target:
+                head_from_target(self.draft, self.capture.model)
         self.vocab = DraftVocabMaps.from_d2t(d2t, target.vocab_size, self.device)
         self.module: torch.nn.Module = TTTModel(
             self.draft, c.ttt_steps, c.step_decay, self.attention

@@ -148,6 +148,21 @@ def test_fine_tuning_starts_from_the_drafter_and_keeps_its_vocabulary(
                         init_from=str(whole_run.drafter)), llm)  # fmt: skip
 
 
+def test_head_from_target_starts_the_draft_head_as_the_targets(target, dataset, tmp_path):
+    from outrider.train.trainer import Trainer
+
+    _, llm = target
+    model = llm.engine.runner.model
+    trainer = Trainer(_config(dataset, tmp_path / "h", head_from_target=True), llm)
+    draft = trainer.draft
+    ids = torch.arange(draft.d2t.numel()) + draft.d2t
+    assert torch.equal(draft.lm_head.weight, model.lm_head.weight[ids].float())
+    assert torch.equal(draft.norm.weight, model.model.norm.weight.float())
+    assert draft.lm_head.weight.requires_grad
+    plain = Trainer(_config(dataset, tmp_path / "p"), llm).draft
+    assert not torch.allclose(plain.lm_head.weight, draft.lm_head.weight)
+
+
 def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
     path, llm = target
     empty = tmp_path / "empty.jsonl"
