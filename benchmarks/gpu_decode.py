@@ -2,7 +2,8 @@
 how close batch-1 decoding gets to the memory-bandwidth roofline.
 
     python benchmarks/gpu_decode.py [--concurrency 1 8 32 64] [--prompt-len 128] [--new-tokens 256]
-                                    [--skip-hf] [--skip-default]
+                                    [--skip-hf] [--skip-default] [--profile]
+                                    [--hf-concurrency 1 32]
 
 The Llama-3.1-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256)
 with random bf16 weights built on the GPU: speed does not depend on weight values. Roofline at
@@ -155,6 +156,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-concurrency", type=int, nargs="+", default=None,
+                    help="HF runs (each compiles for minutes; default: --concurrency)")  # fmt: skip
     ap.add_argument("--skip-default", action="store_true")
     ap.add_argument(
         "--profile", action="store_true", help="print a torch profiler table of a C=1 step"
@@ -256,7 +259,7 @@ def main() -> None:
         os.environ.pop("OUTRIDER_FUSED_KERNELS")
     if not args.skip_hf:
         hf = {}
-        for c in args.concurrency:
+        for c in args.hf_concurrency or args.concurrency:
             try:
                 hf[str(c)] = {
                     k: round(v, 2) for k, v in run_hf(c, args.prompt_len, args.new_tokens).items()
