@@ -108,6 +108,8 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "use >= 0")
         _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "use > 0, e.g. 0.5")
         _check(self.init_std > 0, "init_std", self.init_std, "use > 0, e.g. 0.02")
+        _check(not (self.head_from_target and self.init_from), "head_from_target",
+               self.head_from_target, "init_from keeps the drafter's own head: drop one of them")  # fmt: skip
         _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "use >= 1")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "use >= 1")
         _check(self.attention in ATTENTION_BACKENDS, "attention", self.attention,

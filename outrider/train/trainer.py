@@ -134,7 +134,7 @@ class Trainer:
         # 1. The draft vocabulary: the checkpoint's on resume, the fine-tuned drafter's with
         #    init_from, else the most frequent learned tokens (every rank counts the same file,
         #    so all agree without a broadcast).
-        init = self._init_drafter(c.init_from, target) if c.init_from else None
+        init = self._init_drafter(c.init_from, llm.engine.checkpoint) if c.init_from else None
         if self.resume_from:
             d2t, t2d = self._vocab_from_checkpoint(self.resume_from[0])
         elif init is not None:
@@ -176,11 +176,20 @@ class Trainer:
                 f"2 bytes = {cache_cost_bytes(tokens, target.hidden_size) / 2**30:.2f} GiB of disk"
             )
 
-    def _init_drafter(self, path: str, target) -> Eagle3Draft:
+    def _init_drafter(self, path: str, checkpoint) -> Eagle3Draft:
+        """The drafter to fine-tune, after the doctor's static checks against the target (a
+        drafter serving would refuse is refused here, before any training)."""
         from outrider.models.eagle3_io import load_drafter
+        from outrider.spec.eagle3_doctor import diagnose
 
         c = self.config
-        draft = load_drafter(path, target, device="cpu", dtype=torch.float32,
+        report = diagnose(path, checkpoint)
+        if not report.ok:
+            raise ValueError(
+                f"init_from={path!r} does not fit this target:\n{report}\n"
+                "fine-tune a drafter trained for this model, or train a new one (no init_from)"
+            )
+        draft = load_drafter(path, checkpoint.config, device="cpu", dtype=torch.float32,
                              max_positions=c.max_len + c.ttt_steps)  # fmt: skip
         vd = draft.config.draft_vocab_size
         if c.draft_vocab_size is not None and c.draft_vocab_size != vd:

@@ -146,6 +146,17 @@ def test_fine_tuning_starts_from_the_drafter_and_keeps_its_vocabulary(
     with pytest.raises(ValueError, match="fine-tuning keeps the drafter's vocabulary"):
         Trainer(_config(dataset, tmp_path / "ft2", draft_vocab_size=128,
                         init_from=str(whole_run.drafter)), llm)  # fmt: skip
+    with pytest.raises(ValueError, match="drop one of them"):
+        _config(dataset, tmp_path / "ft3", init_from=str(whole_run.drafter), head_from_target=True)
+    # A drafter serving would refuse (made for another model) is refused before training.
+    from outrider.loaders.hf_config import TransformerConfig
+    from outrider.models.eagle3_io import save_drafter
+    from tests.unit.test_spec_eagle3 import random_drafter
+
+    other = TransformerConfig.from_hf_dict(tiny_hf_config(hidden_size=32, intermediate_size=64))
+    path = save_drafter(random_drafter(other, draft_vocab=64), tmp_path / "other", "sglang")
+    with pytest.raises(ValueError, match="does not fit this target"):
+        Trainer(_config(dataset, tmp_path / "ft4", draft_vocab_size=None, init_from=str(path)), llm)
 
 
 def test_head_from_target_starts_the_draft_head_as_the_targets(target, dataset, tmp_path):
