@@ -314,16 +314,12 @@ def build_eagle3_proposer(config, runner, checkpoint=None) -> Eagle3Proposer:
     after the doctor's static checks against the target (checkpoint: its config and tokenizer):
     a drafter for another model or tokenizer is refused here, not discovered as accept length 1."""
     from outrider.models.eagle3_io import load_drafter
-    from outrider.spec.eagle3_doctor import diagnose
+    from outrider.spec.eagle3_doctor import require_fit
 
     path = config.draft or shipped_drafter(runner.model_config)
     if checkpoint is not None:
-        report = diagnose(path, checkpoint)
-        if not report.ok:
-            raise ValueError(
-                f"refusing EAGLE-3 drafter {path} for this model:\n{report}\n"
-                "train one for it with `outrider drafter train`"
-            )
+        require_fit(path, checkpoint, f"refusing EAGLE-3 drafter {path} for this model",
+                    "train one for it with `outrider drafter train`")  # fmt: skip
     draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype)
     log.info("EAGLE-3 drafter %s, aux layers %s", path, draft.config.aux_layers)
     return Eagle3Proposer(draft.eval(), runner, topk=config.topk, num_steps=config.num_steps)

@@ -146,6 +146,14 @@ def diagnose(
     return report
 
 
+def require_fit(draft_path: str | Path, checkpoint: Checkpoint, refusal: str, hint: str) -> None:
+    """The doctor's static checks as a gate: a ValueError with the report (between `refusal`
+    and `hint`) when any fails. Serving and fine-tuning both pass a drafter through it."""
+    report = diagnose(draft_path, checkpoint)
+    if not report.ok:
+        raise ValueError(f"{refusal}:\n{report}\n{hint}")
+
+
 def live_check(
     llm_factory: Callable[[], Any],
     prompts: Sequence[str],

@@ -180,15 +180,11 @@ class Trainer:
         """The drafter to fine-tune, after the doctor's static checks against the target (a
         drafter serving would refuse is refused here, before any training)."""
         from outrider.models.eagle3_io import load_drafter
-        from outrider.spec.eagle3_doctor import diagnose
+        from outrider.spec.eagle3_doctor import require_fit
 
         c = self.config
-        report = diagnose(path, checkpoint)
-        if not report.ok:
-            raise ValueError(
-                f"init_from={path!r} does not fit this target:\n{report}\n"
-                "fine-tune a drafter trained for this model, or train a new one (no init_from)"
-            )
+        require_fit(path, checkpoint, f"init_from={path!r} does not fit this target",
+                    "fine-tune a drafter trained for this model, or train a new one (no init_from)")  # fmt: skip
         draft = load_drafter(path, checkpoint.config, device="cpu", dtype=torch.float32,
                              max_positions=c.max_len + c.ttt_steps)  # fmt: skip
         vd = draft.config.draft_vocab_size
