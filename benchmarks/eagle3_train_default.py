@@ -115,6 +115,10 @@ def _eval_heldout(args, drafter: Path, result: dict) -> None:
         del eagle
 
 
+def _result_name(base: str, args) -> str:
+    return base + (f"_{args.tag}" if args.tag else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -167,9 +171,7 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.eval_only:
         _eval_heldout(args, Path(args.eval_only), result)
-        print(
-            f"wrote {write_result('eagle3_eval_default' + (f'_{args.tag}' if args.tag else ''), result)}"
-        )
+        print(f"wrote {write_result(_result_name('eagle3_eval_default', args), result)}")
         return
     # 1. Data: the target answers through outrider itself.
     if args.data:
@@ -226,8 +228,7 @@ def main() -> None:
     # 3. The real accept length on held-out prompts, chain of 4 and a tree.
     _eval_heldout(args, shipped, result)
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    name = "eagle3_train_default" + (f"_{args.tag}" if args.tag else "")
-    print(f"wrote {write_result(name, result)}")
+    print(f"wrote {write_result(_result_name('eagle3_train_default', args), result)}")
 
 
 if __name__ == "__main__":
