@@ -1,10 +1,10 @@
 """Train an EAGLE-3 drafter for the default model on one GPU, within a wall-clock budget, and
 measure it: datagen (the target answers built-in and self-written prompts through outrider)
 -> TTT training on features from the serving code -> per-step accuracy and the real accept
-length on held-out prompts (outrider/bench/datasets.HELDOUT), chain and tree.
+length on held-out prompts (outrider/bench/datasets.HELDOUT and HELDOUT_FRESH), chain and tree.
 
-    python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--max-new 384]
-        [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
+    python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--composed 0]
+        [--max-new 384] [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
         [--datagen-only] [--gen-minutes M] [--gen-procs 4] [--init DRAFTER]
         [--eval-tokens 128 512] [--eval-only DRAFTER]
 
@@ -12,10 +12,11 @@ Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results
 eagle3_train_default.json. `--datagen-only` stops after the data; runs given `--data` load a
 small target of their own (a fixed KV pool), so several can train side by side on one GPU.
 `--gen-procs N` generates the data in N processes (shards of one dataset, concatenated): at
-large batches the engine's host work per step bounds one process, not the GPU. The held-out
-prompts are excluded from the data. `--init DRAFTER` fine-tunes that drafter (its weights and
-draft vocabulary) instead of starting from random weights; the saved drafter's record keeps the
-record of the one it started from. The held-out accept length is measured at each
+large batches the engine's host work per step bounds one process, not the GPU. `--composed N`
+puts N composed requests (outrider/train/composed.py) in the data. The held-out prompts and
+their near-duplicates are excluded from the data. `--init DRAFTER` fine-tunes that drafter
+(its weights and draft vocabulary) instead of starting from random weights; the saved
+drafter's record keeps the record of the one it started from. The held-out accept length is measured at each
 `--eval-tokens` answer length; `--eval-only DRAFTER` measures only that (e.g. the shipped
 drafter) and writes benchmarks/results/eagle3_eval_default.json.
 """
@@ -23,6 +24,7 @@ drafter) and writes benchmarks/results/eagle3_eval_default.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -38,7 +40,7 @@ from common import write_result  # noqa: E402
 def _datagen(args, data: Path, shard: tuple[int, int], t0: float):
     """Generate (this shard of) the dataset into `data`; -> the LLM that did it."""
     from outrider import LLM
-    from outrider.bench.datasets import HELDOUT
+    from outrider.bench.datasets import HELDOUT, HELDOUT_FRESH
     from outrider.train.datagen import generate_dataset
 
     cuda = args.device.startswith("cuda")
@@ -56,7 +58,8 @@ def _datagen(args, data: Path, shard: tuple[int, int], t0: float):
     for upto in range(step, args.samples + step, step):
         generate_dataset(
             llm, data, num_samples=min(upto, args.samples), max_new_tokens=args.max_new,
-            batch_size=batch, exclude=HELDOUT, shard=shard,
+            batch_size=batch, exclude=HELDOUT + HELDOUT_FRESH, shard=shard,
+            composed=args.composed,
         )  # fmt: skip
         if args.gen_minutes and time.perf_counter() - t0 > args.gen_minutes * 60:
             print(f"datagen: stopped by --gen-minutes at {min(upto, args.samples)} prompts")
@@ -71,6 +74,7 @@ def _datagen_in_processes(args, out: Path) -> Path:
         cmd = [sys.executable, __file__, "--out", str(out / f"shard{i}"), "--datagen-only",
                "--gen-shard", str(i), "--gen-procs", str(args.gen_procs),
                "--samples", str(args.samples), "--max-new", str(args.max_new),
+               "--composed", str(args.composed),
                "--gen-batch", str(args.gen_batch), "--gen-seqs", str(args.gen_seqs),
                "--device", args.device, "--tag", f"{args.tag}shard{i}"]  # fmt: skip
         if args.gen_minutes:
@@ -89,13 +93,13 @@ def _eval_heldout(args, drafter: Path, result: dict) -> None:
     """Serve `drafter` on the held-out prompts (temperature 0), chain of 4 and a tree, for each
     --eval-tokens length: result["accept_length_<spec>"] for the first length,
     "..._<spec>_<n>tok" for the others (a small target's answers grow repetitive with length,
-    and drafts of repeated text are easy)."""
+    and drafts of repeated text are easy); HELDOUT_FRESH's keys end in "_fresh"."""
     from outrider import LLM, SamplingParams
-    from outrider.bench.datasets import HELDOUT
+    from outrider.bench.datasets import HELDOUT, HELDOUT_FRESH
     from outrider.spec.stats import accept_length
 
     cuda = args.device.startswith("cuda")
-    convs = [[{"role": "user", "content": p}] for p in HELDOUT]
+    sets = {"": HELDOUT, "_fresh": HELDOUT_FRESH}
     for name, spec in (
         ("chain_k4", {"num_draft_tokens": 4}),
         ("tree_k8_t3_s4", {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}),
@@ -105,13 +109,16 @@ def _eval_heldout(args, drafter: Path, result: dict) -> None:
             speculative={"method": "eagle3", "draft": str(drafter), **spec},
             **({"num_blocks": 4096} if cuda else {}),  # fixed: side-by-side runs share the GPU
         )  # fmt: skip
-        for i, n in enumerate(args.eval_tokens):
+        for (suffix, prompts), (i, n) in itertools.product(
+            sets.items(), enumerate(args.eval_tokens)
+        ):
+            convs = [[{"role": "user", "content": p}] for p in prompts]
             outs = eagle.chat(convs, SamplingParams(temperature=0, max_tokens=n))
             steps_v = sum(o.metrics["num_verify_steps"] for o in outs)
             acc = sum(o.metrics["num_accepted_tokens"] for o in outs)
-            key = f"accept_length_{name}" + (f"_{n}tok" if i else "")
+            key = f"accept_length_{name}" + (f"_{n}tok" if i else "") + suffix
             result[key] = round(accept_length(acc, steps_v) or 1.0, 3)
-            print(f"{name}, {n} tokens: accept length {result[key]}", flush=True)
+            print(f"{key}, {n} tokens: {result[key]}", flush=True)
         del eagle
 
 
@@ -126,6 +133,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", default=None, help="train on this JSONL instead of generating one")
     ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--composed", type=int, default=0,
+                    help="of --samples, this many composed requests (outrider/train/composed.py)")  # fmt: skip
     ap.add_argument("--max-new", type=int, default=384)
     ap.add_argument("--train-minutes", type=float, default=5.0)
     ap.add_argument("--steps", type=int, default=100_000, help="step cap (the clock decides first)")

@@ -50,8 +50,9 @@ OPEN = [
 
 TASKS = {"grounded": GROUNDED, "open": OPEN}
 
-# Prompts no built-in drafter training set contains (outrider/train/seed_prompts.py is checked
-# against them in tests): where a drafter's accept length is measured.
+# Prompts a drafter's accept length is measured on. Datagen given them as `exclude` drops
+# every near-duplicate (datagen.near_duplicate) from the data: the built-in seed set holds a
+# few (written before the check existed), and composed requests can make more.
 HELDOUT = [
     "Describe how a bicycle gear system works.",
     "Write a short story about a robot who learns to paint.",
@@ -69,4 +70,43 @@ HELDOUT = [
     "Write a four-line poem about the moon.",
     "Explain what a noun is, with examples.",
     "What should I pack for a beach holiday?",
+]
+
+# A second held-out set, written apart from every built-in prompt list (none of them in
+# view), to check that a drafter does not only fit the phrasing of the first.
+HELDOUT_FRESH = [
+    "Write a Python function that checks whether a string is a valid IPv4 address.",
+    "How do I reverse a singly linked list in Java? Please show the code.",
+    "Can you write a SQL query to find the top three customers by total order value?",
+    "Why does my JavaScript setTimeout inside a for loop with var always print 5?",
+    "Write a bash script that renames all .jpeg files in a folder to .jpg.",
+    "If a train travels 180 km in 2.5 hours, what is its average speed?",
+    "I paid $84 for a jacket after a 30% discount. What was the original price?",
+    "Quick one: what's 17% of 2,350?",
+    "A recipe needs 3 eggs for 12 cookies. How many eggs do I need for 40 cookies?",
+    "Write a short poem about the smell of rain on a city street.",
+    "Could you write a heartfelt retirement message for a coworker who mentored me for ten years?",
+    "Tell me a bedtime story about a shy dragon who learns to sing.",
+    "haiku about morning coffee please",
+    "I need a funny birthday card message for my brother who is turning 40.",
+    "Write a 100-word story about a lighthouse keeper who finds a message in a bottle.",
+    "How do noise-cancelling headphones actually work?",
+    "What caused the fall of the Western Roman Empire?",
+    "Explain inflation like I'm 12.",
+    "How does caffeine affect sleep, and how late is too late for coffee?",
+    "In simple terms, how does photosynthesis work?",
+    "Why did the Berlin Wall fall in 1989?",
+    "What does a router do, and how is it different from a modem?",
+    "How do black holes form?",
+    "Give me a 3-day itinerary for Lisbon on a moderate budget.",
+    "What can I cook for dinner with chicken thighs, rice, and spinach?",
+    "Any tips for staying focused while working from home?",
+    "Make me a beginner 4-week running plan to build up to a 5K.",
+    "How should I build an emergency fund on a $3,000 monthly income?",
+    "Fix the grammar: Me and him goes to the store yesterday and buyed three apple.",
+    "Translate into Spanish: Could you tell me where the nearest train station is?",
+    "Rewrite this to sound more professional: hey just checking if u got my email about the "
+    "invoice lol",
+    "Summarize in one sentence: The council approved four new bus routes and later service "
+    "hours after ridership rose and night workers complained.",
 ]

@@ -30,9 +30,9 @@ def add_drafter_parser(subparsers: Any) -> argparse.ArgumentParser:
     gen = sub.add_parser(
         "datagen",
         help="write conversations whose answers the target generates (JSONL)",
-        description="Prompts from the built-in seed set, Magpie-style self-generated turns and "
-        "an optional user file; the target answers each through outrider. Resumable: rerun "
-        "the same command to continue.",
+        description="Prompts from the built-in seed set, composed requests (--composed), "
+        "Magpie-style self-generated turns and an optional user file; the target answers each "
+        "through outrider. Resumable: rerun the same command to continue.",
     )
     _add_config_flags(gen, DatagenConfig)
     _add_target_flags(gen)
@@ -119,7 +119,8 @@ def _datagen(args: argparse.Namespace) -> int:
     llm = LLM(c.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
     path = generate_dataset(
         llm, c.out, num_samples=c.num_samples, max_new_tokens=c.max_new_tokens,
-        seed_prompts=c.seed_prompts, self_generated=c.self_generated, user_file=c.user_file,
+        seed_prompts=c.seed_prompts, composed=c.composed, self_generated=c.self_generated,
+        user_file=c.user_file,
         batch_size=c.batch_size, temperature=c.temperature, seed=c.seed,
         shard=(c.shard, c.num_shards),
     )  # fmt: skip

@@ -24,6 +24,7 @@ class DatagenConfig:
     num_samples: int = 1000
     max_new_tokens: int = 512
     seed_prompts: bool = True
+    composed: int = 0  # requests composed from templates and topic lists (train/composed.py)
     self_generated: int = 0  # Magpie-style user turns written by the target itself
     user_file: str | None = None  # JSONL: {"prompt"}, {"messages"} or ShareGPT {"conversations"}
     batch_size: int = 32
@@ -38,6 +39,7 @@ class DatagenConfig:
                f"use 0..{self.num_shards - 1} (one per process, with the same --num-shards)")  # fmt: skip
         _check(self.num_samples >= 1, "num_samples", self.num_samples, "use an integer >= 1")
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "use >= 1")
+        _check(self.composed >= 0, "composed", self.composed, "use >= 0")
         _check(self.self_generated >= 0, "self_generated", self.self_generated, "use >= 0")
         _check(self.batch_size >= 1, "batch_size", self.batch_size, "use an integer >= 1")
         _check(self.temperature >= 0, "temperature", self.temperature, "use >= 0 (0 = greedy)")

@@ -363,6 +363,22 @@ def test_magpie_turns_start_from_openers_and_drop_rambling_and_excluded(tmp_path
     assert recs[0]["loss_mask"][-3:] == [1, 1, 1] and not any(recs[0]["loss_mask"][:-3])
 
 
+def test_composed_requests_in_the_data_without_near_duplicates_of_excluded(tmp_path):
+    from outrider.train.composed import compose_prompts
+
+    want = compose_prompts(5)
+    fake = _ScriptedLLM([])
+    out = tmp_path / "c.jsonl"
+    # A held-out prompt a word and some punctuation away from the second composed request.
+    near = want[1].upper().rstrip(".?") + ", please!"
+    generate_dataset(fake, out, num_samples=7, max_new_tokens=3, seed_prompts=False,
+                     composed=5, self_generated=0, exclude=[near])  # fmt: skip
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["comp-0", "comp-2", "comp-3", "comp-4"]
+    prompt = _CharTokenizer().decode(recs[0]["input_ids"][:-3])
+    assert prompt == f"<user>{want[0]}</user><assistant>"
+
+
 @pytest.mark.slow
 def test_offline_chain_replay_equals_the_engine(target, dataset, whole_run):
     """Training and serving read the same rows: the chain replayed on TTT outputs accepts
