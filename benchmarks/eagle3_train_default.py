@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -68,9 +69,16 @@ def _datagen(args, data: Path, shard: tuple[int, int], t0: float):
 
 
 def _datagen_in_processes(args, out: Path) -> Path:
-    """Run --gen-procs shards of this script's datagen side by side; concatenate their files."""
+    """Run --gen-procs shards of this script's datagen side by side, spread over the visible
+    GPUs; concatenate their files."""
+    gpus = [None]
+    if args.device == "cuda" and torch.cuda.device_count() > 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(k) for k in range(torch.cuda.device_count())]
     procs = []
     for i in range(args.gen_procs):
+        gpu = gpus[i % len(gpus)]
+        env = os.environ if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
         cmd = [sys.executable, __file__, "--out", str(out / f"shard{i}"), "--datagen-only",
                "--gen-shard", str(i), "--gen-procs", str(args.gen_procs),
                "--samples", str(args.samples), "--max-new", str(args.max_new),
@@ -79,7 +87,7 @@ def _datagen_in_processes(args, out: Path) -> Path:
                "--device", args.device, "--tag", f"{args.tag}shard{i}"]  # fmt: skip
         if args.gen_minutes:
             cmd += ["--gen-minutes", str(args.gen_minutes)]
-        procs.append(subprocess.Popen(cmd))
+        procs.append(subprocess.Popen(cmd, env=env))
     if any(p.wait() != 0 for p in procs):
         raise SystemExit("a datagen shard failed: see its output above")
     data = out / "data.jsonl"
@@ -166,6 +174,10 @@ def main() -> None:
     ap.add_argument("--init", default=None, help="a drafter directory to fine-tune")
     ap.add_argument("--head-from-target", action="store_true",
                     help="start lm_head and the final norm from the target's")  # fmt: skip
+    ap.add_argument("--align-topk", type=int, default=0, help="TrainConfig.align_topk")
+    ap.add_argument("--hard-label", type=float, default=0.0, help="TrainConfig.hard_label")
+    ap.add_argument("--intermediate-size", type=int, default=None,
+                    help="the drafter's MLP width (default: the target's)")  # fmt: skip
     args = ap.parse_args()
 
     from outrider.models.eagle3_io import save_drafter
@@ -205,7 +217,8 @@ def main() -> None:
         draft_vocab_size=None if args.init else args.draft_vocab, init_from=args.init,
         max_len=args.max_len, batch_rows=args.batch_rows, max_steps=args.steps,
         max_minutes=args.train_minutes, lr=args.lr, checkpoint_every=500, log_every=25,
-        head_from_target=args.head_from_target,
+        head_from_target=args.head_from_target, align_topk=args.align_topk,
+        hard_label=args.hard_label, intermediate_size=args.intermediate_size,
     )  # fmt: skip
     trainer = Trainer(config, llm)
     start = time.perf_counter()
@@ -225,6 +238,7 @@ def main() -> None:
         "trained_steps": result["train_steps"], "train_seconds": round(train_s),
         "samples": result["samples_written"], "lr": args.lr,
     }  # fmt: skip
+    extra |= {k: getattr(args, k) for k in ("align_topk", "hard_label") if getattr(args, k)}
     if args.init:
         record = json.loads((Path(args.init) / "config.json").read_text()).get("outrider", {})
         extra["fine_tuned_from"] = {k: v for k, v in record.items() if k != "target"}

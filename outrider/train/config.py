@@ -55,6 +55,11 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # None: min(32000, target vocab)
     ttt_steps: int = 7
     step_decay: float = 0.8
+    # Step j learns only where steps < j had the target's argmax in their top k (0: off; 1
+    # for chains, topk for trees): serving never reaches past a miss (train/ttt.py).
+    align_topk: int = 0
+    hard_label: float = 0.0  # weight of the target argmax's cross-entropy beside the soft one
+    intermediate_size: int | None = None  # the drafter's MLP width; None: the target's
     max_len: int = 2048  # tokens per packed row
     batch_rows: int = 1  # rows per micro-batch
     grad_accum: int = 1
@@ -95,6 +100,13 @@ class TrainConfig:
                "draft_vocab_size", self.draft_vocab_size, "use >= 1, or None for min(32000, vocab)")  # fmt: skip
         _check(1 <= self.ttt_steps <= 16, "ttt_steps", self.ttt_steps, "use 1..16 (7 is usual)")
         _check(0 < self.step_decay <= 1, "step_decay", self.step_decay, "use (0, 1], e.g. 0.8")
+        _check(self.align_topk >= 0, "align_topk", self.align_topk,
+               "use 0 (off), 1 for chains or the serving topk for trees")  # fmt: skip
+        _check(0 <= self.hard_label <= 1, "hard_label", self.hard_label,
+               "use [0, 1]: 0 soft targets only, 1 the target's argmax only")  # fmt: skip
+        _check(self.intermediate_size is None or self.intermediate_size >= 1,
+               "intermediate_size", self.intermediate_size,
+               "use >= 1, or None for the target's own MLP width")  # fmt: skip
         _check(self.max_len >= 4, "max_len", self.max_len, "use >= 4 tokens per row")
         _check(self.batch_rows >= 1, "batch_rows", self.batch_rows, "use an integer >= 1")
         _check(self.grad_accum >= 1, "grad_accum", self.grad_accum, "use an integer >= 1")
@@ -110,6 +122,8 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "use >= 0")
         _check(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "use > 0, e.g. 0.5")
         _check(self.init_std > 0, "init_std", self.init_std, "use > 0, e.g. 0.02")
+        _check(not (self.intermediate_size and self.init_from), "intermediate_size",
+               self.intermediate_size, "init_from keeps the drafter's own shape: drop one of them")  # fmt: skip
         _check(not (self.head_from_target and self.init_from), "head_from_target",
                self.head_from_target, "init_from keeps the drafter's own head: drop one of them")  # fmt: skip
         _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "use >= 1")

@@ -3,6 +3,8 @@ random weights and autograd switched on (outrider's layers create frozen paramet
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from outrider.loaders.hf_config import TransformerConfig
@@ -18,15 +20,19 @@ def new_draft(
     std: float = 0.02,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    intermediate_size: int | None = None,
 ) -> Eagle3Draft:
-    """Eagle3Config.for_target(target, len(d2t)), weights ~ N(0, std) from `seed`, norms at 1,
-    fp32 master weights, every parameter requires_grad."""
+    """Eagle3Config.for_target(target, len(d2t)) (its MLP `intermediate_size` wide if given),
+    weights ~ N(0, std) from `seed`, norms at 1, fp32 master weights, every parameter
+    requires_grad."""
     if d2t.dim() != 1 or t2d.shape != (target.vocab_size,):
         raise ValueError(
             f"draft vocabulary maps of shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do "
             f"not fit a target vocabulary of {target.vocab_size}: rebuild them for this target"
         )
     cfg = Eagle3Config.for_target(target, int(d2t.numel()))
+    if intermediate_size is not None:
+        cfg = dataclasses.replace(cfg, intermediate_size=intermediate_size)
     with torch.device(device):
         draft = Eagle3Draft(cfg, max_positions=max_positions).float()
     init_weights(draft, std, seed)

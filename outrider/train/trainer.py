@@ -152,13 +152,13 @@ class Trainer:
         else:
             self.draft = new_draft(
                 target, d2t, t2d, max_positions=c.max_len + c.ttt_steps, std=c.init_std,
-                seed=c.seed, device=self.device,
+                seed=c.seed, device=self.device, intermediate_size=c.intermediate_size,
             )  # fmt: skip
             if c.head_from_target:
                 head_from_target(self.draft, self.capture.model)
         self.vocab = DraftVocabMaps.from_d2t(d2t, target.vocab_size, self.device)
         self.module: torch.nn.Module = TTTModel(
-            self.draft, c.ttt_steps, c.step_decay, self.attention
+            self.draft, c.ttt_steps, c.step_decay, self.attention, c.align_topk, c.hard_label
         )
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel

@@ -30,6 +30,17 @@ and specforge/modeling/draft/llama3_eagle.py `LlamaAttention` with `cache_hidden
   target argmax is outside it, and averages over all B*T rows; we weight by the reachable mass
   (same optimum), keep those positions (they count as misses for accuracy, as in SpecForge)
   and average over loss-masked rows of each step.
+
+Two options on the loss (both off by default; accuracy is always counted over every
+loss-masked row, so runs with and without them compare):
+- `align_topk` k > 0 (token alignment, after GRIFFIN, arXiv 2502.11018): step j at row t
+  learns only where every earlier step at t had the target's argmax among its top k. A serving
+  chain (k = 1) or tree (k = topk) never reaches step j past a miss, and in training such a
+  row pairs the ground-truth token with a hidden state that predicted another one: a pairing
+  serving never feeds the draft.
+- `hard_label` w in [0, 1]: loss = (1 - w) * soft cross-entropy + w * cross-entropy of the
+  target's argmax, where it lies in the draft vocabulary. Greedy serving accepts a draft token
+  only if it is the argmax, and greedy datagen makes the data's next token that argmax.
 """
 
 from __future__ import annotations
@@ -201,19 +212,28 @@ def ttt_forward(
     steps: int = 7,
     decay: float = 0.8,
     attention: str = "dense",
+    align_topk: int = 0,
+    hard_label: float = 0.0,
 ) -> TTTOutput:
     """Unroll `steps` draft steps over `batch` and score them; no host sync (the counts stay
-    on the device)."""
-    return _score(draft, batch, unroll(draft, batch, steps, attention), decay)
+    on the device). align_topk / hard_label: the module docstring."""
+    outputs = unroll(draft, batch, steps, attention)
+    return _score(draft, batch, outputs, decay, align_topk, hard_label)
 
 
 def _score(
-    draft: Eagle3Draft, batch: TTTBatch, outputs: Iterator[torch.Tensor], decay: float
+    draft: Eagle3Draft,
+    batch: TTTBatch,
+    outputs: Iterator[torch.Tensor],
+    decay: float,
+    align_topk: int = 0,
+    hard_label: float = 0.0,
 ) -> TTTOutput:
-    """Soft cross-entropy and top-1 agreement of each step's output (the module docstring)."""
+    """Cross-entropy and top-1 agreement of each step's output (the module docstring)."""
     b, t = batch.input_ids.shape
     losses, correct, count = [], [], []
     total = batch.hidden.new_zeros((), dtype=torch.float32)
+    aligned = None  # [B, T-j] rows whose steps < j all had the target's argmax in their top k
     for j, normed in enumerate(outputs):
         # Rows t < T - s of step j (s = 1 + j) are scored against row t + s of the targets:
         # slices, not shifted copies, so autograd keeps views of target_p, not one per step.
@@ -221,16 +241,31 @@ def _score(
         logits = draft.compute_logits(normed).float().view(b, t, -1)[:, :keep]  # [B, T-s, Vd]
         # 1. Target p_{t+1+j} on the draft vocab; mask: x_{t+2+j} is learnable and in the seq.
         target = batch.target_p[:, s:].float()  # [B, T-s, Vd]
+        top = batch.target_top[:, s:]  # [B, T-s], -1: the argmax is outside the draft vocab
         mask = (_shift(batch.loss_mask, s + 1) & _same_seq(batch.seq_ids, s + 1))[:, :keep]
         rows = mask.sum().float()
-        ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1)  # [B, T-s]
-        loss = (ce * mask).sum() / rows.clamp(min=1.0)
+        learn = mask if aligned is None else mask & aligned[:, :keep]
+        logp = F.log_softmax(logits, dim=-1)
+        ce = -(target * logp).sum(-1)  # [B, T-s]
+        if hard_label:
+            hard = -logp.gather(-1, top.clamp(min=0)[..., None]).squeeze(-1)
+            ce = torch.where(top >= 0, (1 - hard_label) * ce + hard_label * hard, ce)
+        loss = (ce * learn).sum() / learn.sum().float().clamp(min=1.0)
         total = total + decay**j * loss
-        # 2. Top-1 agreement (-1: the target's argmax is outside the draft vocab), on device.
-        hit = (logits.argmax(-1) == batch.target_top[:, s:]) & mask
+        # 2. Top-1 agreement over every masked row, on device.
+        hit = (logits.argmax(-1) == top) & mask
         losses.append(loss.detach())
         correct.append(hit.sum().float())
         count.append(rows)
+        # 3. Which rows the next step may learn from (rows outside the mask do not break it).
+        if align_topk:
+            if align_topk == 1:
+                inside = hit
+            else:
+                k = min(align_topk, logits.shape[-1])
+                inside = (logits.detach().topk(k, dim=-1).indices == top[..., None]).any(-1)
+            ok = inside | ~mask
+            aligned = ok if aligned is None else aligned[:, :keep] & ok
     return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(count))
 
 
@@ -238,11 +273,21 @@ class TTTModel(torch.nn.Module):
     """The unrolled draft as one module, so DistributedDataParallel sees one forward per
     backward (the draft itself is called `steps` times inside)."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float, attention: str) -> None:
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        steps: int,
+        decay: float,
+        attention: str,
+        align_topk: int = 0,
+        hard_label: float = 0.0,
+    ) -> None:
         super().__init__()
         self.draft, self.steps, self.decay, self.attention = draft, steps, decay, attention
+        self.align_topk, self.hard_label = align_topk, hard_label
 
     def forward(self, batch: TTTBatch) -> tuple[torch.Tensor, ...]:
         """-> (loss, step_loss [steps], step_correct [steps], step_count [steps])."""
-        out = ttt_forward(self.draft, batch, self.steps, self.decay, self.attention)
+        out = ttt_forward(self.draft, batch, self.steps, self.decay, self.attention,
+                          self.align_topk, self.hard_label)  # fmt: skip
         return out.loss, out.step_loss, out.step_correct, out.step_count

@@ -174,6 +174,22 @@ def test_head_from_target_starts_the_draft_head_as_the_targets(target, dataset, 
     assert not torch.allclose(plain.lm_head.weight, draft.lm_head.weight)
 
 
+def test_a_wider_drafter_trains_saves_and_loads_at_its_width(target, dataset, tmp_path):
+    _, llm = target
+    result = train(_config(dataset, tmp_path / "w", max_steps=2, intermediate_size=200), llm=llm)
+    config = json.loads((result.drafter / "config.json").read_text())
+    assert config["intermediate_size"] == 200
+    loaded = load_drafter(result.drafter, llm.engine.runner.model_config)
+    assert loaded.config.intermediate_size == 200
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, result.draft.state_dict()[name].detach()), name
+    with pytest.raises(ValueError, match="intermediate_size"):
+        _config(dataset, tmp_path / "x", intermediate_size=200, init_from=str(result.drafter))
+    for bad in ({"hard_label": 1.5}, {"align_topk": -1}, {"intermediate_size": 0}):
+        with pytest.raises(ValueError, match=f"invalid {next(iter(bad))}="):
+            _config(dataset, tmp_path / "x", **bad)
+
+
 def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
     path, llm = target
     empty = tmp_path / "empty.jsonl"

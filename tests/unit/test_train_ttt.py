@@ -170,3 +170,63 @@ def test_more_steps_than_tokens_score_nothing(setup):
     out = ttt_forward(draft, short, steps=STEPS, attention="dense")
     assert out.step_count.tolist() == [2, 0, 0, 0]  # only t = 0 of step 0, in each row
     assert torch.isfinite(out.loss)
+
+
+def _reference_step_losses(draft, batch, steps, align_topk, hard_label):
+    """Each step's loss, row by row: the rows step j learns from, the soft / hard mix, and the
+    alignment rule written out directly (the module docstring's), not with ttt.py's slices."""
+    b, t = batch.input_ids.shape
+    outs = [draft.compute_logits(o).float().view(b, t, -1) for o in unroll(draft, batch, steps)]
+    aligned = torch.ones(b, t, dtype=torch.bool)
+    losses, learned = [], []
+    for j, logits in enumerate(outs):
+        s, total, n = 1 + j, 0.0, 0
+        nxt = aligned.clone()
+        for r in range(b):
+            for row in range(t):
+                k = row + s + 1  # the predicted token x_{row+2+j}
+                seq = batch.seq_ids[r, row]
+                if k >= t or seq < 0 or batch.seq_ids[r, k] != seq or not batch.loss_mask[r, k]:
+                    continue
+                top = int(batch.target_top[r, row + s])
+                logp = torch.log_softmax(logits[r, row], -1)
+                ce = -(batch.target_p[r, row + s].float() * logp).sum()
+                if hard_label and top >= 0:
+                    ce = (1 - hard_label) * ce - hard_label * logp[top]
+                if aligned[r, row]:
+                    total, n = total + ce, n + 1
+                if align_topk:
+                    best = logits[r, row].topk(align_topk).indices.tolist()
+                    nxt[r, row] = bool(aligned[r, row]) and top in best
+        aligned = nxt
+        losses.append(total / max(n, 1))
+        learned.append(n)
+    return torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in losses]), learned
+
+
+@pytest.mark.parametrize(
+    "align_topk, hard_label", [(0, 0.0), (1, 0.0), (5, 0.0), (0, 1.0), (1, 0.4)]
+)
+@torch.no_grad()
+def test_alignment_and_hard_labels_score_the_rows_they_name(setup, align_topk, hard_label):
+    draft, _, batch, _ = setup
+    # The target's argmax at step 0 = the draft's own at every other row, so about half the
+    # chains survive step 0 and alignment has something to keep and something to drop.
+    b, t = batch.input_ids.shape
+    first = next(iter(unroll(draft, batch, 1)))
+    own = draft.compute_logits(first).view(b, t, -1).argmax(-1)
+    top = batch.target_top.clone()
+    top[:, 1::2] = own[:, 0:-1:2]
+    batch = TTTBatch(**{**vars(batch), "target_top": top})
+    want, learned = _reference_step_losses(draft, batch, STEPS, align_topk, hard_label)
+    out = ttt_forward(draft, batch, steps=STEPS, attention="dense",
+                      align_topk=align_topk, hard_label=hard_label)  # fmt: skip
+    torch.testing.assert_close(out.step_loss, want, atol=1e-5, rtol=1e-5)
+    plain = ttt_forward(draft, batch, steps=STEPS, attention="dense")
+    # Accuracy is counted over every masked row whatever the options.
+    assert torch.equal(out.step_correct, plain.step_correct)
+    assert torch.equal(out.step_count, plain.step_count)
+    if align_topk:
+        assert 0 < learned[1] < plain.step_count[1], learned  # some rows dropped, some kept
+    if align_topk or hard_label:
+        assert not torch.allclose(out.step_loss, plain.step_loss)
