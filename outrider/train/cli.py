@@ -142,7 +142,12 @@ def _eval(args: argparse.Namespace) -> int:
     from outrider.llm import LLM
     from outrider.models.eagle3_io import load_drafter
     from outrider.train.dataset import read_samples
-    from outrider.train.evaluate import evaluate_drafter, replay_chain, serving_accept_length
+    from outrider.train.evaluate import (
+        confidence_profile,
+        evaluate_drafter,
+        replay_chain,
+        serving_accept_length,
+    )
 
     c = _config(EvalConfig, args)
     llm = LLM(c.model, dtype=c.dtype, device=c.device)
@@ -159,6 +164,14 @@ def _eval(args: argparse.Namespace) -> int:
         # What the engine's greedy chain of `chain` accepts on these answers (exact when they
         # are the target's own greedy answers, as datagen writes at temperature 0).
         f"replayed_chain{c.chain}_accept_length": round(replay.accept_length, 3),
+    }
+    # Where the first draft misses: by the target's own top-1 probability at the drafted token.
+    prof = confidence_profile(draft, llm, samples, max_len=c.max_len)
+    report["by_target_confidence"] = {
+        "target_top1_prob": [f"{a:g}-{b:g}" for a, b in zip(prof.edges, prof.edges[1:])],
+        "share": [round(x, 4) for x in prof.share],
+        "first_draft_acc": [round(x, 4) for x in prof.acc],
+        "outside_draft_vocab": round(prof.outside, 4),
     }
     if args.serving > 0:
         from outrider.core import SamplingParams

@@ -15,6 +15,13 @@ capped so they never pass the answer's end. On such samples it equals the engine
 length exactly (a test holds it to that): a drafter that scores well here but not in serving
 points at serving, not at training.
 
+By the target's confidence (`confidence_profile`): the first draft's agreement bucketed by the
+target's own top-1 probability at the token drafted. A small target is often unsure (the
+default model puts under 0.5 on its own greedy token for a third of its answer tokens), and
+where it is, its argmax turns on details of a computation the draft does not run: a drafter's
+accuracy follows that probability, and the share of unsure tokens bounds what training can
+reach.
+
 In the engine: `serving_accept_length(llm, prompts)` runs real speculative decoding (build the
 LLM with speculative={"method": "eagle3", "draft": path}) and averages each request's
 metrics["accept_length"]. That, not the estimate, is the number that decides speed.
@@ -34,7 +41,9 @@ from outrider.spec.stats import accept_length
 from outrider.train.batch import DraftVocabMaps, build_batch
 from outrider.train.capture import TargetCapture
 from outrider.train.dataset import Sample, micro_batches, pack_rows
-from outrider.train.ttt import resolve_attention, ttt_forward, unroll
+from outrider.train.ttt import resolve_attention, scored_rows, ttt_forward, unroll
+
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
 @dataclass
@@ -93,6 +102,65 @@ def evaluate_drafter(
     loss_rows, correct, count = sums.cpu()  # CPU-GPU sync point
     n = count.clamp(min=1)
     return EvalResult((correct / n).tolist(), (loss_rows / n).tolist(), int(count[0]))
+
+
+@dataclass
+class ConfidenceProfile:
+    edges: tuple[float, ...]  # bucket i holds target top-1 probabilities in [edges[i], edges[i+1])
+    share: list[float]  # of the scored tokens, per bucket
+    acc: list[float]  # the first draft's agreement with the target's argmax, per bucket
+    outside: float  # share whose target argmax is outside the draft vocabulary (always missed)
+    num_tokens: int
+
+
+@torch.no_grad()
+def confidence_profile(
+    draft: Eagle3Draft,
+    llm,
+    samples: list[Sample],
+    *,
+    max_len: int = 2048,
+    batch_rows: int = 1,
+    attention: str = "auto",
+    edges: Sequence[float] = CONFIDENCE_EDGES,
+) -> ConfidenceProfile:
+    """The first draft step's top-1 agreement on `samples`, bucketed by the target's top-1
+    probability at the drafted token (the module docstring). The buckets weighted by their
+    shares give evaluate_drafter's step_acc[0]."""
+    if not samples:
+        raise ValueError("no samples to profile: pass held-out samples (num_samples >= 1)")
+    capture = TargetCapture(llm)
+    vocab = DraftVocabMaps.from_d2t(draft.d2t, capture.config.vocab_size, capture.device)
+    backend = resolve_attention(attention, capture.device)
+    on_cuda = capture.device.type == "cuda"
+    inner = torch.tensor(list(edges[1:-1]), device=capture.device)
+    k = len(edges) - 1
+    counts = torch.zeros(2, k, device=capture.device)  # scored, agreed
+    outside = total = 0
+    for rows in micro_batches(pack_rows(samples, max_len, seed=0, epoch=0), batch_rows):
+        batch = build_batch(capture, samples, rows, max_len, vocab)
+        b, t = batch.input_ids.shape
+        # Step 0 at row r drafts x_{r+2}: the target's distribution over it is row r + 1's.
+        with torch.autocast("cuda", torch.bfloat16) if on_cuda else contextlib.nullcontext():
+            logits = draft.compute_logits(next(iter(unroll(draft, batch, 1, backend))))
+        pred = logits.view(b, t, -1).argmax(-1)[:, : t - 1]
+        top = batch.target_top[:, 1:]
+        conf = batch.target_p[:, 1:].float().amax(-1)  # the top-1 probability where top >= 0
+        mask = scored_rows(batch, 0)
+        inside = mask & (top >= 0)
+        bucket = torch.bucketize(conf, inner, right=True)
+        counts[0] += torch.bincount(bucket[inside], minlength=k)[:k]
+        counts[1] += torch.bincount(bucket[inside & (pred == top)], minlength=k)[:k]
+        outside += int((mask & (top < 0)).sum())
+        total += int(mask.sum())
+    scored, agreed = counts.cpu()
+    return ConfidenceProfile(
+        tuple(edges),
+        (scored / max(total, 1)).tolist(),
+        (agreed / scored.clamp(min=1)).tolist(),
+        outside / max(total, 1),
+        total,
+    )
 
 
 @dataclass

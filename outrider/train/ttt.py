@@ -187,6 +187,13 @@ def _same_seq(seq_ids: torch.Tensor, s: int) -> torch.Tensor:
     return (_shift(key, s) == key) & (key > 0)
 
 
+def scored_rows(batch: TTTBatch, step: int) -> torch.Tensor:
+    """[B, T - 1 - step] bool: the rows t that step `step` is scored at, those whose predicted
+    token x_{t+2+step} is learnable and inside t's sequence."""
+    s, keep = 2 + step, max(batch.input_ids.shape[1] - 1 - step, 0)
+    return (_shift(batch.loss_mask, s) & _same_seq(batch.seq_ids, s))[:, :keep]
+
+
 def unroll(
     draft: Eagle3Draft, batch: TTTBatch, steps: int = 7, attention: str = "dense"
 ) -> Iterator[torch.Tensor]:
@@ -242,7 +249,7 @@ def _score(
         # 1. Target p_{t+1+j} on the draft vocab; mask: x_{t+2+j} is learnable and in the seq.
         target = batch.target_p[:, s:].float()  # [B, T-s, Vd]
         top = batch.target_top[:, s:]  # [B, T-s], -1: the argmax is outside the draft vocab
-        mask = (_shift(batch.loss_mask, s + 1) & _same_seq(batch.seq_ids, s + 1))[:, :keep]
+        mask = scored_rows(batch, j)
         rows = mask.sum().float()
         learn = mask if aligned is None else mask & aligned[:, :keep]
         logp = F.log_softmax(logits, dim=-1)

@@ -224,7 +224,11 @@ def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
 
     from outrider.train.cli import _config, add_drafter_parser, cmd_drafter
     from outrider.train.dataset import read_samples
-    from outrider.train.evaluate import estimated_accept_length, evaluate_drafter
+    from outrider.train.evaluate import (
+        confidence_profile,
+        estimated_accept_length,
+        evaluate_drafter,
+    )
 
     path, llm = target
     samples = read_samples(dataset)[-4:]
@@ -232,6 +236,15 @@ def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
     assert len(res.step_acc) == 3 and all(0 <= a <= 1 for a in res.step_acc)
     assert res.num_tokens > 0
     assert estimated_accept_length([0.8, 0.6]) == pytest.approx(2.28)
+    # The confidence buckets cover the same tokens and, weighted, give the first step's accuracy.
+    prof = confidence_profile(whole_run.draft, llm, samples, max_len=64, batch_rows=2)
+    assert prof.num_tokens == res.num_tokens
+    assert sum(prof.share) + prof.outside == pytest.approx(1.0)
+    weighted = sum(s * a for s, a in zip(prof.share, prof.acc))
+    assert weighted == pytest.approx(res.step_acc[0], abs=1e-6)
+    assert sum(1 for s in prof.share if s > 0) >= 2  # the tiny target is not always sure
+    one = confidence_profile(whole_run.draft, llm, samples, max_len=64, edges=(0.0, 1.0))
+    assert one.share[0] == pytest.approx(1.0 - prof.outside)
 
     parser = argparse.ArgumentParser()
     add_drafter_parser(parser.add_subparsers(dest="command"))
@@ -264,6 +277,8 @@ def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["samples"] == 2 and len(report["step_acc"]) == 2
     assert report["replayed_chain4_accept_length"] >= 1.0
+    conf = report["by_target_confidence"]
+    assert conf["target_top1_prob"][0] == "0-0.3" and len(conf["share"]) == 5
 
 
 def test_datagen_sources_and_resume(target, tmp_path):
