@@ -100,14 +100,17 @@ def _datagen_in_processes(args, out: Path) -> Path:
 def _eval_heldout(args, drafter: Path, result: dict) -> None:
     """Serve `drafter` on the held-out prompts (temperature 0), chain of 4 and a tree, for each
     --eval-tokens length: result["accept_length_<spec>"] for the first length,
-    "..._<spec>_<n>tok" for the others (a small target's answers grow repetitive with length,
-    and drafts of repeated text are easy); HELDOUT_FRESH's keys end in "_fresh"."""
+    "..._<spec>_<n>tok" for the others, and "..._noloop" over the answers that do not loop (a
+    small target's answers grow repetitive with length, and drafts of repeated text are easy);
+    HELDOUT_FRESH's keys end in "_fresh". result["heldout_offline"]: per-step accuracy and the
+    confidence profile on the target's greedy answers to both sets, first length."""
     from outrider import LLM, SamplingParams
     from outrider.bench.datasets import HELDOUT, HELDOUT_FRESH
     from outrider.spec.stats import accept_length
 
     cuda = args.device.startswith("cuda")
     sets = {"": HELDOUT, "_fresh": HELDOUT_FRESH}
+    _profile_heldout(args, drafter, HELDOUT + HELDOUT_FRESH, result)
     for name, spec in (
         ("chain_k4", {"num_draft_tokens": 4}),
         ("tree_k8_t3_s4", {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}),
@@ -127,7 +130,50 @@ def _eval_heldout(args, drafter: Path, result: dict) -> None:
             key = f"accept_length_{name}" + (f"_{n}tok" if i else "") + suffix
             result[key] = round(accept_length(acc, steps_v) or 1.0, 3)
             print(f"{key}, {n} tokens: {result[key]}", flush=True)
+            plain = [o for o in outs if not loops(o.token_ids)]
+            if len(plain) < len(outs):
+                steps_p = sum(o.metrics["num_verify_steps"] for o in plain)
+                acc_p = sum(o.metrics["num_accepted_tokens"] for o in plain)
+                key = f"accept_length_{name}" + (f"_{n}tok" if i else "") + "_noloop" + suffix
+                result[key] = round(accept_length(acc_p, steps_p) or 1.0, 3)
+                result[key.replace("accept_length", "answers")] = len(plain)
+                print(f"{key} ({len(plain)} of {len(outs)} answers): {result[key]}", flush=True)
         del eagle
+
+
+def loops(ids: list[int], window: int = 24) -> bool:
+    """Whether an answer loops: some `window`-token stretch of its second half already occurs
+    earlier in it."""
+    half = len(ids) // 2
+    if len(ids) < 2 * window:
+        return False
+    seen = {tuple(ids[i : i + window]) for i in range(half - window + 1)}
+    return any(tuple(ids[i : i + window]) in seen for i in range(half, len(ids) - window + 1))
+
+
+def _profile_heldout(args, drafter: Path, prompts: list[str], result: dict) -> None:
+    """Offline, on the target's greedy answers: per-step top-1 accuracy, the estimated accept
+    length, and the first draft's accuracy by the target's own confidence."""
+    from outrider import LLM
+    from outrider.models.eagle3_io import load_drafter
+    from outrider.train.evaluate import confidence_profile, evaluate_drafter, greedy_samples
+
+    cuda = args.device.startswith("cuda")
+    llm = LLM(dtype="bfloat16" if cuda else "float32", device=args.device,
+              **({"num_blocks": 4096} if cuda else {}))  # fmt: skip
+    runner = llm.engine.runner
+    samples = greedy_samples(llm, prompts, args.eval_tokens[0])
+    draft = load_drafter(drafter, runner.model_config, device=runner.device, dtype=runner.dtype)
+    res = evaluate_drafter(draft, llm, samples, ttt_steps=4)
+    prof = confidence_profile(draft, llm, samples)
+    result["heldout_offline"] = {
+        "tokens": res.num_tokens,
+        "step_acc": [round(a, 4) for a in res.step_acc],
+        "estimated_accept_length_chain4": round(res.estimated_accept_length, 3),
+        **prof.report(),
+    }
+    print(f"held-out offline: {result['heldout_offline']}", flush=True)
+    del llm, draft
 
 
 def _result_name(base: str, args) -> str:

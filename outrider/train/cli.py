@@ -167,12 +167,7 @@ def _eval(args: argparse.Namespace) -> int:
     }
     # Where the first draft misses: by the target's own top-1 probability at the drafted token.
     prof = confidence_profile(draft, llm, samples, max_len=c.max_len)
-    report["by_target_confidence"] = {
-        "target_top1_prob": [f"{a:g}-{b:g}" for a, b in zip(prof.edges, prof.edges[1:])],
-        "share": [round(x, 4) for x in prof.share],
-        "first_draft_acc": [round(x, 4) for x in prof.acc],
-        "outside_draft_vocab": round(prof.outside, 4),
-    }
+    report["by_target_confidence"] = prof.report()
     if args.serving > 0:
         from outrider.core import SamplingParams
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -104,6 +105,23 @@ def evaluate_drafter(
     return EvalResult((correct / n).tolist(), (loss_rows / n).tolist(), int(count[0]))
 
 
+def greedy_samples(llm, prompts: Sequence[str], max_tokens: int) -> list[Sample]:
+    """The target's own greedy answers to `prompts` (user messages under its chat template), as
+    samples whose answer is the learned part: what serving meets at temperature 0, so
+    evaluate_drafter, replay_chain and confidence_profile on them measure held-out prompts
+    without a datagen file."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, detokenize=False)
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    return [
+        Sample(
+            f"prompt-{i}",
+            torch.tensor(o.prompt_token_ids + o.token_ids, dtype=torch.int32),
+            torch.tensor([False] * len(o.prompt_token_ids) + [True] * len(o.token_ids)),
+        )
+        for i, o in enumerate(outs)
+    ]
+
+
 @dataclass
 class ConfidenceProfile:
     edges: tuple[float, ...]  # bucket i holds target top-1 probabilities in [edges[i], edges[i+1])
@@ -111,6 +129,15 @@ class ConfidenceProfile:
     acc: list[float]  # the first draft's agreement with the target's argmax, per bucket
     outside: float  # share whose target argmax is outside the draft vocabulary (always missed)
     num_tokens: int
+
+    def report(self) -> dict[str, Any]:
+        """The JSON `drafter eval` prints (rounded)."""
+        return {
+            "target_top1_prob": [f"{a:g}-{b:g}" for a, b in zip(self.edges, self.edges[1:])],
+            "share": [round(x, 4) for x in self.share],
+            "first_draft_acc": [round(x, 4) for x in self.acc],
+            "outside_draft_vocab": round(self.outside, 4),
+        }
 
 
 @torch.no_grad()

@@ -281,6 +281,19 @@ def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
     assert conf["target_top1_prob"][0] == "0-0.3" and len(conf["share"]) == 5
 
 
+def test_greedy_samples_are_what_datagen_writes(target, dataset):
+    from outrider.train.dataset import read_samples
+    from outrider.train.evaluate import greedy_samples
+
+    _, llm = target
+    written = {s.id: s for s in read_samples(dataset)}
+    got = greedy_samples(llm, SEED_PROMPTS[:3], max_tokens=16)
+    for i, s in enumerate(got):
+        want = written[f"seed-{i}"]
+        assert torch.equal(s.input_ids, want.input_ids)
+        assert torch.equal(s.loss_mask, want.loss_mask) and bool(s.loss_mask.any())
+
+
 def test_datagen_sources_and_resume(target, tmp_path):
     _, llm = target
     user = tmp_path / "user.jsonl"
