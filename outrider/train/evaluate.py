@@ -163,7 +163,7 @@ def confidence_profile(
     inner = torch.tensor(list(edges[1:-1]), device=capture.device)
     k = len(edges) - 1
     counts = torch.zeros(2, k, device=capture.device)  # scored, agreed
-    outside = total = 0
+    rest = torch.zeros(2, device=capture.device)  # outside the draft vocab, all scored
     for rows in micro_batches(pack_rows(samples, max_len, seed=0, epoch=0), batch_rows):
         batch = build_batch(capture, samples, rows, max_len, vocab)
         b, t = batch.input_ids.shape
@@ -178,15 +178,14 @@ def confidence_profile(
         bucket = torch.bucketize(conf, inner, right=True)
         counts[0] += torch.bincount(bucket[inside], minlength=k)[:k]
         counts[1] += torch.bincount(bucket[inside & (pred == top)], minlength=k)[:k]
-        outside += int((mask & (top < 0)).sum())
-        total += int(mask.sum())
-    scored, agreed = counts.cpu()
+        rest += torch.stack([(mask & (top < 0)).sum(), mask.sum()])
+    (scored, agreed), (outside, total) = counts.cpu(), rest.cpu().tolist()  # CPU-GPU sync point
     return ConfidenceProfile(
         tuple(edges),
         (scored / max(total, 1)).tolist(),
         (agreed / scored.clamp(min=1)).tolist(),
         outside / max(total, 1),
-        total,
+        int(total),
     )
 
 
