@@ -6,7 +6,7 @@ length on held-out prompts (outrider/bench/datasets.HELDOUT and HELDOUT_FRESH), 
     python benchmarks/eagle3_train_default.py --out DIR [--samples 4000] [--composed 0]
         [--max-new 384] [--train-minutes 5] [--draft-vocab 16384] [--device cuda] [--data JSONL]
         [--datagen-only] [--gen-minutes M] [--gen-procs 4] [--init DRAFTER]
-        [--eval-tokens 128 512] [--eval-only DRAFTER]
+        [--eval-tokens 128 512] [--eval-only DRAFTER] [--aux-layers 2 15 29]
 
 Writes DIR/drafter (SGLang layout, bf16), DIR/data.jsonl, and benchmarks/results/
 eagle3_train_default.json. `--datagen-only` stops after the data; runs given `--data` load a
@@ -224,6 +224,8 @@ def main() -> None:
     ap.add_argument("--hard-label", type=float, default=0.0, help="TrainConfig.hard_label")
     ap.add_argument("--intermediate-size", type=int, default=None,
                     help="the drafter's MLP width (default: the target's)")  # fmt: skip
+    ap.add_argument("--aux-layers", type=int, nargs=3, default=None,
+                    help="TrainConfig.aux_layers (default: EAGLE-3's 2, L//2, L-3)")  # fmt: skip
     args = ap.parse_args()
 
     from outrider.models.eagle3_io import save_drafter
@@ -265,6 +267,7 @@ def main() -> None:
         max_minutes=args.train_minutes, lr=args.lr, checkpoint_every=500, log_every=25,
         head_from_target=args.head_from_target, align_topk=args.align_topk,
         hard_label=args.hard_label, intermediate_size=args.intermediate_size,
+        aux_layers=args.aux_layers,
     )  # fmt: skip
     trainer = Trainer(config, llm)
     start = time.perf_counter()

@@ -9,7 +9,7 @@ the forward writes into a private pool, bound for the duration of the capture an
 after.
 
 Per token the target gives (`aux_layers` in outrider's convention: the residual stream entering
-layers 2, L//2, L-3, HF hidden_states[i]):
+each, HF hidden_states[i]; EAGLE-3's default layers 2, L//2, L-3, or the drafter's own):
     aux    [N, 3 * H]  the three residual streams, low | mid | high, what draft.fc fuses
     final  [N, H]      the final normed hidden; logits = lm_head(final), recomputed on demand so
                        a disk cache holds 4H numbers per token instead of the vocabulary
@@ -41,17 +41,25 @@ class Features:
 
 
 class TargetCapture:
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, aux_layers: Sequence[int] | None = None) -> None:
+        """aux_layers: the layers whose entering residual streams `features` returns (a
+        drafter's `config.aux_layers`); None: EAGLE-3's default for this target."""
         self.runner = runner = llm.engine.runner
         self.model = runner.model
         self.device, self.dtype = runner.device, runner.dtype
         self.block_size, self.max_model_len = runner.block_size, runner.max_model_len
         self.config = cfg = runner.model_config
-        self.aux_layers = tuple(cfg.aux_hidden_layers)
-        if len(set(self.aux_layers)) != 3:
+        n = cfg.num_hidden_layers
+        self.aux_layers = tuple(cfg.aux_hidden_layers if aux_layers is None else aux_layers)
+        if aux_layers is None and len(set(self.aux_layers)) != 3:
             raise ValueError(
-                f"EAGLE-3 fuses 3 distinct target layers but a {cfg.num_hidden_layers}-layer "
-                f"target gives aux layers {self.aux_layers}: use a target with >= 7 layers"
+                f"EAGLE-3 fuses 3 distinct target layers but a {n}-layer target gives aux "
+                f"layers {self.aux_layers}: use a target with >= 7 layers"
+            )
+        if len(set(self.aux_layers)) != 3 or not all(0 <= i < n for i in self.aux_layers):
+            raise ValueError(
+                f"aux layers {list(self.aux_layers)} must be 3 distinct layer indices in "
+                f"0..{n - 1} of the {n}-layer target (the residual stream entering each)"
             )
         self._pool: KVPool | None = None
 
@@ -134,10 +142,16 @@ class FeatureCache:
     (index-<rank>.json; every rank reads all of them at start, writes only its own). The index
     is rewritten atomically after each shard, so a crash loses at most the last shard."""
 
-    def __init__(self, directory: str | Path, rank: int = 0) -> None:
+    def __init__(
+        self, directory: str | Path, rank: int = 0, aux_layers: Sequence[int] | None = None
+    ) -> None:
+        """aux_layers: the layers the features come from, recorded in features.json; a cache
+        written for other layers is refused (its features would train the wrong fc)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
+        if aux_layers is not None:
+            self._check_layers([int(i) for i in aux_layers])
         self._index_path = self.dir / f"index-{rank}.json"
         self.index: dict[str, str] = {}
         for f in sorted(self.dir.glob("index-*.json")):
@@ -145,6 +159,21 @@ class FeatureCache:
         self._own: dict[str, str] = (
             json.loads(self._index_path.read_text()) if self._index_path.exists() else {}
         )
+
+    def _check_layers(self, aux: list[int]) -> None:
+        meta = self.dir / "features.json"
+        if meta.exists():
+            recorded = json.loads(meta.read_text()).get("aux_layers")
+            if recorded != aux:
+                raise ValueError(
+                    f"feature cache {str(self.dir)!r} holds features of aux layers {recorded}, "
+                    f"but this run uses {aux}: use another feature_cache directory (or delete "
+                    f"this one)"
+                )
+            return
+        tmp = meta.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")  # ranks may race: same content
+        tmp.write_text(json.dumps({"aux_layers": aux}))
+        tmp.replace(meta)
 
     def __contains__(self, sample_id: str) -> bool:
         return sample_id in self.index

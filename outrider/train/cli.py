@@ -220,13 +220,15 @@ def _add_config_flags(
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         extra = {"choices": choices[f.name]} if choices and choices.get(f.name) else {}
+        if typing.get_origin(kind) is tuple:  # tuple[int, ...]: --flag 2 15 27
+            kind, extra["nargs"] = typing.get_args(kind)[0], "+"
         parser.add_argument(
             flag, type=kind, default=f.default, help=f"(default: {f.default})", **extra
         )
 
 
-def _base_type(hint: Any) -> type:
-    """int | None -> int; str -> str."""
+def _base_type(hint: Any) -> Any:
+    """int | None -> int; str -> str; tuple[int, ...] | None -> tuple[int, ...]."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint

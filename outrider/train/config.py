@@ -60,6 +60,10 @@ class TrainConfig:
     align_topk: int = 0
     hard_label: float = 0.0  # weight of the target argmax's cross-entropy beside the soft one
     intermediate_size: int | None = None  # the drafter's MLP width; None: the target's
+    # The 3 target layers whose entering residual streams the drafter fuses (outrider's
+    # convention: HF hidden_states[i]); None: EAGLE-3's (2, L//2, L-3). Exported as explicit
+    # ids in each engine's convention, so SGLang and vLLM capture the same ones.
+    aux_layers: tuple[int, ...] | None = None
     max_len: int = 2048  # tokens per packed row
     batch_rows: int = 1  # rows per micro-batch
     grad_accum: int = 1
@@ -107,6 +111,12 @@ class TrainConfig:
         _check(self.intermediate_size is None or self.intermediate_size >= 1,
                "intermediate_size", self.intermediate_size,
                "use >= 1, or None for the target's own MLP width")  # fmt: skip
+        if (aux := self.aux_layers) is not None:
+            ok = isinstance(aux, (list, tuple)) and all(type(i) is int and i >= 0 for i in aux)
+            _check(ok and len(aux) == 3 and len(set(aux)) == 3, "aux_layers", aux,
+                   "use 3 distinct layer indices >= 0 (the residual stream entering each), or "
+                   "None for EAGLE-3's (2, L//2, L-3)")  # fmt: skip
+            object.__setattr__(self, "aux_layers", tuple(aux))
         _check(self.max_len >= 4, "max_len", self.max_len, "use >= 4 tokens per row")
         _check(self.batch_rows >= 1, "batch_rows", self.batch_rows, "use an integer >= 1")
         _check(self.grad_accum >= 1, "grad_accum", self.grad_accum, "use an integer >= 1")
@@ -124,6 +134,8 @@ class TrainConfig:
         _check(self.init_std > 0, "init_std", self.init_std, "use > 0, e.g. 0.02")
         _check(not (self.intermediate_size and self.init_from), "intermediate_size",
                self.intermediate_size, "init_from keeps the drafter's own shape: drop one of them")  # fmt: skip
+        _check(not (self.aux_layers and self.init_from), "aux_layers", self.aux_layers,
+               "init_from keeps the drafter's own aux layers: drop one of them")  # fmt: skip
         _check(not (self.head_from_target and self.init_from), "head_from_target",
                self.head_from_target, "init_from keeps the drafter's own head: drop one of them")  # fmt: skip
         _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "use >= 1")

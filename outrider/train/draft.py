@@ -21,10 +21,11 @@ def new_draft(
     seed: int = 0,
     device: torch.device | str = "cpu",
     intermediate_size: int | None = None,
+    aux_layers: tuple[int, ...] | None = None,
 ) -> Eagle3Draft:
-    """Eagle3Config.for_target(target, len(d2t)) (its MLP `intermediate_size` wide if given),
-    weights ~ N(0, std) from `seed`, norms at 1, fp32 master weights, every parameter
-    requires_grad."""
+    """Eagle3Config.for_target(target, len(d2t)) (with this MLP `intermediate_size` and these
+    `aux_layers` if given), weights ~ N(0, std) from `seed`, norms at 1, fp32 master weights,
+    every parameter requires_grad."""
     if d2t.dim() != 1 or t2d.shape != (target.vocab_size,):
         raise ValueError(
             f"draft vocabulary maps of shapes d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do "
@@ -33,6 +34,8 @@ def new_draft(
     cfg = Eagle3Config.for_target(target, int(d2t.numel()))
     if intermediate_size is not None:
         cfg = dataclasses.replace(cfg, intermediate_size=intermediate_size)
+    if aux_layers is not None:
+        cfg = dataclasses.replace(cfg, aux_layers=tuple(aux_layers))
     with torch.device(device):
         draft = Eagle3Draft(cfg, max_positions=max_positions).float()
     init_weights(draft, std, seed)

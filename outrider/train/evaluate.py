@@ -82,7 +82,7 @@ def evaluate_drafter(
     `llm`'s own target model as in training."""
     if not samples:
         raise ValueError("no samples to evaluate: pass held-out samples (num_samples >= 1)")
-    capture = TargetCapture(llm)
+    capture = TargetCapture(llm, draft.config.aux_layers)
     if draft.config.vocab_size != capture.config.vocab_size:
         raise ValueError(
             f"the drafter's vocab_size={draft.config.vocab_size} does not match the target's "
@@ -156,7 +156,7 @@ def confidence_profile(
     shares give evaluate_drafter's step_acc[0]."""
     if not samples:
         raise ValueError("no samples to profile: pass held-out samples (num_samples >= 1)")
-    capture = TargetCapture(llm)
+    capture = TargetCapture(llm, draft.config.aux_layers)
     vocab = DraftVocabMaps.from_d2t(draft.d2t, capture.config.vocab_size, capture.device)
     backend = resolve_attention(attention, capture.device)
     on_cuda = capture.device.type == "cuda"
@@ -208,7 +208,7 @@ def replay_chain(
     temperature 0, same dtype) for this to be the accept length the engine will measure."""
     if not 1 <= k <= 16:
         raise ValueError(f"invalid chain length k={k}: use 1..16 draft tokens")
-    capture = TargetCapture(llm)
+    capture = TargetCapture(llm, draft.config.aux_layers)
     vocab = DraftVocabMaps.from_d2t(draft.d2t, capture.config.vocab_size, capture.device)
     was_training = draft.training
     draft.eval()

@@ -116,7 +116,9 @@ class Trainer:
                 c.model, dtype=c.dtype, device=str(device), num_blocks=c.target_num_blocks,
                 cuda_graphs=False, enable_prefix_caching=False,
             )  # fmt: skip
-        self.capture = TargetCapture(llm)
+        # The drafter to fine-tune (init_from) brings its own aux layers; else the config's.
+        init = self._init_drafter(c.init_from, llm.engine.checkpoint) if c.init_from else None
+        self.capture = TargetCapture(llm, init.config.aux_layers if init else c.aux_layers)
         self.device = self.capture.device
         self.attention = resolve_attention(c.attention, self.device)
         target = self.capture.config
@@ -134,7 +136,6 @@ class Trainer:
         # 1. The draft vocabulary: the checkpoint's on resume, the fine-tuned drafter's with
         #    init_from, else the most frequent learned tokens (every rank counts the same file,
         #    so all agree without a broadcast).
-        init = self._init_drafter(c.init_from, llm.engine.checkpoint) if c.init_from else None
         if self.resume_from:
             d2t, t2d = self._vocab_from_checkpoint(self.resume_from[0])
         elif init is not None:
@@ -153,6 +154,7 @@ class Trainer:
             self.draft = new_draft(
                 target, d2t, t2d, max_positions=c.max_len + c.ttt_steps, std=c.init_std,
                 seed=c.seed, device=self.device, intermediate_size=c.intermediate_size,
+                aux_layers=self.capture.aux_layers,
             )  # fmt: skip
             if c.head_from_target:
                 head_from_target(self.draft, self.capture.model)
@@ -168,7 +170,11 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.draft.parameters(), lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay
         )
-        self.cache = FeatureCache(c.feature_cache, self.rank) if c.feature_cache else None
+        self.cache = (
+            FeatureCache(c.feature_cache, self.rank, self.capture.aux_layers)
+            if c.feature_cache
+            else None
+        )
         if self.cache is not None and self.rank == 0:
             tokens = sum(min(len(s), c.max_len) for s in self.samples)
             print(
@@ -210,6 +216,13 @@ class Trainer:
                 f"from the previous checkpoint, or start over with resume=False"
             ) from e
         _check_same_target(state.get("target", {}), self.fingerprint, path)
+        saved = state.get("aux_layers")
+        if saved is not None and tuple(saved) != self.capture.aux_layers:
+            raise ValueError(
+                f"checkpoint {str(path)!r} was trained on aux layers {saved}, but this run "
+                f"captures {list(self.capture.aux_layers)}: resume with aux_layers={saved}, or "
+                f"use a new output_dir / resume=False"
+            )
         return d2t, t2d
 
     # -- the loop ---------------------------------------------------------------------------
@@ -341,6 +354,7 @@ class Trainer:
                 "total_steps": total_steps,
                 "elapsed_s": elapsed_s,
                 "target": self.fingerprint,
+                "aux_layers": list(self.capture.aux_layers),
                 "config": asdict(self.config),
             }
             ckpt.save_checkpoint(

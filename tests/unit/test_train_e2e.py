@@ -190,6 +190,82 @@ def test_a_wider_drafter_trains_saves_and_loads_at_its_width(target, dataset, tm
             _config(dataset, tmp_path / "x", **bad)
 
 
+@pytest.mark.slow
+def test_a_drafter_on_chosen_aux_layers_trains_exports_and_serves_on_them(
+    target, dataset, tmp_path
+):
+    """aux_layers (1, 3, 7) instead of the default (2, 4, 5) of the 8-layer target: training
+    captures exactly those residual streams (HF hidden_states[i]), every export names them in
+    its engine's convention, and serving captures the same ones: the offline chain replay,
+    which reads the drafter's layers, equals what the engine accepts."""
+    from transformers import AutoModelForCausalLM
+
+    from outrider import SamplingParams
+    from outrider.models.eagle3_io import save_drafter
+    from outrider.spec.eagle3_doctor import require_fit
+    from outrider.train.capture import TargetCapture
+    from outrider.train.dataset import read_samples
+    from outrider.train.evaluate import replay_chain
+
+    path, llm = target
+    aux = (1, 3, 7)
+    assert tuple(llm.engine.runner.model_config.aux_hidden_layers) != aux
+    ids = read_samples(dataset)[0].input_ids.tolist()
+    feats = TargetCapture(llm, aux).features([ids]).aux
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0] for i in aux], dim=-1)
+    assert (feats - want).abs().max().item() < 1e-4
+
+    result = train(_config(dataset, tmp_path / "a", aux_layers=aux), llm=llm)
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < 0.8 * first, result.losses
+    config = json.loads((result.drafter / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 6]  # SGLang: i - 1
+    vllm = save_drafter(load_drafter(result.drafter, llm.engine.runner.model_config),
+                        tmp_path / "vllm", "vllm")  # fmt: skip
+    vllm_config = json.loads((vllm / "config.json").read_text())
+    assert vllm_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 7]  # vLLM: i
+    for d in (result.drafter, vllm):
+        require_fit(d, llm.engine.checkpoint, "unexpected", "")
+        assert load_drafter(d, llm.engine.runner.model_config).config.aux_layers == aux
+
+    samples = read_samples(dataset)
+    served_draft = load_drafter(vllm, llm.engine.runner.model_config)
+    replay = replay_chain(served_draft, llm, samples, k=3)
+    spec = LLM(str(path), dtype="float32", device="cpu", num_blocks=256,
+               speculative={"method": "eagle3", "draft": str(vllm), "num_draft_tokens": 3})  # fmt: skip
+    answers = [s.input_ids[len(s.prompt()) :].tolist() for s in samples]
+    params = [SamplingParams(temperature=0, max_tokens=len(a), ignore_eos=True) for a in answers]
+    outs = spec.generate([s.prompt() for s in samples], params)
+    assert [o.token_ids for o in outs] == answers  # lossless
+    served = (sum(o.metrics["num_accepted_tokens"] for o in outs),
+              sum(o.metrics["num_verify_steps"] for o in outs))  # fmt: skip
+    assert replay.accepted > 0 and (replay.accepted, replay.verify_steps) == served
+
+
+def test_aux_layers_that_do_not_fit_are_refused(target, dataset, tmp_path):
+    _, llm = target
+    with pytest.raises(ValueError, match=r"aux layers \[1, 3, 8\].*0\.\.7"):
+        train(_config(dataset, tmp_path / "r", aux_layers=(1, 3, 8)), llm=llm)
+    with pytest.raises(ValueError, match="invalid aux_layers="):
+        _config(dataset, tmp_path / "r", aux_layers=(1, 3))
+    with pytest.raises(ValueError, match="own aux layers: drop one"):
+        _config(dataset, tmp_path / "r", aux_layers=(1, 3, 7), init_from=str(tmp_path))
+    # A feature cache of the default layers is not read for others,
+    cache = tmp_path / "cache"
+    train(_config(dataset, tmp_path / "a", max_steps=2, feature_cache=str(cache)), llm=llm)
+    with pytest.raises(ValueError, match=r"feature cache .* aux layers \[2, 4, 5\].*\[1, 3, 7\]"):
+        train(_config(dataset, tmp_path / "b", max_steps=2, feature_cache=str(cache),
+                      aux_layers=(1, 3, 7)), llm=llm)  # fmt: skip
+    # ...and a checkpoint of them does not resume on others.
+    run = tmp_path / "run"
+    train(_config(dataset, run, max_steps=2, checkpoint_every=2), llm=llm)
+    with pytest.raises(ValueError, match=r"trained on aux layers \[2, 4, 5\]"):
+        train(_config(dataset, run, max_steps=4, resume=True, aux_layers=(1, 3, 7)), llm=llm)
+
+
 def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
     path, llm = target
     empty = tmp_path / "empty.jsonl"
