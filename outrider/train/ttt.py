@@ -50,9 +50,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from outrider.models.eagle3 import Eagle3Draft
+from outrider.train.soft_ce import soft_ce
 
 ATTENTION_BACKENDS = ("auto", "dense", "flex")
 
@@ -245,22 +245,22 @@ def _score(
         # Rows t < T - s of step j (s = 1 + j) are scored against row t + s of the targets:
         # slices, not shifted copies, so autograd keeps views of target_p, not one per step.
         s, keep = 1 + j, max(t - 1 - j, 0)
-        logits = draft.compute_logits(normed).float().view(b, t, -1)[:, :keep]  # [B, T-s, Vd]
+        logits = draft.compute_logits(normed).view(b, t, -1)  # [B, T, Vd]
         # 1. Target p_{t+1+j} on the draft vocab; mask: x_{t+2+j} is learnable and in the seq.
-        target = batch.target_p[:, s:].float()  # [B, T-s, Vd]
+        # soft_ce reads rows t < keep of the logits against rows t + s of target_p in place.
+        ce, lse, argmax = soft_ce(logits, batch.target_p, s, keep)  # [B, T-s] each
         top = batch.target_top[:, s:]  # [B, T-s], -1: the argmax is outside the draft vocab
         mask = scored_rows(batch, j)
         rows = mask.sum().float()
         learn = mask if aligned is None else mask & aligned[:, :keep]
-        logp = F.log_softmax(logits, dim=-1)
-        ce = -(target * logp).sum(-1)  # [B, T-s]
-        if hard_label:
-            hard = -logp.gather(-1, top.clamp(min=0)[..., None]).squeeze(-1)
+        if hard_label:  # -log softmax(z)[top] = lse - z[top]
+            z_top = logits[:, :keep].gather(-1, top.clamp(min=0)[..., None]).squeeze(-1)
+            hard = lse - z_top.float()
             ce = torch.where(top >= 0, (1 - hard_label) * ce + hard_label * hard, ce)
         loss = (ce * learn).sum() / learn.sum().float().clamp(min=1.0)
         total = total + decay**j * loss
         # 2. Top-1 agreement over every masked row, on device.
-        hit = (logits.argmax(-1) == top) & mask
+        hit = (argmax == top) & mask
         losses.append(loss.detach())
         correct.append(hit.sum().float())
         count.append(rows)
@@ -270,7 +270,8 @@ def _score(
                 inside = hit
             else:
                 k = min(align_topk, logits.shape[-1])
-                inside = (logits.detach().topk(k, dim=-1).indices == top[..., None]).any(-1)
+                top_k = logits[:, :keep].detach().float().topk(k, dim=-1).indices
+                inside = (top_k == top[..., None]).any(-1)
             ok = inside | ~mask
             aligned = ok if aligned is None else aligned[:, :keep] & ok
     return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(count))
