@@ -51,14 +51,12 @@ class TargetCapture:
         self.config = cfg = runner.model_config
         n = cfg.num_hidden_layers
         self.aux_layers = tuple(cfg.aux_hidden_layers if aux_layers is None else aux_layers)
-        if aux_layers is None and len(set(self.aux_layers)) != 3:
+        if len(set(self.aux_layers)) != 3 or not all(0 <= i < n for i in self.aux_layers):
             raise ValueError(
                 f"EAGLE-3 fuses 3 distinct target layers but a {n}-layer target gives aux "
                 f"layers {self.aux_layers}: use a target with >= 7 layers"
-            )
-        if len(set(self.aux_layers)) != 3 or not all(0 <= i < n for i in self.aux_layers):
-            raise ValueError(
-                f"aux layers {list(self.aux_layers)} must be 3 distinct layer indices in "
+                if aux_layers is None
+                else f"aux layers {list(self.aux_layers)} must be 3 distinct layer indices in "
                 f"0..{n - 1} of the {n}-layer target (the residual stream entering each)"
             )
         self._pool: KVPool | None = None

@@ -30,7 +30,7 @@ def soft_ce(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (ce [B, keep] fp32, lse [B, keep] fp32, argmax [B, keep]) of logits rows t < keep
     against target rows t + shift. ce and lse carry gradients to `logits`."""
-    b, t, v = logits.shape
+    t = logits.shape[1]
     if target.shape != logits.shape or keep < 0 or (keep and keep + shift > t):
         raise ValueError(
             f"soft_ce: logits {tuple(logits.shape)} / target {tuple(target.shape)} with "
