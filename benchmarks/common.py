@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Written from a clean commit before a run on a machine that gets a copy of the tree without
+# .git (the remote GPU machines), where `git rev-parse` has no answer: one line, the hash.
+COMMIT_FILE = Path(__file__).resolve().parent / ".commit"
 
 
 def metadata() -> dict:
@@ -39,6 +42,10 @@ def metadata() -> dict:
         )
     except OSError:
         commit, dirty = None, None
+    if commit is None:  # no repository here: `git status` said nothing, which is not "clean"
+        dirty = None
+        if COMMIT_FILE.is_file():
+            commit, dirty = COMMIT_FILE.read_text().strip() or None, False
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -62,8 +69,12 @@ def metadata() -> dict:
     }
 
 
-def write_result(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, payload: dict, directory: str | Path | None = None) -> Path:
+    """Write `payload` and the run's metadata to `directory`/`name`.json (default
+    benchmarks/results; a GPU run passes $OUT). A `directory` ending in .json is the file itself."""
+    path = Path(directory) if directory is not None else RESULTS
+    if path.suffix != ".json":
+        path = path / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**metadata(), **payload}, indent=2) + "\n")
     return path

@@ -106,7 +106,7 @@ def _eval_heldout(args, drafter: Path, result: dict) -> None:
     confidence profile on the target's greedy answers to both sets, first length."""
     from outrider import LLM, SamplingParams
     from outrider.bench.datasets import HELDOUT, HELDOUT_FRESH
-    from outrider.spec.stats import accept_length
+    from outrider.speculative.stats import accept_length
 
     cuda = args.device.startswith("cuda")
     sets = {"": HELDOUT, "_fresh": HELDOUT_FRESH}

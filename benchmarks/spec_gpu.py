@@ -1,102 +1,295 @@
-"""Speculative decoding on a GPU, side by side in one run: plain vs n-gram vs EAGLE-3 (chain and
-tree) on the default model, batch 1 and a few concurrencies, greedy; tok/s, accept length,
-and whether the speculative output equals the plain one.
+"""Speculative decoding as a user runs it (`outrider.LLM`, greedy), side by side with plain
+decoding in one run: n-gram and EAGLE-3 (chain, tree), fixed and adaptive controller, over a
+concurrency sweep, on the held-out and the input-grounded prompt sets.
 
-    python benchmarks/spec_gpu.py --draft DIR [--concurrency 1 4 16] [--new-tokens 256]
+    python benchmarks/spec_gpu.py [--configs ngram eagle3_chain] [--sets heldout grounded]
+        [--concurrency 1 2 4 ...] [--new-tokens 256] [--k 4] [--draft DIR] [--device cpu]
+        [--out NAME] [--out-dir DIR] [--plot PATH]
 
-Prompts: outrider/bench/datasets.HELDOUT (never in drafter training) and GROUNDED. Writes
-benchmarks/results/spec_gpu.json.
+Each (config, set, C) runs the set's prompts as one-turn chats in batches of C requests (the
+prompt list cycled so every batch holds C) and reports tok/s, accept length, speedup over plain,
+the fraction of outputs identical to plain's and the median first-divergence position. Writes
+benchmarks/results/spec_gpu.json (CPU: spec_cpu_sweep.json) and a PNG of speedup against C.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        _sync()
+CONFIGS = ("ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3")
+SUMMARY_KEYS = {"heldout": "speedup", "grounded": "speedup_grounded"}
 
 
-def run(llm, convs, concurrency: int, new_tokens: int) -> dict:
+def spec_configs(k: int, draft: str | None) -> dict[str, dict | None]:
+    """Config name -> the `speculative=` dict given to `LLM` (None: plain decoding)."""
+    eagle = {"method": "eagle3", "draft": draft}
+    return {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "fixed"},
+        "eagle3_chain": {**eagle, "num_draft_tokens": k, "controller": "fixed"},
+        "eagle3_tree": {**eagle, "num_draft_tokens": 8, "topk": 3, "num_steps": 4,
+                        "controller": "fixed"},
+        "adaptive_ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "adaptive"},
+        "adaptive_eagle3": {**eagle, "num_draft_tokens": k, "controller": "adaptive"},
+    }  # fmt: skip
+
+
+def batches(items: list, c: int) -> list[list]:
+    """Batches of exactly c, cycling `items` so the last (or only, when c > len) one is full:
+    5 items, c=2 -> [0 1] [2 3] [4 0]; 2 items, c=5 -> [0 1 0 1 0]."""
+    total = -(-len(items) // c) * c
+    cycled = [items[i % len(items)] for i in range(total)]
+    return [cycled[i : i + c] for i in range(0, total, c)]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token id (the shorter length if one is a prefix of the
+    other); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def identity_summary(ids: list[list[int]], plain_ids: list[list[int]]) -> dict:
+    """How far speculative outputs match plain's, output by output (same requests, same order)."""
+    if len(ids) != len(plain_ids):
+        raise ValueError(f"{len(ids)} outputs against {len(plain_ids)} plain ones: same requests?")
+    div = [d for d in map(first_divergence, ids, plain_ids) if d is not None]
+    return {
+        "same_output_fraction": round(1 - len(div) / len(ids), 3) if ids else None,
+        "median_first_divergence": statistics.median(div) if div else None,
+    }
+
+
+def summary_tables(runs: dict) -> dict:
+    """From runs {f"{set}_c{C}": {config: row}}: plain tok/s by set and C, and per set in
+    SUMMARY_KEYS the speedup over plain by non-plain config and C (C as a string: JSON keys)."""
+    out: dict = {key: {} for key in SUMMARY_KEYS.values()}
+    out["plain_tok_per_s"] = {}
+    for run_key, rows in runs.items():
+        set_name, c = run_key.rsplit("_c", 1)
+        if "plain" in rows:
+            out["plain_tok_per_s"].setdefault(set_name, {})[c] = rows["plain"]["tok_per_s"]
+        if set_name not in SUMMARY_KEYS:
+            continue
+        for name, row in rows.items():
+            if name != "plain" and row.get("speedup") is not None:
+                out[SUMMARY_KEYS[set_name]].setdefault(name, {})[c] = row["speedup"]
+    return out
+
+
+def step_split(before: dict, after: dict, steps: int) -> dict | None:
+    """Seconds per step by phase over a timed part, from a step timer's cumulative totals. A
+    "steps" entry in the totals, when the timer keeps one, wins over the counted `steps`."""
+    if "steps" in after:
+        steps = after["steps"] - before.get("steps", 0)
+    if not steps:
+        return None
+    return {k: round((v - before.get(k, 0.0)) / steps, 6) for k, v in after.items() if k != "steps"}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()  # CPU-GPU sync point: the timed part ends when the GPU does
+
+
+def _step_counter(engine):
+    """`engine.step`, wrapped once to count its calls (`.calls`): what a step timer's totals are
+    averaged over when the timer does not count steps itself."""
+    if not hasattr(engine.step, "calls"):
+        step = engine.step
+
+        def counted(*args, **kwargs):
+            counted.calls += 1
+            return step(*args, **kwargs)
+
+        counted.calls = 0
+        engine.step = counted
+    return engine.step
+
+
+def _json_safe(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def timed_run(llm, convs: list, c: int, new_tokens: int, device: str) -> dict:
+    """All of `convs` in batches of c; tok/s over the timed part, accept length, step split."""
     from outrider import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
-    llm.chat(convs[:2], SamplingParams(temperature=0, max_tokens=8))  # warm up
-    _sync()
+    engine = llm.engine
+    timer = getattr(engine, "step_timer", None)
+    timer = timer if callable(getattr(timer, "totals", None)) else None
+    count = _step_counter(engine) if timer is not None else None
+    steps0 = count.calls if count else 0
+    before = dict(timer.totals()) if timer else {}
+    _sync(device)
     outs, t0 = [], time.perf_counter()
-    for i in range(0, len(convs), concurrency):
-        outs += llm.chat(convs[i : i + concurrency], params)
-    _sync()
-    dt = time.perf_counter() - t0
+    for batch in batches(convs, c):
+        outs += llm.chat(batch, params)
+    _sync(device)
+    seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    steps = sum(o.metrics["num_verify_steps"] for o in outs)
-    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    verify = sum(o.metrics.get("num_verify_steps") or 0 for o in outs)
+    accepted = sum(o.metrics.get("num_accepted_tokens") or 0 for o in outs)
+    split = step_split(before, timer.totals(), count.calls - steps0) if timer else None
+    controller = getattr(engine, "controller", None)
+    snapshot = getattr(controller, "snapshot", None)
     return {
-        "tok_per_s": round(tokens / dt, 1),
-        "accept_length": round(1 + accepted / steps, 3) if steps else None,
+        "requests": len(outs),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 2),
+        "accept_length": round(1 + accepted / verify, 3) if verify else None,
+        "step_split": split,
+        "controller": _json_safe(snapshot()) if callable(snapshot) else None,
         "ids": [o.token_ids for o in outs],
     }
+
+
+def plot(runs_summary: dict, sets: list[str], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+        return
+    fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
+    for ax, set_name in zip(axes[0], sets):
+        table = runs_summary.get(SUMMARY_KEYS.get(set_name, ""), {})
+        for name, by_c in table.items():
+            cs = sorted(by_c, key=int)
+            ax.plot([int(c) for c in cs], [by_c[c] for c in cs], marker="o", label=name)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({int(c) for by_c in table.values() for c in by_c})
+        ax.set_xticks(ticks, [str(c) for c in ticks])
+        ax.set(title=set_name, xlabel="concurrency (requests per batch)", ylabel="speedup vs plain")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help="speculative configs to run (plain always runs)",
+    )
+    ap.add_argument(
+        "--sets", nargs="+", choices=("heldout", "grounded"), default=["heldout", "grounded"]
+    )
+    ap.add_argument("--num-prompts", type=int, default=None, help="cap on prompts per set")
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="requests per batch (default GPU 1 2 4 8 16 32 64, CPU 1 4)",
+    )
+    ap.add_argument("--new-tokens", type=int, default=None, help="default GPU 256, CPU 64")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (chain configs)")
     ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="result name (default spec_gpu / spec_cpu_sweep)")
+    ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
+    ap.add_argument("--plot", default=None, help="PNG path (default: beside the JSON)")
     args = ap.parse_args()
 
-    from outrider import LLM
+    import torch
+
+    from outrider import LLM, SamplingParams
     from outrider.bench.datasets import GROUNDED, HELDOUT
 
-    sets = {"heldout": HELDOUT, "grounded": GROUNDED}
-    configs = {
-        "plain": None,
-        "ngram_k4": {"method": "ngram", "num_draft_tokens": 4},
-        "eagle3_chain_k4": {"method": "eagle3", "draft": args.draft, "num_draft_tokens": 4},
-        "eagle3_tree_k8": {"method": "eagle3", "draft": args.draft, "num_draft_tokens": 8,
-                           "topk": 3, "num_steps": 4},
-    }  # fmt: skip
-    result: dict = {"dtype": args.dtype, "new_tokens": args.new_tokens, "runs": {}}
-    for name, spec in configs.items():
-        memory = {"gpu_memory_utilization": 0.3} if args.device.startswith("cuda") else {}
-        llm = LLM(dtype=args.dtype, device=args.device, speculative=spec, **memory)
-        for set_name, prompts in sets.items():
-            convs = [[{"role": "user", "content": p}] for p in prompts]
-            for c in args.concurrency:
+    cuda = args.device.startswith("cuda")
+    concurrency = args.concurrency or ([1, 2, 4, 8, 16, 32, 64] if cuda else [1, 4])
+    new_tokens = args.new_tokens or (256 if cuda else 64)
+    name = args.out or ("spec_gpu" if cuda else "spec_cpu_sweep")
+    prompt_sets = {"heldout": HELDOUT, "grounded": GROUNDED}
+    convs = {s: [[{"role": "user", "content": p}] for p in prompt_sets[s][: args.num_prompts]]
+             for s in args.sets}  # fmt: skip
+    all_specs = spec_configs(args.k, args.draft)
+    specs = {n: all_specs[n] for n in ["plain", *args.configs]}
+    memory = {"gpu_memory_utilization": 0.3} if cuda else {}
+    runs: dict = {}
+    plain_ids: dict[str, list] = {}
+    errors: dict[str, str] = {}
+    print(f"{'config':16s} {'run':14s} {'tok/s':>9s} {'speedup':>8s} {'accept':>7s} "
+          f"{'same':>6s} {'div@':>6s}", flush=True)  # fmt: skip
+    for cfg, spec in specs.items():
+        try:
+            llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **memory)
+        except Exception as e:  # record and go on: one drafter missing should not cost the sweep
+            if cfg == "plain":
+                raise
+            errors[cfg] = f"{type(e).__name__}: {e}"
+            print(f"{cfg:16s} failed to build: {errors[cfg]}", flush=True)
+            continue
+        warm = batches(next(iter(convs.values())), max(concurrency))[0]
+        llm.chat(warm, SamplingParams(temperature=0, max_tokens=16))  # kernels, graphs, autotune
+        for set_name, set_convs in convs.items():
+            for c in concurrency:
                 key = f"{set_name}_c{c}"
-                row = run(llm, convs, c, args.new_tokens)
-                result["runs"].setdefault(key, {})[name] = row
-                print(f"{name:16s} {key:12s} {row['tok_per_s']:>9} tok/s  "
-                      f"accept {row['accept_length']}", flush=True)  # fmt: skip
+                row = timed_run(llm, set_convs, c, new_tokens, args.device)
+                ids = row.pop("ids")
+                if cfg == "plain":
+                    plain_ids[key] = ids
+                    row.update(speedup=1.0, same_output_fraction=1.0, median_first_divergence=None)
+                else:
+                    plain = runs[key]["plain"]["tok_per_s"]
+                    row["speedup"] = round(row["tok_per_s"] / plain, 3)
+                    # bf16 batched verify may flip near-tie argmaxes; fp32 equality is what
+                    # the tests assert, so this is a measure, not a check
+                    row.update(identity_summary(ids, plain_ids[key]))
+                runs.setdefault(key, {})[cfg] = row
+                acc, div = row["accept_length"], row["median_first_divergence"]
+                print(f"{cfg:16s} {key:14s} {row['tok_per_s']:>9.1f} {row['speedup']:>8.2f} "
+                      f"{'-' if acc is None else acc:>7} {row['same_output_fraction']:>6} "
+                      f"{'-' if div is None else div:>6}", flush=True)  # fmt: skip
         del llm
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    for runs in result["runs"].values():
-        plain = runs["plain"]
-        plain_ids = plain.pop("ids")
-        for name, row in runs.items():
-            if name == "plain":
-                continue
-            ids = row.pop("ids")
-            row["speedup"] = round(row["tok_per_s"] / plain["tok_per_s"], 2)
-            # bf16 batched verify may flip near-tie argmaxes; fp32 equality is what tests assert
-            row["same_output_fraction"] = round(
-                sum(a == b for a, b in zip(ids, plain_ids)) / len(ids), 2
-            )
-    print(f"wrote {write_result('spec_gpu', result)}")
+    result = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "model": args.model,
+        "new_tokens": new_tokens,
+        "concurrency": concurrency,
+        "k": args.k,
+        "num_prompts": {s: len(v) for s, v in convs.items()},
+        "configs": specs,
+        "errors": errors,
+        "runs": runs,
+        **summary_tables(runs),
+    }
+    path = write_result(name, result, args.out_dir)
+    print(f"wrote {path}", flush=True)
+    plot(result, list(convs), Path(args.plot) if args.plot else path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "eagle3")
+SPEC_CONTROLLERS = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,12 @@ class SpecConfig:
     lookup; "eagle3" runs an EAGLE-3 draft network (`draft`: its directory; None picks the one
     shipped for the default model). num_draft_tokens is k, the drafts verified per sequence per
     step. EAGLE-3 trees: `topk` candidates per step over `num_steps` steps, the best
-    num_draft_tokens nodes kept; topk 1 is a chain of num_draft_tokens."""
+    num_draft_tokens nodes kept; topk 1 is a chain of num_draft_tokens.
+
+    controller "adaptive" chooses, before every decode step, how many of the k drafts to
+    verify (0: a plain step) from the step costs measured for this machine and the live
+    acceptance (speculative/controller.py), so speculation never runs where it loses;
+    "fixed" always verifies k."""
 
     method: str | None = None
     num_draft_tokens: int = 4
@@ -114,8 +120,14 @@ class SpecConfig:
     draft: str | None = None
     num_steps: int | None = None  # EAGLE-3: default num_draft_tokens for a chain
     topk: int = 1
+    controller: str = "adaptive"
 
     def __post_init__(self) -> None:
+        if self.controller not in SPEC_CONTROLLERS:
+            raise ValueError(
+                f"unknown speculative controller={self.controller!r}: use 'adaptive' (choose k per "
+                "step, 0 where speculation would lose) or 'fixed' (always k)"
+            )
         if self.method is not None and self.method not in SPEC_METHODS:
             raise ValueError(
                 f"unknown speculative method={self.method!r}: use one of {', '.join(SPEC_METHODS)}, "

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from outrider.spec.base import SeqDrafts
+    from outrider.speculative.base import SeqDrafts
 
 
 class ForwardMode(enum.Enum):
@@ -286,6 +286,9 @@ class StepOutput:
     # When a drafter asked for them: the target's aux residual streams for every token of the
     # batch, concatenated [num_tokens, len(aux_layers) * hidden] on the device.
     aux_hidden: torch.Tensor | None = None
+    # Per sampling sequence: the drafts a drafter on the device made for the next step (the
+    # speculative step drafts right after verifying); None when the step made none.
+    next_drafts: list[list[int]] | None = None
 
 
 @dataclass

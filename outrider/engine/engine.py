@@ -13,6 +13,7 @@ from outrider import env
 from outrider.config import EngineConfig
 from outrider.core import (
     FinishReason,
+    ForwardMode,
     Request,
     RequestOutput,
     RequestStatus,
@@ -23,12 +24,13 @@ from outrider.core import (
 from outrider.engine import overlap
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
+from outrider.engine.proposers import build_proposer
 from outrider.engine.scheduler import Scheduler
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
-from outrider.spec.registry import build_proposer
-from outrider.spec.stats import SpecStats, accept_length, record_verify
+from outrider.speculative.base import SeqDrafts
+from outrider.speculative.stats import SpecStats, accept_length, record_verify
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +67,25 @@ class EngineCore:
         self._async = bool(config.scheduler.async_scheduling) and self.proposer is None
         self._ahead: overlap.Ahead | None = None
         self.num_steps_run_ahead = 0
-        # A drafter that runs on the target's features asks every forward for them.
-        self.runner.aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
-        self.runner.capture_graphs()
+        self._configure_speculation()
         self.spec_stats = SpecStats()
+
+    def _configure_speculation(self) -> None:
+        """Chains run through the runner's speculative step (a drafter on the device drafts
+        inside it); trees through the per-sequence path. Captures the graphs either way."""
+        p, k = self.proposer, self.config.speculative.num_draft_tokens
+        self._k = k if p is not None else 0  # drafts verified per step (the controller's pick)
+        self._chain = p is not None and p.topk == 1
+        if self._chain:
+            self.runner.set_speculation(p if p.on_device else None, tuple(range(1, k + 1)))
+        else:
+            self.runner.aux_layers = p.aux_layers if p is not None else ()
+        self.runner.capture_graphs()
+
+    def use_proposer(self, proposer) -> None:
+        """Serve with another proposer (tests build drafters in code); recaptures graphs."""
+        self.proposer = proposer
+        self._configure_speculation()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -137,9 +154,14 @@ class EngineCore:
             batch, ids = self._ahead.batch, self._ahead.token_ids
             self._ahead = None
         else:
-            batch = self.scheduler.schedule()
+            batch = self._schedule()
             if batch.is_empty:
                 return []
+            if self._speculative_step(batch):
+                on_device = self.proposer.on_device
+                return self._advance(
+                    batch, self.runner.run_spec(batch, self._k, self._k if on_device else 0)
+                )
             if not (self._async and overlap.can_run_ahead(batch)):
                 return self._advance(batch, self.runner.run(batch))
             ids = self.runner.launch(batch)
@@ -147,6 +169,26 @@ class EngineCore:
         tokens = ids.tolist()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
         return self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
+
+    def _schedule(self) -> ScheduledBatch:
+        if self.proposer is None:
+            return self.scheduler.schedule()
+        if not self._chain:
+            return self.scheduler.schedule()  # trees: as proposed
+        lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
+        return self.scheduler.schedule(max_drafts=self._k, lookahead=lookahead)
+
+    def _speculative_step(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch runs as one speculative step: chains, every sequence decoding
+        (its root and at most k drafts), and speculation on this step."""
+        if not self._chain or self._k == 0 or batch.mode == ForwardMode.PREFILL:
+            return False
+        if not self.proposer.on_device and not any(s.drafts for s in batch.seqs):
+            return False  # nothing to verify and nothing to draft: a plain decode step
+        return all(
+            s.sample and s.query_len == 1 + (s.drafts.num_nodes if s.drafts else 0)
+            for s in batch.seqs
+        )
 
     def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:
         """Launch the decode after `batch` on its sampled ids, still on the device; None when
@@ -168,7 +210,12 @@ class EngineCore:
         if output.num_accepted is not None:
             self._cut_at_token_stops(batch, output)
         self.scheduler.postprocess(batch, output)
-        if self.proposer is not None:
+        if output.next_drafts is not None:
+            self._take_drafts(batch, output)
+        elif self.proposer is not None and (batch.mode == ForwardMode.PREFILL or self._k):
+            # A device drafter follows the target through steps it did not draft in; after a
+            # plain step while speculation is off it skips (its KV there goes stale: later
+            # drafts are worse, never wrong).
             self.proposer.observe(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
@@ -227,6 +274,14 @@ class EngineCore:
                 return "".join(text), new_ids[: j + 1]
         return "".join(text), new_ids
 
+    def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Drafts made inside the step become each request's drafts for the next one (not for
+        requests asking for logprobs, which decode plainly)."""
+        for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
+            req = seq.request
+            if not req.is_finished and req.params.logprobs is None:
+                req.drafts = SeqDrafts.chain(drafts)
+
     def _propose(self) -> None:
         """Draft for every running request that is decoding, capped so accepted drafts plus
         the final token never pass max_tokens or the context. Requests asking for logprobs do
@@ -234,16 +289,20 @@ class EngineCore:
         reqs = [
             r
             for r in self.scheduler.running
-            if r.num_computed_tokens == r.num_tokens - 1 and r.params.logprobs is None
+            if r.num_computed_tokens == r.num_tokens - 1
+            and r.params.logprobs is None
+            and not r.drafts  # a device drafter already drafted inside the step
         ]
-        if not reqs:
+        k = self._k
+        if not reqs or k == 0:
             return
-        k = self.config.speculative.num_draft_tokens
-        if getattr(self.proposer, "writes_kv", False):
+        if self.proposer.writes_kv:
             reqs = [r for r in reqs if self._reserve_draft_slots(r, k)]
         for req, drafts in zip(reqs, self.proposer.propose(reqs, k)):
+            # Chains keep their length (a speculative step pads every row to k anyway: drafts
+            # past max_tokens cost nothing and are cut at the stop); the context's end cuts.
             room = self.max_model_len - req.num_tokens - 1
-            if req.params.max_tokens is not None:
+            if req.params.max_tokens is not None and not self._chain:
                 room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
             n = min(drafts.num_nodes, room)
             req.drafts = None if n <= 0 else drafts.truncated(n)

@@ -30,7 +30,7 @@ from outrider.core import (
     StepOutput,
 )
 from outrider.engine.block_manager import BlockManager, cdiv
-from outrider.spec.base import SeqDrafts
+from outrider.speculative.base import SeqDrafts
 
 
 class Scheduler:
@@ -53,6 +53,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._max_drafts: int | None = None  # this step's, set by schedule()
+        self._lookahead = 0
 
     @property
     def num_running(self) -> int:
@@ -81,8 +83,13 @@ class Scheduler:
         self.waiting.append(req)
         self._requests[req.request_id] = req
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_drafts: int | None = None, lookahead: int = 0) -> ScheduledBatch:
+        """max_drafts: drafts a decoding request verifies this step at most (its drafts are cut
+        to that; 0 decodes plainly; None keeps them all). lookahead: slots a drafter running
+        inside the step writes past the verified ones (EAGLE-3's chain: k - 1), reserved for
+        decoding requests where the pool has them and given back after the step."""
         batch = ScheduledBatch(mode=ForwardMode.DECODE, seqs=[])
+        self._max_drafts, self._lookahead = max_drafts, lookahead
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         # After a preemption memory is short: admitting more now would only preempt again next
         # step. (A preemption always leaves a non-empty batch: a request that would have to
@@ -138,8 +145,9 @@ class Scheduler:
                     req.output_logprobs.extend(logprobs)
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
-            if seq.drafts is not None:
-                self.block_manager.trim(req, req.num_tokens)  # free blocks of rejected drafts
+            if seq.drafts is not None or (seq.sample and seq.query_len == 1):
+                # Free blocks of rejected drafts and of a drafter's lookahead.
+                self.block_manager.trim(req, req.num_tokens)
             self.block_manager.commit(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
@@ -178,16 +186,20 @@ class Scheduler:
                 i += 1  # does not fit what is left of the budget: it waits a step
                 continue
             drafts, req.drafts = req.drafts, None  # consumed now, verified or dropped
-            # Drafts ride on the decode only if their slots fit without preempting anyone: a
-            # draft is a bet, a running request's KV is not.
+            if drafts and self._max_drafts is not None:
+                drafts = drafts.truncated(self._max_drafts) if self._max_drafts else None
+            # Drafts (and a drafter's lookahead) ride on the decode only if their slots fit
+            # without preempting anyone: a draft is a bet, a running request's KV is not.
+            n = drafts.num_nodes if drafts else 0
+            room = self.max_model_len - req.num_computed_tokens
             if (
                 num_new == 1
-                and drafts
-                and drafts.num_nodes + 1 <= budget
-                and self.block_manager.allocate(req, 1 + drafts.num_nodes)
+                and (n or self._lookahead)
+                and n + 1 <= budget
+                and self.block_manager.allocate(req, min(1 + n + self._lookahead, room))
             ):
-                self._add_seq(batch, req, 1 + drafts.num_nodes, drafts)
-                budget -= 1 + drafts.num_nodes
+                self._add_seq(batch, req, 1 + n, drafts or None)
+                budget -= 1 + n
                 i += 1
                 continue
             if not self._allocate_or_preempt(req, num_new, batch):

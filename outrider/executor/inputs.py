@@ -8,7 +8,8 @@ import torch
 
 from outrider.core import ScheduledBatch
 from outrider.layers.forward_context import AttentionMetadata
-from outrider.spec.tree import TreeTopology, verify_mask
+from outrider.speculative.tree import TreeTopology, verify_mask
+from outrider.transfer import to_device_no_sync
 
 
 @dataclass
@@ -18,15 +19,6 @@ class ForwardInputs:
     attn: AttentionMetadata
     # Rows of the hidden states whose logits are needed: the last token of each sampling seq.
     logits_indices: torch.Tensor  # [num_sampling_seqs] int64
-
-
-def to_device_no_sync(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values -> a device tensor without waiting on the stream: a pageable host->GPU copy
-    synchronises, a pinned non-blocking one does not."""
-    t = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardInputs:

@@ -14,13 +14,14 @@ from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler
+from outrider.executor.spec_step import SpecOutput, SpecStep, simple_greedy
 from outrider.executor.verify_step import sample_and_verify
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.loaders.checkpoint import Checkpoint
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
-from outrider.spec.tree import TreeTopology, accepted_kv_moves
+from outrider.speculative.tree import TreeTopology, accepted_kv_moves
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class ModelRunner:
         self.aux_layers: tuple[int, ...] = ()
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None  # capture_graphs(), once aux_layers are known
+        # Speculation: the drafter network the runner owns (EAGLE-3; None for n-gram, whose
+        # drafts come from the host) and the fixed-shape chain step (set_speculation).
+        self.drafter = None
+        self.spec_step: SpecStep | None = None
+        self.spec_ks: tuple[int, ...] = ()
         log.info(
             "model %s on %s/%s: KV pool %d blocks x %d tokens (%.1f MiB)",
             cfg.architecture,
@@ -97,10 +103,30 @@ class ModelRunner:
         """Blocks the block manager may hand out (the pool holds one more, a scratch block)."""
         return self._num_blocks
 
+    def set_speculation(self, drafter, ks: tuple[int, ...]) -> None:
+        """Chain speculation at the draft lengths `ks` (each a k >= 1 the step may be asked to
+        verify). drafter: an EAGLE-3 drafter the runner runs inside the step, or None (drafts
+        come from the host). Call before capture_graphs."""
+        self.drafter = drafter
+        self.spec_ks = tuple(sorted(set(ks)))
+        self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
+        max_k = max(self.spec_ks)
+        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < self.config.model.cuda_graph_max_batch)
+        self.spec_step = SpecStep(
+            self.model, self.backend, drafter, max_k=max_k, block_size=self.block_size,
+            max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
+            max_positions=self.max_model_len,
+            batch_sizes=sizes + (self.config.model.cuda_graph_max_batch,),
+            aux_layers=self.aux_layers,
+        )  # fmt: skip
+
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs the config asks for (after `aux_layers` is set: the graphs
-        output those streams too). A no-op where graphs do not apply."""
+        output those streams too), the speculative step's too. A no-op where graphs do not
+        apply."""
         self.graphs = self._capture_graphs(self.config)
+        if self.graphs is not None and self.spec_step is not None:
+            self.spec_step.capture(self.spec_ks)
 
     def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
         wanted = config.model.cuda_graphs
@@ -176,6 +202,54 @@ class ModelRunner:
         return StepOutput(
             ids, tokens, logprobs=logprobs, num_accepted=[len(n) for n in accepted],
             accepted_nodes=accepted, aux_hidden=aux_hidden,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run_spec(self, batch: ScheduledBatch, k: int, k_draft: int) -> StepOutput:
+        """A decode-phase batch (every sequence samples; chain drafts, at most k each) through
+        the speculative step: verify, accept and draft k_draft next drafts on the device, then
+        one host read. Rows that are not plain greedy are decided exactly, per sequence,
+        between acceptance and drafting."""
+        seqs = batch.seqs
+        b, t = len(seqs), 1 + k
+        fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
+        logprobs: dict[int, list] = {}
+
+        def fixup(out: SpecOutput) -> None:
+            rows, subset = [], []
+            for i in fix:
+                s = seqs[i]
+                n = min(k, s.query_len - 1)
+                rows += range(i * t, i * t + 1 + n)
+                drafts = s.drafts.truncated(n) if n else None
+                subset.append(ScheduledSeq(s.request, s.token_ids[: 1 + n], s.start_pos,
+                                           s.block_ids, True, drafts))  # fmt: skip
+            logits = out.logits.index_select(0, torch.as_tensor(rows, device=out.logits.device))
+            tokens, accepted, lps = sample_and_verify(self.sampler, logits, subset)
+            for j, i in enumerate(fix):
+                out.tokens[i, : len(tokens[j])] = torch.as_tensor(tokens[j])
+                out.num_accepted[i] = len(accepted[j])
+                if lps is not None:
+                    logprobs[i] = lps[j]
+
+        out, _ = self.spec_step.run_no_sync(batch, k, k_draft, fixup if fix else None)
+        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
+        if out.drafts is not None:
+            parts.append(out.drafts[:b].reshape(-1))
+        host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
+        accepted = host[b * t : b * t + b]
+        tokens = [host[i * t : i * t + accepted[i] + 1] for i in range(b)]
+        drafts = None
+        if out.drafts is not None:
+            kd = out.drafts.shape[1]
+            flat = host[b * t + b :]
+            drafts = [flat[i * kd : (i + 1) * kd] for i in range(b)]
+        lp = None
+        if logprobs:
+            lp = [logprobs.get(i) or [{} for _ in tokens[i]] for i in range(b)]
+        return StepOutput(
+            [s.request.request_id for s in seqs], tokens, num_accepted=accepted, logprobs=lp,
+            accepted_nodes=[list(range(a)) for a in accepted], next_drafts=drafts,
         )  # fmt: skip
 
     @torch.inference_mode()

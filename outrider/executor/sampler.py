@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from outrider.core import SamplingParams, ScheduledSeq
-from outrider.executor.inputs import to_device_no_sync
+from outrider.transfer import to_device_no_sync
 
 _NEG_INF = float("-inf")
 

@@ -14,8 +14,8 @@ import torch
 
 from outrider.core import ScheduledSeq
 from outrider.executor.sampler import Sampler, SamplingRow, processed_probs
-from outrider.spec.tree import TreeTopology
-from outrider.spec.verify import Verdict, verify_greedy, verify_sampled
+from outrider.speculative.tree import TreeTopology
+from outrider.speculative.verify import Verdict, verify_greedy, verify_sampled
 
 
 def verify_seq(logits: torch.Tensor, seq: ScheduledSeq) -> Verdict:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft network, one module for serving (spec/eagle3.py) and training (train/).
+"""The EAGLE-3 draft network, one module for serving (speculative/eagle3.py) and training (train/).
 
     target residual streams entering layers (2, L//2, L-3)   [T, 3 * Ht]
         -> fc (no bias)                                        [T, H]      (skipped for a hidden

@@ -56,7 +56,7 @@ from outrider.models.eagle3_format import (
     resolve_layout,
 )
 from outrider.models.weights import load_weights
-from outrider.spec.eagle3_vocab import resolve_draft_vocab
+from outrider.speculative.eagle3_vocab import resolve_draft_vocab
 
 log = logging.getLogger(__name__)
 

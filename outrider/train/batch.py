@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.spec.eagle3_vocab import draft_target_ids
+from outrider.speculative.eagle3_vocab import draft_target_ids
 from outrider.train.capture import FeatureCache, TargetCapture
 from outrider.train.dataset import Sample, layout_batch
 from outrider.train.ttt import TTTBatch

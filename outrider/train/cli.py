@@ -84,7 +84,7 @@ def add_drafter_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from outrider.spec.eagle3_doctor import diagnose
+    from outrider.speculative.eagle3_doctor import diagnose
 
     factory = None
     if args.live:

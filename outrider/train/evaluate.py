@@ -38,7 +38,7 @@ import torch
 
 from outrider.core import SamplingParams
 from outrider.models.eagle3 import Eagle3Draft
-from outrider.spec.stats import accept_length
+from outrider.speculative.stats import accept_length
 from outrider.train.batch import DraftVocabMaps, build_batch
 from outrider.train.capture import TargetCapture
 from outrider.train.dataset import Sample, micro_batches, pack_rows

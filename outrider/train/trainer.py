@@ -26,7 +26,7 @@ from outrider import env
 from outrider.executor.model_runner import resolve_device
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.models.eagle3_io import save_drafter
-from outrider.spec.eagle3_vocab import build_draft_vocab
+from outrider.speculative.eagle3_vocab import build_draft_vocab
 from outrider.train import checkpoint as ckpt
 from outrider.train.batch import DraftVocabMaps, build_batch
 from outrider.train.capture import FeatureCache, TargetCapture, cache_cost_bytes
@@ -186,7 +186,7 @@ class Trainer:
         """The drafter to fine-tune, after the doctor's static checks against the target (a
         drafter serving would refuse is refused here, before any training)."""
         from outrider.models.eagle3_io import load_drafter
-        from outrider.spec.eagle3_doctor import require_fit
+        from outrider.speculative.eagle3_doctor import require_fit
 
         c = self.config
         require_fit(path, checkpoint, f"init_from={path!r} does not fit this target",

@@ -65,7 +65,7 @@ def test_ngram_greedy_equals_plain_on_real_model(llm):
 def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
     """Losslessness does not depend on the drafter's quality: a random EAGLE-3 drafter for the
     real model (chain, and a tree of 3 candidates per step) keeps greedy output exact."""
-    from outrider.spec.eagle3 import Eagle3Proposer
+    from outrider.executor.drafter import Eagle3Drafter
     from tests.unit.test_spec_eagle3 import random_drafter
 
     prompts = [
@@ -78,10 +78,11 @@ def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
         dtype="float32", device="cpu", speculative={"method": "ngram", "num_draft_tokens": 4}
     )
     target = spec.engine.checkpoint.config
-    spec.engine.proposer = Eagle3Proposer(
-        random_drafter(target, draft_vocab=8000), spec.engine.runner, topk=topk, num_steps=3
+    spec.engine.use_proposer(
+        Eagle3Drafter(
+            random_drafter(target, draft_vocab=8000), spec.engine.runner, topk=topk, num_steps=3
+        )
     )
-    spec.engine.runner.aux_layers = spec.engine.proposer.aux_layers
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert spec.engine.spec_stats.num_verify_steps > 0
@@ -92,8 +93,8 @@ def test_the_shipped_drafter_serves_the_default_model(llm):
     """speculative={"method": "eagle3"} with no draft path picks the drafter shipped for the
     default model: SGLang layout, <= 40 MB, passes the doctor, keeps greedy output exact (chain
     and tree) and drafts tokens the target accepts (a random drafter's accept length is ~1)."""
-    from outrider.spec.eagle3 import SHIPPED_DIR, shipped_drafter
-    from outrider.spec.eagle3_doctor import diagnose
+    from outrider.speculative.eagle3 import SHIPPED_DIR, shipped_drafter
+    from outrider.speculative.eagle3_doctor import diagnose
 
     path = shipped_drafter(llm.engine.checkpoint.config)
     assert path.parent == SHIPPED_DIR and "eagle3" in path.name

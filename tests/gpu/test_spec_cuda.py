@@ -33,7 +33,7 @@ def test_tree_mask_attention_cuda_equals_cpu():
     from outrider.core import ForwardMode
     from outrider.layers.attn_backends.torch_ref import TorchRefBackend
     from outrider.layers.forward_context import AttentionMetadata
-    from outrider.spec.tree import TreeTopology, verify_mask
+    from outrider.speculative.tree import TreeTopology, verify_mask
 
     torch.manual_seed(0)
     heads, kv_heads, dim, bs, blocks = 8, 2, 64, 16, 8

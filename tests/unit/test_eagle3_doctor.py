@@ -19,8 +19,8 @@ from outrider.loaders.hf_config import TransformerConfig
 from outrider.loaders.tokenizer import Tokenizer
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
 from outrider.models.eagle3_io import save_drafter
-from outrider.spec.eagle3_doctor import diagnose, live_check
-from outrider.spec.eagle3_vocab import build_draft_vocab
+from outrider.speculative.eagle3_doctor import diagnose, live_check
+from outrider.speculative.eagle3_vocab import build_draft_vocab
 from tests.tiny import tiny_hf_config
 
 LAYERS, VOCAB, DRAFT = 8, 512, 64  # default aux layers (2, 4, 5)

@@ -21,7 +21,7 @@ from outrider.models.eagle3_io import (
     resolve_layout,
     save_drafter,
 )
-from outrider.spec.eagle3_vocab import build_draft_vocab
+from outrider.speculative.eagle3_vocab import build_draft_vocab
 from tests.tiny import tiny_hf_config
 
 LAYERS = 8  # aux layers (2, 4, 5); fewer than 6 layers make EAGLE-3's defaults collide

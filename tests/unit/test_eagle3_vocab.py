@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from outrider.spec.eagle3_vocab import (
+from outrider.speculative.eagle3_vocab import (
     build_draft_vocab,
     check_draft_vocab,
     draft_target_ids,

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from outrider import LLM, SamplingParams
+from outrider.executor.drafter import Eagle3Drafter
 from outrider.loaders.hf_config import TransformerConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
-from outrider.spec.eagle3 import Eagle3Proposer
 from tests.tiny import tiny_hf_config
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 
@@ -47,8 +47,7 @@ def eagle_llm(tiny_dir, draft: Eagle3Draft | None = None, **options) -> LLM:  # 
     )  # fmt: skip
     engine = llm.engine
     target = engine.checkpoint.config
-    engine.proposer = Eagle3Proposer(draft or random_drafter(target), engine.runner)
-    engine.runner.aux_layers = engine.proposer.aux_layers
+    engine.use_proposer(Eagle3Drafter(draft or random_drafter(target), engine.runner))
     return llm
 
 
@@ -130,7 +129,7 @@ def test_eagle3_rejects_a_drafter_for_another_target(tiny_dir):  # noqa: F811
     llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64)
     other = TransformerConfig.from_hf_dict(tiny_hf_config(hidden_size=64, intermediate_size=128))
     with pytest.raises(ValueError, match="hidden size 64"):
-        Eagle3Proposer(random_drafter(other), llm.engine.runner)
+        Eagle3Drafter(random_drafter(other), llm.engine.runner)
 
 
 def test_no_shipped_drafter_for_another_model_says_what_to_do(tiny_dir):  # noqa: F811
@@ -172,10 +171,12 @@ def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, ste
 def test_eagle3_tree_code_with_topk_1_equals_the_chain(tiny_dir, prompts):  # noqa: F811
     """The tree path (masks, slots, positions, gathers) run with topk 1 must draft exactly
     the chain the chain path drafts."""
-    from outrider.spec.eagle3_tree import propose_trees
+    from outrider.speculative.eagle3_tree import propose_trees
 
     llm = eagle_llm(tiny_dir)
     engine, proposer = llm.engine, llm.engine.proposer
+    # The per-sequence path (what trees take) keeps the frontier the tree code starts from.
+    engine._chain = False
     reqs = [
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=30)) for p in prompts[:4]
     ]
@@ -203,8 +204,8 @@ def test_engines_and_graph_runners_free_without_the_cycle_collector(tiny_dir):  
     import weakref
 
     from outrider.executor.cuda_graph import GraphRunner
+    from outrider.executor.drafter import _chain_step
     from outrider.layers.attn_backends.base import get_backend
-    from outrider.spec.eagle3 import _chain_step
 
     gc.disable()
     try:

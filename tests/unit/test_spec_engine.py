@@ -9,7 +9,7 @@ import random
 import pytest
 
 from outrider import LLM, SamplingParams
-from outrider.spec.base import SeqDrafts
+from outrider.speculative.base import SeqDrafts
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
@@ -20,9 +20,16 @@ class OracleProposer:
     tree with a wrong sibling beside every right node, so accepted nodes are not in node order."""
 
     name = "oracle"
+    on_device = False
+    aux_layers: tuple[int, ...] = ()
+    writes_kv = False
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]], tree: bool = False):
         self.continuations, self.tree = continuations, tree
+        self.topk = 2 if tree else 1
+
+    def positions_needed(self, k):
+        return 1 + k
 
     def propose(self, requests, max_draft_tokens):
         out = []
@@ -67,7 +74,7 @@ def test_oracle_drafts_are_all_accepted(tiny_dir, prompts, reference, tree):  # 
     k = 4
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": k})
     cont = {tuple(p): r for p, r in zip(prompts, reference)}
-    llm.engine.proposer = OracleProposer(cont, tree=tree)
+    llm.engine.use_proposer(OracleProposer(cont, tree=tree))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(prompts, params)
     want = [
@@ -95,7 +102,9 @@ def test_oracle_tree_moves_accepted_kv(tiny_dir, prompts):  # noqa: F811
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in _llm(tiny_dir).generate(prompts, params)]
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 6})
-    llm.engine.proposer = OracleProposer({tuple(p): r for p, r in zip(prompts, plain)}, tree=True)
+    llm.engine.use_proposer(
+        OracleProposer({tuple(p): r for p, r in zip(prompts, plain)}, tree=True)
+    )
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     # 3 right nodes + the bonus per step, fewer in the last steps capped by max_tokens.
@@ -105,7 +114,7 @@ def test_oracle_tree_moves_accepted_kv(tiny_dir, prompts):  # noqa: F811
 def test_stops_inside_accepted_runs(tiny_dir, prompts, reference):  # noqa: F811
     cont = {tuple(p): r for p, r in zip(prompts, reference)}
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 8})
-    llm.engine.proposer = OracleProposer(cont)
+    llm.engine.use_proposer(OracleProposer(cont))
     for max_tokens in (1, 2, 5, 9, 13):
         out = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
         assert out.token_ids == reference[3][:max_tokens]

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from outrider.core import Request, SamplingParams
-from outrider.spec.base import Proposer, SeqDrafts
-from outrider.spec.ngram import NgramConfig, NgramProposer
+from outrider.speculative.base import Proposer, SeqDrafts
+from outrider.speculative.ngram import NgramConfig, NgramProposer
 
 A, B, C, D, E, X, Y, Z = range(10, 18)
 

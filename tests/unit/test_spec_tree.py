@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.spec.tree import TreeTopology, accepted_kv_moves, verify_mask
+from outrider.speculative.tree import TreeTopology, accepted_kv_moves, verify_mask
 
 # The module docstring's example:
 #              root

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from outrider.spec.tree import TreeTopology
-from outrider.spec.verify import (
+from outrider.speculative.tree import TreeTopology
+from outrider.speculative.verify import (
     Verdict,
     drop_no_sync,
     proposal_no_sync,

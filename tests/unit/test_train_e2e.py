@@ -202,7 +202,7 @@ def test_a_drafter_on_chosen_aux_layers_trains_exports_and_serves_on_them(
 
     from outrider import SamplingParams
     from outrider.models.eagle3_io import save_drafter
-    from outrider.spec.eagle3_doctor import require_fit
+    from outrider.speculative.eagle3_doctor import require_fit
     from outrider.train.capture import TargetCapture
     from outrider.train.dataset import read_samples
     from outrider.train.evaluate import replay_chain

@@ -27,7 +27,7 @@ import torch
 from outrider.core import ForwardMode
 from outrider.layers.attn_backends.torch_ref import TorchRefBackend
 from outrider.layers.forward_context import AttentionMetadata
-from outrider.spec.tree import TreeTopology, verify_mask
+from outrider.speculative.tree import TreeTopology, verify_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 _RESULT = "@@triton-attention-result "
@@ -384,7 +384,7 @@ def test_verify_gqa1_block32(interpreter):
 
 
 def test_tree_custom_mask(interpreter):
-    # Sequence 0 verifies the module docstring's tree of spec/tree.py (5 nodes behind its
+    # Sequence 0 verifies the module docstring's tree of speculative/tree.py (5 nodes behind its
     # prefix), sequence 1 a chain of 3 in the same mask, sequence 2 decodes; split and unsplit.
     case = _case(
         [70, 20, 131], [6, 4, 1], heads=(8, 2), trees={0: [-1, -1, 0, 0, 1], 1: [-1, 0, 1]}

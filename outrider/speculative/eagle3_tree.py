@@ -20,9 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from outrider.core import ForwardMode, Request
-from outrider.executor.inputs import to_device_no_sync
 from outrider.layers.forward_context import AttentionMetadata
-from outrider.spec.base import SeqDrafts
+from outrider.speculative.base import SeqDrafts
+from outrider.transfer import to_device_no_sync
 
 DEFAULT_MAX_STEPS = 5
 

@@ -1,10 +1,12 @@
 """Acceptance: which drafted tokens the target keeps, plus one token of its own, lossless.
 
-One sequence per call (the engine loops over sequences). The verify forward gives the target's
-distribution at 1 + N rows: row 0 follows the root (it predicts the first draft level), row
-1 + i follows node i. Everything emitted is distributed exactly as plain sampling from the
-target would be: greedy rows give verify_greedy's answer, sampled rows follow the rejection
-schemes below (proved in the docstrings, checked statistically in tests/unit).
+verify_greedy and verify_sampled take one sequence per call; verify_chain_batch_no_sync and
+verify_chain_greedy_no_sync decide a whole batch of chains on the device, with no host sync
+(the engine's batched step; the greedy one is what a CUDA graph runs). The verify forward gives
+the target's distribution at 1 + N rows: row 0 follows the root (it predicts the first draft
+level), row 1 + i follows node i. Everything emitted is distributed exactly as plain sampling
+from the target would be: greedy rows give verify_greedy's answer, sampled rows follow the
+rejection schemes below (proved in the docstrings, checked statistically in tests/unit).
 
 Chain (Leviathan et al. 2023, Chen et al. 2023): level d's draft x ~ q_d is accepted with
 probability min(1, p_d(x) / q_d(x)); the first rejection emits a draw from
@@ -47,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.executor.inputs import to_device_no_sync
-from outrider.spec.tree import TreeTopology
+from outrider.speculative.tree import TreeTopology
+from outrider.transfer import to_device_no_sync
 
 # Residual mass at or below this is treated as zero: dividing by it would overflow float32.
 _TINY = torch.finfo(torch.float32).tiny
@@ -272,3 +274,151 @@ def _check_sizes(topology: TreeTopology, draft_tokens: Sequence[int], rows: int,
             f"{what} has {rows}; expected {n} draft tokens and {n + 1} rows (the root's row "
             "first, then one per node)"
         )
+
+
+# --- batched chains: one step for the whole batch on the device, no host sync ---------------
+
+
+def verify_chain_greedy_no_sync(
+    target_argmax: torch.Tensor,  # [B, 1 + k] long
+    draft_tokens: torch.Tensor,  # [B, k] long; entries at index >= num_drafts[b] are padding
+    num_drafts: torch.Tensor,  # [B] long in 0..k
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_greedy over a batch of chains, graph-capturable (fixed shapes, no syncs). Returns
+    (tokens [B, 1 + k], num_accepted [B]); row b emits tokens[b, :num_accepted[b] + 1]. tokens
+    IS target_argmax (no copy): the accepted drafts equal it, and the token after them is the
+    argmax at that row.
+
+        k = 3, num_drafts [3, 1], drafts [[4, 8, 9], [4, 8, 15]], argmax [4, 8, 15, 16] (both)
+        match & real [[T, T, F], [T, F, F]] -> num_accepted [2, 1]: [4, 8, 15] and [4, 8]
+    """
+    _check_chain_batch("target_argmax", target_argmax, 2, draft_tokens, num_drafts, None)
+    k = draft_tokens.shape[1]
+    real = torch.arange(k, device=draft_tokens.device) < num_drafts.unsqueeze(1)  # [B, k]
+    match = (draft_tokens == target_argmax[:, :k]) & real
+    return target_argmax, match.long().cumprod(1).sum(1)  # the leading run of matches
+
+
+def verify_chain_batch_no_sync(
+    target_probs: torch.Tensor,  # [B, 1 + k, V] float32
+    draft_tokens: torch.Tensor,  # [B, k] long; entries at index >= num_drafts[b] are padding
+    num_drafts: torch.Tensor,  # [B] long in 0..k
+    draft_probs: torch.Tensor | None,  # [B, k, V] float32; None: deterministic drafts
+    generators: Sequence[torch.Generator | None],  # [B]: each row's RNG, None the default one
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_verify_chain for B chains at once: no host sync, no loop over k. Returns (tokens
+    [B, 1 + k], num_accepted [B]); row b emits tokens[b, :num_accepted[b] + 1] (later entries
+    are unspecified): its accepted drafts, then the residual draw at the first rejection, or
+    the bonus from row num_accepted[b] when every real draft was accepted. A row with
+    num_drafts[b] = d behaves exactly as a chain of d drafts. Row j of target_probs follows
+    the root and drafts 0..j-1; one-hot rows (greedy requests) give verify_greedy's answer
+    whatever the random numbers. Real drafts must lie in [0, V): checking would sync.
+
+    The same decisions as _verify_chain, but only the final token's row is built ([B, V], not
+    [B, 1 + k, V]): the row at num_accepted, as a residual where a real draft was rejected.
+
+        k = 3, num_drafts [3, 1], accepted & real [[T, T, F], [T, F, F]] -> num_accepted [2, 1]
+        row 0: 2 < 3, draft 2 rejected -> draw from residual(p[0, 2], q[0, 2])
+        row 1: 1 = num_drafts, all real accepted -> draw the bonus from p[1, 1]
+
+    Randomness, all drawn up front (the only Python loop, over B, just launches draws): u
+    [B, k] ~ U[0, 1) for the tests and E [B, V] ~ Exp(1) for the final draw as an exponential
+    race, argmax_i r_i / E_i, which is exact: E_i / r_i are independent Exp(r_i) clocks and
+    the first to ring is i with probability r_i / sum(r) (torch.multinomial can sync on CUDA).
+    A row's draws come from its own generator alone, wherever it sits in the batch.
+    """
+    _check_chain_batch("target_probs", target_probs, 3, draft_tokens, num_drafts, draft_probs)
+    batch, rows, vocab = target_probs.shape
+    k = rows - 1
+    device = target_probs.device
+    u, noise = _chain_noise_no_sync(generators, batch, k, vocab, device)
+    p = target_probs.float()
+    n_real = num_drafts.long().clamp(0, k)  # [B]
+    real = torch.arange(k, device=device) < n_real.unsqueeze(1)  # [B, k]
+    drafts = torch.where(real, draft_tokens.long(), 0)  # padding may hold anything: never read
+    p_x = p[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, k]
+    if draft_probs is None:
+        accepted = accept_no_sync(p_x, 1.0, u)
+    else:
+        q = draft_probs.float()
+        q_x = q.gather(2, drafts.unsqueeze(2)).squeeze(2)  # [B, k]
+        # proposal_no_sync's q'(x) without building q' at every level: 1 where q(x) = 0.
+        accepted = accept_no_sync(p_x, torch.where(q_x > 0, q_x.clamp_max(1.0), 1.0), u)
+    num_accepted = (accepted & real).long().cumprod(1).sum(1)  # [B], the leading run
+    final = p.gather(1, num_accepted.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)
+    if k > 0:  # a shape, not a value
+        level = num_accepted.clamp_max(k - 1).unsqueeze(1)  # [B, 1], in range where n = k too
+        x = drafts.gather(1, level)  # [B, 1]
+        if draft_probs is None:
+            residual = drop_no_sync(final, x)
+        else:
+            q_n = q.gather(1, level.unsqueeze(2).expand(batch, 1, vocab)).squeeze(1)  # [B, V]
+            residual = residual_no_sync(final, proposal_no_sync(q_n, x.squeeze(1))[0])
+        final = torch.where((num_accepted < n_real).unsqueeze(1), residual, final)
+    drawn = (final / noise).argmax(1, keepdim=True)  # [B, 1]
+    tokens = torch.cat([drafts, drawn], 1).scatter_(1, num_accepted.unsqueeze(1), drawn)
+    return tokens, num_accepted
+
+
+def _chain_noise_no_sync(
+    generators: Sequence[torch.Generator | None],
+    batch: int,
+    k: int,
+    vocab: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """u [B, k] ~ U[0, 1) and E [B, V] ~ Exp(1) (clamped above 0), row b from generators[b];
+    rows without a generator share one draw from the default generator."""
+    if len(generators) != batch:
+        raise ValueError(
+            f"generators has {len(generators)} entries for a batch of {batch} rows; pass one "
+            "per row (None for the default generator)"
+        )
+    for b, g in enumerate(generators):
+        if g is not None and g.device.type != device.type:
+            raise ValueError(
+                f"generators[{b}] is on {g.device} but target_probs is on {device}; create it "
+                "with make_generator(seed, target_probs.device)"
+            )
+    u = torch.empty(batch, k, dtype=torch.float32, device=device)
+    noise = torch.empty(batch, vocab, dtype=torch.float32, device=device)
+    shared = [b for b, g in enumerate(generators) if g is None]
+    if len(shared) == batch:
+        u.uniform_()
+        noise.exponential_()
+    else:
+        for b, g in enumerate(generators):
+            if g is not None:
+                u[b].uniform_(generator=g)
+                noise[b].exponential_(generator=g)
+        if shared:
+            idx = to_device_no_sync(shared, torch.long, device)
+            u.index_copy_(0, idx, torch.rand(len(shared), k, device=device))
+            noise.index_copy_(0, idx, torch.empty(len(shared), vocab, device=device).exponential_())
+    # Exp(1) can round to 0: 0/0 = nan would win the argmax on a zero-probability token.
+    return u, noise.clamp_min_(_TINY)
+
+
+def _check_chain_batch(
+    target_name: str,
+    target: torch.Tensor,
+    target_dims: int,
+    draft_tokens: torch.Tensor,
+    num_drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+) -> None:
+    """Shapes only: they are host data; checking values would sync."""
+    ok = target.dim() == target_dims and draft_tokens.dim() == 2
+    if ok:
+        batch, k = draft_tokens.shape
+        ok = tuple(target.shape[:2]) == (batch, k + 1) and tuple(num_drafts.shape) == (batch,)
+        if draft_probs is not None:
+            ok = ok and tuple(draft_probs.shape) == (batch, k, target.shape[-1])
+    if not ok:
+        named = {target_name: target, "draft_tokens": draft_tokens, "num_drafts": num_drafts}
+        if draft_probs is not None:
+            named["draft_probs"] = draft_probs
+        got = ", ".join(f"{name} {tuple(t.shape)}" for name, t in named.items())
+        want = f"{target_name} [B, 1 + k{', V' if target_dims == 3 else ''}], draft_tokens "
+        want += "[B, k], num_drafts [B]" + (", draft_probs [B, k, V]" if target_dims == 3 else "")
+        raise ValueError(f"chain batch shapes disagree: got {got}; expected {want}")

@@ -35,7 +35,7 @@ from outrider.models.eagle3_io import (
     read_tensors,
     resolve_layout,
 )
-from outrider.spec.eagle3_vocab import check_draft_vocab, draft_target_ids
+from outrider.speculative.eagle3_vocab import check_draft_vocab, draft_target_ids
 
 log = logging.getLogger(__name__)
 

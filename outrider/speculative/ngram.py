@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from itertools import repeat
 
 from outrider.core import Request
-from outrider.spec.base import SeqDrafts
+from outrider.speculative.base import SeqDrafts
 
 NgramKey = tuple[int, ...]
 
@@ -195,13 +195,17 @@ def _owned(request_id: str, seq: _SeqIndex) -> Iterator[tuple[NgramKey, tuple[st
 class NgramProposer:
     """Drafts by n-gram lookup in each request's own prompt and output (see the module doc).
 
-    Satisfies `outrider.spec.base.Proposer`. State is per request id and updated incrementally:
+    Satisfies `outrider.speculative.base.Proposer`. State is per request id and updated incrementally:
     requests only grow. A request whose tokens no longer extend what was indexed (shorter, or a
     different first or last indexed token) is re-indexed from scratch; that O(1) check misses an
     edit in the middle that keeps both ends, which the engine never makes.
     """
 
     name = "ngram"
+    on_device = False
+    aux_layers: tuple[int, ...] = ()
+    writes_kv = False
+    topk = 1
 
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
@@ -248,6 +252,9 @@ class NgramProposer:
     def observe(self, batch, output) -> None:
         """Lookup indexes the request's own tokens in `propose`; nothing to catch up on."""
 
+    def positions_needed(self, k: int) -> int:
+        return 1 + k
+
     def forget(self, request_id: str) -> None:
         """Drop a finished request's state; with the shared cache on, hand it to the cache."""
         seq = self._seqs.pop(request_id, None)
@@ -281,3 +288,14 @@ class NgramProposer:
 def _token_at(prompt: list[int], output: list[int], pos: int) -> int:
     """Token `pos` of prompt + output without building the concatenation (O(1), not O(L))."""
     return prompt[pos] if pos < len(prompt) else output[pos - len(prompt)]
+
+
+def build_ngram_proposer(config, runner=None, checkpoint=None) -> NgramProposer:
+    """config: SpecConfig (the registry's builder signature; n-gram needs no model)."""
+    return NgramProposer(
+        NgramConfig(
+            min_n=config.ngram_min_n,
+            max_n=config.ngram_max_n,
+            num_draft_tokens=config.num_draft_tokens,
+        )
+    )

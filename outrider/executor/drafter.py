@@ -1,33 +1,21 @@
-"""EAGLE-3 proposals: the draft network runs ahead of the target on the target's own features.
+"""The EAGLE-3 drafter as the runner runs it: its network, its KV pool (same block ids as the
+target's, one layer), and its forwards. The alignment of draft rows to target positions is
+drawn in speculative/eagle3.py.
 
-Alignment (C = a request's computed tokens; x_p its token at position p; h_p the target's aux
-features computed at p). The draft's row at position p takes (x_{p+1}, h_p) and predicts
-x_{p+2}, so its KV pool is indexed by the same positions as the target's and shares the
-target's block tables (one layer, same block ids; a separate pool).
-
-    after every target forward (`observe`): one EXTEND over the rows the target just made
-    valid — a prompt chunk's tokens, a decode's token, a verify's root and accepted drafts —
-    with h from that forward (no extra target forward). Its last row, at C - 1, gives d_1.
-    `propose`: chain step j (2..k) runs at position C + j - 2 on (d_{j-1}, its own pre-norm
-    hidden) over the draft KV of positions < C + j - 1, and gives d_j.
-
-The chain steps write draft KV at positions C..C+k-2, inside the slots the next VERIFY uses
-(C..C+k): the engine allocates those blocks before proposing (`writes_kv`). The next EXTEND
-overwrites them with features of the accepted tokens. A prefix-cache hit reuses the draft KV
-of the block's earlier owner too: identical except at a block's last position, whose input is
-the next block's first token; a draft-quality effect only, never a correctness one.
-
-Drafts are the draft's argmax, proposed as deterministic (one-hot) drafts: verification stays
-lossless for sampled requests too.
+Two ways in:
+- on the device, fixed shapes (executor/spec_step.py): `after_verify_no_sync` extends over a
+  verify's rows and runs the chain from the row after the last accepted one, all inside graphs;
+- eager and ragged (prefill steps, and trees): `observe` extends over what a step made valid and
+  keeps a frontier per request, `propose` drafts chains or trees from it
+  (speculative/eagle3_tree.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,9 +24,9 @@ from outrider.executor.cuda_graph import GraphRunner
 from outrider.executor.inputs import build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
-from outrider.layers.forward_context import ForwardContext, forward_context
+from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.models.eagle3 import Eagle3Draft
-from outrider.spec.base import SeqDrafts
+from outrider.speculative.base import SeqDrafts
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +42,23 @@ class _Frontier:
     logits: torch.Tensor | None  # [draft_vocab] at that row, kept for sampled requests
 
 
-class Eagle3Proposer:
+class Eagle3Drafter:
+    """Satisfies `outrider.speculative.base.Proposer` as a device drafter."""
+
     name = "eagle3"
+    on_device = True
     writes_kv = True  # chain steps write draft KV in the next verify's slots
 
     def __init__(
         self, draft: Eagle3Draft, runner, topk: int = 1, num_steps: int | None = None
     ) -> None:
         """runner: the target's ModelRunner (device, dtype, block size, backend, embedding).
-        topk 1 drafts chains of k; topk > 1 grows trees of depth num_steps (spec/eagle3_tree.py)."""
+        topk 1 drafts chains of k; topk > 1 grows trees of depth num_steps (speculative/eagle3_tree.py)."""
         self.draft = draft
         self.topk, self.num_steps = topk, num_steps
-        self.runner = runner
+        # Weak: the runner owns this drafter (a strong reference back would be a cycle that
+        # keeps the GPU memory of both until the cycle collector runs).
+        self._runner = weakref.ref(runner)
         self.device, self.block_size = runner.device, runner.block_size
         cfg = draft.config
         target = runner.model_config
@@ -147,7 +140,7 @@ class Eagle3Proposer:
         reqs = [r for _, r in live]
         frontiers = [self._frontier[r.request_id] for r in reqs]
         if self.topk > 1:
-            from outrider.spec.eagle3_tree import propose_trees
+            from outrider.speculative.eagle3_tree import propose_trees
 
             trees = propose_trees(self, reqs, frontiers, max_draft_tokens)
             for (i, _), tree in zip(live, trees):
@@ -196,18 +189,82 @@ class Eagle3Proposer:
         steps = self.num_steps or k
         return max(1 + k, (steps - 1) * self.topk if self.topk > 1 else 0)
 
+    # -- on the device, fixed shapes (the speculative step) --------------------------------
+
+    def after_verify_no_sync(
+        self,
+        meta: AttentionMetadata,  # the verify's: [B, t] rows, t = 1 + k
+        next_ids: torch.Tensor,  # [B * t] the target's argmax at each row (its next token)
+        positions: torch.Tensor,  # [B * t]
+        aux: torch.Tensor,  # [B * t, 3 * Ht] the target's aux streams at each row
+        num_accepted: torch.Tensor,  # [B]
+        starts: torch.Tensor,  # [B] each row's root position
+        block_tables: torch.Tensor,  # [B, W] int32, padded with the scratch block
+        k_draft: int,
+        backend,
+    ) -> torch.Tensor:  # [B, k_draft] int64 next drafts
+        """Extend over every verify row (rows past the accepted ones write draft KV the chain
+        overwrites before anyone reads it), then chain from row num_accepted. No host sync."""
+        b = starts.shape[0]
+        t = next_ids.shape[0] // b
+        own = AttentionMetadata(
+            meta.mode, meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.query_lens_cpu, meta.seq_lens_cpu,
+        )  # fmt: skip
+        backend.prepare(own)
+        with forward_context(ForwardContext(own, backend)):
+            normed, summed = self.draft(next_ids, positions, aux)
+        rows = torch.arange(b, device=starts.device) * t + num_accepted
+        logits = self.draft.compute_logits(normed.index_select(0, rows))
+        first = self.draft.to_target_ids(logits.argmax(dim=-1))
+        hidden = summed.index_select(0, rows)
+        return self.chain_no_sync(first, hidden, starts + num_accepted + 1, block_tables,
+                                  k_draft, backend)  # fmt: skip
+
+    def chain_no_sync(
+        self,
+        first: torch.Tensor,  # [B] the first draft (predicted at position C - 1)
+        hidden: torch.Tensor,  # [B, H] the draft's pre-norm output there
+        first_pos: torch.Tensor,  # [B] C: where chain step 2 runs
+        block_tables: torch.Tensor,  # [B, W] int32; its last column is the scratch block
+        k_draft: int,
+        backend,
+    ) -> torch.Tensor:  # [B, k_draft]
+        """Chain steps 2..k_draft, positions and slots computed on the device: step j runs at
+        C + j - 2 and sees the draft KV of positions <= its own. A position past the table
+        (the context's end) lands on the scratch block: a worse draft, never a wrong token."""
+        b = first.shape[0]
+        bs, width = self.block_size, block_tables.shape[1]
+        top = self.draft.rotary_emb.cos.shape[0] - 1
+        qsl = torch.arange(b + 1, dtype=torch.int32, device=first.device)
+        out, ids = [first], first
+        for j in range(2, k_draft + 1):
+            pos = first_pos + (j - 2)
+            col = (pos // bs).clamp(max=width - 1)
+            slots = block_tables.gather(1, col[:, None]).squeeze(1).long() * bs + pos % bs
+            lens = (pos + 1).to(torch.int32)
+            meta = AttentionMetadata(
+                ForwardMode.DRAFT, slots, qsl, lens, block_tables, [1] * b, [width * bs] * b
+            )
+            backend.prepare(meta)
+            with forward_context(ForwardContext(meta, backend)):
+                normed, hidden = self.draft(ids, pos.clamp(max=top), hidden)
+            ids = self.draft.to_target_ids(self.draft.compute_logits(normed).argmax(dim=-1))
+            out.append(ids)
+        return torch.stack(out, dim=1)
+
     # -- one draft forward ------------------------------------------------------------------
 
     def _draft_graphs(self) -> GraphRunner | None:
         """DRAFT graphs for chain steps (one token per sequence), through the same graph runner
         as the target's, captured on first use where the target runs graphs."""
-        if self._graphs is None and self.runner.graphs is not None:
-            target = self.runner.graphs
+        if self._graphs is None and self._runner().graphs is not None:
+            target = self._runner().graphs
             self._graphs = GraphRunner(
-                self.draft, self.runner.backend, max_blocks=target.max_blocks,
+                self.draft, self._runner().backend, max_blocks=target.max_blocks,
                 scratch_block=target.scratch_block, block_size=self.block_size,
                 batch_sizes=target.batch_sizes, tokens_per_seq=(1,), step=_chain_step(self.draft),
-                extra_widths={"hidden": (self.draft.config.hidden_size, self.runner.dtype)},
+                extra_widths={"hidden": (self.draft.config.hidden_size, self._runner().dtype)},
                 mode=ForwardMode.DRAFT,
             )  # fmt: skip
             self._graphs.capture()
@@ -227,7 +284,7 @@ class Eagle3Proposer:
     def run_rows(self, ids, positions, meta, hidden, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward -> (draft logits [len(rows), draft_vocab], pre-norm [len(rows), H])
         at `rows`."""
-        backend = self.runner.backend
+        backend = self._runner().backend
         backend.prepare(meta)
         with forward_context(ForwardContext(meta, backend)):
             normed, summed = self.draft(ids, positions, hidden)
@@ -254,7 +311,7 @@ class _SampledRows:
     with the drafts, so rejection sampling accepts more and stays exact. Greedy requests keep
     the argmax and deterministic drafts."""
 
-    def __init__(self, proposer: Eagle3Proposer, reqs: Sequence[Request]) -> None:
+    def __init__(self, proposer: Eagle3Drafter, reqs: Sequence[Request]) -> None:
         self.index = [i for i, r in enumerate(reqs) if not r.params.greedy]
         self.rows = [SamplingRow.of_request(reqs[i]) for i in self.index]
         self.draft = proposer.draft
@@ -286,35 +343,13 @@ class _SampledRows:
         return {b: stacked[j] for j, b in enumerate(self.index)}
 
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
-
-
-def shipped_drafter(target) -> Path:
-    """The drafter shipped in the package for `target` (a TransformerConfig): a folder under
-    outrider/data whose name contains 'eagle3' and whose config.json was written for a target of
-    this shape (outrider.target: hidden size, layers, vocabulary)."""
-    want = [target.hidden_size, target.num_hidden_layers, target.vocab_size]
-    for d in sorted(SHIPPED_DIR.glob("*eagle3*")):
-        try:
-            meta = json.loads((d / "config.json").read_text()).get("outrider", {})
-        except (OSError, ValueError):
-            continue
-        t = meta.get("target", {})
-        if [t.get("hidden_size"), t.get("num_hidden_layers"), t.get("vocab_size")] == want:
-            return d
-    raise ValueError(
-        f"no EAGLE-3 drafter ships for this model (hidden {want[0]}, {want[1]} layers, vocabulary "
-        f"{want[2]}): pass speculative={{'method': 'eagle3', 'draft': PATH}} or train one with "
-        "`outrider drafter datagen` and `outrider drafter train`"
-    )
-
-
-def build_eagle3_proposer(config, runner, checkpoint=None) -> Eagle3Proposer:
+def build_eagle3_drafter(config, runner, checkpoint=None) -> Eagle3Drafter:
     """config: SpecConfig. Loads config.draft (or the drafter shipped for the default model)
     after the doctor's static checks against the target (checkpoint: its config and tokenizer):
     a drafter for another model or tokenizer is refused here, not discovered as accept length 1."""
     from outrider.models.eagle3_io import load_drafter
-    from outrider.spec.eagle3_doctor import require_fit
+    from outrider.speculative.eagle3 import shipped_drafter
+    from outrider.speculative.eagle3_doctor import require_fit
 
     path = config.draft or shipped_drafter(runner.model_config)
     if checkpoint is not None:
@@ -322,4 +357,4 @@ def build_eagle3_proposer(config, runner, checkpoint=None) -> Eagle3Proposer:
                     "train one for it with `outrider drafter train`")  # fmt: skip
     draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype)
     log.info("EAGLE-3 drafter %s, aux layers %s", path, draft.config.aux_layers)
-    return Eagle3Proposer(draft.eval(), runner, topk=config.topk, num_steps=config.num_steps)
+    return Eagle3Drafter(draft.eval(), runner, topk=config.topk, num_steps=config.num_steps)

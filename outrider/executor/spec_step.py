@@ -1,0 +1,271 @@
+"""One speculative chain step on the device, the same shape every time, replayed as a graph.
+
+A decode-phase batch of B sequences, each verifying its root and up to k drafts, runs as
+
+    1. the target forward over [B, 1 + k] tokens (rows past a sequence's real drafts are
+       masked: their KV goes to the scratch block and they can never be accepted)
+    2. logits for every row -> argmax [B, 1 + k] -> greedy acceptance: the leading run of
+       drafts equal to the target's argmax, capped at the real drafts        (num_accepted [B])
+    3. with an EAGLE-3 drafter, its forward over the same [B, 1 + k] rows (each row's next token
+       is the target's argmax there: for accepted rows that is the accepted draft), then k - 1
+       chain steps from the row after the last accepted one, positions computed on the device
+    4. one device->host copy: tokens [B, 1 + k], num_accepted [B], next drafts [B, k]
+
+Steps 1-2 are one CUDA graph per (padded B, k), step 3 another over the first one's outputs,
+so a greedy batch replays two graphs and reads the host once. Rows that sample, penalise, ask
+for logprobs or still owe min_tokens are decided between the two replays by the exact
+per-sequence verifier (executor/verify_step.py) and written back before the drafter runs.
+
+Worked example, k = 3, a row at start position 10 with drafts [a, b, c], target argmax
+[a, b, x, y] at rows 0..3: a and b are accepted, x is the target's own token after them:
+tokens [a, b, x, .], num_accepted 2, computed tokens 10 -> 13. The drafter's row 2 (position
+12, input x) gives the first next draft; chain steps run at positions 13 and 14.
+
+Slots: a row's real tokens write KV at its own slots (allocated by the scheduler: root, real
+drafts and, for a drafter, k - 1 chain positions past the verify); everything else writes to
+the scratch block, whose contents nobody reads as a real token's context.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
+from outrider.executor.cuda_graph import StaticInputs
+from outrider.layers.attn_backends.base import AttentionBackend
+from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from outrider.transfer import to_device_no_sync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecOutput:
+    """Device tensors of one step; row b of the batch is row b here."""
+
+    tokens: torch.Tensor  # [B, 1 + k] int64: argmax per row (accepted drafts, then the target's)
+    num_accepted: torch.Tensor  # [B] int64
+    logits: torch.Tensor  # [B * (1 + k), vocab]
+    aux: torch.Tensor | None  # [B * (1 + k), n_aux * hidden] for the drafter
+    drafts: torch.Tensor | None = None  # [B, k_draft] int64 next drafts (a drafter's)
+
+
+def simple_greedy(seq: ScheduledSeq) -> bool:
+    """Whether a row's token is the plain argmax: what step 2 decides on the device."""
+    req = seq.request
+    p = req.params
+    return (
+        p.greedy
+        and not p.has_penalties
+        and p.logprobs is None
+        and len(req.output_token_ids) >= p.min_tokens
+    )
+
+
+def accept_greedy_no_sync(
+    argmax: torch.Tensor,  # [B, 1 + k] the target's argmax at each row
+    drafts: torch.Tensor,  # [B, k]
+    num_drafts: torch.Tensor,  # [B] real drafts per row (0..k)
+) -> torch.Tensor:  # [B] int64 accepted drafts
+    """Leading run of drafts equal to the argmax, capped at the real drafts; graph-safe."""
+    k = drafts.shape[1]
+    if k == 0:
+        return torch.zeros_like(num_drafts)
+    match = drafts == argmax[:, :k]
+    real = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
+    return (match & real).long().cumprod(dim=1).sum(dim=1)
+
+
+class SpecStep:
+    """Static buffers, graphs and the step function for chain speculation at one max k."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        drafter,  # executor.drafter.Eagle3Drafter or None (n-gram: drafts come from the host)
+        *,
+        max_k: int,
+        block_size: int,
+        max_blocks: int,
+        scratch_block: int,
+        max_positions: int,
+        batch_sizes: Sequence[int],
+        aux_layers: tuple[int, ...] = (),
+    ) -> None:
+        self.model, self.backend, self.drafter = model, backend, drafter
+        self.max_k, self.block_size = max_k, block_size
+        # Chain positions run up to 2k - 1 past a row's start: the table is wide enough that
+        # every index the device computes lands inside it (on the scratch block past the end).
+        self.width = max_blocks + -(-2 * max_k // block_size) + 1
+        self.scratch_block, self.max_positions = scratch_block, max_positions
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self.aux_layers = aux_layers
+        self.device = next(model.parameters()).device
+        max_b = self.batch_sizes[-1]
+        self.inputs = StaticInputs.allocate(max_b, max_b * (1 + max_k), self.width, self.device)
+        self.num_drafts = torch.zeros(max_b, dtype=torch.int64, device=self.device)
+        self.graphs: dict[tuple[int, int, int], tuple] = {}  # -> (verify, draft or None, out)
+        self.pool = None
+
+    # -- host -> static buffers ----------------------------------------------------------------
+
+    def padded_batch(self, b: int) -> int | None:
+        return next((s for s in self.batch_sizes if s >= b), None)
+
+    def load(self, batch: ScheduledBatch, k: int, padded: int) -> None:
+        """Copy the batch's rows into the static buffers as [padded, 1 + k]: drafts past k
+        are dropped, missing ones masked; rows past len(batch.seqs) are all scratch."""
+        t = 1 + k
+        bs, scratch = self.block_size, self.scratch_block
+        ids, pos, slots, lens, nd, tables = [], [], [], [], [], []
+        top = self.max_positions - 1
+        for s in batch.seqs:
+            n = min(k, s.query_len - 1)
+            start = s.start_pos
+            row = s.token_ids[: 1 + n]
+            ids += row + [row[0]] * (k - n)
+            pos += [min(start + i, top) for i in range(t)]
+            table = s.block_ids
+            for i in range(t):
+                p = start + i
+                real = i <= n and p // bs < len(table)
+                slots.append(table[p // bs] * bs + p % bs if real else scratch * bs + i)
+            lens.append(start + t)
+            nd.append(n)
+            tables.append(table[: self.width] + [scratch] * (self.width - len(table)))
+        for _ in range(len(batch.seqs), padded):  # padding rows: t tokens in the scratch block
+            ids += [0] * t
+            pos += list(range(t))
+            slots += [scratch * bs + i for i in range(t)]
+            lens.append(t)
+            nd.append(0)
+            tables.append([scratch] * self.width)
+        n_tok = padded * t
+        s = self.inputs
+        dev = self.device
+        s.input_ids[:n_tok].copy_(to_device_no_sync(ids, torch.int64, dev), non_blocking=True)
+        s.positions[:n_tok].copy_(to_device_no_sync(pos, torch.int64, dev), non_blocking=True)
+        s.slot_mapping[:n_tok].copy_(to_device_no_sync(slots, torch.int64, dev), non_blocking=True)
+        s.seq_lens[:padded].copy_(to_device_no_sync(lens, torch.int32, dev), non_blocking=True)
+        s.block_tables[:padded].copy_(
+            to_device_no_sync(tables, torch.int32, dev), non_blocking=True
+        )
+        self.num_drafts[:padded].copy_(to_device_no_sync(nd, torch.int64, dev), non_blocking=True)
+
+    def _metadata(self, padded: int, k: int) -> AttentionMetadata:
+        t = 1 + k
+        s = self.inputs
+        qsl = torch.arange(0, (padded + 1) * t, t, dtype=torch.int32, device=self.device)
+        s.query_start_loc[: padded + 1].copy_(qsl)
+        return AttentionMetadata(
+            mode=ForwardMode.VERIFY if k else ForwardMode.DECODE,
+            slot_mapping=s.slot_mapping[: padded * t],
+            query_start_loc=s.query_start_loc[: padded + 1],
+            seq_lens=s.seq_lens[:padded],
+            block_tables=s.block_tables[:padded],
+            query_lens_cpu=[t] * padded,
+            # Lengths come from device tensors (graph-safe backends); on the CPU the reference
+            # backend reads them from the host lists, filled by _host_lengths.
+            seq_lens_cpu=[self.width * self.block_size] * padded,
+        )
+
+    def _host_lengths(self, meta: AttentionMetadata) -> None:
+        """The reference backend plans per sequence from host lengths; on the CPU reading the
+        tensor costs nothing (no device to wait for)."""
+        if self.device.type == "cpu":
+            meta.seq_lens_cpu = meta.seq_lens.tolist()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def verify_no_sync(self, padded: int, k: int) -> SpecOutput:
+        """Steps 1-2 on the static buffers."""
+        t = 1 + k
+        s = self.inputs
+        meta = self._metadata(padded, k)
+        self._host_lengths(meta)
+        ids = s.input_ids[: padded * t]
+        self.backend.prepare(meta)
+        with forward_context(ForwardContext(meta, self.backend)):
+            hidden, aux = self.model(ids, s.positions[: padded * t], self.aux_layers)
+        logits = self.model.compute_logits(hidden)  # [padded * t, vocab]
+        argmax = logits.argmax(dim=-1).view(padded, t)
+        accepted = accept_greedy_no_sync(
+            argmax, ids.view(padded, t)[:, 1:], self.num_drafts[:padded]
+        )
+        aux_cat = torch.cat(aux, dim=-1) if aux else None
+        return SpecOutput(argmax, accepted, logits, aux_cat)
+
+    def draft_no_sync(self, out: SpecOutput, padded: int, k: int, k_draft: int) -> torch.Tensor:
+        """Step 3: the drafter over the verify's rows, then the chain -> [padded, k_draft]."""
+        t = 1 + k
+        s = self.inputs
+        meta = self._metadata(padded, k)
+        self._host_lengths(meta)
+        positions = s.positions[: padded * t]
+        starts = positions.view(padded, t)[:, 0]
+        return self.drafter.after_verify_no_sync(
+            meta, out.tokens.reshape(-1), positions, out.aux, out.num_accepted, starts,
+            s.block_tables[:padded], k_draft, self.backend,
+        )  # fmt: skip
+
+    # -- graphs -----------------------------------------------------------------------------
+
+    def capture(self, ks: Sequence[int]) -> None:
+        """Per (padded B, k): a verify graph and, with a drafter, a draft graph reading the
+        verify graph's outputs; largest first into one memory pool."""
+        for k in sorted(ks, reverse=True):
+            for b in reversed(self.batch_sizes):
+                self._capture(b, k)
+        log.info("captured %d speculative step graphs", len(self.graphs))
+
+    def _capture(self, padded: int, k: int) -> None:
+        k_draft = k if self.drafter is not None else 0
+        self.load(ScheduledBatch(ForwardMode.VERIFY, []), k, padded)
+        with torch.inference_mode():
+            for _ in range(2):  # warm up outside the capture (autotuning, lazy inits)
+                out = self.verify_no_sync(padded, k)
+                if k_draft:
+                    self.draft_no_sync(out, padded, k, k_draft)
+            torch.cuda.synchronize()
+            verify = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(verify, pool=self.pool):
+                out = self.verify_no_sync(padded, k)
+            if self.pool is None:
+                self.pool = verify.pool()
+            draft = None
+            if k_draft:
+                draft = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(draft, pool=self.pool):
+                    out.drafts = self.draft_no_sync(out, padded, k, k_draft)
+        self.graphs[(padded, k, k_draft)] = (verify, draft, out)
+
+    def run_no_sync(
+        self, batch: ScheduledBatch, k: int, k_draft: int, fixup=None
+    ) -> tuple[SpecOutput, int]:
+        """Load the batch and run the step (graphs where captured, else eagerly) -> (outputs
+        for the padded batch, padded B). `fixup(out)`, when given, runs between acceptance and
+        drafting and rewrites out.tokens / out.num_accepted in place for rows that are not
+        plain greedy; the drafter then starts from what it decided."""
+        padded = self.padded_batch(len(batch.seqs)) or len(batch.seqs)
+        self.load(batch, k, padded)
+        captured = self.graphs.get((padded, k, k_draft))
+        with torch.inference_mode():
+            if captured is not None:
+                verify, draft, out = captured
+                verify.replay()
+                if fixup is not None:
+                    fixup(out)
+                if draft is not None:
+                    draft.replay()
+                return out, padded
+            out = self.verify_no_sync(padded, k)
+            if fixup is not None:
+                fixup(out)
+            if k_draft:
+                out.drafts = self.draft_no_sync(out, padded, k, k_draft)
+        return out, padded

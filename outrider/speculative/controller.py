@@ -1,0 +1,343 @@
+"""Adaptive speculation: how many drafts k the next step verifies, so that speculation runs only
+where it beats plain decoding on this machine ("never lose").
+
+A StepProfile, measured once per (machine, model, drafter, dtype), says what one whole engine
+step costs at each padded batch size and k; acceptance averages, updated after every verify, say
+how many tokens each k should yield. One k serves the whole batch (verify graphs are captured per
+(batch, 1 + k), so a mixed batch would pad to its largest k anyway).
+
+Model: a_i = P(draft i accepted | drafts 1..i-1 accepted), an exponential moving average per
+request, plus an engine-wide one that requests never observed use.
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j     tokens per step, the target's own token included
+    a = [0.8, 0.5]:  E(0) = 1,  E(1) = 1 + 0.8 = 1.8,  E(2) = 1.8 + 0.8 * 0.5 = 2.2
+
+A verify of n drafts with the first m accepted updates positions 1..min(m + 1, n): accepts at
+1..m, a reject at m + 1; later positions saw nothing and keep their value. A position never
+observed reads as the deepest observed one (`prior` before any): choosing k observes nothing past
+k, so with the prior there a drafter that always matches could stall below the best k (step ms
+10 + 3k, full acceptance, prior 0.6: stuck at k = 2, 21% slower than k = 4).
+
+Decision: throughput(k) = sum_r E_r(k) / step_ms(B, k). The best k wins unless the previous
+decision is within `hysteresis` of it (relative), so noise does not switch graphs every step;
+but a k > 0 is never returned unless its throughput is strictly above plain's.
+
+Exploration, and what it costs: while k = 0 nothing is verified, so the averages freeze at the
+values that turned speculation off and a drafter that starts matching again (a new conversation,
+a copy-heavy answer) would never be noticed. So once the plain steps since the last speculative
+one have taken `probe_every` times as long as a step at the best k > 0, that k is returned once
+(a probe) and its verify refreshes the averages. A probe of a drafter that never matches still
+yields one token per request, so it only loses its extra time, (ms_k - ms_0) / ms_k of one step
+in every probe_every + 1 or more: under 1 / (probe_every + 1) of the time (1.5% at 64; 0.2% when
+verify costs 15% more than plain). No probes when no k could beat plain even at full acceptance.
+
+Cost, host-side and sync-free: at B = 256, max_k = 4 (Python 3.11, a shared 2-core VM) a choose
+takes 30 us and the step's 256 observes 0.6 ms. Call forget() when a request finishes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Measured milliseconds of one whole engine step on this machine, by padded batch size and k:
+    k = 0 is the plain decode step; k >= 1 is the whole speculative step (target verify of 1 + k
+    tokens per sequence + acceptance + the drafter's forwards for the next k drafts).
+
+    Invariants (checked): batch sizes >= 1, every batch size measures the same k's, k = 0 among
+    them, every time finite and > 0. Keys are normalized to sorted ints, so JSON's string keys
+    load as they were saved. `key` says what the table was measured for (machine, model,
+    drafter, dtype, ...): a cached table with another key is stale. Not hashable (dict fields)."""
+
+    ms: dict[int, dict[int, float]]  # batch_size -> {k: ms}
+    key: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ms = {int(b): {int(k): float(t) for k, t in row.items()} for b, row in self.ms.items()}
+        ms = {b: dict(sorted(ms[b].items())) for b in sorted(ms)}
+        if not ms or min(ms) < 1:
+            raise ValueError(
+                f"invalid step profile batch sizes {list(ms)}: measure at least one batch size "
+                ">= 1 (the padded sizes decode graphs are captured for)"
+            )
+        ks = list(ms[min(ms)])
+        for b, row in ms.items():
+            if list(row) != ks:
+                raise ValueError(
+                    f"step profile measures k {list(row)} at batch size {b} but {ks} at batch "
+                    f"size {min(ms)}: measure the same k's at every batch size"
+                )
+            bad = {k: t for k, t in row.items() if not (math.isfinite(t) and t > 0)}
+            if bad:
+                raise ValueError(f"step profile at batch size {b} has invalid times {bad} (ms)")
+        if 0 not in ks:
+            raise ValueError(
+                f"step profile measures k {ks} but not k = 0: the plain decode step is what "
+                "speculation has to beat, measure it too"
+            )
+        object.__setattr__(self, "ms", ms)
+        object.__setattr__(self, "key", {str(k): str(v) for k, v in self.key.items()})
+
+    @property
+    def ks(self) -> list[int]:
+        return list(next(iter(self.ms.values())))
+
+    def step_ms(self, batch_size: int, k: int) -> float:
+        """Cost of a step of batch_size sequences at k: the smallest measured batch size >=
+        batch_size (graphs are padded up to it); above the largest, linear from the two largest."""
+        if batch_size < 1:
+            raise ValueError(f"invalid batch_size={batch_size}: a step has at least 1 sequence")
+        sizes = list(self.ms)
+        if k not in self.ms[sizes[0]]:
+            raise ValueError(
+                f"k={k} is not in the step profile (measured k: {self.ks}): choose one of "
+                "those, or measure the profile again with this k"
+            )
+        i = bisect.bisect_left(sizes, batch_size)
+        if i < len(sizes) or len(sizes) == 1:  # one point: no slope to extrapolate with
+            return self.ms[sizes[min(i, len(sizes) - 1)]][k]
+        b1, b2 = sizes[-2:]
+        t1, t2 = self.ms[b1][k], self.ms[b2][k]
+        # Measurement noise can make the slope negative; more sequences never make a step cheaper.
+        slope = max(0.0, (t2 - t1) / (b2 - b1))
+        return t2 + slope * (batch_size - b2)
+
+    def to_json(self) -> str:
+        ms = {str(b): {str(k): t for k, t in row.items()} for b, row in self.ms.items()}
+        return json.dumps({"key": self.key, "ms": ms}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> StepProfile:
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("ms"), dict):
+            raise ValueError('a step profile is a JSON object {"key": {...}, "ms": {...}}')
+        return cls(ms=data["ms"], key=data.get("key") or {})
+
+    def save(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename: engines sharing a cache directory never read half a file.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, key: Mapping[str, str] | None = None
+    ) -> StepProfile | None:
+        """The profile saved at path; None when there is none or it was measured for another key
+        (then measure again). A file that is not a profile raises rather than being re-measured
+        over silently."""
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            profile = cls.from_json(text)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"unreadable step profile {path}: {e}; delete it to measure again"
+            ) from e
+        if key is not None and profile.key != {str(k): str(v) for k, v in key.items()}:
+            return None
+        return profile
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j, with acceptance[i - 1] = a_i."""
+    if not 0 <= k <= len(acceptance):
+        raise ValueError(f"k={k} needs acceptance at positions 1..{k}, got {len(acceptance)}")
+    return _cumulative(acceptance[:k])[k]
+
+
+def _cumulative(acceptance: Sequence[float]) -> list[float]:
+    """[E(0), E(1), ..., E(len(acceptance))] in one pass."""
+    out, p = [1.0], 1.0
+    for a in acceptance:
+        p *= a
+        out.append(out[-1] + p)
+    return out
+
+
+class SpecController:
+    """Chooses k before every decode step; see the module docstring for the model and the cost.
+    Call choose() once per step, observe() after each request's verify, forget() at finish."""
+
+    def __init__(
+        self,
+        profile: StepProfile,
+        max_k: int,
+        *,
+        ks: Sequence[int] | None = None,
+        hysteresis: float = 0.05,
+        ema: float = 0.1,
+        probe_every: int = 64,
+        prior: float = 0.6,
+    ) -> None:
+        if max_k < 0:
+            raise ValueError(f"invalid max_k={max_k}: use 0 (never speculate) or more")
+        if not 0 < ema <= 1:
+            raise ValueError(f"invalid ema={ema}: use a weight in (0, 1], e.g. 0.1")
+        if not 0 <= prior <= 1:
+            raise ValueError(f"invalid prior={prior}: it is a probability, e.g. 0.6")
+        if hysteresis < 0:
+            raise ValueError(f"invalid hysteresis={hysteresis}: use a fraction >= 0, e.g. 0.05")
+        if probe_every < 1:
+            raise ValueError(f"invalid probe_every={probe_every}: use an integer >= 1, e.g. 64")
+        if ks is not None and max(ks, default=0) > max_k:
+            raise ValueError(f"ks={list(ks)} go past max_k={max_k}: drop them or raise max_k")
+        self.max_k, self.hysteresis, self.ema = max_k, hysteresis, ema
+        self.probe_every, self.prior = probe_every, prior
+        self._ks_given = None if ks is None else sorted(set(ks) | {0})
+        self.set_profile(profile)
+        self._global: list[float] = []  # observed prefix a_1..a_d, engine-wide
+        self._global_expect: list[float] | None = None  # E(0..max_k) engine-wide, lazily
+        self._accept: dict[str, list[float]] = {}
+        self._expect: dict[str, list[float]] = {}  # E(0..max_k) per request, kept fresh
+        self._decision: int | None = None  # the last choice before probing, what hysteresis holds
+        self._plain_ms = 0.0  # time in plain steps since the last speculative one
+        self._last_k, self._last_probe, self._last_batch = 0, False, 0
+        self._last_tps: dict[int, float] = {}
+        self._steps: dict[int, int] = {}
+        self._probes = 0
+
+    @property
+    def profile(self) -> StepProfile:
+        return self._profile
+
+    def set_profile(self, profile: StepProfile) -> None:
+        """Use another cost table (re-measured, or another machine's); acceptance is kept."""
+        if self._ks_given is None:
+            ks = [0, *(k for k in profile.ks if 1 <= k <= self.max_k)]
+            if self.max_k >= 1 and ks == [0]:
+                raise ValueError(
+                    f"step profile measures k {profile.ks}, none in 1..max_k={self.max_k}: "
+                    "measure it with those k, or pass ks=[0] to never speculate"
+                )
+        else:
+            ks = self._ks_given
+            missing = [k for k in ks if k not in profile.ks]
+            if missing:
+                raise ValueError(
+                    f"ks {missing} are not in the step profile (measured k: {profile.ks}): "
+                    "measure them, or leave ks=None to use the measured ones"
+                )
+        self._profile, self._ks = profile, ks
+
+    def choose(self, request_ids: Sequence[str]) -> int:
+        """k for the next step of a batch of these requests (len = batch size). An empty batch
+        gets 0 and changes nothing."""
+        batch = len(request_ids)
+        if batch == 0:
+            return 0
+        rows = map(self._expect.get, request_ids, repeat(self._engine_expect()))
+        totals = list(map(sum, zip(*rows)))  # sum_r E_r(k), k = 0..max_k
+        step_ms = self._profile.step_ms
+        tps = {k: totals[k] / step_ms(batch, k) for k in self._ks}  # tokens per ms
+        plain, best = tps[0], 0
+        for k in self._ks:  # ascending: ties go to the smaller (cheaper, safer) k
+            if tps[k] > tps[best]:
+                best = k
+        prev = self._decision
+        keep = (
+            prev in tps
+            and (prev == 0 or tps[prev] > plain)  # hysteresis never holds a losing k
+            and tps[best] <= tps[prev] * (1 + self.hysteresis)
+        )
+        self._decision = k = prev if keep else best
+        probe = False
+        if k == 0 and len(self._ks) > 1:
+            probe_k = max(self._ks[1:], key=tps.__getitem__)
+            probe = self._plain_ms >= self.probe_every * step_ms(batch, probe_k) and any(
+                (1 + j) * step_ms(batch, 0) > (1 + self.hysteresis) * step_ms(batch, j)
+                for j in self._ks[1:]
+            )
+            if probe:
+                k = probe_k
+        self._plain_ms = self._plain_ms + step_ms(batch, 0) if k == 0 else 0.0
+        self._last_k, self._last_probe, self._last_batch = k, probe, batch
+        self._last_tps = {j: t * 1e3 for j, t in tps.items()}
+        self._steps[k] = self._steps.get(k, 0) + 1
+        self._probes += probe
+        return k
+
+    def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """After a verify: num_drafts drafts were verified and the first num_accepted accepted.
+        A drafter that proposed fewer than the k chosen should report num_drafts = k: the missing
+        drafts yielded no tokens, like rejections. Positions past max_k are not modeled."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(
+                f"invalid verify of {request_id!r}: num_accepted={num_accepted} of "
+                f"num_drafts={num_drafts}; need 0 <= num_accepted <= num_drafts"
+            )
+        n = min(num_drafts, self.max_k)
+        if n == 0:
+            return
+        mine = self._accept.get(request_id)
+        if mine is None:  # first verify: start from what the engine has seen so far
+            mine = self._accept[request_id] = list(self._global)
+        for a in (mine, self._global):
+            self._update(a, n, min(num_accepted, n))
+        self._expect[request_id] = self._expectations(mine)
+        self._global_expect = None  # B observes a step: recomputed once, when next read
+
+    def forget(self, request_id: str) -> None:
+        self._accept.pop(request_id, None)
+        self._expect.pop(request_id, None)
+
+    def expected(self, request_id: str, k: int) -> float:
+        """E(k) for this request now (the engine-wide average if it was never observed)."""
+        if not 0 <= k <= self.max_k:
+            raise ValueError(f"k={k} is outside 0..max_k={self.max_k}")
+        return (self._expect.get(request_id) or self._engine_expect())[k]
+
+    @property
+    def last_k(self) -> int:
+        return self._last_k
+
+    def snapshot(self) -> dict:
+        """For /metrics and request metrics: the last choice (and whether it was a probe), the
+        expected tokens/s of each candidate k at that choice, steps per k chosen, probes, and the
+        engine-wide a_1..a_max_k."""
+        return {
+            "k": self._last_k,
+            "probe": self._last_probe,
+            "batch_size": self._last_batch,
+            "tokens_per_s": dict(self._last_tps),
+            "steps": dict(sorted(self._steps.items())),
+            "probes": self._probes,
+            "acceptance": self._full(self._global),
+        }
+
+    def _engine_expect(self) -> list[float]:
+        if self._global_expect is None:
+            self._global_expect = self._expectations(self._global)
+        return self._global_expect
+
+    def _full(self, a: list[float]) -> list[float]:
+        """a_1..a_max_k: unobserved positions read as the deepest observed one (or the prior)."""
+        return a + [a[-1] if a else self.prior] * (self.max_k - len(a))
+
+    def _expectations(self, a: list[float]) -> list[float]:
+        return _cumulative(self._full(a))  # [E(0), ..., E(max_k)]
+
+    def _update(self, a: list[float], n: int, m: int) -> None:
+        """EMA step: accepts at positions 1..m, a reject at m + 1 if m < n (0-based below); a
+        grows when a deeper position is first seen, starting from what it read as before."""
+        depth = min(m + 1, n)
+        if len(a) < depth:
+            a.extend([a[-1] if a else self.prior] * (depth - len(a)))
+        w = self.ema
+        for i in range(m):
+            a[i] += w * (1.0 - a[i])
+        if m < n:
+            a[m] -= w * a[m]

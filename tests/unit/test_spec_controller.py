@@ -1,0 +1,235 @@
+"""SpecController and StepProfile: the E(k) formula, the acceptance averages, turning speculation
+off on a slow verify table and back on with a fast one, the never-lose bound for a drafter that
+never matches, reaching the best k for one that always does, hysteresis, and the profile's
+padding, extrapolation and JSON cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from outrider.speculative.controller import SpecController, StepProfile, expected_tokens
+
+SIZES = (1, 4, 16)
+
+
+def table(plain: float, per_k: float, max_k: int = 4, square: float = 0.0) -> StepProfile:
+    """ms(B, k) = (plain + per_k * k + square * k^2) * (1 + B / 64): a step dearer with k and B."""
+    return StepProfile(
+        {
+            b: {k: (plain + per_k * k + square * k * k) * (1 + b / 64) for k in range(max_k + 1)}
+            for b in SIZES
+        }
+    )
+
+
+FAST = table(10.0, 1.5)  # verify barely dearer than plain: speculation pays at decent acceptance
+SLOW = StepProfile({b: {k: 10.0 * (10.0 if k else 1.0) for k in range(5)} for b in SIZES})
+
+
+def throughput(profile: StepProfile, batch: int, k: int, accept: float) -> float:
+    """Tokens per ms of a batch whose requests all have conditional acceptance `accept`."""
+    return batch * expected_tokens([accept] * k, k) / profile.step_ms(batch, k)
+
+
+def test_expected_tokens_by_hand():
+    a = [0.8, 0.5, 0.25]
+    assert expected_tokens(a, 0) == 1.0
+    assert expected_tokens(a, 1) == pytest.approx(1.8)
+    assert expected_tokens(a, 2) == pytest.approx(1 + 0.8 + 0.8 * 0.5)  # 2.2
+    assert expected_tokens(a, 3) == pytest.approx(2.2 + 0.8 * 0.5 * 0.25)  # 2.3
+    with pytest.raises(ValueError, match="k=4"):
+        expected_tokens(a, 4)
+
+
+def test_observe_updates_accepts_then_one_reject_and_nothing_after():
+    c = SpecController(FAST, 4, ema=0.5, prior=0.6)
+    assert c.expected("r", 4) == pytest.approx(expected_tokens([0.6] * 4, 4))
+    # 3 drafts, first accepted: position 1 accept, position 2 reject, position 3 unseen.
+    c.observe("r", 3, 1)
+    a1, a2 = 0.6 + 0.5 * (1 - 0.6), 0.6 + 0.5 * (0 - 0.6)
+    # Positions never observed read as the deepest observed one.
+    assert c.expected("r", 4) == pytest.approx(expected_tokens([a1, a2, a2, a2], 4))
+    # All 2 drafts accepted: positions 1 and 2 accept, no reject.
+    c.observe("r", 2, 2)
+    b1, b2 = a1 + 0.5 * (1 - a1), a2 + 0.5 * (1 - a2)
+    assert c.expected("r", 4) == pytest.approx(expected_tokens([b1, b2, b2, b2], 4))
+    assert c.snapshot()["acceptance"] == pytest.approx([b1, b2, b2, b2])
+    c.observe("r", 0, 0)  # nothing verified: nothing learned
+    assert c.expected("r", 4) == pytest.approx(expected_tokens([b1, b2, b2, b2], 4))
+    with pytest.raises(ValueError, match="num_accepted=3 of num_drafts=2"):
+        c.observe("r", 2, 3)
+
+
+def test_unseen_request_uses_the_global_average():
+    c = SpecController(FAST, 4, prior=0.6)
+    for _ in range(20):
+        c.observe("good", 4, 4)
+    # Only "good" was observed, so the engine-wide average followed the same path.
+    for k in range(5):
+        assert c.expected("new", k) == pytest.approx(c.expected("good", k))
+    good = [c.expected("good", k) for k in range(5)]
+    for _ in range(20):
+        c.observe("bad", 4, 0)
+        c.observe("other", 4, 4)  # a second request, so that the global is not just "bad"
+    # "bad" moved the global average but not "good"'s own.
+    assert [c.expected("good", k) for k in range(5)] == good
+    assert c.expected("bad", 2) < c.expected("new", 2) < c.expected("good", 2)
+    assert SpecController(FAST, 4).choose(["x"]) > 0  # the prior alone pays on FAST
+    assert c.choose(["good"]) > 0
+    c2 = SpecController(FAST, 4)
+    for _ in range(40):
+        c2.observe("bad", 4, 0)
+    assert c2.choose(["bad"]) == 0
+    c.forget("good")
+    assert c.expected("good", 3) == c.expected("new", 3)
+
+
+def test_slow_verify_turns_speculation_off_and_a_fast_one_back_on():
+    batch = [f"r{i}" for i in range(4)]
+    c = SpecController(FAST, 4)
+    for rid in batch:
+        for _ in range(50):
+            c.observe(rid, 4, 4)
+    assert c.choose(batch) > 0
+    c.set_profile(SLOW)  # a verify 10x plain: even 5 tokens a step cannot pay
+    assert all(c.choose(batch) == 0 for _ in range(500)), "slow verify must stay off, probes too"
+    assert c.snapshot()["probes"] == 0
+    c.set_profile(FAST)
+    assert c.choose(batch) > 0
+    fresh = SpecController(SLOW, 4, prior=1.0)
+    assert fresh.choose(batch) == 0
+
+
+def test_ties_with_plain_lose():
+    # Full acceptance at k = 1 gives 2 tokens for exactly twice the time: no gain, so plain.
+    profile = StepProfile({b: {0: 5.0, 1: 10.0} for b in SIZES})
+    c = SpecController(profile, 1, prior=1.0, hysteresis=0.0)
+    assert [c.choose(["a", "b"]) for _ in range(300)] == [0] * 300
+
+
+def test_drafter_that_never_matches_stays_within_5_percent_of_plain():
+    batch, probe_every = [f"r{i}" for i in range(8)], 64
+    c = SpecController(FAST, 4, probe_every=probe_every)
+    tokens = ms = 0.0
+    chosen = []
+    for _ in range(1000):
+        k = c.choose(batch)
+        chosen.append(k)
+        tokens += len(batch)  # nothing accepted: one token per request, whatever k
+        ms += FAST.step_ms(len(batch), k)
+        for rid in batch:
+            if k:
+                c.observe(rid, k, 0)
+    plain = len(batch) / FAST.step_ms(len(batch), 0)
+    assert tokens / ms >= 0.95 * plain
+    # It turned off, then only probed: at most one k > 0 per probe_every plain steps.
+    late = sum(k > 0 for k in chosen[100:])
+    assert 1 <= late <= len(chosen[100:]) // probe_every + 1
+    assert c.snapshot()["probes"] >= 1
+
+    # The drafter starts matching: probes notice, and speculation comes back on.
+    for _ in range(600):
+        k = c.choose(batch)
+        for rid in batch:
+            if k:
+                c.observe(rid, k, k)
+    assert all(c.choose(batch) > 0 for _ in range(20))
+
+
+@pytest.mark.parametrize("profile", [table(10.0, 3.0), table(10.0, 0.0, square=1.5)])
+def test_drafter_that_always_matches_reaches_the_best_k(profile):
+    batch = [f"r{i}" for i in range(4)]
+    rates = {k: throughput(profile, len(batch), k, 1.0) for k in range(5)}
+    best = max(rates, key=rates.__getitem__)
+    runner_up = max(t for k, t in rates.items() if k != best)
+    assert rates[best] > 1.05 * runner_up, "the test needs a best k that hysteresis cannot hide"
+    c = SpecController(profile, 4)
+    chosen = []
+    for _ in range(300):
+        k = c.choose(batch)
+        chosen.append(k)
+        for rid in batch:
+            c.observe(rid, k, k)
+    assert chosen[-100:] == [best] * 100
+    snap = c.snapshot()
+    assert snap["k"] == c.last_k == best
+    assert max(snap["tokens_per_s"], key=snap["tokens_per_s"].__getitem__) == best
+    assert sum(snap["steps"].values()) == 300
+
+
+def flips(hysteresis: float) -> int:
+    """Switches of k over a run where k = 2 and k = 3 nearly tie at acceptance 0.7."""
+    profile = table(10.0, 2.3)
+    rng = random.Random(0)
+    batch = [f"r{i}" for i in range(4)]
+    c = SpecController(profile, 4, hysteresis=hysteresis)
+    chosen = []
+    for _ in range(500):
+        k = c.choose(batch)
+        chosen.append(k)
+        for rid in batch:
+            m = 0
+            while m < k and rng.random() < 0.7:
+                m += 1
+            c.observe(rid, k, m)
+    late = chosen[100:]
+    return sum(a != b for a, b in zip(late, late[1:]))
+
+
+def test_hysteresis_keeps_the_choice_through_noise():
+    profile = table(10.0, 2.3)
+    assert throughput(profile, 4, 2, 0.7) == pytest.approx(throughput(profile, 4, 3, 0.7), rel=0.01)
+    noisy = flips(0.0)
+    assert noisy >= 10, "without hysteresis the noise should flip the choice (test premise)"
+    assert flips(0.05) <= 2
+
+
+def test_step_ms_pads_to_the_next_measured_size_and_extrapolates():
+    p = StepProfile({4: {0: 2.0, 2: 3.0}, 1: {0: 1.0, 2: 1.5}, 8: {0: 3.0, 2: 5.0}})
+    assert list(p.ms) == [1, 4, 8] and p.ks == [0, 2]
+    assert p.step_ms(1, 0) == 1.0
+    assert p.step_ms(2, 2) == 3.0  # padded up to 4
+    assert p.step_ms(4, 2) == 3.0
+    assert p.step_ms(5, 0) == 3.0
+    assert p.step_ms(16, 2) == pytest.approx(5.0 + (16 - 8) * (5.0 - 3.0) / (8 - 4))
+    assert p.step_ms(12, 0) == pytest.approx(3.0 + (12 - 8) * (3.0 - 2.0) / (8 - 4))
+    with pytest.raises(ValueError, match=r"k=1 .*\[0, 2\]"):
+        p.step_ms(4, 1)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        p.step_ms(0, 0)
+    # Noise can make the larger size faster; extrapolation never goes below the largest.
+    noisy = StepProfile({4: {0: 3.0}, 8: {0: 2.5}})
+    assert noisy.step_ms(64, 0) == 2.5
+
+
+def test_profile_validation():
+    with pytest.raises(ValueError, match="k = 0"):
+        StepProfile({1: {1: 2.0}})
+    with pytest.raises(ValueError, match="same k's"):
+        StepProfile({1: {0: 1.0, 1: 2.0}, 8: {0: 1.0}})
+    with pytest.raises(ValueError, match="invalid times"):
+        StepProfile({1: {0: 0.0}})
+    with pytest.raises(ValueError, match="batch sizes"):
+        StepProfile({})
+    with pytest.raises(ValueError, match=r"ks \[3\]"):
+        SpecController(StepProfile({1: {0: 1.0, 1: 1.1}}), 4, ks=[1, 3])
+    with pytest.raises(ValueError, match="none in 1..max_k=4"):
+        SpecController(StepProfile({1: {0: 1.0}}), 4)
+
+
+def test_profile_json_round_trip_and_load(tmp_path):
+    key = {"machine": "h200", "model": "llama-3.1-8b", "drafter": "eagle3", "dtype": "bfloat16"}
+    p = StepProfile({1: {0: 1.0, 1: 1.25}, 8: {0: 1.5, 1: 2.0}}, key=key)
+    q = StepProfile.from_json(p.to_json())
+    assert q == p and all(isinstance(b, int) for b in q.ms) and list(q.ms[8]) == [0, 1]
+    path = tmp_path / "cache" / "profile.json"
+    assert StepProfile.load(path) is None  # missing
+    p.save(path)
+    assert StepProfile.load(path) == p
+    assert StepProfile.load(path, key) == p
+    assert StepProfile.load(path, {**key, "dtype": "float16"}) is None
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="delete it"):
+        StepProfile.load(path)
