@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Written from a clean commit before a run on a machine that gets a copy of the tree without
-# .git (the remote GPU machines), where `git rev-parse` has no answer: one line, the hash.
+# Written from a clean commit (`git rev-parse HEAD > benchmarks/.commit`) before a run on a
+# machine that gets a copy of the tree without its history (the remote GPU machines), where git
+# has no answer or a stale one: one line, the hash. Ignored by git.
 COMMIT_FILE = Path(__file__).resolve().parent / ".commit"
 
 
@@ -42,15 +43,19 @@ def metadata() -> dict:
         )
     except OSError:
         commit, dirty = None, None
+    git = {"head": commit, "dirty": dirty}
     if commit is None:  # no repository here: `git status` said nothing, which is not "clean"
         dirty = None
-        if COMMIT_FILE.is_file():
-            commit, dirty = COMMIT_FILE.read_text().strip() or None, False
+    if COMMIT_FILE.is_file() and (commit is None or dirty):
+        # A copy of the tree whose .git (if any) is not the one the file was written from: the
+        # remote machines carry the session's first checkout beside the working tree.
+        commit, dirty = COMMIT_FILE.read_text().strip() or None, False
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit,
         "dirty": dirty,
+        "git_here": git,  # what git said where the benchmark ran
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),

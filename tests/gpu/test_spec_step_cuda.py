@@ -49,11 +49,11 @@ def _count_steady_state(llm: LLM, prompts, params) -> tuple[int, list[int], int]
     if drafter is not None:
         handles.append(drafter.draft.register_forward_pre_hook(hook))
     reqs = [engine.add_request(p, params) for p in prompts]
-    for _ in range(200):
-        prefilling = any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs)
-        if not prefilling and all(r.drafts for r in reqs if not r.is_finished):
+    for _ in range(200):  # every prompt prefilled, then one more step to draft after it
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
             break
         engine.step()
+    engine.step()
     calls[0] = 0
     syncs, steps = [], 0
     torch.cuda.set_sync_debug_mode("warn")
