@@ -279,8 +279,9 @@ class EngineCore:
         requests asking for logprobs, which decode plainly)."""
         for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
             req = seq.request
-            if not req.is_finished and req.params.logprobs is None:
-                req.drafts = SeqDrafts.chain(drafts)
+            n = min(len(drafts), self._room(req))
+            if not req.is_finished and req.params.logprobs is None and n > 0:
+                req.drafts = SeqDrafts.chain(drafts[:n])
 
     def _propose(self) -> None:
         """Draft for every running request that is decoding, capped so accepted drafts plus
@@ -299,13 +300,16 @@ class EngineCore:
         if self.proposer.writes_kv:
             reqs = [r for r in reqs if self._reserve_draft_slots(r, k)]
         for req, drafts in zip(reqs, self.proposer.propose(reqs, k)):
-            # Chains keep their length (a speculative step pads every row to k anyway: drafts
-            # past max_tokens cost nothing and are cut at the stop); the context's end cuts.
-            room = self.max_model_len - req.num_tokens - 1
-            if req.params.max_tokens is not None and not self._chain:
-                room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
-            n = min(drafts.num_nodes, room)
+            n = min(drafts.num_nodes, self._room(req))
             req.drafts = None if n <= 0 else drafts.truncated(n)
+
+    def _room(self, req: Request) -> int:
+        """Drafts that can still count: accepted ones plus the final token never pass
+        max_tokens or the context."""
+        room = self.max_model_len - req.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+        return room
 
     def _reserve_draft_slots(self, req: Request, k: int) -> bool:
         """A drafter that writes its own KV while proposing writes it in slots past the computed
