@@ -9,6 +9,7 @@ import time
 
 from outrider import env
 from outrider.config import (
+    SPEC_CONTROLLERS,
     SPEC_METHODS,
     CacheConfig,
     EngineConfig,
@@ -121,6 +122,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--topk", type=int, default=sp["topk"], help="EAGLE-3 tree: candidates per step (1: chain)"
     )
+    spec.add_argument(
+        "--spec-controller",
+        default=sp["controller"],
+        choices=SPEC_CONTROLLERS,
+        help="adaptive: choose how many drafts to verify each step (0 where speculation would "
+        "lose, from step times measured at start-up); fixed: always --num-draft-tokens",
+    )
     group.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
 
 
@@ -144,6 +152,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             ("draft", "draft"),
             ("num_steps", "num_steps"),
             ("topk", "topk"),
+            ("controller", "spec_controller"),
         )
         if getattr(args, a) != sp[k]
     }
@@ -172,6 +181,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     n = metrics.get("num_generated_tokens", 0)
     tps = metrics.get("decode_tokens_per_s") or metrics.get("tokens_per_s") or 0.0
     ttft = metrics.get("time_to_first_token_s") or 0.0
+    if metrics.get("steps_by_k"):
+        by_k = ", ".join(f"k={k}: {n}" for k, n in metrics["steps_by_k"].items())
+        print(f"[outrider] decode steps by drafts verified ({by_k})", file=sys.stderr)
     if metrics.get("accept_length"):
         print(
             f"[outrider] speculative {args.spec}: accept length {metrics['accept_length']:.2f} "

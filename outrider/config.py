@@ -97,7 +97,7 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "eagle3")
-SPEC_CONTROLLERS = ("fixed",)  # "adaptive" once speculative/controller.py is wired in
+SPEC_CONTROLLERS = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,10 @@ class SpecConfig:
     step. EAGLE-3 trees: `topk` candidates per step over `num_steps` steps, the best
     num_draft_tokens nodes kept; topk 1 is a chain of num_draft_tokens.
 
-    controller "fixed" verifies k drafts every step. ("adaptive", which chooses k per step
-    from measured step costs and live acceptance, is built in speculative/controller.py and
-    not yet wired into the engine.)"""
+    controller "adaptive" chooses, before every decode step, how many drafts (0..k; 0 is a
+    plain step) to verify, from step costs measured at start-up on this machine and the live
+    acceptance (speculative/controller.py), so speculation runs only where it wins; "fixed"
+    verifies k every step (trees are always fixed)."""
 
     method: str | None = None
     num_draft_tokens: int = 4
@@ -119,13 +120,13 @@ class SpecConfig:
     draft: str | None = None
     num_steps: int | None = None  # EAGLE-3: default num_draft_tokens for a chain
     topk: int = 1
-    controller: str = "fixed"
+    controller: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.controller not in SPEC_CONTROLLERS:
             raise ValueError(
-                f"unknown speculative controller={self.controller!r}: use 'fixed' (k drafts "
-                "every step); the adaptive controller is not available yet"
+                f"unknown speculative controller={self.controller!r}: use 'adaptive' (choose k per "
+                "step, 0 where speculation would lose) or 'fixed' (always k)"
             )
         if self.method is not None and self.method not in SPEC_METHODS:
             raise ValueError(

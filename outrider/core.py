@@ -9,13 +9,10 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from outrider.speculative.base import SeqDrafts
 
 
 class ForwardMode(enum.Enum):
@@ -184,6 +181,8 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Decode steps by the number of drafts verified in them (0: plain), as the controller chose.
+    steps_by_k: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,6 +225,46 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+# A chain of k drafts is the degenerate tree whose node i has parent i - 1. Node tokens are in
+# topological order (a parent before its children); parent -1 is the sequence's last accepted
+# token (the "root", whose KV is not yet written and which the verify forward computes too).
+#
+#     chain [a, b, c]:        parents [-1, 0, 1]
+#     tree  root -> a -> c    parents [-1, -1, 0, 1]    tokens [a, b, c, d]
+#                -> b -> d
+
+
+@dataclass
+class SeqDrafts:
+    """One sequence's drafts. Invariant: len(parents) == len(token_ids) and parents[i] < i."""
+
+    token_ids: list[int]
+    parents: list[int]
+    # [num_nodes, vocab] float32: the distribution node i's token was drawn from (all children
+    # of one parent share a row's values). None: deterministic drafts (n-gram lookup), which
+    # verification treats as one-hot proposals.
+    draft_probs: torch.Tensor | None = None
+
+    @classmethod
+    def chain(cls, token_ids: Sequence[int], draft_probs: torch.Tensor | None = None) -> SeqDrafts:
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs)
+
+    def truncated(self, n: int) -> SeqDrafts:
+        """The first n nodes: still a valid tree, since parents come before children."""
+        if n >= self.num_nodes:
+            return self
+        probs = None if self.draft_probs is None else self.draft_probs[:n]
+        return SeqDrafts(self.token_ids[:n], self.parents[:n], probs)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
 
 
 @dataclass

@@ -30,6 +30,7 @@ from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.speculative.base import SeqDrafts
+from outrider.speculative.controller import SpecController, StepProfile
 from outrider.speculative.stats import SpecStats, accept_length, record_verify
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,29 @@ class EngineCore:
         """Chains run through the runner's speculative step (a drafter on the device drafts
         inside it); trees through the per-sequence path. Captures the graphs either way."""
         p, k = self.proposer, self.config.speculative.num_draft_tokens
-        self._k = k if p is not None else 0  # drafts verified per step (the controller's pick)
+        self._k_max = k if p is not None else 0
+        self._k = self._k_max  # drafts verified this step (the controller's pick)
+        self._drafted_only = False  # the last step drafted but verified nothing
         self._chain = p is not None and p.topk == 1
         if self._chain:
             self.runner.set_speculation(p if p.on_device else None, tuple(range(1, k + 1)))
         else:
             self.runner.aux_layers = p.aux_layers if p is not None else ()
         self.runner.capture_graphs()
+        self.controller: SpecController | None = None
+        if self._chain and self.config.speculative.controller == "adaptive":
+            self.controller = SpecController(self._measure_profile(), max_k=k)
+
+    def _measure_profile(self) -> StepProfile:
+        """Step times at the batch sizes graphs are captured for (on the CPU, two sizes: the
+        controller extrapolates linearly past the largest)."""
+        runner = self.runner
+        sizes = runner.spec_step.batch_sizes if runner.graphs is not None else (1, 4)
+        table = runner.profile_steps(range(1, self._k_max + 1), sizes)
+        key = {"device": str(runner.device), "dtype": str(runner.dtype),
+               "drafter": self.proposer.name}  # fmt: skip
+        log.info("speculative step profile (ms by batch size and k): %s", table)
+        return StepProfile(table, key)
 
     def use_proposer(self, proposer) -> None:
         """Serve with another proposer (tests build drafters in code); recaptures graphs."""
@@ -139,6 +156,8 @@ class EngineCore:
         self._tracked.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.forget(request_id)
+        if self.controller is not None:
+            self.controller.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -159,6 +178,7 @@ class EngineCore:
                 return []
             if self._speculative_step(batch):
                 on_device = self.proposer.on_device
+                self._drafted_only = on_device and not any(s.drafts for s in batch.seqs)
                 return self._advance(
                     batch, self.runner.run_spec(batch, self._k, self._k if on_device else 0)
                 )
@@ -175,8 +195,26 @@ class EngineCore:
             return self.scheduler.schedule()
         if not self._chain:
             return self.scheduler.schedule()  # trees: as proposed
+        self._choose_k()
         lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
         return self.scheduler.schedule(max_drafts=self._k, lookahead=lookahead)
+
+    def _choose_k(self) -> None:
+        """The controller's k for this step's decoding requests. A step that only drafted
+        (speculation was off before it) keeps its k one more step, so its drafts are verified
+        and acceptance is observed (a probe would otherwise never see a verify)."""
+        if self.controller is None:
+            return
+        if self._drafted_only:
+            self._drafted_only = False
+            return
+        ids = [
+            r.request_id
+            for r in self.scheduler.running
+            if r.num_computed_tokens == r.num_tokens - 1
+        ]
+        if ids:
+            self._k = self.controller.choose(ids)
 
     def _speculative_step(self, batch: ScheduledBatch) -> bool:
         """Whether the batch runs as one speculative step: chains, every sequence decoding
@@ -207,6 +245,11 @@ class EngineCore:
     def _advance(self, batch: ScheduledBatch, output: StepOutput) -> list[RequestOutput]:
         """Everything after the forward: stops inside accepted runs, the scheduler's and the
         drafter's bookkeeping, detokenizing, finishing, the next drafts."""
+        if batch.mode != ForwardMode.PREFILL and self.proposer is not None:
+            k = self._k if output.num_accepted is not None else 0
+            for seq in batch.seqs:
+                steps = seq.request.metrics.steps_by_k
+                steps[k] = steps.get(k, 0) + 1
         if output.num_accepted is not None:
             self._cut_at_token_stops(batch, output)
         self.scheduler.postprocess(batch, output)
@@ -237,6 +280,8 @@ class EngineCore:
                 del self._tracked[rid]
                 if self.proposer is not None:
                     self.proposer.forget(rid)
+                if self.controller is not None:
+                    self.controller.forget(rid)
             deltas.append(self._output(tracked, text, new_ids))
         if self.proposer is not None:
             self._propose()
@@ -246,7 +291,12 @@ class EngineCore:
         """Several tokens may arrive at once from a verify: keep those up to the first EOS /
         stop id / max_tokens / context end, and record acceptance statistics."""
         sampling = [s for s in batch.seqs if s.sample]
+        observe = self.controller is not None and batch.mode != ForwardMode.PREFILL
         for i, seq in enumerate(sampling):
+            if observe and (seq.drafts is not None or not self.proposer.on_device):
+                # Drafts short of k (or none, for a host proposer's row) yielded nothing there:
+                # the controller counts them as rejected.
+                self.controller.observe(seq.request.request_id, self._k, output.num_accepted[i])
             if seq.drafts is None:
                 continue
             accepted = output.num_accepted[i]
@@ -255,6 +305,8 @@ class EngineCore:
             keep, _ = count_until_stop(seq.request, output.token_ids[i], self.max_model_len)
             if keep < len(output.token_ids[i]):
                 output.token_ids[i] = output.token_ids[i][:keep]
+                if output.logprobs is not None:
+                    output.logprobs[i] = output.logprobs[i][:keep]
                 output.num_accepted[i] = min(accepted, keep)
 
     def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> tuple[str, list[int]]:
@@ -271,30 +323,31 @@ class EngineCore:
                 extra = len(new_ids) - (j + 1)
                 if extra:
                     del tracked.request.output_token_ids[-extra:]
+                    if tracked.request.params.logprobs is not None:
+                        del tracked.request.output_logprobs[-extra:]
                 return "".join(text), new_ids[: j + 1]
         return "".join(text), new_ids
 
     def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
-        """Drafts made inside the step become each request's drafts for the next one (not for
-        requests asking for logprobs, which decode plainly)."""
+        """Drafts made inside the step become each request's drafts for the next one."""
         for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
             req = seq.request
             n = min(len(drafts), self._room(req))
-            if not req.is_finished and req.params.logprobs is None and n > 0:
+            if not req.is_finished and n > 0:
                 req.drafts = SeqDrafts.chain(drafts[:n])
 
     def _propose(self) -> None:
         """Draft for every running request that is decoding, capped so accepted drafts plus
-        the final token never pass max_tokens or the context. Requests asking for logprobs do
-        not speculate yet: verification does not compute logprobs for accepted drafts."""
+        the final token never pass max_tokens or the context."""
         reqs = [
             r
             for r in self.scheduler.running
             if r.num_computed_tokens == r.num_tokens - 1
-            and r.params.logprobs is None
             and not r.drafts  # a device drafter already drafted inside the step
         ]
-        k = self._k
+        # A host proposer drafts the most the controller may ask for (the scheduler cuts to
+        # the step's k), so a step that turns speculation back on has drafts to verify.
+        k = self._k_max if not self.proposer.on_device else self._k
         if not reqs or k == 0:
             return
         if self.proposer.writes_kv:
@@ -361,4 +414,5 @@ def request_metrics(req: Request) -> dict[str, float | int | None]:
         "num_accepted_tokens": m.num_accepted_tokens,
         "num_verify_steps": m.num_verify_steps,
         "accepted_per_position": list(m.accepted_per_position),
+        "steps_by_k": dict(sorted(m.steps_by_k.items())),
     }

@@ -4,24 +4,34 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from outrider.config import EngineConfig
-from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq, StepOutput
+from outrider.core import (
+    ForwardMode,
+    Request,
+    SamplingParams,
+    ScheduledBatch,
+    ScheduledSeq,
+    StepOutput,
+)
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
-from outrider.executor.sampler import Sampler
+from outrider.executor.sampler import Sampler, logprob_rows_no_sync, unpack_logprobs
 from outrider.executor.spec_step import SpecOutput, SpecStep, simple_greedy
-from outrider.executor.verify_step import sample_and_verify
+from outrider.executor.verify_step import sample_and_verify, verify_chain_rows_no_sync
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.loaders.checkpoint import Checkpoint
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
+from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree import TreeTopology, accepted_kv_moves
+from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
 
@@ -208,49 +218,99 @@ class ModelRunner:
     def run_spec(self, batch: ScheduledBatch, k: int, k_draft: int) -> StepOutput:
         """A decode-phase batch (every sequence samples; chain drafts, at most k each) through
         the speculative step: verify, accept and draft k_draft next drafts on the device, then
-        one host read. Rows that are not plain greedy are decided exactly, per sequence,
-        between acceptance and drafting."""
+        one host read. Rows that are not plain greedy are decided exactly between acceptance
+        and drafting (verify_chain_rows_no_sync), still on the device; rows asking for
+        logprobs get them for every emitted token from the row that predicted it."""
         seqs = batch.seqs
         b, t = len(seqs), 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
-        logprobs: dict[int, list] = {}
+        asked = [i for i in fix if seqs[i].request.params.logprobs is not None]
+        top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
+        packed: list[torch.Tensor] = []
 
         def fixup(out: SpecOutput) -> None:
-            rows, subset = [], []
-            for i in fix:
-                s = seqs[i]
-                n = min(k, s.query_len - 1)
-                rows += range(i * t, i * t + 1 + n)
-                drafts = s.drafts.truncated(n) if n else None
-                subset.append(ScheduledSeq(s.request, s.token_ids[: 1 + n], s.start_pos,
-                                           s.block_ids, True, drafts))  # fmt: skip
-            logits = out.logits.index_select(0, torch.as_tensor(rows, device=out.logits.device))
-            tokens, accepted, lps = sample_and_verify(self.sampler, logits, subset)
-            for j, i in enumerate(fix):
-                out.tokens[i, : len(tokens[j])] = torch.as_tensor(tokens[j])
-                out.num_accepted[i] = len(accepted[j])
-                if lps is not None:
-                    logprobs[i] = lps[j]
+            dev = out.tokens.device
+            idx = to_device_no_sync(fix, torch.long, dev)
+            rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+            logits = out.logits.index_select(0, rows)  # [F * t, V]
+            step = self.spec_step
+            drafts = step.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
+            tokens, accepted = verify_chain_rows_no_sync(
+                logits, [seqs[i] for i in fix], k, drafts.index_select(0, idx),
+                step.num_drafts.index_select(0, idx),
+            )  # fmt: skip
+            out.tokens.index_copy_(0, idx, tokens)
+            out.num_accepted.index_copy_(0, idx, accepted)
+            if asked:
+                lp_rows = [fix.index(i) * t + j for i in asked for j in range(t)]
+                ids = tokens.reshape(-1)
+                packed.append(logprob_rows_no_sync(logits, ids, lp_rows, top_n))
 
         out, _ = self.spec_step.run_no_sync(batch, k, k_draft, fixup if fix else None)
         parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
         if out.drafts is not None:
             parts.append(out.drafts[:b].reshape(-1))
+        if packed:  # float64 carries ids and logprobs exactly: still one read
+            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
         host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
-        accepted = host[b * t : b * t + b]
-        tokens = [host[i * t : i * t + accepted[i] + 1] for i in range(b)]
+        host_ints = [int(x) for x in host[: b * t + b]] if packed else host
+        accepted = host_ints[b * t : b * t + b]
+        tokens = [host_ints[i * t : i * t + accepted[i] + 1] for i in range(b)]
+        pos = b * t + b
         drafts = None
         if out.drafts is not None:
             kd = out.drafts.shape[1]
-            flat = host[b * t + b :]
-            drafts = [flat[i * kd : (i + 1) * kd] for i in range(b)]
-        lp = None
-        if logprobs:
-            lp = [logprobs.get(i) or [{} for _ in tokens[i]] for i in range(b)]
+            drafts = [[int(x) for x in host[pos + i * kd : pos + (i + 1) * kd]] for i in range(b)]
+            pos += b * kd
+        logprobs = None
+        if packed:
+            width = 1 + 2 * top_n
+            recs = host[pos:]
+            logprobs = [[{} for _ in tok] for tok in tokens]
+            for a, i in enumerate(asked):
+                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
+                n = seqs[i].request.params.logprobs
+                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
         return StepOutput(
-            [s.request.request_id for s in seqs], tokens, num_accepted=accepted, logprobs=lp,
-            accepted_nodes=[list(range(a)) for a in accepted], next_drafts=drafts,
+            [s.request.request_id for s in seqs], tokens, num_accepted=accepted,
+            logprobs=logprobs, accepted_nodes=[list(range(a)) for a in accepted],
+            next_drafts=drafts,
         )  # fmt: skip
+
+    @torch.inference_mode()
+    def profile_steps(
+        self, ks: Sequence[int], batch_sizes: Sequence[int], reps: int = 3
+    ) -> dict[int, dict[int, float]]:
+        """Milliseconds of one step as the engine runs it (inputs built, graphs replayed where
+        captured, the host read) at each batch size and k: 0 is a plain decode step, k >= 1
+        the speculative step with k drafts (and a drafter's k next drafts). Rows are dummies
+        in the scratch block, so no request's KV is touched. Median of `reps` after a warm-up."""
+        params = SamplingParams(temperature=0, max_tokens=None)
+        table: dict[int, dict[int, float]] = {}
+        for b in batch_sizes:
+            table[b] = {}
+            for k in sorted({0, *ks}):
+                seqs = [
+                    ScheduledSeq(
+                        Request(prompt_token_ids=[0], params=params), [0] * (1 + k), 0,
+                        [self._num_blocks], True, SeqDrafts.chain([0] * k) if k else None,
+                    )
+                    for _ in range(b)
+                ]  # fmt: skip
+                mode = ForwardMode.VERIFY if k else ForwardMode.DECODE
+                batch = ScheduledBatch(mode, seqs)
+                k_draft = k if self.drafter is not None else 0
+                times = []
+                for i in range(reps + 1):
+                    t0 = time.perf_counter()
+                    if k:
+                        self.run_spec(batch, k, k_draft)
+                    else:
+                        self.run(batch)
+                    if i:  # the first one warms up
+                        times.append((time.perf_counter() - t0) * 1e3)
+                table[b][k] = sorted(times)[len(times) // 2]
+        return table
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:

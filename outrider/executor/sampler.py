@@ -326,7 +326,7 @@ def processed_probs(
     return out if probs is None else out.index_copy_(0, idx_t, probs)
 
 
-def _logprob_rows_no_sync(
+def logprob_rows_no_sync(
     logits: torch.Tensor, ids: torch.Tensor, asked: list[int], top_n: int
 ) -> torch.Tensor:
     """For the rows in `asked`: [A, 1 + 2 * top_n] float64 = sampled logprob, top-n ids,
@@ -339,6 +339,21 @@ def _logprob_rows_no_sync(
         top = lp.topk(top_n, dim=-1)
         parts += [top.indices.double(), top.values]
     return torch.cat([p.double() for p in parts], dim=1)
+
+
+def unpack_logprobs(
+    packed: list[list[float]], token_ids: list[int], top_n: int, keep: int | None = None
+) -> list[dict[int, float]]:
+    """Rows of logprob_rows_no_sync at width top_n (sampled logprob, top-n ids, top-n
+    logprobs) -> one dict per token: the first `keep` (default top_n) of the top-n in order,
+    then the token itself if it is not among them."""
+    keep = top_n if keep is None else keep
+    out = []
+    for rec, tok in zip(packed, token_ids):
+        d = {int(t): v for t, v in zip(rec[1 : 1 + keep], rec[1 + top_n : 1 + top_n + keep])}
+        d.setdefault(int(tok), rec[0])
+        out.append(d)
+    return out
 
 
 class Sampler:
@@ -376,7 +391,7 @@ class Sampler:
             return SamplerOutput(ids.tolist(), None)  # CPU-GPU sync point
 
         top_n = max(rows[i].params.logprobs or 0 for i in asked)
-        packed = _logprob_rows_no_sync(logits, ids, asked, top_n)
+        packed = logprob_rows_no_sync(logits, ids, asked, top_n)
         flat = torch.cat([ids.double(), packed.flatten()]).tolist()  # CPU-GPU sync point
         token_ids = [int(t) for t in flat[: len(rows)]]
         width = 1 + 2 * top_n
@@ -384,10 +399,5 @@ class Sampler:
         for a, i in enumerate(asked):
             rec = flat[len(rows) + a * width : len(rows) + (a + 1) * width]
             n = rows[i].params.logprobs or 0
-            d = {
-                int(t): v
-                for t, v in zip(rec[1 : 1 + n], rec[1 + top_n : 1 + top_n + n], strict=True)
-            }
-            d.setdefault(token_ids[i], rec[0])
-            logprobs[i] = d
+            logprobs[i] = unpack_logprobs([rec], [token_ids[i]], top_n, n)[0]
         return SamplerOutput(token_ids, logprobs)

@@ -13,9 +13,20 @@ from collections.abc import Sequence
 import torch
 
 from outrider.core import ScheduledSeq
-from outrider.executor.sampler import Sampler, SamplingRow, processed_probs
+from outrider.executor.sampler import (
+    Sampler,
+    SamplingRow,
+    logprob_rows_no_sync,
+    processed_probs,
+    unpack_logprobs,
+)
 from outrider.speculative.tree import TreeTopology
-from outrider.speculative.verify import Verdict, verify_greedy, verify_sampled
+from outrider.speculative.verify import (
+    Verdict,
+    verify_chain_batch_no_sync,
+    verify_greedy,
+    verify_sampled,
+)
 
 
 def verify_seq(logits: torch.Tensor, seq: ScheduledSeq) -> Verdict:
@@ -51,7 +62,8 @@ def sample_and_verify(
 ) -> tuple[list[list[int]], list[list[int]], list[list[dict[int, float]]] | None]:
     """logits: the rows of every sampling sequence, in order (1 row per plain sequence, 1 + N
     per verifying one). Returns per sequence: new tokens, accepted draft nodes (root-first),
-    and logprobs (None when no plain sequence asked; verifying sequences carry none)."""
+    and logprobs (None when no sequence asked; for a verifying one, each emitted token's from
+    the verify row that predicted it)."""
     plain_rows, plain_seqs, spans = [], [], []
     row = 0
     for s in seqs:
@@ -67,6 +79,7 @@ def sample_and_verify(
         plain = iter(out.token_ids)
         plain_logprobs = iter(out.logprobs) if out.logprobs is not None else None
     tokens, accepted, logprobs = [], [], []
+    asked = False
     for s, (start, n) in zip(seqs, spans):
         if s.drafts is None:
             tokens.append([next(plain)])
@@ -76,8 +89,49 @@ def sample_and_verify(
             verdict = verify_seq(logits[start : start + n], s)
             tokens.append(verdict.token_ids)
             accepted.append(verdict.accepted_nodes)
-            logprobs.append([{} for _ in verdict.token_ids])
-    return tokens, accepted, logprobs if plain_logprobs is not None else None
+            rows = [start] + [start + 1 + node for node in verdict.accepted_nodes]
+            logprobs.append(_row_logprobs(logits, rows, verdict.token_ids, s.request.params))
+        asked = asked or s.request.params.logprobs is not None
+    return tokens, accepted, logprobs if asked else None
+
+
+def _row_logprobs(
+    logits: torch.Tensor, rows: list[int], token_ids: list[int], params
+) -> list[dict[int, float]]:
+    """{token: logprob} for each emitted token (and the top-N) from the row that predicted it;
+    [{}, ...] when the request did not ask."""
+    if params.logprobs is None:
+        return [{} for _ in token_ids]
+    ids = torch.as_tensor(token_ids, device=logits.device)
+    picked = logits.index_select(0, torch.as_tensor(rows, device=logits.device))
+    packed = logprob_rows_no_sync(picked, ids, list(range(len(rows))), params.logprobs)
+    return unpack_logprobs(packed.tolist(), token_ids, params.logprobs)  # CPU-GPU sync point
+
+
+def verify_chain_rows_no_sync(
+    logits: torch.Tensor,  # [F * (1 + k), V] the verify rows of F sequences
+    seqs: Sequence[ScheduledSeq],  # F sequences: [root] + at most k chain drafts each
+    k: int,
+    draft_tokens: torch.Tensor,  # [F, k] as the verify saw them (padding past the real ones)
+    num_drafts: torch.Tensor,  # [F]
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [F, 1 + k], num_accepted [F]
+    """Exact acceptance for rows that sample, penalise or owe min_tokens, all at once on the
+    device: row j's target is the sampler's distribution with drafts 0..j-1 counted as
+    generated, and drafts are deterministic proposals (what the speculative step drafts)."""
+    rows = []
+    for s in seqs:
+        req, drafts = s.request, s.token_ids[1 : 1 + k]
+        base = SamplingRow.of_request(req)
+        for j in range(1 + k):
+            if j == 0 or not (req.params.has_penalties or req.params.min_tokens):
+                rows.append(base)  # the path only matters to penalties and min_tokens
+            else:
+                out = list(req.output_token_ids) + drafts[:j]
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, out,
+                                        req.eos_token_ids, req.generator))  # fmt: skip
+    target = processed_probs(logits, rows).view(len(seqs), 1 + k, -1)
+    gens = [s.request.generator for s in seqs]
+    return verify_chain_batch_no_sync(target, draft_tokens, num_drafts, None, gens)
 
 
 def _path_tokens(topology: TreeTopology, tokens: list[int], node: int) -> list[int]:

@@ -1,54 +1,14 @@
-"""What a proposer hands the engine: draft tokens per sequence, as a chain or a tree.
-
-A chain of k drafts is the degenerate tree whose node i has parent i - 1. Node tokens are in
-topological order (a parent before its children); parent -1 is the sequence's last accepted
-token (the "root", whose KV is not yet written and which the verify forward computes too).
-
-    chain [a, b, c]:        parents [-1, 0, 1]
-    tree  root -> a -> c    parents [-1, -1, 0, 1]    tokens [a, b, c, d]
-               -> b -> d
-"""
+"""The proposer protocol. What a proposer hands the engine, draft tokens per sequence as a chain
+or a tree (`SeqDrafts`), is plain data in outrider/core.py, drawn there; it is re-exported here."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-import torch
+from outrider.core import Request, ScheduledBatch, SeqDrafts, StepOutput
 
-from outrider.core import Request, ScheduledBatch, StepOutput
-
-
-@dataclass
-class SeqDrafts:
-    """One sequence's drafts. Invariant: len(parents) == len(token_ids) and parents[i] < i."""
-
-    token_ids: list[int]
-    parents: list[int]
-    # [num_nodes, vocab] float32: the distribution node i's token was drawn from (all children
-    # of one parent share a row's values). None: deterministic drafts (n-gram lookup), which
-    # verification treats as one-hot proposals.
-    draft_probs: torch.Tensor | None = None
-
-    @classmethod
-    def chain(cls, token_ids: Sequence[int], draft_probs: torch.Tensor | None = None) -> SeqDrafts:
-        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs)
-
-    def truncated(self, n: int) -> SeqDrafts:
-        """The first n nodes: still a valid tree, since parents come before children."""
-        if n >= self.num_nodes:
-            return self
-        probs = None if self.draft_probs is None else self.draft_probs[:n]
-        return SeqDrafts(self.token_ids[:n], self.parents[:n], probs)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+__all__ = ["Proposer", "SeqDrafts"]
 
 
 class Proposer(Protocol):

@@ -26,7 +26,7 @@ def server():
             model={"dtype": "float32", "device": "cpu"},
             cache={"cpu_kv_bytes": 64 << 20},
             scheduler={"max_num_seqs": 64},
-            speculative={"method": "ngram", "num_draft_tokens": 4},
+            speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4},
         )
     )
     with ServerThread(ServerConfig(), core) as s:

@@ -46,7 +46,9 @@ def test_ngram_greedy_equals_plain_on_real_model(llm):
             params.append(SamplingParams(temperature=0, max_tokens=64))
     plain = llm.generate(prompts, params)
     spec = LLM(
-        dtype="float32", device="cpu", speculative={"method": "ngram", "num_draft_tokens": 5}
+        dtype="float32",
+        device="cpu",
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 5},
     )
     outs = spec.generate(prompts, params)
     for p, a, b in zip(prompts, plain, outs):
@@ -75,7 +77,9 @@ def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = llm.generate(prompts, params)
     spec = LLM(
-        dtype="float32", device="cpu", speculative={"method": "ngram", "num_draft_tokens": 4}
+        dtype="float32",
+        device="cpu",
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4},
     )
     target = spec.engine.checkpoint.config
     spec.engine.use_proposer(
@@ -90,7 +94,7 @@ def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
 
 @pytest.mark.slow
 def test_the_shipped_drafter_serves_the_default_model(llm):
-    """speculative={"method": "eagle3"} with no draft path picks the drafter shipped for the
+    """speculative={"method": "eagle3", "controller": "fixed"} with no draft path picks the drafter shipped for the
     default model: SGLang layout, <= 40 MB, passes the doctor, keeps greedy output exact (chain
     and tree) and drafts tokens the target accepts (a random drafter's accept length is ~1)."""
     from outrider.speculative.eagle3 import SHIPPED_DIR, shipped_drafter
@@ -108,7 +112,11 @@ def test_the_shipped_drafter_serves_the_default_model(llm):
     params = SamplingParams(temperature=0, max_tokens=48)
     plain = llm.chat(convs, params)
     for spec in ({"num_draft_tokens": 4}, {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}):
-        eagle = LLM(dtype="float32", device="cpu", speculative={"method": "eagle3", **spec})
+        eagle = LLM(
+            dtype="float32",
+            device="cpu",
+            speculative={"method": "eagle3", "controller": "fixed", **spec},
+        )
         outs = eagle.chat(convs, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], spec
         assert eagle.engine.spec_stats.accept_length > 1.8, spec

@@ -31,7 +31,7 @@ def test_decode_graphs_equal_eager(backend):
 
 
 def test_verify_graphs_equal_eager():
-    spec = {"method": "ngram", "num_draft_tokens": 4}
+    spec = {"method": "ngram", "controller": "fixed", "num_draft_tokens": 4}
     common = dict(attention_backend="triton", cuda_graph_max_batch=8, speculative=spec)
     graphed = _outputs(cuda_graphs=True, **common)
     assert graphed == _outputs(cuda_graphs=False, **common)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 def _eagle_llm(path: str, topk: int) -> LLM:
     return LLM(
         dtype="float32", device="cuda", gpu_memory_utilization=0.2,
-        speculative={"method": "eagle3", "draft": path, "num_draft_tokens": 4, "topk": topk,
+        speculative={"method": "eagle3", "controller": "fixed", "draft": path, "num_draft_tokens": 4, "topk": topk,
                      "num_steps": 3 if topk > 1 else None},
     )  # fmt: skip
 

@@ -22,7 +22,7 @@ def test_ngram_greedy_equals_plain_on_cuda():
         dtype="float32",
         device="cuda",
         gpu_memory_utilization=0.2,
-        speculative={"method": "ngram", "num_draft_tokens": 5},
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 5},
     )
     outs = spec.chat(convs, params)
     assert [o.token_ids for o in outs] == want

@@ -65,6 +65,6 @@ def test_async_scheduling_is_off_by_default_and_with_speculation(tiny_dir):  # n
     assert not _llm(tiny_dir, None).engine._async
     spec = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
-        async_scheduling=True, speculative={"method": "ngram"},
+        async_scheduling=True, speculative={"method": "ngram", "controller": "fixed"},
     )  # fmt: skip
     assert not spec.engine._async

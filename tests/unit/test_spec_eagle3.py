@@ -43,7 +43,7 @@ def eagle_llm(tiny_dir, draft: Eagle3Draft | None = None, **options) -> LLM:  # 
     options = {"num_blocks": 256, **options}
     llm = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu",
-        speculative={"method": "ngram", "num_draft_tokens": K}, **options,
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": K}, **options,
     )  # fmt: skip
     engine = llm.engine
     target = engine.checkpoint.config
@@ -139,7 +139,7 @@ def test_no_shipped_drafter_for_another_model_says_what_to_do(tiny_dir):  # noqa
         ValueError, match=rf"no EAGLE-3 drafter ships .*hidden {target.hidden_size}"
     ):
         LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
-            speculative={"method": "eagle3"})  # fmt: skip
+            speculative={"method": "eagle3", "controller": "fixed"})  # fmt: skip
 
 
 @pytest.mark.parametrize("topk,steps", [(2, 3), (3, 2)])

@@ -60,7 +60,9 @@ def _llm(tiny_dir, **kw):  # noqa: F811
 
 
 def test_ngram_greedy_equals_plain(tiny_dir, prompts, reference):  # noqa: F811
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    llm = _llm(
+        tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4}
+    )
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     stats = llm.engine.spec_stats
@@ -72,7 +74,9 @@ def test_ngram_greedy_equals_plain(tiny_dir, prompts, reference):  # noqa: F811
 @pytest.mark.parametrize("tree", [False, True])
 def test_oracle_drafts_are_all_accepted(tiny_dir, prompts, reference, tree):  # noqa: F811
     k = 4
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": k})
+    llm = _llm(
+        tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": k}
+    )
     cont = {tuple(p): r for p, r in zip(prompts, reference)}
     llm.engine.use_proposer(OracleProposer(cont, tree=tree))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -101,7 +105,9 @@ def test_oracle_tree_moves_accepted_kv(tiny_dir, prompts):  # noqa: F811
     move into path order, or the next steps would attend to the wrong keys."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = [o.token_ids for o in _llm(tiny_dir).generate(prompts, params)]
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 6})
+    llm = _llm(
+        tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 6}
+    )
     llm.engine.use_proposer(
         OracleProposer({tuple(p): r for p, r in zip(prompts, plain)}, tree=True)
     )
@@ -113,7 +119,9 @@ def test_oracle_tree_moves_accepted_kv(tiny_dir, prompts):  # noqa: F811
 
 def test_stops_inside_accepted_runs(tiny_dir, prompts, reference):  # noqa: F811
     cont = {tuple(p): r for p, r in zip(prompts, reference)}
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 8})
+    llm = _llm(
+        tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 8}
+    )
     llm.engine.use_proposer(OracleProposer(cont))
     for max_tokens in (1, 2, 5, 9, 13):
         out = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
@@ -128,7 +136,9 @@ def test_stops_inside_accepted_runs(tiny_dir, prompts, reference):  # noqa: F811
 
 
 def test_seeded_sampling_with_drafts_is_reproducible(tiny_dir, prompts):  # noqa: F811
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    llm = _llm(
+        tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4}
+    )
     params = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=24)
     a = [o.token_ids for o in llm.generate(prompts[:4], params)]
     b = [o.token_ids for o in llm.generate(prompts[:4], params)]
@@ -139,7 +149,7 @@ def test_seeded_sampling_with_drafts_is_reproducible(tiny_dir, prompts):  # noqa
 def test_kv_accounting_after_1000_mixed_requests(tiny_dir):  # noqa: F811
     llm = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=96, block_size=8,
-        speculative={"method": "ngram", "num_draft_tokens": 3}, max_num_seqs=32,
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 3}, max_num_seqs=32,
     )  # fmt: skip
     bm = llm.engine.block_manager
     initial = bm.num_free_blocks
@@ -162,3 +172,119 @@ def test_kv_accounting_after_1000_mixed_requests(tiny_dir):  # noqa: F811
     assert llm.engine.spec_stats.num_verify_steps > 100
     assert bm.num_free_blocks == initial
     assert not llm.engine.has_unfinished()
+
+
+def _profile(verify_factor: float, sizes=(1, 4), k: int = 4):
+    from outrider.speculative.controller import StepProfile
+
+    return StepProfile({b: {j: 10.0 * (verify_factor if j else 1.0) for j in range(k + 1)}
+                        for b in sizes})  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_adaptive_controller_turns_speculation_off_and_on(tiny_dir, prompts, reference, method):  # noqa: F811
+    """A slow verify table turns speculation off (every decode step plain, output unchanged); a
+    fast one with a drafter that matches turns it back on."""
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    engine = llm.engine
+    assert engine.controller is not None  # adaptive is the default
+    cont = {tuple(p): r for p, r in zip(prompts, reference)}
+    if method == "eagle3":
+        from outrider.executor.drafter import Eagle3Drafter
+        from tests.unit.test_spec_eagle3 import random_drafter
+
+        engine.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
+    else:
+        engine.use_proposer(OracleProposer(cont))
+    engine.controller.set_profile(_profile(verify_factor=10.0))
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.spec_stats.num_verify_steps == 0
+    assert all(set(o.metrics["steps_by_k"]) == {0} for o in outs)
+
+    engine.controller.set_profile(_profile(verify_factor=1.0))
+    for rid in list(engine.controller._accept):  # forget the acceptance seen while off
+        engine.controller.forget(rid)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    if method == "ngram":  # the oracle always matches: the controller keeps k at its best, 4
+        assert engine.spec_stats.num_verify_steps > 0
+        assert all(o.metrics["steps_by_k"].get(4, 0) > 0 for o in outs)
+
+
+def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F811
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 3})
+    profile = llm.engine.controller.profile
+    assert set(profile.ks) == {0, 1, 2, 3}
+    assert all(t > 0 for row in profile.ms.values() for t in row.values())
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize("num_blocks", [14, 64])
+def test_speculative_step_lossless_under_preemption_chunking_and_prefix_hits(
+    tiny_dir,
+    prompts,
+    reference,
+    method,
+    num_blocks,  # noqa: F811
+):
+    """24 requests (each prompt three times) with a 16-token budget (chunked prefill), batches
+    of 1 to 16, through a pool too small for them (14 blocks: preemption) or one that keeps
+    prompts cached (64: prefix-cache hits): greedy output equals the reference every time."""
+    llm = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=num_blocks, block_size=8,
+        max_num_batched_tokens=16, max_num_seqs=16,
+        speculative={"method": "ngram", "num_draft_tokens": 4, "controller": "fixed"},
+    )  # fmt: skip
+    engine = llm.engine
+    if method == "eagle3":
+        from outrider.executor.drafter import Eagle3Drafter
+        from tests.unit.test_spec_eagle3 import random_drafter
+
+        engine.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
+    outs = llm.generate(prompts * 3, GREEDY)
+    assert [o.token_ids for o in outs] == reference * 3
+    if num_blocks == 14:
+        assert engine.scheduler.num_preemptions > 0
+    else:
+        assert sum(o.metrics["num_cached_tokens"] for o in outs) > 0
+    assert engine.spec_stats.num_verify_steps > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_logprobs_under_speculation_equal_plain(tiny_dir, prompts, reference):  # noqa: F811
+    """Requests asking for logprobs speculate too: every accepted draft gets its logprob (and
+    the top-N) from the verify row that predicted it, equal to what plain decoding reports."""
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
+    plain = _llm(tiny_dir).generate(prompts[:4], params)
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4,
+                                      "controller": "fixed"})  # fmt: skip
+    cont = {tuple(p): o.token_ids for p, o in zip(prompts[:4], plain)}
+    llm.engine.use_proposer(OracleProposer(cont))
+    outs = llm.generate(prompts[:4], params)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    for o, want in zip(outs, plain):
+        assert o.token_ids == want.token_ids
+        assert len(o.logprobs) == len(want.logprobs) == len(o.token_ids)
+        for got, ref in zip(o.logprobs, want.logprobs):
+            assert list(got) == list(ref)
+            assert all(abs(got[t] - ref[t]) < 1e-4 for t in ref)
+
+
+def test_sampled_rows_in_the_speculative_step_stay_seeded_and_in_vocab(tiny_dir, prompts):  # noqa: F811
+    """Sampled, penalised and min_tokens rows beside greedy ones in one speculative step: the
+    greedy rows still equal plain decoding, and seeded sampled rows repeat exactly."""
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=5,
+                             presence_penalty=0.5, min_tokens=4)  # fmt: skip
+    want = [o.token_ids for o in _llm(tiny_dir).generate(prompts[:3], greedy)]
+    runs = []
+    for _ in range(2):
+        llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4,
+                                          "controller": "fixed"})  # fmt: skip
+        outs = llm.generate(prompts[:3] + prompts[3:6], [greedy] * 3 + [sampled] * 3)
+        assert [o.token_ids for o in outs[:3]] == want
+        assert all(len(o.token_ids) >= 4 for o in outs[3:])
+        runs.append([o.token_ids for o in outs[3:]])
+        assert llm.engine.spec_stats.num_verify_steps > 0
+    assert runs[0] == runs[1]

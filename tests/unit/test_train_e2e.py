@@ -235,7 +235,7 @@ def test_a_drafter_on_chosen_aux_layers_trains_exports_and_serves_on_them(
     served_draft = load_drafter(vllm, llm.engine.runner.model_config)
     replay = replay_chain(served_draft, llm, samples, k=3)
     spec = LLM(str(path), dtype="float32", device="cpu", num_blocks=256,
-               speculative={"method": "eagle3", "draft": str(vllm), "num_draft_tokens": 3})  # fmt: skip
+               speculative={"method": "eagle3", "controller": "fixed", "draft": str(vllm), "num_draft_tokens": 3})  # fmt: skip
     answers = [s.input_ids[len(s.prompt()) :].tolist() for s in samples]
     params = [SamplingParams(temperature=0, max_tokens=len(a), ignore_eos=True) for a in answers]
     outs = spec.generate([s.prompt() for s in samples], params)
@@ -512,7 +512,7 @@ def test_offline_chain_replay_equals_the_engine(target, dataset, whole_run):
     served_draft = load_drafter(whole_run.drafter, llm.engine.runner.model_config)
     replay = replay_chain(served_draft, llm, samples, k=3)
     spec = LLM(str(path), dtype="float32", device="cpu", num_blocks=256,
-               speculative={"method": "eagle3", "draft": str(whole_run.drafter),
+               speculative={"method": "eagle3", "controller": "fixed", "draft": str(whole_run.drafter),
                             "num_draft_tokens": 3})  # fmt: skip
     answers = [s.input_ids[len(s.prompt()) :].tolist() for s in samples]
     params = [SamplingParams(temperature=0, max_tokens=len(a), ignore_eos=True) for a in answers]
@@ -531,7 +531,7 @@ def test_trained_drafter_serves_losslessly(target, dataset, whole_run):
 
     path, llm = target
     spec = LLM(str(path), dtype="float32", device="cpu", num_blocks=256,
-               speculative={"method": "eagle3", "draft": str(whole_run.drafter),
+               speculative={"method": "eagle3", "controller": "fixed", "draft": str(whole_run.drafter),
                             "num_draft_tokens": 3})  # fmt: skip
     prompts = [s.prompt() for s in read_samples(dataset)[:4]]
     params = SamplingParams(temperature=0, max_tokens=8)
