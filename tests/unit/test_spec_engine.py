@@ -221,12 +221,12 @@ def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F81
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 @pytest.mark.parametrize("num_blocks", [14, 64])
-def test_speculative_step_lossless_under_preemption_chunking_and_prefix_hits(
-    tiny_dir,
-    prompts,
-    reference,
+def test_speculative_step_lossless_under_chunking_preemption_prefix_hits(
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+    reference,  # noqa: F811
     method,
-    num_blocks,  # noqa: F811
+    num_blocks,
 ):
     """24 requests (each prompt three times) with a 16-token budget (chunked prefill), batches
     of 1 to 16, through a pool too small for them (14 blocks: preemption) or one that keeps
