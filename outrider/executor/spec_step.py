@@ -32,6 +32,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
@@ -109,6 +110,9 @@ class SpecStep:
         max_b = self.batch_sizes[-1]
         self.inputs = StaticInputs.allocate(max_b, max_b * (1 + max_k), self.width, self.device)
         self.num_drafts = torch.zeros(max_b, dtype=torch.int64, device=self.device)
+        self.inputs.block_tables.fill_(scratch_block)
+        self._dirty = 0  # table columns that may hold real blocks, from the widest load since
+        self._w = 1  # the table width the last load wrote (eager forwards read only that)
         self.graphs: dict[tuple[int, int, int], tuple] = {}  # -> (verify, draft or None, out)
         self.pool = None
 
@@ -119,47 +123,60 @@ class SpecStep:
 
     def load(self, batch: ScheduledBatch, k: int, padded: int) -> None:
         """Copy the batch's rows into the static buffers as [padded, 1 + k]: drafts past k
-        are dropped, missing ones masked; rows past len(batch.seqs) are all scratch."""
+        are dropped, missing ones masked; rows past len(batch.seqs) are all scratch. Python
+        touches each row once; everything per token is NumPy.
+
+        Block tables are written only as wide as this batch needs (its longest table, the
+        chain's last position, and one scratch column that every out-of-table position is
+        clamped to); columns a wider earlier batch left are reset to scratch."""
         t = 1 + k
         bs, scratch = self.block_size, self.scratch_block
-        ids, pos, slots, lens, nd, tables = [], [], [], [], [], []
-        top = self.max_positions - 1
-        for s in batch.seqs:
+        starts = np.zeros(padded, np.int64)
+        ns = np.zeros(padded, np.int64)
+        ntab = np.zeros(padded, np.int64)
+        ids = np.zeros((padded, t), np.int64)
+        w = 1
+        for i, s in enumerate(batch.seqs):
             n = min(k, s.query_len - 1)
-            start = s.start_pos
-            row = s.token_ids[: 1 + n]
-            ids += row + [row[0]] * (k - n)
-            pos += [min(start + i, top) for i in range(t)]
-            table = s.block_ids
-            for i in range(t):
-                p = start + i
-                real = i <= n and p // bs < len(table)
-                slots.append(table[p // bs] * bs + p % bs if real else scratch * bs + i)
-            lens.append(start + t)
-            nd.append(n)
-            tables.append(table[: self.width] + [scratch] * (self.width - len(table)))
-        for _ in range(len(batch.seqs), padded):  # padding rows: t tokens in the scratch block
-            ids += [0] * t
-            pos += list(range(t))
-            slots += [scratch * bs + i for i in range(t)]
-            lens.append(t)
-            nd.append(0)
-            tables.append([scratch] * self.width)
+            starts[i], ns[i], ntab[i] = s.start_pos, n, len(s.block_ids)
+            ids[i, : 1 + n] = s.token_ids[: 1 + n]
+            ids[i, 1 + n :] = s.token_ids[0]
+            w = max(w, len(s.block_ids), (s.start_pos + 2 * k) // bs + 1)
+        w = min(w + 1, self.width)
+        tables = np.full((padded, w), scratch, np.int64)
+        for i, s in enumerate(batch.seqs):
+            row = s.block_ids[:w]
+            tables[i, : len(row)] = row
+        ar = np.arange(t)
+        pos = starts[:, None] + ar[None, :]  # [padded, t]; padding rows: 0 .. t - 1
+        real = (ar[None, :] <= ns[:, None]) & (pos // bs < ntab[:, None])
+        col = np.minimum(pos // bs, w - 1)
+        own = np.take_along_axis(tables, col, axis=1) * bs + pos % bs
+        slots = np.where(real, own, scratch * bs + ar[None, :])
         n_tok = padded * t
         s = self.inputs
         dev = self.device
-        s.input_ids[:n_tok].copy_(to_device_no_sync(ids, torch.int64, dev), non_blocking=True)
-        s.positions[:n_tok].copy_(to_device_no_sync(pos, torch.int64, dev), non_blocking=True)
-        s.slot_mapping[:n_tok].copy_(to_device_no_sync(slots, torch.int64, dev), non_blocking=True)
-        s.seq_lens[:padded].copy_(to_device_no_sync(lens, torch.int32, dev), non_blocking=True)
-        s.block_tables[:padded].copy_(
-            to_device_no_sync(tables, torch.int32, dev), non_blocking=True
-        )
-        self.num_drafts[:padded].copy_(to_device_no_sync(nd, torch.int64, dev), non_blocking=True)
 
-    def _metadata(self, padded: int, k: int) -> AttentionMetadata:
+        def put(dst: torch.Tensor, values: np.ndarray, dtype: torch.dtype) -> None:
+            dst.copy_(to_device_no_sync(values, dtype, dev), non_blocking=True)
+
+        put(s.input_ids[:n_tok], ids.reshape(-1), torch.int64)
+        put(s.positions[:n_tok], np.minimum(pos, self.max_positions - 1).reshape(-1), torch.int64)
+        put(s.slot_mapping[:n_tok], slots.reshape(-1), torch.int64)
+        put(s.seq_lens[:padded], starts + t, torch.int32)
+        put(s.block_tables[:padded, :w], tables, torch.int32)
+        put(self.num_drafts[:padded], ns, torch.int64)
+        if self._dirty > w:  # a wider batch wrote real blocks there earlier
+            s.block_tables[:, w : self._dirty].fill_(scratch)
+        self._dirty, self._w = w, w
+
+    def _metadata(self, padded: int, k: int, full_width: bool = False) -> AttentionMetadata:
+        """full_width: the whole table (what a graph is captured with; kernels read only up to
+        each length); eagerly, only what the last load wrote (the reference backend gathers
+        every column)."""
         t = 1 + k
         s = self.inputs
+        width = self.width if full_width else self._w
         qsl = torch.arange(0, (padded + 1) * t, t, dtype=torch.int32, device=self.device)
         s.query_start_loc[: padded + 1].copy_(qsl)
         return AttentionMetadata(
@@ -167,11 +184,11 @@ class SpecStep:
             slot_mapping=s.slot_mapping[: padded * t],
             query_start_loc=s.query_start_loc[: padded + 1],
             seq_lens=s.seq_lens[:padded],
-            block_tables=s.block_tables[:padded],
+            block_tables=s.block_tables[:padded, :width],
             query_lens_cpu=[t] * padded,
             # Lengths come from device tensors (graph-safe backends); on the CPU the reference
             # backend reads them from the host lists, filled by _host_lengths.
-            seq_lens_cpu=[self.width * self.block_size] * padded,
+            seq_lens_cpu=[width * self.block_size] * padded,
         )
 
     def _host_lengths(self, meta: AttentionMetadata) -> None:
@@ -182,11 +199,11 @@ class SpecStep:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def verify_no_sync(self, padded: int, k: int) -> SpecOutput:
+    def verify_no_sync(self, padded: int, k: int, full_width: bool = False) -> SpecOutput:
         """Steps 1-2 on the static buffers."""
         t = 1 + k
         s = self.inputs
-        meta = self._metadata(padded, k)
+        meta = self._metadata(padded, k, full_width)
         self._host_lengths(meta)
         ids = s.input_ids[: padded * t]
         self.backend.prepare(meta)
@@ -200,17 +217,19 @@ class SpecStep:
         aux_cat = torch.cat(aux, dim=-1) if aux else None
         return SpecOutput(argmax, accepted, logits, aux_cat)
 
-    def draft_no_sync(self, out: SpecOutput, padded: int, k: int, k_draft: int) -> torch.Tensor:
+    def draft_no_sync(
+        self, out: SpecOutput, padded: int, k: int, k_draft: int, full_width: bool = False
+    ) -> torch.Tensor:
         """Step 3: the drafter over the verify's rows, then the chain -> [padded, k_draft]."""
         t = 1 + k
         s = self.inputs
-        meta = self._metadata(padded, k)
+        meta = self._metadata(padded, k, full_width)
         self._host_lengths(meta)
         positions = s.positions[: padded * t]
         starts = positions.view(padded, t)[:, 0]
         return self.drafter.after_verify_no_sync(
             meta, out.tokens.reshape(-1), positions, out.aux, out.num_accepted, starts,
-            s.block_tables[:padded], k_draft, self.backend,
+            meta.block_tables, k_draft, self.backend,
         )  # fmt: skip
 
     # -- graphs -----------------------------------------------------------------------------
@@ -228,20 +247,20 @@ class SpecStep:
         self.load(ScheduledBatch(ForwardMode.VERIFY, []), k, padded)
         with torch.inference_mode():
             for _ in range(2):  # warm up outside the capture (autotuning, lazy inits)
-                out = self.verify_no_sync(padded, k)
+                out = self.verify_no_sync(padded, k, full_width=True)
                 if k_draft:
-                    self.draft_no_sync(out, padded, k, k_draft)
+                    self.draft_no_sync(out, padded, k, k_draft, full_width=True)
             torch.cuda.synchronize()
             verify = torch.cuda.CUDAGraph()
             with torch.cuda.graph(verify, pool=self.pool):
-                out = self.verify_no_sync(padded, k)
+                out = self.verify_no_sync(padded, k, full_width=True)
             if self.pool is None:
                 self.pool = verify.pool()
             draft = None
             if k_draft:
                 draft = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(draft, pool=self.pool):
-                    out.drafts = self.draft_no_sync(out, padded, k, k_draft)
+                    out.drafts = self.draft_no_sync(out, padded, k, k_draft, full_width=True)
         self.graphs[(padded, k, k_draft)] = (verify, draft, out)
 
     def run_no_sync(
