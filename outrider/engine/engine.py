@@ -294,9 +294,11 @@ class EngineCore:
         observe = self.controller is not None and batch.mode != ForwardMode.PREFILL
         for i, seq in enumerate(sampling):
             if observe and (seq.drafts is not None or not self.proposer.on_device):
-                # Drafts short of k (or none, for a host proposer's row) yielded nothing there:
-                # the controller counts them as rejected.
-                self.controller.observe(seq.request.request_id, self._k, output.num_accepted[i])
+                # A host proposer drafts all it can (up to the most k): drafts short of k, or
+                # none, yielded nothing there and count as rejected. A device drafter's rows
+                # hold what the previous step's k asked for: only those were tried.
+                n = seq.drafts.num_nodes if self.proposer.on_device else self._k
+                self.controller.observe(seq.request.request_id, n, output.num_accepted[i])
             if seq.drafts is None:
                 continue
             accepted = output.num_accepted[i]
