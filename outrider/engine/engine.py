@@ -92,12 +92,15 @@ class EngineCore:
         """Step times at the batch sizes graphs are captured for (on the CPU, two sizes: the
         controller extrapolates linearly past the largest)."""
         runner = self.runner
-        sizes = runner.spec_step.batch_sizes if runner.graphs is not None else (1, 4)
-        table = runner.profile_steps(range(1, self._k_max + 1), sizes)
+        graphs = runner.graphs is not None
+        sizes = runner.spec_step.batch_sizes if graphs else (1, 4)
+        # Replays are ~2 ms: 10 each cost ~1 s in all and keep one slow outlier out of the
+        # median (3 let a 26 ms plain step at B=64 through once and speculation never stopped).
+        table = runner.profile_steps(range(1, self._k_max + 1), sizes, reps=10 if graphs else 2)
         key = {"device": str(runner.device), "dtype": str(runner.dtype),
                "drafter": self.proposer.name}  # fmt: skip
         log.info("speculative step profile (ms by batch size and k): %s", table)
-        return StepProfile(table, key)
+        return StepProfile(table, key).monotone()
 
     def use_proposer(self, proposer) -> None:
         """Serve with another proposer (tests build drafters in code); recaptures graphs."""
@@ -196,6 +199,10 @@ class EngineCore:
         if not self._chain:
             return self.scheduler.schedule()  # trees: as proposed
         self._choose_k()
+        if not self.proposer.on_device and self._k:
+            # Drafted on demand, for the k chosen: while speculation is off a host proposer
+            # costs nothing (at C=64 its lookups were a third of a plain step).
+            self._propose()
         lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
         return self.scheduler.schedule(max_drafts=self._k, lookahead=lookahead)
 
@@ -283,8 +290,8 @@ class EngineCore:
                 if self.controller is not None:
                     self.controller.forget(rid)
             deltas.append(self._output(tracked, text, new_ids))
-        if self.proposer is not None:
-            self._propose()
+        if self.proposer is not None and (self.proposer.on_device or not self._chain):
+            self._propose()  # host proposers of chains draft right before the step instead
         return deltas
 
     def _cut_at_token_stops(self, batch: ScheduledBatch, output: StepOutput) -> None:
@@ -347,9 +354,7 @@ class EngineCore:
             if r.num_computed_tokens == r.num_tokens - 1
             and not r.drafts  # a device drafter already drafted inside the step
         ]
-        # A host proposer drafts the most the controller may ask for (the scheduler cuts to
-        # the step's k), so a step that turns speculation back on has drafts to verify.
-        k = self._k_max if not self.proposer.on_device else self._k
+        k = self._k
         if not reqs or k == 0:
             return
         if self.proposer.writes_kv:

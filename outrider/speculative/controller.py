@@ -111,6 +111,20 @@ class StepProfile:
         slope = max(0.0, (t2 - t1) / (b2 - b1))
         return t2 + slope * (batch_size - b2)
 
+    def monotone(self) -> StepProfile:
+        """The same table made non-decreasing in k and in batch size (a running max): more
+        drafts or more sequences never make a step cheaper, so a dip is measurement noise,
+        and a table with dips can make a k look better than it is."""
+        ms: dict[int, dict[int, float]] = {}
+        prev: dict[int, float] = {}
+        for b, row in self.ms.items():
+            out, top = {}, 0.0
+            for k, t in row.items():
+                top = max(top, t, prev.get(k, 0.0))
+                out[k] = top
+            ms[b] = prev = out
+        return StepProfile(ms, self.key)
+
     def to_json(self) -> str:
         ms = {str(b): {str(k): t for k, t in row.items()} for b, row in self.ms.items()}
         return json.dumps({"key": self.key, "ms": ms}, indent=1)

@@ -233,3 +233,14 @@ def test_profile_json_round_trip_and_load(tmp_path):
     path.write_text("not json")
     with pytest.raises(ValueError, match="delete it"):
         StepProfile.load(path)
+
+
+def test_monotone_profile_removes_dips_in_k_and_batch_size():
+    noisy = StepProfile({1: {0: 1.5, 1: 1.6, 2: 1.5, 3: 2.2, 4: 1.8}, 8: {0: 1.4, 1: 2.0, 2: 2.1,
+                                                                        3: 2.3, 4: 2.4}})  # fmt: skip
+    clean = noisy.monotone()
+    assert clean.ms[1] == {0: 1.5, 1: 1.6, 2: 1.6, 3: 2.2, 4: 2.2}
+    assert clean.ms[8] == {0: 1.5, 1: 2.0, 2: 2.1, 3: 2.3, 4: 2.4}
+    for row in clean.ms.values():
+        values = list(row.values())
+        assert values == sorted(values)
