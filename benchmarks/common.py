@@ -46,10 +46,12 @@ def metadata() -> dict:
     git = {"head": commit, "dirty": dirty}
     if commit is None:  # no repository here: `git status` said nothing, which is not "clean"
         dirty = None
-    if COMMIT_FILE.is_file() and (commit is None or dirty):
+    written = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
+    if written and (commit is None or commit != written):
         # A copy of the tree whose .git (if any) is not the one the file was written from: the
-        # remote machines carry the session's first checkout beside the working tree.
-        commit, dirty = COMMIT_FILE.read_text().strip() or None, False
+        # remote machines carry the session's first checkout beside the working tree. Where
+        # git's HEAD is the file's commit, git's own dirty flag stands.
+        commit, dirty = written, False
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -35,6 +35,8 @@ from outrider.speculative.stats import SpecStats, accept_length, record_verify
 
 log = logging.getLogger(__name__)
 
+_OBSERVED_ROWS = 16  # rows of a verify step the adaptive controller learns from
+
 
 @dataclass
 class _Tracked:
@@ -70,6 +72,8 @@ class EngineCore:
         self.num_steps_run_ahead = 0
         self._configure_speculation()
         self.spec_stats = SpecStats()
+        self.spec_k = 0  # drafts verified in the last decode step (0: plain)
+        self.spec_steps_by_k: dict[int, int] = {}  # decode steps by drafts verified
 
     def _configure_speculation(self) -> None:
         """Chains run through the runner's speculative step (a drafter on the device drafts
@@ -78,6 +82,7 @@ class EngineCore:
         self._k_max = k if p is not None else 0
         self._k = self._k_max  # drafts verified this step (the controller's pick)
         self._drafted_only = False  # the last step drafted but verified nothing
+        self._observe_phase = 0  # which share of a large batch the controller sees this step
         self._chain = p is not None and p.topk == 1
         if self._chain:
             self.runner.set_speculation(p if p.on_device else None, tuple(range(1, k + 1)))
@@ -201,7 +206,7 @@ class EngineCore:
         self._choose_k()
         if not self.proposer.on_device and self._k:
             # Drafted on demand, for the k chosen: while speculation is off a host proposer
-            # costs nothing (at C=64 its lookups were a third of a plain step).
+            # costs nothing.
             self._propose()
         lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
         return self.scheduler.schedule(max_drafts=self._k, lookahead=lookahead)
@@ -254,6 +259,8 @@ class EngineCore:
         drafter's bookkeeping, detokenizing, finishing, the next drafts."""
         if batch.mode != ForwardMode.PREFILL and self.proposer is not None:
             k = self._k if output.num_accepted is not None else 0
+            self.spec_k = k
+            self.spec_steps_by_k[k] = self.spec_steps_by_k.get(k, 0) + 1
             for seq in batch.seqs:
                 steps = seq.request.metrics.steps_by_k
                 steps[k] = steps.get(k, 0) + 1
@@ -299,8 +306,16 @@ class EngineCore:
         stop id / max_tokens / context end, and record acceptance statistics."""
         sampling = [s for s in batch.seqs if s.sample]
         observe = self.controller is not None and batch.mode != ForwardMode.PREFILL
+        # The controller's update is Python per row (~10 us): at most _OBSERVED_ROWS rows a
+        # step, a different share each step, keep it far below a step's time at any batch.
+        stride = -(-len(sampling) // _OBSERVED_ROWS)
+        self._observe_phase = (self._observe_phase + 1) % stride
         for i, seq in enumerate(sampling):
-            if observe and (seq.drafts is not None or not self.proposer.on_device):
+            if (
+                observe
+                and i % stride == self._observe_phase
+                and (seq.drafts is not None or not self.proposer.on_device)
+            ):
                 # A host proposer drafts all it can (up to the most k): drafts short of k, or
                 # none, yielded nothing there and count as rejected. A device drafter's rows
                 # hold what the previous step's k asked for: only those were tried.

@@ -43,6 +43,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # The adaptive controller: the draft length it chose last (0: plain) and steps per choice.
+    spec_k: int = 0
+    spec_steps_by_k: tuple[tuple[int, int], ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -240,6 +243,8 @@ class AsyncEngine:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position),
+            spec_k=self.core.spec_k,
+            spec_steps_by_k=tuple(sorted(self.core.spec_steps_by_k.items())),
         )
 
 

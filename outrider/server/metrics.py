@@ -129,3 +129,16 @@ class _EngineCollector:
         for pos, n in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric([self._model, str(pos)], n)
         yield per_pos
+        yield gauge(
+            "spec_decode_k",
+            "Drafts the controller chose to verify in the last step (0: plain).",
+            s.spec_k,
+        )
+        by_k = CounterMetricFamily(
+            "outrider:spec_decode_steps",
+            "Decode steps by the number of drafts verified in them (0: a plain step).",
+            labels=["model_name", "k"],
+        )
+        for k, n in s.spec_steps_by_k:
+            by_k.add_metric([self._model, str(k)], n)
+        yield by_k

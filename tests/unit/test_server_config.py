@@ -123,6 +123,8 @@ def test_metrics_render_engine_snapshot():
         spec_num_draft_tokens=40,
         spec_num_accepted_tokens=22,
         spec_accepted_per_position=(9, 7, 4, 2),
+        spec_k=3,
+        spec_steps_by_k=((0, 5), (3, 8)),
     )
     m = ServerMetrics("m", lambda: stats)
     out = RequestOutput("r", None, [1, 2], "ab", [5, 6], True, "stop", {"num_prompt_tokens": 2})
@@ -139,6 +141,9 @@ def test_metrics_render_engine_snapshot():
         'outrider:spec_decode_num_draft_tokens_total{model_name="m"} 40.0',
         'outrider:spec_decode_num_accepted_tokens_total{model_name="m"} 22.0',
         'outrider:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 4.0',
+        'outrider:spec_decode_k{model_name="m"} 3.0',
+        'outrider:spec_decode_steps_total{k="0",model_name="m"} 5.0',
+        'outrider:spec_decode_steps_total{k="3",model_name="m"} 8.0',
         'outrider:generation_tokens_total{model_name="m"} 4.0',
         'outrider:prompt_tokens_total{model_name="m"} 2.0',
         'outrider:inter_token_latency_seconds_count{model_name="m"} 2.0',
