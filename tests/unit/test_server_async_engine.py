@@ -25,6 +25,7 @@ class FakeCore:
         self.spec_stats = SimpleNamespace(
             num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
         )
+        self.spec_k, self.spec_steps_by_k = 0, {}
         self.tokens, self.fail_at_step = tokens, fail_at_step
         self.live: dict[str, int] = {}
         self.aborted: list[str] = []
