@@ -1,15 +1,21 @@
 """NgramProposer: exact drafts on hand-made sequences, incremental == a naive reference at every
-step, copying from the prompt, the shared cache, forget/shrink handling and config validation."""
+step, copying from the prompt, the shared cache, forget/shrink handling and config validation;
+random scenarios (growth, forgetting, re-adding, re-indexing, the shared cache, forced hash
+collisions and crowded buckets) against a copy of the dict-per-request proposer it replaced."""
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
+import numpy as np
 import pytest
 
+import outrider.speculative.ngram as ngram
 from outrider.core import Request, SamplingParams
 from outrider.speculative.base import Proposer, SeqDrafts
 from outrider.speculative.ngram import NgramConfig, NgramProposer
+from outrider.speculative.ngram_index import Table
 
 A, B, C, D, E, X, Y, Z = range(10, 18)
 
@@ -282,3 +288,189 @@ def test_a_preempted_request_that_keeps_its_tokens_keeps_its_index():
 def test_config_validation_names_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NgramConfig(**kwargs)
+
+
+class DictNgram:
+    """The dict-per-request proposer the vectorized one replaced (outrider 5f66075), compact:
+    per request its tokens and n-gram -> latest start with a follower; a shared cache of
+    finished requests, n-gram -> (request, start), LRU, evicted whole."""
+
+    def __init__(self, c: NgramConfig) -> None:
+        self.c, self.seqs = c, {}
+        self.kept, self.where, self.num_shared = OrderedDict(), {}, 0
+
+    def _index(self, tokens: list, index: dict, start: int) -> None:
+        for n in range(self.c.min_n, self.c.max_n + 1):
+            for s in range(max(0, start - n), len(tokens) - n):
+                index[tuple(tokens[s : s + n])] = s
+
+    def propose(self, requests, cap: int) -> list[list[int]]:
+        k, out = min(self.c.num_draft_tokens, cap), []
+        for r in requests:
+            if k == 0:
+                out.append([])
+                continue
+            now = r.prompt_token_ids + r.output_token_ids
+            seq = self.seqs.get(r.request_id)
+            if seq is None or (
+                seq[0]
+                and (
+                    len(now) < len(seq[0])
+                    or now[0] != seq[0][0]
+                    or now[len(seq[0]) - 1] != seq[0][-1]
+                )
+            ):
+                seq = self.seqs[r.request_id] = ([], {})
+            tokens, index = seq
+            start = len(tokens)
+            tokens.extend(now[start:])
+            self._index(tokens, index, start)
+            drafts, end = [], len(tokens)
+            for n in range(min(self.c.max_n, end - 1), self.c.min_n - 1, -1):
+                s = index.get(tuple(tokens[end - n :]))
+                if s is not None:
+                    drafts = tokens[s + n : s + n + k]
+                    break
+            if not drafts and self.c.shared_cache:
+                for n in range(min(self.c.max_n, end), self.c.min_n - 1, -1):
+                    hit = self.where.get(tuple(tokens[end - n :]))
+                    if hit is not None:
+                        self.kept.move_to_end(hit[0])
+                        drafts = self.kept[hit[0]][0][hit[1] + n : hit[1] + n + k]
+                        break
+            out.append(drafts)
+        return out
+
+    def forget(self, rid: str) -> None:
+        seq = self.seqs.pop(rid, None)
+        if seq is None or not self.c.shared_cache:
+            return
+        if rid in self.kept:
+            self._remove(rid)
+        if len(seq[0]) > self.c.shared_cache_max_tokens or not seq[1]:
+            return
+        while self.num_shared + len(seq[0]) > self.c.shared_cache_max_tokens:
+            self._remove(next(iter(self.kept)))
+        self.kept[rid] = seq
+        self.num_shared += len(seq[0])
+        self.where.update((key, (rid, s)) for key, s in seq[1].items())
+
+    def _remove(self, rid: str) -> None:
+        tokens, index = self.kept.pop(rid)
+        self.num_shared -= len(tokens)
+        for key in index:
+            if self.where.get(key, ("",))[0] == rid:
+                del self.where[key]
+
+
+def run_scenario(seed: int, steps: int = 40) -> None:
+    """Random requests against both proposers: new ones (0..300 tokens), growth by 0..k+1 tokens
+    or a chunk, forgetting and re-adding an id, shrinking or replacing tokens, an id twice in
+    one call, caps 0..k+1; drafts and the shared cache's state must agree after every call."""
+    rng = random.Random(seed)
+    min_n = rng.randint(1, 3)
+    config = NgramConfig(
+        min_n=min_n,
+        max_n=min_n + rng.randint(0, 3),
+        num_draft_tokens=rng.randint(1, 6),
+        shared_cache=rng.random() < 0.4,
+        shared_cache_max_tokens=rng.choice([8, 60, 400, 1 << 16]),
+    )
+    vocab, k = rng.randint(1, 6), config.num_draft_tokens
+    new, old = NgramProposer(config), DictNgram(config)
+    live: dict[str, Request] = {}
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    for _ in range(steps):
+        while len(live) < 2 or rng.random() < 0.15:
+            rid = f"r{rng.randrange(12)}"  # ids come back after being forgotten
+            live[rid] = req(tokens(rng.choice([0, 1, 2, rng.randint(0, 300)])), rid=rid)
+        for r in live.values():
+            grow = rng.randint(0, k + 1) if rng.random() < 0.9 else rng.randint(0, 80)
+            r.output_token_ids += tokens(grow)
+        if rng.random() < 0.05:  # shrunk or replaced: both re-index
+            r = rng.choice(list(live.values()))
+            r.prompt_token_ids = tokens(len(r.prompt_token_ids) // 2 + rng.randint(0, 3))
+        batch = rng.sample(list(live.values()), rng.randint(1, len(live)))
+        if rng.random() < 0.1:
+            batch.append(batch[0])
+        cap = rng.randint(0, k + 1)
+        got = [d.token_ids for d in new.propose(batch, cap)]
+        assert got == old.propose(batch, cap), (seed, [r.all_token_ids for r in batch])
+        assert new.num_tracked_requests == len(old.seqs)
+        assert new.shared_request_ids == list(old.kept)
+        assert new.num_shared_tokens == old.num_shared
+        for rid in list(live):
+            if rng.random() < 0.08:
+                new.forget(rid)
+                old.forget(rid)
+                del live[rid]
+        new.forget("never-seen")
+
+
+@pytest.mark.parametrize("seeds", [range(0, 40), range(40, 80)])
+def test_random_scenarios_give_the_dict_proposers_drafts(seeds):
+    for seed in seeds:
+        run_scenario(seed)
+
+
+def weak_hashes(kind: str):
+    real = ngram.hash_ngrams
+
+    def hashes(window, serial, coef, salt):
+        h = real(window, serial, coef, salt)
+        if kind == "collide":  # 4 distinct keys: most lookups find another n-gram's entry
+            return (h & np.uint64(6)) | np.uint64(1)
+        return h | np.uint64(0xFFF << 52)  # every key in the last buckets: long chains, a wrap
+
+    return hashes
+
+
+@pytest.mark.parametrize("kind", ["collide", "crowd"])
+def test_hash_collisions_and_crowded_buckets_keep_drafts_exact(kind, monkeypatch):
+    monkeypatch.setattr(ngram, "hash_ngrams", weak_hashes(kind))
+    for seed in range(100, 112):
+        run_scenario(seed, steps=25)
+
+
+def test_table_keeps_the_largest_value_per_key():
+    rng = np.random.default_rng(0)
+    table, want = Table(expected=3000), {}
+    for _ in range(40):
+        m = int(rng.integers(0, 150))
+        # Few distinct keys (repeats within and across calls), half of them crowded into the
+        # last buckets so that probes run on and wrap around.
+        keys = rng.integers(1, 400, m).astype(np.uint64)
+        keys[rng.random(m) < 0.5] |= np.uint64(0xFFFF << 48)
+        vals = rng.integers(0, 10**6, m)
+        assert table.has_room(m)
+        table.put_max(keys, vals)
+        for key, val in zip(keys.tolist(), vals.tolist()):
+            want[key] = max(want.get(key, -1), val)
+        probe = np.concatenate(
+            [np.array(list(want), np.uint64), rng.integers(1, 400, 50).astype(np.uint64)]
+        )
+        assert table.get(probe).tolist() == [want.get(key, -1) for key in probe.tolist()]
+    assert table.size == len(want)
+
+
+def test_the_same_request_twice_in_one_call_is_one_after_another():
+    proposer = NgramProposer(NgramConfig(max_n=2))
+    a, b = req([A, B, C, A], rid="x"), req([A, B, C, A, B, C, D, A, B], rid="x")
+    # The second copy extends the first: its lookup must see the first's catch-up.
+    got = [d.token_ids for d in proposer.propose([a, b, a], 4)]
+    assert got == [[B, C, A], [C, D, A, B], [B, C, A]]
+
+
+def test_a_full_table_is_rebuilt_without_forgotten_requests():
+    rng = random.Random(5)
+    proposer = NgramProposer(NgramConfig())
+    for i in range(6):
+        proposer.propose([req([rng.randrange(50) for _ in range(400)], rid=f"r{i}")], 4)
+        proposer.forget(f"r{i}")
+    r = req([rng.randrange(50) for _ in range(400)], rid="last")
+    assert proposer.propose([r], 4)[0].token_ids == reference(r.all_token_ids, 1, 4, 4)
+    # Rebuilt for the live request alone: 399 positions x 4 n at most.
+    assert proposer._table.size <= 399 * 4
