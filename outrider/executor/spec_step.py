@@ -13,8 +13,9 @@ A decode-phase batch of B sequences, each verifying its root and up to k drafts,
 
 Steps 1-2 are one CUDA graph per (padded B, k), step 3 another over the first one's outputs,
 so a greedy batch replays two graphs and reads the host once. Rows that sample, penalise, ask
-for logprobs or still owe min_tokens are decided between the two replays by the exact
-per-sequence verifier (executor/verify_step.py) and written back before the drafter runs.
+for logprobs or still owe min_tokens are decided between the two replays, all at once on the
+device, by exact rejection sampling against each row's sampler distribution
+(verify_step.verify_chain_rows_no_sync) and written back before the drafter runs.
 
 Worked example, k = 3, a row at start position 10 with drafts [a, b, c], target argmax
 [a, b, x, y] at rows 0..3: a and b are accepted, x is the target's own token after them:
