@@ -125,6 +125,12 @@ class StepProfile:
             ms[b] = prev = out
         return StepProfile(ms, self.key)
 
+    def bucket(self, batch_size: int) -> int:
+        """The measured batch size a step of batch_size runs as (the largest past the table)."""
+        sizes = list(self.ms)
+        i = bisect.bisect_left(sizes, batch_size)
+        return sizes[min(i, len(sizes) - 1)]
+
     def to_json(self) -> str:
         ms = {str(b): {str(k): t for k, t in row.items()} for b, row in self.ms.items()}
         return json.dumps({"key": self.key, "ms": ms}, indent=1)
@@ -223,6 +229,8 @@ class SpecController:
         self._last_tps: dict[int, float] = {}
         self._steps: dict[int, int] = {}
         self._probes = 0
+        self.live_weight = 0.2
+        self._live: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> measured ms
 
     @property
     def profile(self) -> StepProfile:
@@ -246,6 +254,7 @@ class SpecController:
                     "measure them, or leave ks=None to use the measured ones"
                 )
         self._profile, self._ks = profile, ks
+        self._live = {}  # measurements refine the table they were made against
 
     def choose(self, request_ids: Sequence[str]) -> int:
         """k for the next step of a batch of these requests (len = batch size). An empty batch
@@ -255,7 +264,7 @@ class SpecController:
             return 0
         rows = map(self._expect.get, request_ids, repeat(self._engine_expect()))
         totals = list(map(sum, zip(*rows)))  # sum_r E_r(k), k = 0..max_k
-        step_ms = self._profile.step_ms
+        step_ms = self._step_ms
         tps = {k: totals[k] / step_ms(batch, k) for k in self._ks}  # tokens per ms
         plain, best = tps[0], 0
         for k in self._ks:  # ascending: ties go to the smaller (cheaper, safer) k
@@ -283,6 +292,22 @@ class SpecController:
         self._steps[k] = self._steps.get(k, 0) + 1
         self._probes += probe
         return k
+
+    def record_step(self, batch_size: int, k: int, ms: float) -> None:
+        """A step the engine ran, timed as the profile was (the runner's call, host read
+        included): it refines that (batch size bucket, k) entry as a moving average (weight
+        `live_weight`). Start-up profiles run dummy rows at short contexts, so real steps can
+        cost more (on the CPU a verify's attention at long contexts did); a k that keeps
+        losing is then seen losing and left."""
+        if k not in self._ks or not (math.isfinite(ms) and ms > 0):
+            return
+        key = (self._profile.bucket(batch_size), k)
+        old = self._live.get(key)
+        self._live[key] = ms if old is None else old + self.live_weight * (ms - old)
+
+    def _step_ms(self, batch_size: int, k: int) -> float:
+        live = self._live.get((self._profile.bucket(batch_size), k))
+        return live if live is not None else self._profile.step_ms(batch_size, k)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """After a verify: num_drafts drafts were verified and the first num_accepted accepted.

@@ -244,3 +244,19 @@ def test_monotone_profile_removes_dips_in_k_and_batch_size():
     for row in clean.ms.values():
         values = list(row.values())
         assert values == sorted(values)
+
+
+def test_measured_steps_refine_the_profile_and_turn_a_losing_k_off():
+    """A start-up table that makes k=2 look cheap picks it; steps measured at three times that
+    cost make the controller go back to plain, and a new table forgets the measurements."""
+    table = StepProfile({4: {0: 10.0, 1: 11.0, 2: 12.0}})
+    ctl = SpecController(table, max_k=2, hysteresis=0.0, prior=0.6)
+    ids = [f"r{i}" for i in range(4)]
+    assert ctl.choose(ids) == 2  # E(2) = 1.96 per 12 ms beats 1 per 10 ms
+    for _ in range(30):
+        ctl.record_step(4, 2, 36.0)
+        ctl.record_step(4, 1, 33.0)
+    assert ctl.choose(ids) == 0  # 1.96 / 36 < 1 / 10
+    ctl.record_step(3, 0, float("nan"))  # ignored, not a poisoned table
+    ctl.set_profile(table)
+    assert ctl.choose(ids) == 2
