@@ -94,15 +94,8 @@ class EngineCore:
             self.controller = SpecController(self._measure_profile(), max_k=k)
 
     def _measure_profile(self) -> StepProfile:
-        """Step times at the batch sizes graphs are captured for (on the CPU, two sizes: the
-        controller extrapolates linearly past the largest)."""
         runner = self.runner
-        graphs = runner.graphs is not None
-        sizes = runner.spec_step.batch_sizes if graphs else (1, 4)
-        # Replays are ~2 ms: 10 each cost ~1 s in all and keep one slow outlier out of the
-        # median (3 let a 26 ms plain step at B=64 through once and speculation never stopped).
-        # CPU steps of the default model are 40-200 ms and vary +-20% run to run: 4 each.
-        table = runner.profile_steps(range(1, self._k_max + 1), sizes, reps=10 if graphs else 4)
+        table = runner.profile_steps(range(1, self._k_max + 1))
         key = {"device": str(runner.device), "dtype": str(runner.dtype),
                "drafter": self.proposer.name}  # fmt: skip
         log.info("speculative step profile (ms by batch size and k): %s", table)

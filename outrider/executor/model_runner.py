@@ -121,14 +121,16 @@ class ModelRunner:
         self.spec_ks = tuple(sorted(set(ks)))
         self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
         max_k = max(self.spec_ks)
-        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < self.config.model.cuda_graph_max_batch)
         self.spec_step = SpecStep(
             self.model, self.backend, drafter, max_k=max_k, block_size=self.block_size,
             max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
             max_positions=self.max_model_len,
-            batch_sizes=sizes + (self.config.model.cuda_graph_max_batch,),
-            aux_layers=self.aux_layers,
+            batch_sizes=self._graph_batch_sizes(), aux_layers=self.aux_layers,
         )  # fmt: skip
+
+    def _graph_batch_sizes(self) -> tuple[int, ...]:
+        top = self.config.model.cuda_graph_max_batch
+        return tuple(b for b in DEFAULT_BATCH_SIZES if b < top) + (top,)
 
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs the config asks for (after `aux_layers` is set: the graphs
@@ -148,8 +150,7 @@ class ModelRunner:
                 f"cuda_graphs=True needs device cuda and a graph-safe attention backend; got "
                 f"device={self.device}, backend={self.backend.name}: set cuda_graphs=False"
             )
-        sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < config.model.cuda_graph_max_batch)
-        sizes += (config.model.cuda_graph_max_batch,)
+        sizes = self._graph_batch_sizes()
         tpq = (1,)
         if config.speculative.enabled and ForwardMode.VERIFY in self.backend.graph_modes:
             tpq = (1, 1 + config.speculative.num_draft_tokens)
@@ -279,12 +280,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_steps(
-        self, ks: Sequence[int], batch_sizes: Sequence[int], reps: int = 3
+        self, ks: Sequence[int], batch_sizes: Sequence[int] | None = None, reps: int | None = None
     ) -> dict[int, dict[int, float]]:
         """Milliseconds of one step as the engine runs it (inputs built, graphs replayed where
         captured, the host read) at each batch size and k: 0 is a plain decode step, k >= 1
         the speculative step with k drafts (and a drafter's k next drafts). Rows are dummies
-        in the scratch block, so no request's KV is touched. Median of `reps` after a warm-up."""
+        in the scratch block, so no request's KV is touched. Median of `reps` after a warm-up.
+
+        Defaults: with graphs, every captured batch size, 10 each (replays are ~2 ms: ~1 s in
+        all, and one slow outlier stays out of the median; 3 once let a 26 ms plain step at
+        B=64 through); eagerly (the CPU: 40-200 ms steps that vary +-20% run to run) batch 1
+        and 4, 4 each, past which the controller extrapolates."""
+        graphs = self.graphs is not None
+        if batch_sizes is None:
+            batch_sizes = self.spec_step.batch_sizes if graphs else (1, 4)
+        if reps is None:
+            reps = 10 if graphs else 4
         params = SamplingParams(temperature=0, max_tokens=None)
         table: dict[int, dict[int, float]] = {}
         for b in batch_sizes:

@@ -9,3 +9,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def drafter_path(tmp_path_factory):
+    """A random-weight EAGLE-3 drafter for the default model, saved: losslessness and graph
+    tests do not depend on its quality."""
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.models.eagle3_io import save_drafter
+    from tests.unit.test_spec_eagle3 import random_drafter
+
+    target = open_checkpoint(None).config
+    path = tmp_path_factory.mktemp("eagle3") / "drafter"
+    save_drafter(random_drafter(target, draft_vocab=8000), path)
+    return str(path)

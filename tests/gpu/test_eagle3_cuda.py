@@ -21,18 +21,6 @@ def _eagle_llm(path: str, topk: int) -> LLM:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def drafter_path(tmp_path_factory):
-    from outrider.loaders.checkpoint import open_checkpoint
-    from outrider.models.eagle3_io import save_drafter
-    from tests.unit.test_spec_eagle3 import random_drafter
-
-    target = open_checkpoint(None).config
-    path = tmp_path_factory.mktemp("eagle3") / "drafter"
-    save_drafter(random_drafter(target, draft_vocab=8000), path)
-    return str(path)
-
-
 @pytest.mark.parametrize("topk", [1, 3])
 def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
     convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]

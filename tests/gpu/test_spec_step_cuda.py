@@ -15,18 +15,6 @@ from outrider.bench.datasets import GROUNDED, HELDOUT
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def drafter_path(tmp_path_factory):
-    from outrider.loaders.checkpoint import open_checkpoint
-    from outrider.models.eagle3_io import save_drafter
-    from tests.unit.test_spec_eagle3 import random_drafter
-
-    target = open_checkpoint(None).config
-    path = tmp_path_factory.mktemp("eagle3") / "drafter"
-    save_drafter(random_drafter(target, draft_vocab=8000), path)
-    return str(path)
-
-
 def _prompts(llm: LLM, n: int) -> list[list[int]]:
     texts = (GROUNDED + HELDOUT) * 8
     return [
