@@ -199,7 +199,7 @@ class GraphRunner:
 
     def can_run(self, inputs: ForwardInputs) -> GraphKey | None:
         meta = inputs.attn
-        if meta.custom_mask is not None or meta.block_tables.shape[1] > self.max_blocks:
+        if meta.tree_mask is not None or meta.block_tables.shape[1] > self.max_blocks:
             return None
         lens = set(meta.query_lens_cpu)
         if len(lens) != 1:

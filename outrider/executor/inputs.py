@@ -8,7 +8,7 @@ import torch
 
 from outrider.core import ScheduledBatch
 from outrider.layers.forward_context import AttentionMetadata
-from outrider.speculative.tree import TreeTopology, verify_mask
+from outrider.speculative.tree import TreeTopology
 from outrider.transfer import to_device_no_sync
 
 
@@ -68,7 +68,7 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
         block_tables=t(block_tables, torch.int32),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
-        custom_mask=_tree_mask(batch, trees, query_start, max(seq_lens), device) if trees else None,
+        tree_mask=_tree_mask(batch, trees, query_start, device) if trees else None,
     )
     return ForwardInputs(
         input_ids=t(ids, torch.int64),
@@ -82,18 +82,25 @@ def _tree_mask(
     batch: ScheduledBatch,
     trees: list[tuple[int, TreeTopology]],
     query_start: list[int],
-    max_seq_len: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """[num_tokens, max_seq_len] bool: causal rows for ordinary sequences, the prefix plus the
-    ancestor mask for tree-verifying ones (row t of sequence i covers that sequence's keys)."""
-    mask = torch.zeros(query_start[-1], max_seq_len, dtype=torch.bool)
+    """[num_tokens, M] bool over each sequence's last M keys (AttentionMetadata.tree_mask),
+    M = the longest query: a tree-verifying sequence's rows hold its ancestor mask in their last
+    1 + N columns, an ordinary sequence's rows are causal over their last query_len columns,
+    and every earlier column (prefix keys, or none when the context is shorter) is True.
+
+    Example: a tree with parents [-1, -1, 0] beside a 2-token chunk and a decode, M = 4:
+        tree (R n0 n1 n2)   1 . . .      chunk   1 1 1 .      decode   1 1 1 1
+                            1 1 . .              1 1 1 1
+                            1 . 1 .
+                            1 1 . 1
+    """
+    width = max(s.query_len for s in batch.seqs)
+    mask = torch.ones(query_start[-1], width, dtype=torch.bool)
     for s, start in zip(batch.seqs, query_start):
-        q_pos = torch.arange(s.context_len - s.query_len, s.context_len)
-        mask[start : start + s.query_len, : s.context_len] = (
-            torch.arange(s.context_len)[None, :] <= q_pos[:, None]
-        )
+        n = s.query_len
+        mask[start : start + n, width - n :] = torch.ones(n, n, dtype=torch.bool).tril()
     for i, topology in trees:
         s, start = batch.seqs[i], query_start[i]
-        mask[start : start + s.query_len, : s.context_len] = verify_mask(topology, s.start_pos)
+        mask[start : start + s.query_len, width - s.query_len :] = topology.ancestor_mask()
     return mask if device.type == "cpu" else mask.pin_memory().to(device, non_blocking=True)

@@ -26,7 +26,23 @@ class AttentionMetadata:
         query_start_loc = [0, 3, 4]     seq_lens = [3, 6]      block_tables = [[7, 0], [2, 9]]
         slot_mapping    = [28, 29, 30, 37]   (block * 4 + position % 4; B's token: 9 * 4 + 1)
     Query token t of sequence i sits at position seq_lens[i] - query_len[i] + (t - start_i) and,
-    without a custom mask, attends to keys at positions <= its own.
+    without a tree mask, attends to keys at positions <= its own.
+
+    `tree_mask` ([num_tokens, M] bool) covers only the last M keys of each sequence: a query of
+    sequence b sees every key before seq_lens[b] - M, and key seq_lens[b] - M + j iff its row
+    has column j set. Its shape follows the step's query lengths, never the context, so it
+    fits a CUDA graph's static buffers. Example, M = 3 (the longest query): A verifies a root
+    R and two sibling drafts n0, n1 (parents [-1, -1]) at seq_len 8, so columns 0..2 are its
+    keys 5..7; B computes its last 2 tokens at seq_len 6 (columns: keys 3..5), causally: its
+    query t sits at column M - 2 + t and sees the columns up to it.
+                  earlier keys    column 0  1  2
+        A  R      all visible            1  .  .
+        A  n0     all visible            1  1  .
+        A  n1     all visible            1  .  1
+        B  t0     all visible            1  1  .
+        B  t1     all visible            1  1  1
+    A sequence shorter than M has no key for its first M - seq_len columns (column j would be
+    position seq_len - M + j < 0): whatever they hold is ignored.
     """
 
     mode: ForwardMode
@@ -36,9 +52,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [batch, max_blocks] int32, padded with 0
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Optional [num_tokens, max_seq_len] bool: True where query token t may see key j of its own
-    # sequence (tree verification); None means causal.
-    custom_mask: torch.Tensor | None = None
+    # Optional [num_tokens, M] bool (M >= 1, the same for every row): query token t of sequence b
+    # sees every key at positions < seq_len_b - M (the prefix, all visible) and key
+    # seq_len_b - M + j (j in [0, M)) iff tree_mask[t, j]. Keys at negative positions (M >
+    # seq_len_b) do not exist. None means causal.
+    tree_mask: torch.Tensor | None = None
     # Whatever the backend derives once per step (not per layer) in `prepare`.
     backend_data: dict[str, Any] = field(default_factory=dict)
 

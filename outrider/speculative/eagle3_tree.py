@@ -87,7 +87,14 @@ def _select(tokens, scores, parents, k: int) -> SeqDrafts:
 
 
 def _step_metadata(proposer, reqs, ctx, d: int, t: int, anc: torch.Tensor):
-    """Attention metadata for running t frontier nodes per sequence under the tree mask."""
+    """Attention metadata for running t frontier nodes per sequence under the tree mask.
+
+    The step's nodes sit at slots C + (d-2)*t .. C + (d-1)*t - 1, so seq_len = C + (d-1)*t and
+    the tree's slots C .. C + (d-1)*t - 1 are exactly each sequence's last (d-1)*t keys: `anc`
+    ([B, t, (d-1)*t]) is the tree mask as it stands, and every key before C (the context) is
+    visible. E.g. topk 2, d 3, C 10: seq_len 14, slots 10..13 = columns 0..3, and a node whose
+    parent is the first depth-1 node (slot 10) and which sits at slot 12 has the row 1 . 1 .
+    """
     bs = proposer.block_size
     dev = proposer.device
     b = len(reqs)
@@ -97,15 +104,8 @@ def _step_metadata(proposer, reqs, ctx, d: int, t: int, anc: torch.Tensor):
         pos = range(c + first, c + first + t)
         slots += [r.block_ids[p // bs] * bs + p % bs for p in pos]
         seq_lens.append(c + first + t)
-    max_len = max(seq_lens)
     width = max(len(r.block_ids) for r in reqs)
     tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs]
-    c_dev = torch.as_tensor(ctx, device=dev)[:, None, None]  # [B, 1, 1]
-    keys = torch.arange(max_len, device=dev)[None, None, :]  # [1, 1, L]
-    rel = keys - c_dev
-    in_tree = (rel >= 0) & (rel < anc.shape[-1])
-    seen = anc.gather(2, rel.clamp(0, anc.shape[-1] - 1).expand(b, t, -1))
-    mask = (keys < c_dev) | (in_tree & seen)  # [B, t, L]
     positions = (torch.as_tensor(ctx, device=dev) + d - 2).repeat_interleave(t)
     meta = AttentionMetadata(
         mode=ForwardMode.VERIFY,
@@ -115,6 +115,6 @@ def _step_metadata(proposer, reqs, ctx, d: int, t: int, anc: torch.Tensor):
         block_tables=to_device_no_sync(tables, torch.int32, dev),
         query_lens_cpu=[t] * b,
         seq_lens_cpu=seq_lens,
-        custom_mask=mask.reshape(b * t, max_len),
+        tree_mask=anc.reshape(b * t, anc.shape[-1]),
     )
     return meta, positions

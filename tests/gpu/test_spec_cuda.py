@@ -1,10 +1,11 @@
 """Speculative decoding on CUDA: n-gram greedy output equals plain decoding (fp32), and the
-tree-masked verify attention on CUDA equals the CPU reference."""
+tree-masked verify attention on CUDA (torch_ref and Triton) equals a dense CPU reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from outrider import LLM, SamplingParams
 from outrider.bench.datasets import GROUNDED, OPEN
@@ -30,8 +31,11 @@ def test_ngram_greedy_equals_plain_on_cuda():
 
 
 def test_tree_mask_attention_cuda_equals_cpu():
+    """The compact tree mask (the ancestor mask over the last 1 + N keys) through torch_ref on
+    CUDA and on the CPU and through the Triton kernel equals SDPA under the dense verify_mask."""
     from outrider.core import ForwardMode
     from outrider.layers.attn_backends.torch_ref import TorchRefBackend
+    from outrider.layers.attn_backends.triton import TritonBackend
     from outrider.layers.forward_context import AttentionMetadata
     from outrider.speculative.tree import TreeTopology, verify_mask
 
@@ -42,15 +46,16 @@ def test_tree_mask_attention_cuda_equals_cpu():
     qlen = 1 + topology.num_nodes
     ctx = prefix + qlen
     block_ids = [5, 1, 7]
+    scale = dim**-0.5
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g)
+    q = torch.randn(qlen, heads, dim, generator=g)
+    k = torch.randn(qlen, kv_heads, dim, generator=g)
+    v = torch.randn(qlen, kv_heads, dim, generator=g)
+    slots = [block_ids[p // bs] * bs + p % bs for p in range(prefix, ctx)]
 
-    def run(device: str) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1)
-        k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g).to(device)
-        v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=g).to(device)
-        q = torch.randn(qlen, heads, dim, generator=g).to(device)
-        k = torch.randn(qlen, kv_heads, dim, generator=g).to(device)
-        v = torch.randn(qlen, kv_heads, dim, generator=g).to(device)
-        slots = [block_ids[p // bs] * bs + p % bs for p in range(prefix, ctx)]
+    def run(backend, device: str) -> torch.Tensor:
         meta = AttentionMetadata(
             mode=ForwardMode.VERIFY,
             slot_mapping=torch.tensor(slots, device=device),
@@ -59,9 +64,28 @@ def test_tree_mask_attention_cuda_equals_cpu():
             block_tables=torch.tensor([block_ids], dtype=torch.int32, device=device),
             query_lens_cpu=[qlen],
             seq_lens_cpu=[ctx],
-            custom_mask=verify_mask(topology, prefix).to(device),
+            tree_mask=topology.ancestor_mask(device),
         )
-        cache = {"k": k_cache, "v": v_cache}
-        return TorchRefBackend().forward(q, k, v, cache, meta, dim**-0.5).cpu()
+        cache = {"k": k_cache.clone().to(device), "v": v_cache.clone().to(device)}
+        x = (t.to(device) for t in (q, k, v))
+        return backend.forward(*x, cache, meta, scale).cpu()
 
-    assert torch.allclose(run("cuda"), run("cpu"), atol=1e-4, rtol=1e-4)
+    # The oracle: this step's k/v written at their slots, then SDPA under the dense mask.
+    keys, values = (c.clone().view(-1, kv_heads, dim) for c in (k_cache, v_cache))
+    keys[slots], values[slots] = k, v
+    order = [b * bs + o for b in block_ids for o in range(bs)][:ctx]
+    keys, values = (
+        x[order].repeat_interleave(heads // kv_heads, 1).transpose(0, 1) for x in (keys, values)
+    )
+    mask = verify_mask(topology, prefix)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale
+    )
+    want = want.transpose(0, 1)
+    for backend, device in (
+        (TorchRefBackend(), "cpu"),
+        (TorchRefBackend(), "cuda"),
+        (TritonBackend(), "cuda"),
+    ):
+        got = run(backend, device)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (type(backend).__name__, device)

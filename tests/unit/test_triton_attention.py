@@ -1,5 +1,7 @@
 """The Triton attention kernels' logic on the CPU, under Triton's interpreter, against
 TorchRefBackend: decode (split-K, GQA), prefill over a cached prefix, chain and tree VERIFY.
+The compact tree mask (AttentionMetadata.tree_mask) is itself checked against dense masks from
+`verify_mask`: as build_inputs makes it, and through TorchRefBackend against a dense SDPA.
 
 TRITON_INTERPRET=1 must be set before `triton` itself is imported (its standard library,
 tl.zeros and tl.cdiv included, is decorated at import), and it would change every later kernel
@@ -49,7 +51,8 @@ class Case:
     query_lens: list[int]
     block_tables: torch.Tensor  # [B, max_blocks + 1] int32, scrambled, padded with 0
     slot_mapping: torch.Tensor  # [T] int64; -1 for padded rows (seq_len 0)
-    custom_mask: torch.Tensor | None  # [T, max seq_len] bool
+    tree_mask: torch.Tensor | None  # [T, M] bool over each sequence's last M keys
+    trees: dict[int, list[int]]  # sequence -> draft parents, for the dense oracle
 
     def meta(self, rows: list[int] | None = None) -> AttentionMetadata:
         """Metadata for all sequences, or only `rows` of them (the reference skips padding)."""
@@ -59,9 +62,7 @@ class Case:
         qlens = [self.query_lens[i] for i in seqs]
         lens = [self.seq_lens[i] for i in seqs]
         dev = self.q.device
-        mask = None
-        if self.custom_mask is not None:
-            mask = self.custom_mask[tokens.to(dev)][:, : max(lens)]
+        mask = None if self.tree_mask is None else self.tree_mask[tokens.to(dev)]
         return AttentionMetadata(
             mode=self.mode,
             slot_mapping=self.slot_mapping[tokens.to(dev)],
@@ -70,7 +71,7 @@ class Case:
             block_tables=self.block_tables[torch.tensor(seqs, device=dev)],
             query_lens_cpu=qlens,
             seq_lens_cpu=lens,
-            custom_mask=mask,
+            tree_mask=mask,
         )
 
 
@@ -92,10 +93,12 @@ def build_case(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    mask_width: int | None = None,  # M of the tree mask; None: the longest query
 ) -> Case:
     """Random q/k/v and a random paged cache; each sequence owns scrambled blocks (so pages are
     never contiguous), the cache holds garbage beyond every sequence's length, and a sequence
-    with seq_len 0 is a padded row (one query, slot -1, no blocks)."""
+    with seq_len 0 is a padded row (one query, slot -1, no blocks). With trees, the tree mask's
+    columns that stand for no key (M > seq_len) hold random bits: kernels must ignore them."""
     gen = torch.Generator().manual_seed(seed)  # the block layout, on the host
     dev_gen = torch.Generator(device=device).manual_seed(seed)  # values, where they live
     trees = {int(i): parents for i, parents in (trees or {}).items()}  # JSON keys are strings
@@ -122,15 +125,18 @@ def build_case(
     mask = None
     mode = ForwardMode.DECODE if set(query_lens) == {1} else ForwardMode.VERIFY
     if trees:
-        mask = torch.zeros(num_tokens, max(seq_lens), dtype=torch.bool)
+        width = mask_width or max(query_lens)
+        mask = torch.ones(num_tokens, width, dtype=torch.bool)
         for i, (n, qlen, start) in enumerate(zip(seq_lens, query_lens, _starts(query_lens))):
+            rows = slice(start, start + qlen)
             if i in trees:
                 topology = TreeTopology.from_parents(trees[i])
                 assert qlen == 1 + topology.num_nodes
-                mask[start : start + qlen, :n] = verify_mask(topology, n - qlen)
+                mask[rows, width - qlen :] = topology.ancestor_mask()
             else:
-                pos = torch.arange(n - qlen, n)
-                mask[start : start + qlen, :n] = torch.arange(n)[None, :] <= pos[:, None]
+                mask[rows, width - qlen :] = torch.ones(qlen, qlen, dtype=torch.bool).tril()
+            if width > n:
+                mask[rows, : width - n] = torch.randint(0, 2, (qlen, width - n), generator=gen) > 0
         mask = mask.to(device)
     elif max(query_lens) > 1 and any(q == n for q, n in zip(query_lens, seq_lens)):
         mode = ForwardMode.PREFILL
@@ -148,7 +154,8 @@ def build_case(
         query_lens=list(query_lens),
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        custom_mask=mask,
+        tree_mask=mask,
+        trees=trees,
     )
 
 
@@ -189,6 +196,42 @@ def compare(case: Case, num_splits: int | None = None, scale: float | None = Non
     }
 
 
+def dense_mask(case: Case, i: int) -> torch.Tensor:
+    """The oracle for sequence i: [query_len, seq_len] bool, `verify_mask` for a tree, causal
+    otherwise, built without the compact mask."""
+    n, qlen = case.seq_lens[i], case.query_lens[i]
+    if i in case.trees:
+        return verify_mask(TreeTopology.from_parents(case.trees[i]), n - qlen)
+    return torch.arange(n)[None, :] <= torch.arange(n - qlen, n)[:, None]
+
+
+def dense_reference(case: Case, scale: float) -> torch.Tensor:
+    """Per real sequence, one SDPA under `dense_mask` over its keys gathered from the paged
+    cache (after this step's writes), KV heads repeated for GQA. [T, H, D]; padded rows 0."""
+    num_heads, head_dim = case.q.shape[1:]
+    block_size, kv_heads = case.k_cache.shape[1:3]
+    group = num_heads // kv_heads
+    out = torch.zeros_like(case.q)
+    caches = []
+    for cache, new in ((case.k_cache, case.k), (case.v_cache, case.v)):
+        flat = cache.clone().view(-1, kv_heads, head_dim)
+        ok = case.slot_mapping >= 0
+        flat[case.slot_mapping[ok]] = new[ok]
+        caches.append(flat.view(cache.shape))
+    starts = _starts(case.query_lens)
+    for i, n in enumerate(case.seq_lens):
+        if n == 0:
+            continue
+        blocks = case.block_tables[i, : math.ceil(n / block_size)].long()
+        k, v = (c[blocks].reshape(-1, kv_heads, head_dim)[:n] for c in caches)
+        k, v = (x.repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [H, n, D]
+        q = case.q[starts[i] : starts[i + 1]].transpose(0, 1)  # [H, qlen, D]
+        mask = dense_mask(case, i).to(q.device)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+    return out
+
+
 # -- the interpreter worker ----------------------------------------------------------------------
 
 
@@ -202,6 +245,34 @@ def _check_choose_num_splits(calls: list[list[int]]) -> dict:
     return {"splits": [choose_num_splits(*c) for c in calls]}
 
 
+def _check_bad_tree_mask(case: dict) -> dict:
+    """The ValueError message of each malformed mask, through the backend and the kernel's
+    own entry point."""
+    from outrider.layers.attn_backends.triton import TritonBackend
+    from outrider.layers.attn_backends.triton_prefill import prefill_attention
+
+    c = build_case(**case)
+    good = c.tree_mask
+    bad = {"rows": good[:-1], "width": good[:, :0], "dim": good[0], "dtype": good.to(torch.uint8)}
+    errors = {}
+    for name, mask in bad.items():
+        meta = c.meta()
+        meta.tree_mask = mask
+        cache = {"k": c.k_cache.clone(), "v": c.v_cache.clone()}
+        try:
+            TritonBackend().forward(c.q, c.k, c.v, cache, meta, 1.0)
+        except ValueError as e:
+            errors[name] = str(e)
+    try:
+        prefill_attention(
+            c.q, c.k_cache, c.v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            max(c.query_lens), 1.0, tree_mask=good[:-1],
+        )  # fmt: skip
+    except ValueError as e:
+        errors["kernel_rows"] = str(e)
+    return errors
+
+
 def _check_registry() -> dict:
     from outrider.layers.attn_backends.base import get_backend
 
@@ -211,6 +282,7 @@ def _check_registry() -> dict:
 _CHECKS = {
     "compare": _check_compare,
     "choose_num_splits": _check_choose_num_splits,
+    "bad_tree_mask": _check_bad_tree_mask,
     "registry": _check_registry,
 }
 
@@ -383,14 +455,87 @@ def test_verify_gqa1_block32(interpreter):
     _assert_close(interpreter("compare", case=case, num_splits=2))
 
 
-def test_tree_custom_mask(interpreter):
-    # Sequence 0 verifies the module docstring's tree of speculative/tree.py (5 nodes behind its
-    # prefix), sequence 1 a chain of 3 in the same mask, sequence 2 decodes; split and unsplit.
+# The module docstring's tree of speculative/tree.py: 5 nodes, two branches.
+BRANCHY = [-1, -1, 0, 0, 1]
+
+
+def test_tree_mask_mixed_batch(interpreter):
+    # Sequence 0 verifies BRANCHY behind its prefix, sequence 1 a chain of 3 as a tree, 2 is a
+    # prefill chunk and 3 a decode (causal rows in the same M = 6 mask), 4 a padded row; with
+    # and without splitting the keys.
     case = _case(
-        [70, 20, 131], [6, 4, 1], heads=(8, 2), trees={0: [-1, -1, 0, 0, 1], 1: [-1, 0, 1]}
+        [70, 20, 45, 131, 0], [6, 4, 3, 1, 1], heads=(8, 2), trees={0: BRANCHY, 1: [-1, 0, 1]}
     )
+    for num_splits in (1, 3):
+        _assert_close(interpreter("compare", case=case, num_splits=num_splits))
+
+
+def test_tree_mask_wider_than_a_sequence(interpreter):
+    # M = 9 covers more keys than sequences 1..3 have: a fresh 3-token prompt, a tree verified
+    # from position 0 (its root is the first token), a 1-key decode. Their columns that stand for
+    # no key hold random bits and must be ignored.
+    case = _case(
+        [70, 3, 4, 1], [6, 3, 4, 1], heads=(4, 1), trees={0: BRANCHY, 2: [-1, 0, 0]},
+        mask_width=9,
+    )  # fmt: skip
     for num_splits in (1, 2):
         _assert_close(interpreter("compare", case=case, num_splits=num_splits))
+
+
+def test_bad_tree_mask_shape_raises(interpreter):
+    case = _case([70, 20, 131], [6, 4, 1], heads=(4, 1), trees={0: BRANCHY})
+    errors = interpreter("bad_tree_mask", case=case)
+    assert errors.keys() == {"rows", "width", "dim", "dtype", "kernel_rows"}, errors
+    assert "shape (10, 6) for 11 query tokens; build it [11, M] with M >= 1" in errors["rows"]
+    assert "shape (11, 0) for 11 query tokens" in errors["width"]
+    assert "shape (6,) for 11 query tokens" in errors["dim"]
+    assert "tree_mask must be torch.bool, got torch.uint8" in errors["dtype"]
+    assert "shape (10, 6) for 11 query tokens" in errors["kernel_rows"]
+
+
+@pytest.mark.parametrize("mask_width", [None, 12], ids=["M=max-query", "M=12"])
+def test_torch_ref_tree_mask_matches_dense_verify_mask(mask_width):
+    # The reference backend expands the compact mask: it must attend exactly as SDPA under the
+    # dense masks `verify_mask` builds. Sequence 3 (seq_len 4) is shorter than M = 12.
+    case = _case(
+        [70, 20, 45, 4, 131], [6, 4, 3, 4, 1], heads=(6, 2),
+        trees={0: BRANCHY, 1: [-1, 0, 1], 3: [-1, 0, 0]}, mask_width=mask_width,
+    )  # fmt: skip
+    case = build_case(**case)
+    scale = case.q.shape[-1] ** -0.5
+    want = dense_reference(case, scale)
+    cache = {"k": case.k_cache.clone(), "v": case.v_cache.clone()}
+    got = TorchRefBackend().forward(case.q, case.k, case.v, cache, case.meta(), scale)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_build_inputs_tree_mask_expands_to_verify_mask():
+    # A verify of BRANCHY at position 10, a chain verify, a fresh 3-token prompt (shorter than
+    # M = 6) and a decode: each sequence's rows, read over its last M keys with every earlier
+    # key visible, must give `verify_mask` for the tree and causal masks for the rest.
+    from outrider.core import Request, SamplingParams, ScheduledBatch, ScheduledSeq, SeqDrafts
+    from outrider.executor.inputs import build_inputs
+
+    def seq(start_pos: int, n: int, drafts: SeqDrafts | None = None) -> ScheduledSeq:
+        req = Request(prompt_token_ids=list(range(start_pos + 1)), params=SamplingParams())
+        return ScheduledSeq(req, list(range(n)), start_pos, [0, 1, 2], True, drafts)
+
+    tree = SeqDrafts(list(range(5)), BRANCHY)
+    seqs = [seq(10, 6, tree), seq(7, 4, SeqDrafts.chain([1, 2, 3])), seq(0, 3), seq(20, 1)]
+    mask = build_inputs(ScheduledBatch(ForwardMode.VERIFY, seqs), 16, torch.device("cpu"))
+    mask = mask.attn.tree_mask
+    assert mask.shape == (14, 6) and mask.dtype == torch.bool
+    starts = _starts([s.query_len for s in seqs])
+    for s, start in zip(seqs, starts):
+        n, qlen = s.context_len, s.query_len
+        tail = min(6, n)
+        dense = torch.ones(qlen, n, dtype=torch.bool)
+        dense[:, n - tail :] = mask[start : start + qlen, 6 - tail :]
+        if s.drafts is not None and not s.drafts.is_chain:
+            want = verify_mask(TreeTopology.from_parents(s.drafts.parents), s.start_pos)
+        else:
+            want = torch.arange(n)[None, :] <= torch.arange(n - qlen, n)[:, None]
+        assert torch.equal(dense, want), (s.start_pos, dense, want)
 
 
 def test_registered_by_name(interpreter):

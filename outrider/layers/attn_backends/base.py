@@ -15,7 +15,8 @@ class AttentionBackend(ABC):
 
     Invariants: `forward` first writes this step's k/v into the cache at `meta.slot_mapping`,
     then attends each query token to its own sequence's keys only (positions up to its own, or
-    as `meta.custom_mask` allows). Output rows follow the query rows.
+    as `meta.tree_mask` allows over the sequence's last M keys). Output rows follow the query
+    rows.
     """
 
     name: str

@@ -23,7 +23,7 @@ class TorchRefBackend(AttentionBackend):
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        if meta.custom_mask is None and max(meta.query_lens_cpu) == 1:
+        if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
             return _decode(q, k_cache, v_cache, meta, scale)
         return _per_sequence(q, k_cache, v_cache, meta, scale)
 
@@ -83,13 +83,18 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.device) -> list:
     # Per sequence: (first row, end row, context length, its blocks, mask [group * qlen, ctx]).
+    # A tree mask covers each sequence's last M keys; the keys before them are all visible, and
+    # a sequence shorter than M uses only its mask's last ctx columns (e.g. M 4, ctx 2: 2..3).
     plan = []
     start = 0
     for i, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         end = start + qlen
         blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
-        if meta.custom_mask is not None:
-            mask = meta.custom_mask[start:end, :ctx]
+        if meta.tree_mask is not None:
+            width = meta.tree_mask.shape[1]
+            tail = min(width, ctx)
+            mask = torch.ones(qlen, ctx, dtype=torch.bool, device=device)
+            mask[:, ctx - tail :] = meta.tree_mask[start:end, width - tail :]
         else:
             q_pos = torch.arange(ctx - qlen, ctx, device=device)
             mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]  # [qlen, ctx]

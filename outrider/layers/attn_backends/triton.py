@@ -3,12 +3,12 @@ which is how the unit tests check their logic against torch_ref).
 
 A forward writes this step's k/v into the cache (one small kernel; negative slots are skipped,
 so padded rows may point nowhere), then runs one of two kernels:
-    every query_len == 1, no custom mask  -> triton_decode.decode_attention (split-K decode)
-    otherwise (prefill chunk, VERIFY)     -> triton_prefill.prefill_attention
-Both read every length from device tensors, so CUDA graphs captured once serve any context:
-DECODE and chain VERIFY graphs both work. What only depends on host data (which kernel, grid
-sizes, how many splits, the fp32 split workspace) is derived once per step and kept in
-meta.backend_data, not re-derived per layer.
+    every query_len == 1, no tree mask  -> triton_decode.decode_attention (split-K decode)
+    otherwise (prefill chunk, VERIFY)   -> triton_prefill.prefill_attention
+Both read every length from device tensors, and a tree mask's shape follows the query lengths
+alone, so CUDA graphs captured once serve any context: DECODE and chain VERIFY graphs both work.
+What only depends on host data (which kernel, grid sizes, how many splits, the fp32 split
+workspace) is derived once per step and kept in meta.backend_data, not re-derived per layer.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from outrider.layers.attn_backends.triton_decode import (  # noqa: E402
 )
 from outrider.layers.attn_backends.triton_prefill import (  # noqa: E402
     MAX_SPLIT_QUERY_LEN,
+    check_tree_mask,
     prefill_attention,
     prefill_config,
     query_tile,
@@ -78,8 +79,10 @@ class TritonBackend(AttentionBackend):
         the lengths seen at capture); None keeps the constructor's choice or the heuristic."""
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+        if meta.tree_mask is not None:
+            check_tree_mask(meta.tree_mask, sum(meta.query_lens_cpu))
         meta.backend_data[_PLAN_KEY] = _StepPlan(
-            decode=meta.custom_mask is None and max(meta.query_lens_cpu, default=1) == 1,
+            decode=meta.tree_mask is None and max(meta.query_lens_cpu, default=1) == 1,
             batch=meta.batch_size,
             max_seq_len=max(meta.seq_lens_cpu, default=0),
             max_query_len=max(meta.query_lens_cpu, default=0),
@@ -119,15 +122,9 @@ class TritonBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits, workspace
             )
-        mask = meta.custom_mask
-        if mask is not None and mask.shape[1] < plan.max_seq_len:
-            raise ValueError(
-                f"custom_mask is {mask.shape[1]} keys wide but a sequence has "
-                f"{plan.max_seq_len}: build it [num_tokens, max(seq_lens)]"
-            )
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            plan.max_query_len, scale, splits, mask, workspace,
+            plan.max_query_len, scale, splits, meta.tree_mask, workspace,
         )  # fmt: skip
 
     @staticmethod

@@ -1,9 +1,13 @@
 r"""Paged attention for several query tokens per sequence (varlen): prefill chunks over a cached
-prefix, chain VERIFY with 1 + k tokens, and tree VERIFY under a custom mask.
+prefix, chain VERIFY with 1 + k tokens, and tree VERIFY under a tree mask.
 
 Query token i of sequence b (query_len n, context seq_len L) sits at position L - n + i and sees
-the keys at positions <= its own, all read through b's block table; with `custom_mask` given,
-row t of the mask ([num_tokens, >= max seq_len] bool) decides instead.
+the keys at positions <= its own, all read through b's block table. With `tree_mask` given
+([num_tokens, M] bool, see AttentionMetadata), row t sees every key before L - M instead, and
+key j >= L - M iff tree_mask[t, j - (L - M)]: e.g. M = 4, L = 10: keys 0..5 are visible, keys
+6..9 read columns 0..3 (with L = 2, keys 0..1 read columns 2..3; columns 0..1 are no key).
+M is a runtime argument and the mask's shape does not depend on the context, so a graph
+captured once with a mask buffer serves any context.
 
 Grid (batch, kv_heads, q_tiles * num_splits). One program takes BLOCK_Q consecutive query tokens
 of one sequence times the `group` query heads of one KV head, as BLOCK_M = BLOCK_Q * GROUP_PAD
@@ -61,6 +65,18 @@ def query_tile(max_query_len: int, group: int, target_block_m: int) -> tuple[int
     return block_q, group_pad
 
 
+def check_tree_mask(tree_mask: torch.Tensor, num_tokens: int) -> None:
+    """Host-only (shapes, no values): one bool row per query token, at least one column."""
+    if tree_mask.dim() != 2 or tree_mask.shape[0] != num_tokens or tree_mask.shape[1] < 1:
+        raise ValueError(
+            f"tree_mask has shape {tuple(tree_mask.shape)} for {num_tokens} query tokens; "
+            f"build it [{num_tokens}, M] with M >= 1 (one row per query token, over each "
+            f"sequence's last M keys: see AttentionMetadata.tree_mask)"
+        )
+    if tree_mask.dtype != torch.bool:
+        raise ValueError(f"tree_mask must be torch.bool, got {tree_mask.dtype}")
+
+
 def prefill_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -71,7 +87,7 @@ def prefill_attention(
     max_query_len: int,  # host-side bound on query_start_loc's gaps (sizes the grid)
     scale: float,
     num_splits: int = 1,
-    custom_mask: torch.Tensor | None = None,  # [num_tokens, >= max seq_len] bool
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, M] bool over each sequence's last M keys
     workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
     """No host sync: lengths are read on the device; `max_query_len` only sizes the grid, so a
@@ -86,16 +102,11 @@ def prefill_attention(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if custom_mask is not None:
-        if custom_mask.dim() != 2 or custom_mask.shape[0] != num_tokens:
-            raise ValueError(
-                f"custom_mask has shape {tuple(custom_mask.shape)}; expected [{num_tokens}, "
-                f"max_seq_len] bool, one row per query token"
-            )
-        if custom_mask.dtype == torch.bool:
-            custom_mask = custom_mask.view(torch.uint8)  # same bytes; Triton loads u8 plainly
-        if custom_mask.stride(-1) != 1:
-            custom_mask = custom_mask.contiguous()
+    if tree_mask is not None:
+        check_tree_mask(tree_mask, num_tokens)
+        tree_mask = tree_mask.view(torch.uint8)  # same bytes; Triton loads u8 plainly
+        if tree_mask.stride(-1) != 1:
+            tree_mask = tree_mask.contiguous()
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -115,18 +126,20 @@ def prefill_attention(
         # Every (token, head, split) partial gets written, even an empty one (lse -inf), as
         # long as query_start_loc covers the tokens and max_query_len bounds its gaps.
         lse, lse_strides = workspace.lse, workspace.lse.stride()[:2]
-    mask = custom_mask if custom_mask is not None else seq_lens  # any pointer; unused if causal
+    has_mask = tree_mask is not None
+    mask = tree_mask if has_mask else seq_lens  # any pointer; unused if causal
     _prefill_kernel[(batch, kv_heads, q_tiles * num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, mask, dst, lse,
         scale * LOG2E, num_splits,
+        mask.shape[1] if has_mask else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        mask.stride(0) if custom_mask is not None else 0,
+        mask.stride(0) if has_mask else 0,
         *dst_strides, *lse_strides,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=block_n, HAS_MASK=custom_mask is not None,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=block_n, HAS_MASK=has_mask,
         SPLIT=num_splits > 1, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -141,6 +154,7 @@ def _prefill_kernel(
     dst_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_splits,
+    mask_width,  # M: the tree mask covers each sequence's last M keys
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -166,7 +180,7 @@ def _prefill_kernel(
     tok = first_q + rows // GROUP_PAD  # token index within the sequence
     g = rows % GROUP_PAD
     row_ok = (tok < q_len) & (g < GROUP)
-    token = q_start + tok  # row of q / out / custom_mask
+    token = q_start + tok  # row of q / out / tree_mask
     head = kv_head * GROUP + g
     pos = seq_len - q_len + tok  # the query's position: it sees keys <= pos
     dims = tl.arange(0, HEAD_DIM)
@@ -176,10 +190,11 @@ def _prefill_kernel(
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM]
 
-    # Keys this tile may see: all of the context under a custom mask, else up to its last
+    # Keys this tile may see: all of the context under a tree mask, else up to its last
     # query's position. A tile past the query (first_q >= q_len) sees nothing.
     if HAS_MASK:
         kv_end = seq_len
+        mask_start = seq_len - mask_width  # key of mask column 0; negative if M > seq_len
     else:
         kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len))
     kv_end = tl.where(first_q < q_len, tl.maximum(kv_end, 0), 0)
@@ -201,12 +216,14 @@ def _prefill_kernel(
         )  # [BLOCK_N, HEAD_DIM]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if HAS_MASK:
+            in_mask = keys >= mask_start  # the last M keys; every earlier one is visible
+            col = keys - mask_start
             allowed = tl.load(
-                mask_ptr + token[:, None].to(tl.int64) * stride_mt + keys[None, :],
-                mask=row_ok[:, None] & key_ok[None, :],
+                mask_ptr + token[:, None].to(tl.int64) * stride_mt + col[None, :],
+                mask=row_ok[:, None] & (key_ok & in_mask)[None, :],
                 other=0,
             )
-            visible = (allowed != 0) & key_ok[None, :]
+            visible = ((allowed != 0) | ~in_mask[None, :]) & key_ok[None, :]
         else:
             visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
