@@ -327,7 +327,7 @@ class StepOutput:
     aux_hidden: torch.Tensor | None = None
     # Per sampling sequence: the drafts a drafter on the device made for the next step (the
     # speculative step drafts right after verifying); None when the step made none.
-    next_drafts: list[list[int]] | None = None
+    next_drafts: list[SeqDrafts] | None = None
 
 
 @dataclass

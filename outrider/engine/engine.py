@@ -28,10 +28,12 @@ from outrider.engine.proposers import build_proposer
 from outrider.engine.scheduler import Scheduler
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator
+from outrider.executor.spec_step import simple_greedy
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
-from outrider.speculative.base import SeqDrafts
 from outrider.speculative.controller import SpecController, StepProfile
+from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
 from outrider.speculative.stats import SpecStats, accept_length, record_verify
+from outrider.speculative.tree_batch import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -76,21 +78,25 @@ class EngineCore:
         self.spec_steps_by_k: dict[int, int] = {}  # decode steps by drafts verified
 
     def _configure_speculation(self) -> None:
-        """Chains run through the runner's speculative step (a drafter on the device drafts
-        inside it); trees through the per-sequence path. Captures the graphs either way."""
+        """Chains and a device drafter's trees run through the runner's speculative step (a
+        drafter on the device drafts inside it). Captures the graphs either way."""
         p, k = self.proposer, self.config.speculative.num_draft_tokens
         self._k_max = k if p is not None else 0
         self._k = self._k_max  # drafts verified this step (the controller's pick)
         self._drafted_only = False  # the last step drafted but verified nothing
         self._observe_phase = 0  # which share of a large batch the controller sees this step
-        self._chain = p is not None and p.topk == 1
-        if self._chain:
-            self.runner.set_speculation(p if p.on_device else None, tuple(range(1, k + 1)))
+        self._tree: TreeShape | None = None
+        if p is not None and p.topk > 1 and p.on_device:
+            self._tree = TreeShape(k, p.topk, p.num_steps or min(k, DEFAULT_MAX_STEPS))
+        self._stepped = p is not None and (p.topk == 1 or self._tree is not None)
+        if self._stepped:
+            drafter = p if p.on_device else None
+            self.runner.set_speculation(drafter, tuple(range(1, k + 1)), self._tree)
         else:
             self.runner.aux_layers = p.aux_layers if p is not None else ()
         self.runner.capture_graphs()
         self.controller: SpecController | None = None
-        if self._chain and self.config.speculative.controller == "adaptive":
+        if self._stepped and self.config.speculative.controller == "adaptive":
             self.controller = SpecController(self._measure_profile(), max_k=k)
 
     def _measure_profile(self) -> StepProfile:
@@ -200,14 +206,16 @@ class EngineCore:
     def _schedule(self) -> ScheduledBatch:
         if self.proposer is None:
             return self.scheduler.schedule()
-        if not self._chain:
-            return self.scheduler.schedule()  # trees: as proposed
+        if not self._stepped:
+            return self.scheduler.schedule()  # as proposed
         self._choose_k()
         if not self.proposer.on_device and self._k:
             # Drafted on demand, for the k chosen: while speculation is off a host proposer
             # costs nothing.
             self._propose()
         lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
+        if self._tree is not None:
+            lookahead = self._tree.reach - 1
         return self.scheduler.schedule(max_drafts=self._k, lookahead=lookahead)
 
     def _choose_k(self) -> None:
@@ -236,10 +244,12 @@ class EngineCore:
     def _speculative_step(self, batch: ScheduledBatch) -> bool:
         """Whether the batch runs as one speculative step: chains, every sequence decoding
         (its root and at most k drafts), and speculation on this step."""
-        if not self._chain or self._k == 0 or batch.mode == ForwardMode.PREFILL:
+        if not self._stepped or self._k == 0 or batch.mode == ForwardMode.PREFILL:
             return False
         if not self.proposer.on_device and not any(s.drafts for s in batch.seqs):
             return False  # nothing to verify and nothing to draft: a plain decode step
+        if self._tree is not None and not all(map(simple_greedy, batch.seqs)):
+            return False  # trees that sample are verified per sequence (runner.run)
         return all(
             s.sample and s.query_len == 1 + (s.drafts.num_nodes if s.drafts else 0)
             for s in batch.seqs
@@ -302,7 +312,7 @@ class EngineCore:
                 if self.controller is not None:
                     self.controller.forget(rid)
             deltas.append(self._output(tracked, text, new_ids))
-        if self.proposer is not None and (self.proposer.on_device or not self._chain):
+        if self.proposer is not None and (self.proposer.on_device or not self._stepped):
             self._propose()  # host proposers of chains draft right before the step instead
         return deltas
 
@@ -361,9 +371,9 @@ class EngineCore:
         """Drafts made inside the step become each request's drafts for the next one."""
         for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
             req = seq.request
-            n = min(len(drafts), self._room(req))
+            n = min(drafts.num_nodes, self._room(req))
             if not req.is_finished and n > 0:
-                req.drafts = SeqDrafts.chain(drafts[:n])
+                req.drafts = drafts.truncated(n)
 
     def _propose(self) -> None:
         """Draft for every running request that is decoding, capped so accepted drafts plus

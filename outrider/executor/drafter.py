@@ -4,8 +4,10 @@ drawn in speculative/eagle3.py.
 
 Two ways in:
 - on the device, fixed shapes (executor/spec_step.py): `after_verify_no_sync` extends over a
-  verify's rows and runs the chain from the row after the last accepted one, all inside graphs;
-- eager and ragged (prefill steps, and trees): `observe` extends over what a step made valid and
+  verify's rows and runs the chain from the row after the last accepted one, and
+  `tree_after_verify_no_sync` extends over a tree's accepted path and grows the next tree, all
+  inside graphs;
+- eager and ragged (prefill steps, batches the step does not take): `observe` extends over what a step made valid and
   keeps a frontier per request, `propose` drafts chains or trees from it
   (speculative/eagle3_tree.py).
 """
@@ -27,6 +29,7 @@ from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sa
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.speculative.base import SeqDrafts
+from outrider.speculative.tree_batch import TreeShape, select_tree_no_sync
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +255,88 @@ class Eagle3Drafter:
             ids = self.draft.to_target_ids(self.draft.compute_logits(normed).argmax(dim=-1))
             out.append(ids)
         return torch.stack(out, dim=1)
+
+    def tree_after_verify_no_sync(
+        self,
+        path_ids: torch.Tensor,  # [B, 1 + S] the target's argmax along the accepted path
+        path_aux: torch.Tensor,  # [B * (1 + S), 3 * Ht] the target's aux streams there
+        num_accepted: torch.Tensor,  # [B]
+        starts: torch.Tensor,  # [B] each row's root position
+        block_tables: torch.Tensor,  # [B, W] int32; its last column is the scratch block
+        shape: TreeShape,
+        backend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # next tree: tokens [B, N], parents [B, N]
+        """The tree step's drafting, all on the device: extend over the accepted path (a chain
+        of 1 + S rows from the root; rows past the accepted ones write draft KV that the
+        frontier overwrites before anyone reads it), then grow the next tree EAGLE-2 style
+        from the row after the last accepted one, as speculative/eagle3_tree.py does eagerly.
+
+        Frontier nodes of depth d (2..S) run at rotary position C + d - 2 and slots
+        C + (d - 2) * topk + i, where C = root + num_accepted + 1 is the next root's position;
+        each sees the context before C and, among the tree's slots, its ancestors and itself
+        (the attention's tree mask over the last (d - 1) * topk keys)."""
+        b, rows = path_ids.shape
+        t, dev = shape.topk, path_ids.device
+        bs, width = self.block_size, block_tables.shape[1]
+        top = self.draft.rotary_emb.cos.shape[0] - 1
+
+        def slots(pos: torch.Tensor) -> torch.Tensor:  # [B, n] positions -> flat slots
+            col = (pos // bs).clamp(max=width - 1)
+            return block_tables.gather(1, col).long() * bs + pos % bs
+
+        def metadata(pos, q: int, seq_lens, tree_mask=None) -> AttentionMetadata:
+            # Graph-safe backends read lengths on the device; the reference backend (the CPU,
+            # where reading them costs nothing) plans from the host's.
+            host = seq_lens.tolist() if dev.type == "cpu" else [width * bs] * b
+            return AttentionMetadata(
+                ForwardMode.VERIFY, slots(pos).reshape(-1),
+                torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
+                seq_lens.to(torch.int32), block_tables, [q] * b, host, tree_mask=tree_mask,
+            )  # fmt: skip
+
+        def run(meta, ids, pos, hidden):
+            backend.prepare(meta)
+            with forward_context(ForwardContext(meta, backend)):
+                return self.draft(ids, pos.clamp(max=top), hidden)
+
+        # 1. Extend over the path; the first candidates come from row num_accepted.
+        pos = starts[:, None] + torch.arange(rows, device=dev)[None, :]  # [B, 1 + S]
+        meta = metadata(pos, rows, starts + rows)
+        normed, summed = run(meta, path_ids.reshape(-1), pos.reshape(-1), path_aux)
+        last = torch.arange(b, device=dev) * rows + num_accepted
+        logp = torch.log_softmax(self.draft.compute_logits(normed[last]).float(), dim=-1)
+        scores, cand = logp.topk(t, dim=-1)  # [B, t]
+        tokens = self.draft.to_target_ids(cand)
+        hidden = summed[last][:, None, :].expand(-1, t, -1)  # [B, t, H]
+        all_tokens, all_scores = [tokens], [scores]
+        all_parents = [torch.full_like(tokens, -1)]
+        # 2. Grow: anc[b, i, r] says frontier node i of row b sees tree slot C + r.
+        c = starts + num_accepted + 1
+        anc = torch.zeros(b, t, 0, dtype=torch.bool, device=dev)
+        own = torch.eye(t, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
+        for d in range(2, shape.num_steps + 1):
+            anc = torch.cat([anc, own], dim=-1)  # [B, t, (d - 1) * t]
+            first = (d - 2) * t
+            node_pos = c[:, None] + first + torch.arange(t, device=dev)[None, :]
+            meta = metadata(node_pos, t, c + first + t, anc.reshape(b * t, -1))
+            rope = (c + d - 2)[:, None].expand(-1, t).reshape(-1)
+            h = hidden.shape[-1]
+            normed, summed = run(meta, tokens.reshape(-1), rope, hidden.reshape(b * t, h))
+            logp = torch.log_softmax(self.draft.compute_logits(normed).float(), dim=-1)
+            child_logp, child = logp.topk(t, dim=-1)  # [B * t, t]
+            cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
+            scores, pick = cum.topk(t, dim=-1)  # [B, t]
+            parent = pick // t
+            tokens = self.draft.to_target_ids(child.view(b, t * t).gather(1, pick))
+            hidden = summed.view(b, t, h).gather(1, parent[..., None].expand(-1, -1, h))
+            anc = anc.gather(1, parent[..., None].expand(-1, -1, anc.shape[-1]))
+            all_tokens.append(tokens)
+            all_scores.append(scores)
+            all_parents.append(parent)
+        return select_tree_no_sync(
+            torch.stack(all_tokens, 1), torch.stack(all_scores, 1), torch.stack(all_parents, 1),
+            shape.num_nodes,
+        )  # fmt: skip
 
     # -- one draft forward ------------------------------------------------------------------
 

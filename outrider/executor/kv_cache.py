@@ -63,6 +63,11 @@ class KVPool:
         offset): accepted tree nodes move from node order to path order after a verify."""
         src = torch.tensor(src_slots, device=self.device)
         dst = torch.tensor(dst_slots, device=self.device)
+        self.move_no_sync(src, dst)
+
+    def move_no_sync(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`move` for slots already on the device (int64 [n]): graph-safe. Every source is read
+        before any destination is written; a slot moved onto itself stays as it is."""
         for t in self.tensors.values():
             flat = t.view(self.num_layers, self.num_blocks * self.block_size, *t.shape[3:])
             flat.index_copy_(1, dst, flat.index_select(1, src))

@@ -31,6 +31,7 @@ from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree import TreeTopology, accepted_kv_moves
+from outrider.speculative.tree_batch import TreeShape
 from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
@@ -113,12 +114,13 @@ class ModelRunner:
         """Blocks the block manager may hand out (the pool holds one more, a scratch block)."""
         return self._num_blocks
 
-    def set_speculation(self, drafter, ks: tuple[int, ...]) -> None:
+    def set_speculation(self, drafter, ks: tuple[int, ...], tree: TreeShape | None = None) -> None:
         """Chain speculation at the draft lengths `ks` (each a k >= 1 the step may be asked to
-        verify). drafter: an EAGLE-3 drafter the runner runs inside the step, or None (drafts
-        come from the host). Call before capture_graphs."""
+        verify), or trees of one shape (`tree`; ks is then (tree.num_nodes,)). drafter: an
+        EAGLE-3 drafter the runner runs inside the step, or None (chain drafts come from the
+        host). Call before capture_graphs."""
         self.drafter = drafter
-        self.spec_ks = tuple(sorted(set(ks)))
+        self.spec_ks = (tree.num_nodes,) if tree is not None else tuple(sorted(set(ks)))
         self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
         max_k = max(self.spec_ks)
         self.spec_step = SpecStep(
@@ -126,6 +128,7 @@ class ModelRunner:
             max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
             max_positions=self.max_model_len,
             batch_sizes=self._graph_batch_sizes(), aux_layers=self.aux_layers,
+            tree=tree, kv_pool=self.kv_pool,
         )  # fmt: skip
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
@@ -222,6 +225,8 @@ class ModelRunner:
         one host read. Rows that are not plain greedy are decided exactly between acceptance
         and drafting (verify_chain_rows_no_sync), still on the device; rows asking for
         logprobs get them for every emitted token from the row that predicted it."""
+        if self.spec_step.tree is not None:
+            return self._run_tree(batch)
         seqs = batch.seqs
         b, t = len(seqs), 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
@@ -261,7 +266,10 @@ class ModelRunner:
         drafts = None
         if out.drafts is not None:
             kd = out.drafts.shape[1]
-            drafts = [[int(x) for x in host[pos + i * kd : pos + (i + 1) * kd]] for i in range(b)]
+            drafts = [
+                SeqDrafts.chain([int(x) for x in host[pos + i * kd : pos + (i + 1) * kd]])
+                for i in range(b)
+            ]
             pos += b * kd
         logprobs = None
         if packed:
@@ -276,6 +284,35 @@ class ModelRunner:
             [s.request.request_id for s in seqs], tokens, num_accepted=accepted,
             logprobs=logprobs, accepted_nodes=[list(range(a)) for a in accepted],
             next_drafts=drafts,
+        )  # fmt: skip
+
+    def _run_tree(self, batch: ScheduledBatch) -> StepOutput:
+        """run_spec for trees: every row plain greedy (the engine sends other batches through
+        `run`). One read: the path's tokens and rows, the accept counts, the next trees."""
+        seqs = batch.seqs
+        b, n = len(seqs), self.spec_step.tree.num_nodes
+        if not all(simple_greedy(s) for s in seqs):
+            raise ValueError("the tree step decides plain greedy rows only: use run()")
+        out, _ = self.spec_step.run_no_sync(batch, n, n)
+        w = out.tokens.shape[1]  # 1 + S
+        parts = [
+            out.tokens,
+            out.path_rows,
+            out.num_accepted[:, None],
+            out.drafts,
+            out.draft_parents,
+        ]
+        host = torch.cat([p[:b] for p in parts], dim=1).tolist()  # CPU-GPU sync point
+        tokens, nodes, drafts = [], [], []
+        for row in host:
+            acc = row[2 * w]
+            tokens.append(row[: acc + 1])
+            nodes.append([r - 1 for r in row[w + 1 : w + 1 + acc]])
+            tail = row[2 * w + 1 :]
+            drafts.append(SeqDrafts(tail[:n], tail[n:]))
+        return StepOutput(
+            [s.request.request_id for s in seqs], tokens, num_accepted=[len(x) for x in nodes],
+            accepted_nodes=nodes, next_drafts=drafts,
         )  # fmt: skip
 
     @torch.inference_mode()

@@ -40,6 +40,12 @@ from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
 from outrider.executor.cuda_graph import StaticInputs
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from outrider.speculative.tree_batch import (
+    TreeShape,
+    accept_tree_greedy_no_sync,
+    ancestors_np,
+    tree_kv_moves_no_sync,
+)
 from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
@@ -54,6 +60,11 @@ class SpecOutput:
     logits: torch.Tensor  # [B * (1 + k), vocab]
     aux: torch.Tensor | None  # [B * (1 + k), n_aux * hidden] for the drafter
     drafts: torch.Tensor | None = None  # [B, k_draft] int64 next drafts (a drafter's)
+    # Trees: tokens and aux follow the accepted path ([B, 1 + S] rows: the root, the accepted
+    # nodes, then repeats of the last), path_rows [B, 1 + S] says which verify rows those were,
+    # draft_parents [B, N] the next tree's shape (drafts its tokens).
+    path_rows: torch.Tensor | None = None
+    draft_parents: torch.Tensor | None = None
 
 
 def simple_greedy(seq: ScheduledSeq) -> bool:
@@ -83,7 +94,8 @@ def accept_greedy_no_sync(
 
 
 class SpecStep:
-    """Static buffers, graphs and the step function for chain speculation at one max k."""
+    """Static buffers, graphs and the step function for chain speculation at one max k, or for
+    trees of one shape (`tree`: N nodes verified per step, the drafter growing the next tree)."""
 
     def __init__(
         self,
@@ -98,12 +110,21 @@ class SpecStep:
         max_positions: int,
         batch_sizes: Sequence[int],
         aux_layers: tuple[int, ...] = (),
+        tree: TreeShape | None = None,
+        kv_pool=None,  # executor.kv_cache.KVPool: trees move accepted nodes' KV in it
     ) -> None:
         self.model, self.backend, self.drafter = model, backend, drafter
+        self.tree, self.kv_pool = tree, kv_pool
+        if tree is not None:
+            max_k = tree.num_nodes
+            if drafter is None or kv_pool is None:
+                raise ValueError("a tree step needs a drafter on the device and the KV pool")
         self.max_k, self.block_size = max_k, block_size
-        # Chain positions run up to 2k - 1 past a row's start: the table is wide enough that
-        # every index the device computes lands inside it (on the scratch block past the end).
-        self.width = max_blocks + -(-2 * max_k // block_size) + 1
+        # Positions a step writes past a row's start (chains: up to 2k - 1): the table is wide
+        # enough that every index the device computes lands inside it (on the scratch block
+        # past the end).
+        self.reach = tree.reach if tree is not None else 2 * max_k
+        self.width = max_blocks + -(-self.reach // block_size) + 1
         self.scratch_block, self.max_positions = scratch_block, max_positions
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.aux_layers = aux_layers
@@ -111,6 +132,11 @@ class SpecStep:
         max_b = self.batch_sizes[-1]
         self.inputs = StaticInputs.allocate(max_b, max_b * (1 + max_k), self.width, self.device)
         self.num_drafts = torch.zeros(max_b, dtype=torch.int64, device=self.device)
+        if tree is not None:  # each row's tree: parents, depths, the mask over its 1 + N rows
+            n = tree.num_nodes
+            self.parents = torch.full((max_b, n), -1, dtype=torch.int64, device=self.device)
+            self.depth = torch.ones(max_b, n, dtype=torch.int64, device=self.device)
+            self.anc = torch.zeros(max_b, 1 + n, 1 + n, dtype=torch.bool, device=self.device)
         self.inputs.block_tables.fill_(scratch_block)
         self._dirty = 0  # table columns that may hold real blocks, from the widest load since
         self._w = 1  # the table width the last load wrote (eager forwards read only that)
@@ -136,13 +162,18 @@ class SpecStep:
         ns = np.zeros(padded, np.int64)
         ntab = np.zeros(padded, np.int64)
         ids = np.zeros((padded, t), np.int64)
+        tree = self.tree is not None
+        parents = np.full((padded, k), -1, np.int64) if tree else None
+        reach = self.tree.reach if tree else 2 * k
         w = 1
         for i, s in enumerate(batch.seqs):
             n = min(k, s.query_len - 1)
             starts[i], ns[i], ntab[i] = s.start_pos, n, len(s.block_ids)
             ids[i, : 1 + n] = s.token_ids[: 1 + n]
             ids[i, 1 + n :] = s.token_ids[0]
-            w = max(w, len(s.block_ids), (s.start_pos + 2 * k) // bs + 1)
+            if tree and n:
+                parents[i, :n] = s.drafts.parents[:n]
+            w = max(w, len(s.block_ids), (s.start_pos + reach) // bs + 1)
         w = min(w + 1, self.width)
         tables = np.full((padded, w), scratch, np.int64)
         for i, s in enumerate(batch.seqs):
@@ -150,6 +181,10 @@ class SpecStep:
             tables[i, : len(row)] = row
         ar = np.arange(t)
         pos = starts[:, None] + ar[None, :]  # [padded, t]; padding rows: 0 .. t - 1
+        rope = pos
+        if tree:  # a node's rotary position is root + depth; its slot stays root + 1 + index
+            anc, depth = ancestors_np(parents)
+            rope = starts[:, None] + np.concatenate([np.zeros((padded, 1), np.int64), depth], 1)
         real = (ar[None, :] <= ns[:, None]) & (pos // bs < ntab[:, None])
         col = np.minimum(pos // bs, w - 1)
         own = np.take_along_axis(tables, col, axis=1) * bs + pos % bs
@@ -162,11 +197,15 @@ class SpecStep:
             dst.copy_(to_device_no_sync(values, dtype, dev), non_blocking=True)
 
         put(s.input_ids[:n_tok], ids.reshape(-1), torch.int64)
-        put(s.positions[:n_tok], np.minimum(pos, self.max_positions - 1).reshape(-1), torch.int64)
+        put(s.positions[:n_tok], np.minimum(rope, self.max_positions - 1).reshape(-1), torch.int64)
         put(s.slot_mapping[:n_tok], slots.reshape(-1), torch.int64)
         put(s.seq_lens[:padded], starts + t, torch.int32)
         put(s.block_tables[:padded, :w], tables, torch.int32)
         put(self.num_drafts[:padded], ns, torch.int64)
+        if tree:
+            put(self.parents[:padded], parents, torch.int64)
+            put(self.depth[:padded], depth, torch.int64)
+            put(self.anc[:padded], anc, torch.bool)
         if self._dirty > w:  # a wider batch wrote real blocks there earlier
             s.block_tables[:, w : self._dirty].fill_(scratch)
         self._dirty, self._w = w, w
@@ -190,6 +229,7 @@ class SpecStep:
             # Lengths come from device tensors (graph-safe backends); on the CPU the reference
             # backend reads them from the host lists, filled by _host_lengths.
             seq_lens_cpu=[width * self.block_size] * padded,
+            tree_mask=self.anc[:padded].view(padded * t, t) if self.tree is not None else None,
         )
 
     def _host_lengths(self, meta: AttentionMetadata) -> None:
@@ -212,11 +252,41 @@ class SpecStep:
             hidden, aux = self.model(ids, s.positions[: padded * t], self.aux_layers)
         logits = self.model.compute_logits(hidden)  # [padded * t, vocab]
         argmax = logits.argmax(dim=-1).view(padded, t)
+        aux_cat = torch.cat(aux, dim=-1) if aux else None
+        if self.tree is not None:
+            return self._accept_tree(meta, argmax, ids.view(padded, t)[:, 1:], logits, aux_cat)
         accepted = accept_greedy_no_sync(
             argmax, ids.view(padded, t)[:, 1:], self.num_drafts[:padded]
         )
-        aux_cat = torch.cat(aux, dim=-1) if aux else None
         return SpecOutput(argmax, accepted, logits, aux_cat)
+
+    def _accept_tree(self, meta, argmax, drafts, logits, aux) -> SpecOutput:
+        """Greedy tree acceptance, the accepted nodes' KV moved into path order, and the
+        outputs gathered along the path (so the drafter extends over a chain)."""
+        padded, t = argmax.shape
+        steps = self.tree.num_steps
+        path_rows, accepted = accept_tree_greedy_no_sync(
+            argmax, drafts, self.parents[:padded], self.anc[:padded], self.depth[:padded],
+            self.num_drafts[:padded], steps,
+        )  # fmt: skip
+        starts = self.inputs.positions[: padded * t].view(padded, t)[:, 0]
+        src, dst = tree_kv_moves_no_sync(path_rows, accepted, starts)
+        tables = meta.block_tables
+        self.kv_pool.move_no_sync(
+            self._slots(src, tables).reshape(-1), self._slots(dst, tables).reshape(-1)
+        )
+        tokens = argmax.gather(1, path_rows)  # [padded, 1 + S]
+        if aux is not None:
+            rows = (torch.arange(padded, device=aux.device)[:, None] * t + path_rows).reshape(-1)
+            aux = aux.index_select(0, rows)
+        return SpecOutput(tokens, accepted, logits, aux, path_rows=path_rows)
+
+    def _slots(self, pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Flat KV slots of positions [B, n] through each row's table; past the table's width
+        the last column (the scratch block)."""
+        bs = self.block_size
+        col = (pos // bs).clamp(max=tables.shape[1] - 1)
+        return tables.gather(1, col).long() * bs + pos % bs
 
     def draft_no_sync(
         self, out: SpecOutput, padded: int, k: int, k_draft: int, full_width: bool = False
@@ -228,6 +298,12 @@ class SpecStep:
         self._host_lengths(meta)
         positions = s.positions[: padded * t]
         starts = positions.view(padded, t)[:, 0]
+        if self.tree is not None:
+            drafts, out.draft_parents = self.drafter.tree_after_verify_no_sync(
+                out.tokens, out.aux, out.num_accepted, starts, meta.block_tables, self.tree,
+                self.backend,
+            )  # fmt: skip
+            return drafts
         return self.drafter.after_verify_no_sync(
             meta, out.tokens.reshape(-1), positions, out.aux, out.num_accepted, starts,
             meta.block_tables, k_draft, self.backend,

@@ -34,9 +34,10 @@ def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
     outs = spec.chat(convs, params)
     assert [o.token_ids for o in outs] == want
     assert spec.engine.spec_stats.num_verify_steps > 0
-    if topk == 1:  # chains run the speculative step's graphs, drafter included
-        graphs = runner.spec_step.graphs
-        assert graphs and all(draft is not None for _, draft, _ in graphs.values())
+    # chains and trees run the speculative step's graphs, drafter included
+    graphs = runner.spec_step.graphs
+    assert graphs and all(draft is not None for _, draft, _ in graphs.values())
+    assert (runner.spec_step.tree is not None) == (topk > 1)
 
 
 def test_graph_aux_streams_equal_eager(drafter_path):

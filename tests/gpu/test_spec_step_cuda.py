@@ -1,6 +1,6 @@
 """The speculative step on CUDA in steady state: no eager model forward (target or drafter)
-and one device->host read per step, for n-gram and EAGLE-3 chains at several batch sizes; and
-fp32 greedy output equal to plain decoding at each of them."""
+and one device->host read per step, for n-gram and EAGLE-3 chains and EAGLE-3 trees at several
+batch sizes; and fp32 greedy output equal to plain decoding at each of them."""
 
 from __future__ import annotations
 
@@ -61,12 +61,17 @@ def _count_steady_state(llm: LLM, prompts, params) -> tuple[int, list[int], int]
     return calls[0], syncs, steps
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+TREE = {"num_draft_tokens": 8, "topk": 3, "num_steps": 4}
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3_tree"])
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_steady_state_replays_graphs_and_reads_the_host_once(drafter_path, method, concurrency):
     spec = {"method": method, "num_draft_tokens": 4, "controller": "fixed"}
-    if method == "eagle3":
-        spec["draft"] = drafter_path
+    if method.startswith("eagle3"):
+        spec.update(method="eagle3", draft=drafter_path)
+    if method == "eagle3_tree":
+        spec.update(TREE)
     llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2, speculative=spec)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     prompts = _prompts(llm, concurrency)
@@ -79,7 +84,7 @@ def test_steady_state_replays_graphs_and_reads_the_host_once(drafter_path, metho
 
 
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
-def test_chain_step_greedy_equals_plain_fp32(drafter_path, concurrency):
+def test_spec_step_greedy_equals_plain_fp32(drafter_path, concurrency):
     plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2)
     prompts = _prompts(plain, concurrency)
     params = SamplingParams(temperature=0, max_tokens=40)
@@ -88,9 +93,11 @@ def test_chain_step_greedy_equals_plain_fp32(drafter_path, concurrency):
     for spec in (
         {"method": "ngram", "num_draft_tokens": 4, "controller": "fixed"},
         {"method": "eagle3", "draft": drafter_path, "num_draft_tokens": 4, "controller": "fixed"},
+        {"method": "eagle3", "draft": drafter_path, "controller": "fixed", **TREE},
     ):
         llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec)
         got = [o.token_ids for o in llm.generate(prompts, params)]
-        assert got == want, spec["method"]
+        assert got == want, spec
         assert llm.engine.runner.spec_step.graphs
+        assert llm.engine.spec_stats.num_verify_steps > 0
         del llm
