@@ -3,13 +3,14 @@ decoding in one run: n-gram and EAGLE-3 (chain, tree), fixed and adaptive contro
 concurrency sweep, on the held-out and the input-grounded prompt sets.
 
     python benchmarks/spec_gpu.py [--configs ngram eagle3_chain] [--sets heldout grounded]
-        [--concurrency 1 2 4 ...] [--new-tokens 256] [--k 4] [--draft DIR] [--device cpu]
+        [--concurrency 1 2 4 ...] [--new-tokens 256] [--k 4] [--rounds 3] [--draft DIR] [--device cpu]
         [--out NAME] [--out-dir DIR] [--plot PATH]
 
 Each (config, set, C) runs the set's prompts as one-turn chats in batches of C requests (the
 prompt list cycled so every batch holds C); all configurations are built first and each (set, C)
-runs plain, every configuration, then plain again (the speedup is over the mean of the two
-plain runs, so drift during a long sweep cancels). It reports tok/s, accept length, speedup,
+runs plain, then `--rounds` rounds of every configuration (rotated order) each followed by plain
+(a round's speedup is over the mean of the plain runs around it, so drift cancels; the median
+over rounds is reported). It reports tok/s, accept length, speedup,
 the fraction of outputs identical to plain's and the median first-divergence position. Writes
 benchmarks/results/spec_gpu.json (CPU: spec_cpu_sweep.json) and a PNG of speedup against C.
 """
@@ -90,14 +91,23 @@ def summary_tables(runs: dict) -> dict:
     return out
 
 
-def step_split(before: dict, after: dict, steps: int) -> dict | None:
-    """Seconds per step by phase over a timed part, from a step timer's cumulative totals. A
-    "steps" entry in the totals, when the timer keeps one, wins over the counted `steps`."""
-    if "steps" in after:
-        steps = after["steps"] - before.get("steps", 0)
+def step_split(before: dict, after: dict) -> dict | None:
+    """Per engine step over a timed part, from a runner clock's totals: milliseconds inside the
+    runner (forwards, acceptance, drafting and the one host read, so the GPU's time shows
+    here) and the rest of the step on the host (scheduling, proposing, the controller,
+    detokenizing); steps by k verified (0: plain)."""
+    steps = after["steps"] - before["steps"]
     if not steps:
         return None
-    return {k: round((v - before.get(k, 0.0)) / steps, 6) for k, v in after.items() if k != "steps"}
+    runner = after["runner_s"] - before["runner_s"]
+    total = after["step_s"] - before["step_s"]
+    by_k = {k: n - before["by_k"].get(k, 0) for k, n in after["by_k"].items()}
+    return {
+        "runner_ms": round(runner / steps * 1e3, 3),
+        "host_ms": round((total - runner) / steps * 1e3, 3),
+        "steps": steps,
+        "steps_by_k": {str(k): n for k, n in sorted(by_k.items()) if n},
+    }
 
 
 def _sync(device: str) -> None:
@@ -107,19 +117,28 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()  # CPU-GPU sync point: the timed part ends when the GPU does
 
 
-def _step_counter(engine):
-    """`engine.step`, wrapped once to count its calls (`.calls`): what a step timer's totals are
-    averaged over when the timer does not count steps itself."""
-    if not hasattr(engine.step, "calls"):
-        step = engine.step
+def _clock(engine) -> dict:
+    """Totals of a clock wrapped once around `engine.step` and the runner's calls: seconds in
+    steps, seconds in the runner, steps; and the engine's steps by k."""
+    totals = getattr(engine, "_bench_clock", None)
+    if totals is None:
+        totals = engine._bench_clock = {"steps": 0, "step_s": 0.0, "runner_s": 0.0}
 
-        def counted(*args, **kwargs):
-            counted.calls += 1
-            return step(*args, **kwargs)
+        def timed(fn, key):
+            def wrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    totals[key] += time.perf_counter() - t0
+                    totals["steps"] += key == "step_s"
 
-        counted.calls = 0
-        engine.step = counted
-    return engine.step
+            return wrapper
+
+        engine.step = timed(engine.step, "step_s")
+        for name in ("run", "run_spec", "launch"):
+            setattr(engine.runner, name, timed(getattr(engine.runner, name), "runner_s"))
+    return {**totals, "by_k": dict(engine.spec_steps_by_k)}
 
 
 def _json_safe(x):
@@ -132,11 +151,7 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str) -> dict:
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     engine = llm.engine
-    timer = getattr(engine, "step_timer", None)
-    timer = timer if callable(getattr(timer, "totals", None)) else None
-    count = _step_counter(engine) if timer is not None else None
-    steps0 = count.calls if count else 0
-    before = dict(timer.totals()) if timer else {}
+    before = _clock(engine)
     _sync(device)
     outs, t0 = [], time.perf_counter()
     for batch in batches(convs, c):
@@ -146,7 +161,7 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     verify = sum(o.metrics.get("num_verify_steps") or 0 for o in outs)
     accepted = sum(o.metrics.get("num_accepted_tokens") or 0 for o in outs)
-    split = step_split(before, timer.totals(), count.calls - steps0) if timer else None
+    split = step_split(before, _clock(engine))
     controller = getattr(engine, "controller", None)
     snapshot = getattr(controller, "snapshot", None)
     return {
@@ -159,6 +174,21 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str) -> dict:
         "controller": _json_safe(snapshot()) if callable(snapshot) else None,
         "ids": [o.token_ids for o in outs],
     }
+
+
+def summarize(tries: list[dict]) -> dict:
+    """One configuration's rounds -> its row: speedup = the median over rounds of its tok/s
+    over the mean of the two plain runs around that round (each round runs every
+    configuration once, in a rotated order), tok/s the median; the rest from the last round."""
+    speedups = [t["tok_per_s"] / (sum(t["plain_around"]) / 2) for t in tries]
+    row = {k: v for k, v in tries[-1].items() if k != "plain_around"}
+    row["ids"] = tries[0]["ids"]
+    row.update(
+        tok_per_s=round(statistics.median(t["tok_per_s"] for t in tries), 2),
+        speedup=round(statistics.median(speedups), 3),
+        speedup_rounds=[round(x, 3) for x in speedups],
+    )
+    return row
 
 
 def plot(runs_summary: dict, sets: list[str], path: Path) -> None:
@@ -213,6 +243,12 @@ def main() -> None:
     )
     ap.add_argument("--new-tokens", type=int, default=None, help="default GPU 256, CPU 64")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (chain configs)")
+    ap.add_argument(
+        "--rounds", type=int, default=None,
+        help="rounds per (set, C), each running every configuration once between plain runs "
+        "(default GPU 3: one batch of 64 takes ~0.5 s there, and two plain runs in a row "
+        "differed by up to 13%%; CPU 1)",
+    )  # fmt: skip
     ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
     ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--dtype", default="auto")
@@ -228,16 +264,20 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     concurrency = args.concurrency or ([1, 2, 4, 8, 16, 32, 64] if cuda else [1, 4])
     new_tokens = args.new_tokens or (256 if cuda else 64)
+    args.rounds = args.rounds or (3 if cuda else 1)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: use 1 or more")
     name = args.out or ("spec_gpu" if cuda else "spec_cpu_sweep")
     prompt_sets = {"heldout": HELDOUT, "grounded": GROUNDED}
     convs = {s: [[{"role": "user", "content": p}] for p in prompt_sets[s][: args.num_prompts]]
              for s in args.sets}  # fmt: skip
     all_specs = spec_configs(args.k, args.draft)
     specs = {n: all_specs[n] for n in ["plain", *args.configs]}
-    # Every configuration lives side by side, and each (set, C) slot runs plain, then every
-    # configuration, then plain again: a configuration is compared with the mean of the two
-    # plain runs around it, so drift over a long sweep (seen: 20% on a shared 2-core VM,
-    # 30% between GPU hosts) does not land on whichever configuration ran last. A fixed pool
+    # Every configuration lives side by side, and each (set, C) slot runs plain, then rounds
+    # of every configuration (rotated) each followed by plain: a configuration is compared
+    # with the mean of the two plain runs around its round, so drift over a long sweep (seen:
+    # 20% on a shared 2-core VM, 30% between GPU hosts) does not land on whichever
+    # configuration ran last, and the median over rounds drops a one-off stall. A fixed pool
     # (4096 blocks of 16 tokens, 1.5 GiB for the default model) lets six engines share a GPU.
     memory = {"num_blocks": 4096} if cuda else {}
     runs: dict = {}
@@ -258,25 +298,32 @@ def main() -> None:
         llms[cfg] = llm
     print(f"{'config':16s} {'run':14s} {'tok/s':>9s} {'speedup':>8s} {'accept':>7s} "
           f"{'same':>6s} {'div@':>6s}", flush=True)  # fmt: skip
+    others = [cfg for cfg in llms if cfg != "plain"]
     for set_name, set_convs in convs.items():
         for c in concurrency:
             key = f"{set_name}_c{c}"
-            first = timed_run(llms["plain"], set_convs, c, new_tokens, args.device)
-            rows = {cfg: timed_run(llm, set_convs, c, new_tokens, args.device)
-                    for cfg, llm in llms.items() if cfg != "plain"}  # fmt: skip
-            last = timed_run(llms["plain"], set_convs, c, new_tokens, args.device)
-            plain_ids[key] = first.pop("ids")
-            last.pop("ids")
+            plains = [timed_run(llms["plain"], set_convs, c, new_tokens, args.device)]
+            tries: dict[str, list[dict]] = {cfg: [] for cfg in others}
+            for r in range(args.rounds):
+                for cfg in others[r % len(others) :] + others[: r % len(others)]:
+                    row = timed_run(llms[cfg], set_convs, c, new_tokens, args.device)
+                    row["plain_around"] = (plains[-1]["tok_per_s"], None)  # after: below
+                    tries[cfg].append(row)
+                plains.append(timed_run(llms["plain"], set_convs, c, new_tokens, args.device))
+                for cfg in others:
+                    before = tries[cfg][-1]["plain_around"][0]
+                    tries[cfg][-1]["plain_around"] = (before, plains[-1]["tok_per_s"])
+            plain_ids[key] = plains[0]["ids"]
+            plain_tps = [p["tok_per_s"] for p in plains]
+            first = {k: v for k, v in plains[0].items() if k != "ids"}
             first.update(
-                tok_per_s=round((first["tok_per_s"] + last["tok_per_s"]) / 2, 2),
-                tok_per_s_before_after=[first["tok_per_s"], last["tok_per_s"]],
+                tok_per_s=round(statistics.median(plain_tps), 2), tok_per_s_runs=plain_tps,
                 speedup=1.0, same_output_fraction=1.0, median_first_divergence=None,
             )  # fmt: skip
             runs.setdefault(key, {})["plain"] = first
-            for cfg, row in {"plain": first, **rows}.items():
+            for cfg, row in {"plain": first, **{n: summarize(t) for n, t in tries.items()}}.items():
                 if cfg != "plain":
                     ids = row.pop("ids")
-                    row["speedup"] = round(row["tok_per_s"] / first["tok_per_s"], 3)
                     # bf16 batched verify may flip near-tie argmaxes; fp32 equality is what
                     # the tests assert, so this is a measure, not a check
                     row.update(identity_summary(ids, plain_ids[key]))

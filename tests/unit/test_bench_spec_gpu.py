@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,12 +77,43 @@ def test_summary_tables_from_runs(bench):
 
 
 def test_step_split_averages_the_timed_part(bench):
-    before = {"schedule": 1.0, "forward": 10.0}
-    after = {"schedule": 1.5, "forward": 20.0}
-    assert bench.step_split(before, after, 10) == {"schedule": 0.05, "forward": 1.0}
-    counted = {"steps": 4, "forward": 2.0}
-    assert bench.step_split({}, counted, 999) == {"forward": 0.5}  # the timer's own count wins
-    assert bench.step_split(before, after, 0) is None
+    before = {"steps": 10, "step_s": 1.0, "runner_s": 0.6, "by_k": {0: 4, 4: 6}}
+    after = {"steps": 30, "step_s": 1.2, "runner_s": 0.75, "by_k": {0: 4, 3: 5, 4: 21}}
+    assert bench.step_split(before, after) == {
+        "runner_ms": 7.5,  # 0.15 s over 20 steps
+        "host_ms": 2.5,  # (0.2 - 0.15) s over 20 steps
+        "steps": 20,
+        "steps_by_k": {"3": 5, "4": 15},
+    }
+    assert bench.step_split(after, after) is None
+
+
+def test_the_clock_counts_steps_and_runner_time(bench):
+    class Runner:
+        def run(self, batch):
+            time.sleep(0.002)
+
+        run_spec = launch = run
+
+    class Engine:
+        spec_steps_by_k = {0: 1}
+
+        def __init__(self):
+            self.runner = Runner()
+
+        def step(self):
+            self.runner.run(None)
+            self.spec_steps_by_k[0] += 1
+
+    engine = Engine()
+    before = bench._clock(engine)
+    engine.step()
+    engine.step()
+    after = bench._clock(engine)
+    split = bench.step_split(before, after)
+    assert split["steps"] == 2 and split["steps_by_k"] == {"0": 2}
+    assert split["runner_ms"] >= 2.0 and split["host_ms"] >= 0.0
+    assert bench._clock(engine)["steps"] == 2  # wrapped once, not again
 
 
 def test_configs_name_every_method(bench):
@@ -90,3 +122,17 @@ def test_configs_name_every_method(bench):
     assert specs["ngram"]["num_draft_tokens"] == 5
     assert specs["eagle3_tree"]["topk"] == 3 and specs["eagle3_tree"]["num_draft_tokens"] == 8
     assert {specs[n]["controller"] for n in ("adaptive_ngram", "adaptive_eagle3")} == {"adaptive"}
+
+
+def test_summarize_takes_the_median_round_against_the_plain_runs_around_it(bench):
+    # Plain drifts 1000 -> 800 -> 1200 over the slot; the config runs 1100, 880, 2000 tok/s.
+    tries = [
+        {"tok_per_s": 1100.0, "plain_around": (1000.0, 800.0), "ids": [[1]], "accept_length": 2.0},
+        {"tok_per_s": 880.0, "plain_around": (800.0, 1200.0), "ids": [[2]], "accept_length": 2.5},
+        {"tok_per_s": 2000.0, "plain_around": (1200.0, 1000.0), "ids": [[3]], "accept_length": 3.0},
+    ]
+    row = bench.summarize(tries)
+    assert row["speedup_rounds"] == [round(1100 / 900, 3), 0.88, round(2000 / 1100, 3)]
+    assert row["speedup"] == round(1100 / 900, 3)  # the median round, not the 1.82 outlier
+    assert row["tok_per_s"] == 1100.0
+    assert row["ids"] == [[1]] and row["accept_length"] == 3.0 and "plain_around" not in row
