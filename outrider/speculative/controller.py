@@ -1,9 +1,10 @@
 """Adaptive speculation: how many drafts k the next step verifies, so that speculation runs only
 where it beats plain decoding on this machine ("never lose").
 
-A StepProfile, measured once per (machine, model, drafter, dtype), says what one whole engine
-step costs at each padded batch size and k; acceptance averages, updated after every verify, say
-how many tokens each k should yield. One k serves the whole batch (verify graphs are captured per
+A StepProfile, measured once per (machine, model, drafter, dtype), says what one step costs at
+each padded batch size and k (the runner's part); every decode step the engine then runs, timed
+whole with its host work (record_step), refines the entry it used. Acceptance averages, updated
+after every verify, say how many tokens each k should yield. One k serves the whole batch (verify graphs are captured per
 (batch, 1 + k), so a mixed batch would pad to its largest k anyway).
 
 Model: a_i = P(draft i accepted | drafts 1..i-1 accepted), an exponential moving average per
@@ -231,6 +232,9 @@ class SpecController:
         self._probes = 0
         self.live_weight = 0.2
         self._live: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> measured ms
+        # (batch bucket, speculative?) -> the last live step's ms over its profile entry: what
+        # a k not yet timed at that bucket is assumed to cost on top of its own entry.
+        self._extra: dict[tuple[int, bool], float] = {}
 
     @property
     def profile(self) -> StepProfile:
@@ -254,7 +258,7 @@ class SpecController:
                     "measure them, or leave ks=None to use the measured ones"
                 )
         self._profile, self._ks = profile, ks
-        self._live = {}  # measurements refine the table they were made against
+        self._live, self._extra = {}, {}  # measurements refine the table they were made against
 
     def choose(self, request_ids: Sequence[str]) -> int:
         """k for the next step of a batch of these requests (len = batch size). An empty batch
@@ -294,20 +298,33 @@ class SpecController:
         return k
 
     def record_step(self, batch_size: int, k: int, ms: float) -> None:
-        """A step the engine ran, timed as the profile was (the runner's call, host read
-        included): it refines that (batch size bucket, k) entry as a moving average (weight
-        `live_weight`). Start-up profiles run dummy rows at short contexts, so real steps can
-        cost more (on the CPU a verify's attention at long contexts did); a k that keeps
-        losing is then seen losing and left."""
+        """A step the engine ran, timed whole (scheduling, proposing, the runner, the host's
+        bookkeeping of what it emitted): it refines that (batch size bucket, k) entry as a
+        moving average (weight `live_weight`). The start-up profile times the runner alone, on
+        dummy rows at short contexts, so real steps cost more: a verify's attention at long
+        contexts (the CPU), an n-gram lookup and several tokens per row to account for (the
+        host at high concurrency). A k that keeps losing is then seen losing and left; a k
+        still unvisited looks cheaper than it is until its first step is timed."""
         if k not in self._ks or not (math.isfinite(ms) and ms > 0):
             return
-        key = (self._profile.bucket(batch_size), k)
-        old = self._live.get(key)
-        self._live[key] = ms if old is None else old + self.live_weight * (ms - old)
+        bucket = self._profile.bucket(batch_size)
+        old = self._live.get((bucket, k))
+        live = ms if old is None else old + self.live_weight * (ms - old)
+        self._live[(bucket, k)] = live
+        self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)
 
     def _step_ms(self, batch_size: int, k: int) -> float:
-        live = self._live.get((self._profile.bucket(batch_size), k))
-        return live if live is not None else self._profile.step_ms(batch_size, k)
+        """The live time at this bucket and k; else the profile's plus the host work the last
+        timed step of its kind (plain or speculative) showed there. A host proposer's lookup
+        costs about the same whatever k it drafts, so one k timed tells what the others cost
+        (without it, each k > 0 would take one slow step of its own to be seen losing)."""
+        bucket = self._profile.bucket(batch_size)
+        live = self._live.get((bucket, k))
+        if live is not None:
+            return live
+        return self._profile.step_ms(batch_size, k) + max(
+            0.0, self._extra.get((bucket, k > 0), 0.0)
+        )
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """After a verify: num_drafts drafts were verified and the first num_accepted accepted.

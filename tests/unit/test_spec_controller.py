@@ -260,3 +260,18 @@ def test_measured_steps_refine_the_profile_and_turn_a_losing_k_off():
     ctl.record_step(3, 0, float("nan"))  # ignored, not a poisoned table
     ctl.set_profile(table)
     assert ctl.choose(ids) == 2
+
+
+def test_host_work_timed_at_one_k_is_assumed_for_the_ks_not_yet_timed():
+    """One speculative step timed at 40 ms where the table said 12 (a slow host lookup) makes
+    the controller assume the other k cost 28 ms more too, so it goes to plain at once rather
+    than trying each k in turn; plain's own entry is untouched by it."""
+    table = StepProfile({4: {0: 10.0, 1: 11.0, 2: 12.0}})
+    ctl = SpecController(table, max_k=2, hysteresis=0.0, prior=0.9)
+    ids = [f"r{i}" for i in range(4)]
+    assert ctl.choose(ids) == 2
+    ctl.record_step(4, 2, 40.0)
+    assert ctl._step_ms(4, 1) == 11.0 + 28.0 and ctl._step_ms(4, 0) == 10.0
+    assert ctl.choose(ids) == 0  # E(1) = 1.9 per 39 ms and E(2) = 2.71 per 40 ms < 1 per 10
+    ctl.record_step(4, 0, 12.0)  # plain's host work raises plain alone
+    assert ctl._step_ms(4, 0) == 12.0 and ctl._step_ms(4, 1) == 39.0

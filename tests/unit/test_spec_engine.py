@@ -212,6 +212,32 @@ def test_adaptive_controller_turns_speculation_off_and_on(tiny_dir, prompts, ref
         assert all(o.metrics["steps_by_k"].get(4, 0) > 0 for o in outs)
 
 
+def test_adaptive_controller_counts_the_host_work_of_a_step(tiny_dir, prompts, reference):  # noqa: F811
+    """The start-up profile times the runner alone; a proposer that matches every token but
+    costs 200 ms of host time per lookup must still lose to plain decoding once the controller
+    has timed a whole step, and it does after at most one step per batch-size bucket (the host
+    work one k showed is assumed for the others)."""
+    import time
+
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    engine = llm.engine
+    oracle = OracleProposer({tuple(p): r for p, r in zip(prompts, reference)})
+    propose = oracle.propose
+
+    def slow(requests, k):
+        time.sleep(0.2)
+        return propose(requests, k)
+
+    oracle.propose = slow
+    engine.use_proposer(oracle)
+    engine.controller.set_profile(_profile(verify_factor=1.0))  # the runner: verify as cheap
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    speculative = sum(n for k, n in engine.spec_steps_by_k.items() if k)
+    assert 1 <= speculative <= 2, engine.spec_steps_by_k  # one per batch-size bucket at most
+    assert engine.spec_steps_by_k[0] >= 10
+
+
 def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F811
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 3})
     profile = llm.engine.controller.profile
