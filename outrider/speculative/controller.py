@@ -42,6 +42,8 @@ import bisect
 import json
 import math
 import os
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -173,6 +175,13 @@ class StepProfile:
         return profile
 
 
+def _robust(window: Sequence[float]) -> float:
+    """What a (bucket, k) costs from its recent steps: the median, or the least of fewer than 3."""
+    if len(window) < 3:
+        return min(window)
+    return statistics.median(window)
+
+
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     """E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j, with acceptance[i - 1] = a_i."""
     if not 0 <= k <= len(acceptance):
@@ -230,8 +239,9 @@ class SpecController:
         self._last_tps: dict[int, float] = {}
         self._steps: dict[int, int] = {}
         self._probes = 0
-        self.live_weight = 0.2
-        self._live: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> measured ms
+        self.live_window = 9
+        # (batch bucket, k) -> the last live_window measured ms, newest last
+        self._live: dict[tuple[int, int], deque[float]] = {}
         # (batch bucket, speculative?) -> the last live step's ms over its profile entry: what
         # a k not yet timed at that bucket is assumed to cost on top of its own entry.
         self._extra: dict[tuple[int, bool], float] = {}
@@ -299,8 +309,12 @@ class SpecController:
 
     def record_step(self, batch_size: int, k: int, ms: float) -> None:
         """A step the engine ran, timed whole (scheduling, proposing, the runner, the host's
-        bookkeeping of what it emitted): it refines that (batch size bucket, k) entry as a
-        moving average (weight `live_weight`). The start-up profile times the runner alone, on
+        bookkeeping of what it emitted): it refines that (batch size bucket, k) entry, which
+        becomes the median of its last `live_window` steps (the least of them while there are
+        fewer than 3: one stalled step, a first lookup over a new prompt, a collection, must
+        not turn a k off; a k that is slow every time is seen at its first step). A moving
+        average let such stalls hold n-gram off at C=2-8 on the H200, where it won 1.2x
+        (spec_gpu_adaptive, 10eb886). The start-up profile times the runner alone, on
         dummy rows at short contexts, so real steps cost more: a verify's attention at long
         contexts (the CPU), an n-gram lookup and several tokens per row to account for (the
         host at high concurrency). A k that keeps losing is then seen losing and left; a k
@@ -308,10 +322,11 @@ class SpecController:
         if k not in self._ks or not (math.isfinite(ms) and ms > 0):
             return
         bucket = self._profile.bucket(batch_size)
-        old = self._live.get((bucket, k))
-        live = ms if old is None else old + self.live_weight * (ms - old)
-        self._live[(bucket, k)] = live
-        self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)
+        window = self._live.get((bucket, k))
+        if window is None:
+            window = self._live[(bucket, k)] = deque(maxlen=self.live_window)
+        window.append(ms)
+        self._extra[(bucket, k > 0)] = _robust(window) - self._profile.step_ms(bucket, k)
 
     def _step_ms(self, batch_size: int, k: int) -> float:
         """The live time at this bucket and k; else the profile's plus the host work the last
@@ -319,9 +334,9 @@ class SpecController:
         costs about the same whatever k it drafts, so one k timed tells what the others cost
         (without it, each k > 0 would take one slow step of its own to be seen losing)."""
         bucket = self._profile.bucket(batch_size)
-        live = self._live.get((bucket, k))
-        if live is not None:
-            return live
+        window = self._live.get((bucket, k))
+        if window:
+            return _robust(window)
         return self._profile.step_ms(batch_size, k) + max(
             0.0, self._extra.get((bucket, k > 0), 0.0)
         )

@@ -275,3 +275,21 @@ def test_host_work_timed_at_one_k_is_assumed_for_the_ks_not_yet_timed():
     assert ctl.choose(ids) == 0  # E(1) = 1.9 per 39 ms and E(2) = 2.71 per 40 ms < 1 per 10
     ctl.record_step(4, 0, 12.0)  # plain's host work raises plain alone
     assert ctl._step_ms(4, 0) == 12.0 and ctl._step_ms(4, 1) == 39.0
+
+
+def test_one_stalled_step_does_not_hold_a_k_off():
+    """Live times are the median of the recent steps (the least of fewer than 3): a stalled step
+    among normal ones moves nothing, a stalled first step is undone by the next normal one."""
+    table = StepProfile({4: {0: 10.0, 1: 11.0, 2: 12.0}})
+    ctl = SpecController(table, max_k=2, hysteresis=0.0, prior=0.9)
+    ids = [f"r{i}" for i in range(4)]
+    ctl.record_step(4, 2, 200.0)
+    assert ctl.choose(ids) == 0  # seen once, at 200 ms
+    ctl.record_step(4, 2, 12.5)
+    assert ctl._step_ms(4, 2) == 12.5 and ctl.choose(ids) == 2
+    for ms in (12.0, 300.0, 13.0, 12.5):
+        ctl.record_step(4, 2, ms)
+    assert ctl._step_ms(4, 2) == 12.75 and ctl.choose(ids) == 2  # of 200 12.5 12 300 13 12.5
+    for _ in range(9):  # slow every time now: the window turns over
+        ctl.record_step(4, 2, 60.0)
+    assert ctl._step_ms(4, 2) == 60.0 and ctl.choose(ids) == 0
