@@ -96,7 +96,12 @@ class EngineCore:
             self.runner.aux_layers = p.aux_layers if p is not None else ()
         self.runner.capture_graphs()
         self.controller: SpecController | None = None
-        if self._stepped and self.config.speculative.controller == "adaptive":
+        # The controller chooses chain lengths; a tree verifies its whole shape every step.
+        if (
+            self._stepped
+            and self._tree is None
+            and self.config.speculative.controller == "adaptive"
+        ):
             self.controller = SpecController(self._measure_profile(), max_k=k)
 
     def _measure_profile(self) -> StepProfile:
