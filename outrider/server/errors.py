@@ -2,10 +2,16 @@
 
 Everything the server refuses is an `APIError` raised where the problem is found; the app's
 handlers turn it (and pydantic's, starlette's and any unexpected exception) into this JSON.
-Bad input is always 4xx: only a broken engine answers 5xx.
+Bad input is always 4xx: only a broken engine answers 5xx. `param` names the field at fault
+(pydantic's location, dotted: "messages.0.content") wherever there is one.
+
+A message may quote what the client sent, but only through `clip()`, and `error_body` caps
+every message besides: a 1 MB `model` must not come back as a 1 MB error.
 """
 
 from __future__ import annotations
+
+import re
 
 from fastapi.responses import JSONResponse
 
@@ -17,6 +23,7 @@ _TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -41,24 +48,76 @@ def error_body(
     status: int, message: str, param: str | None = None, code: str | int | None = None
 ) -> dict:
     info = ErrorInfo(
-        message=message, type=_TYPES.get(status, "invalid_request_error"), param=param, code=code
+        message=_cap(message),
+        type=_TYPES.get(status, "invalid_request_error"),
+        param=param,
+        code=code,
     )
     return ErrorResponse(error=info).model_dump()
+
+
+ECHO_CHARS = 100  # a request value quoted in a message: this much of it, then its length
+_MESSAGE_CHARS = 1000  # a whole message (quotes from code outside this package, exceptions)
+
+
+def clip(value: object, limit: int = ECHO_CHARS) -> str:
+    """repr(value) for a message, cut to its first `limit` characters plus the full length:
+    clip("m" * 10**6) == "'mmm…m'… (1000000 characters)"."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}… ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters of repr)"
+
+
+def _cap(message: str) -> str:
+    """The last line against echoed input that did not pass through clip() (a message built
+    in state.py or the engine, an exception's repr): keep the head and the tail, which says
+    what to do."""
+    if len(message) <= _MESSAGE_CHARS:
+        return message
+    head, tail = _MESSAGE_CHARS * 3 // 4, _MESSAGE_CHARS // 5
+    cut = len(message) - head - tail
+    return f"{message[:head]}… [{cut} characters cut] …{message[-tail:]}"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+# pydantic puts a tag for the union member into an error's location ("str", "list[int]",
+# "NamedToolChoice", "literal['none','auto']"): not a field. Fields here are snake_case.
+_FIELD = re.compile(r"[a-z_][a-z0-9_]{0,63}\Z")
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none"})
+
+
+def param_of(loc) -> str | None:
+    """A pydantic error location as a dotted field path, union tags and "body" dropped:
+    ("messages", 0, "content", "list[ContentPart]", 0, "type") -> "messages.0.content.0.type"."""
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (p != "body" and _FIELD.match(p) and p not in _UNION_TAGS)
+    ]
+    return ".".join(parts) or None
+
+
 def from_validation_error(exc) -> APIError:
-    """pydantic's ValidationError -> 400 naming the first bad field and what was wrong."""
+    """pydantic's ValidationError -> 400 naming the first bad field and what was wrong.
+
+    A value that fits no member of a union gets one error per member; the deepest of them is
+    reported (the member the client most likely meant: a content list whose part lacks `type`
+    says so, not "Input should be a valid string"), or all of them where none is deeper."""
     try:
         errors = exc.errors(include_url=False, include_input=False)
     except TypeError:  # FastAPI's RequestValidationError.errors() takes no options
         errors = exc.errors()
     if not errors:
         return bad_request(str(exc))
-    first = errors[0]
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return bad_request(f"invalid {param or 'request'}: {first.get('msg')}{more}", param=param)
+    found = [(param_of(e.get("loc", ())) or "", str(e.get("msg"))) for e in errors]
+    field = found[0][0].split(".")[0]
+    same = [f for f in found if f[0].split(".")[0] == field]
+    param = max((p for p, _ in same), key=lambda p: p.count("."))  # the first of the deepest
+    msg = ", or ".join(dict.fromkeys(m for p, m in same if p == param))
+    others = len({p.split(".")[0] for p, _ in found} - {field})
+    more = f" (and problems in {others} more field(s))" if others else ""
+    return bad_request(f"invalid {param or 'request'}: {msg}{more}", param=param or None)

@@ -3,20 +3,23 @@ reads them, plus the sampling extensions vLLM users expect (top_k, min_p, ...).
 
 Requests ignore unknown fields (clients send vendor extras) but reject wrong types, NaN and
 infinity; every semantic check beyond types (context length, vocabulary, n cap) happens
-where the value is used, with a message naming it.
+where the value is used, with a message naming it. Token ids are strict integers: JSON true
+is not token 1, nor 1.0 or "1" a token id.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
 
 # Bounds that keep every accepted value inside what torch and the sampler can compute with:
 # a temperature or penalty this extreme would turn logits into inf/NaN.
 _MAX_INT = 2**31 - 1
+TokenIds = list[StrictInt]
 
 
 class _Request(BaseModel):
@@ -40,7 +43,7 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     n: int = Field(1, ge=1, le=_MAX_INT)
     max_tokens: int | None = Field(None, ge=1, le=2**62)
     min_tokens: int = Field(0, ge=0, le=_MAX_INT)
@@ -121,8 +124,47 @@ class ChatCompletionRequest(SamplingFields):
 # -- completions --------------------------------------------------------------------------------
 
 
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+               dict: "object", type(None): "null"}  # fmt: skip
+
+
+def _json_type(value: object) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _prompt_shape(value: object, handler) -> object:
+    """The union's own check, with one clear message when the prompt fits no member (the
+    union alone gives one error per member: "Input should be a valid string" for [true])."""
+    try:
+        return handler(value)
+    except ValidationError:
+        pass
+    items = value if isinstance(value, list) else []
+    inner = [t for p in items for t in (p if isinstance(p, list) else [p])]
+    if any(isinstance(t, bool) for t in inner):
+        got = "true/false are not token ids (a token id is an integer)"
+    elif items:
+        kinds = "/".join(sorted({_json_type(p) for p in items}))
+        nested = "/".join(sorted({_json_type(t) for p in items if isinstance(p, list) for t in p}))
+        got = f"got an array of {kinds}" + (f" holding {nested}" if nested else "")
+    else:
+        got = f"got {_json_type(value)}"
+    raise PydanticCustomError(
+        "prompt_shape",
+        "give a string, an array of strings, an array of token ids (integers) or an array of "
+        "such arrays: {got}",
+        {"got": got},
+    )
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Left to right, token ids first: with strict ints no value fits two members, and pydantic's
+    # default "smart" union tried list[str] on every id first (2 s for a 4 MB prompt, now 0.1 s).
+    prompt: Annotated[
+        str | TokenIds | list[str] | list[TokenIds],
+        Field(union_mode="left_to_right"),
+        WrapValidator(_prompt_shape),
+    ]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

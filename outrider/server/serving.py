@@ -4,9 +4,11 @@ SamplingParams, logprobs in OpenAI's shapes, SSE framing, and watching for a cli
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from outrider.core import SamplingParams
-from outrider.server.errors import APIError, bad_request, from_validation_error
+from outrider.server.errors import APIError, bad_request, clip, from_validation_error
 from outrider.server.protocol import SamplingFields
 from outrider.server.state import ServerState
 
@@ -26,6 +28,7 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients get a large negative 
 
 
 async def read_body(request: Request, model: type[M]) -> M:
+    _check_content_type(request.headers.get("content-type"))
     body = await request.body()
     try:
         data = json.loads(body)
@@ -33,12 +36,61 @@ async def read_body(request: Request, model: type[M]) -> M:
         raise bad_request(f"the request body is not valid UTF-8 JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    if json.detect_encoding(body) != "utf-8" or _SURROGATE_HINT.search(body):
+        _check_unicode(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+
+
+def _check_content_type(value: str | None) -> None:
+    """JSON, a `+json` type, or no Content-Type at all (curl -d would send a form type: pass
+    -H 'Content-Type: application/json'); anything else is 415."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(
+            415,
+            f"Content-Type {clip(value)} is not JSON: send the body as JSON with "
+            "'Content-Type: application/json'",
+        )
+
+
+# json.loads makes a lone surrogate (a str UTF-8 cannot encode, which tokenizers refuse) from
+# an unpaired \ud800-\udfff escape, or from its raw bytes (it decodes with "surrogatepass").
+# The body is searched first so that an ordinary request costs no walk over its values.
+_SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _check_unicode(data: dict) -> None:
+    """400 naming a field (dotted, as pydantic names them) whose text holds a lone surrogate,
+    the outermost first."""
+    todo: collections.deque[tuple[str, object]] = collections.deque([("", data)])
+    while todo:
+        path, value = todo.popleft()
+        if isinstance(value, str):
+            _no_surrogate(value, path, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _no_surrogate(k, f"a key in {path or 'the request body'}", path)
+                k = k if len(k) <= 64 else f"{k[:64]}…"  # a path, not an echo of the key
+                todo.append((f"{path}.{k}" if path else k, v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
+
+
+def _no_surrogate(text: str, name: str, param: str) -> None:
+    if (found := _SURROGATE.search(text)) is not None:
+        raise bad_request(
+            f"{name} is not valid Unicode (UTF-8): it holds the lone surrogate "
+            f"{found.group()!r} at character {found.start()}, which cannot be tokenized; "
+            "pair each \\ud800-\\udbff escape with a \\udc00-\\udfff one, or send the text "
+            "itself as UTF-8",
+            param or None,
+        )
 
 
 def sampling_params(
@@ -74,7 +126,7 @@ def sampling_params(
     bad_ids = [t for t in req.stop_token_ids or () if not 0 <= t < state.engine.vocab_size]
     if bad_ids:
         raise bad_request(
-            f"stop_token_ids {bad_ids[:5]} are outside the vocabulary [0, "
+            f"stop_token_ids {clip(bad_ids[:5])} are outside the vocabulary [0, "
             f"{state.engine.vocab_size})",
             "stop_token_ids",
         )
@@ -99,8 +151,12 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    except ValueError as e:  # "invalid max_tokens=...: hint", from SamplingParams._check
+        field = _SAMPLING_FIELD.match(str(e))
+        raise bad_request(str(e), field[1] if field else None) from None
+
+
+_SAMPLING_FIELD = re.compile(r"invalid (\w+)=")
 
 
 def check_n(state: ServerState, n: int) -> None:

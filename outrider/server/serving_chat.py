@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from outrider.server.async_engine import EngineDeadError
 from outrider.server.choice_text import ChoiceText
-from outrider.server.errors import APIError, bad_request
+from outrider.server.errors import APIError, bad_request, clip
 from outrider.server.parsers.base import ToolCall
 from outrider.server.protocol import ChatCompletionRequest, ChatMessage, new_id
 from outrider.server.serving import (
@@ -76,7 +76,7 @@ def _check_tools(state: ServerState, req: ChatCompletionRequest) -> list[dict] |
         )
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(
-            f"response_format type {req.response_format.type!r} is not supported (no "
+            f"response_format type {clip(req.response_format.type)} is not supported (no "
             "constrained decoding yet): use 'text'",
             "response_format",
         )
@@ -91,7 +91,7 @@ def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
         kinds = {p.type for p in m.content} - {"text"}
         if kinds:
             raise bad_request(
-                f"messages[{index}] has content parts of type {sorted(kinds)}: this server "
+                f"messages[{index}] has content parts of type {clip(sorted(kinds))}: this server "
                 "reads text parts only",
                 f"messages.{index}.content",
             )

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
-from outrider.server.errors import APIError
+from outrider.server.errors import APIError, clip
 from outrider.server.metrics import ServerMetrics
 from outrider.server.parsers.base import ReasoningParser, ToolParser
 from outrider.server.parsers.registry import build_reasoning_parser, build_tool_parser
@@ -67,7 +67,8 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist here: this server serves {self.model_name!r}"
+                f"the model {clip(model)} does not exist here: this server serves "
+                f"{self.model_name!r}"
                 " (GET /v1/models lists it)",
                 param="model",
                 code="model_not_found",
