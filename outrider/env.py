@@ -51,6 +51,18 @@ def notify_socket() -> str | None:
     return os.environ.get("NOTIFY_SOCKET") or None
 
 
+def watchdog_usec() -> int | None:
+    """WATCHDOG_USEC: systemd's watchdog timeout in microseconds (set for units with
+    WatchdogSec=); None when unset or 0."""
+    return _int("WATCHDOG_USEC", 0) or None
+
+
+def watchdog_pid() -> int | None:
+    """WATCHDOG_PID: the process systemd's watchdog is meant for; None when unset (then it
+    is meant for whichever process reads WATCHDOG_USEC)."""
+    return _int("WATCHDOG_PID", 0) or None
+
+
 def world_size() -> int:
     """WORLD_SIZE: processes in a torchrun job; 1 outside torchrun."""
     return _int("WORLD_SIZE", 1)

@@ -36,7 +36,9 @@ class ServerConfig:
     tool_parser: str | None = None  # e.g. "hermes", "kimi_k2" (see parsers/registry.py)
     reasoning_parser: str | None = None  # e.g. "think"
     chat_template: str | None = None  # a jinja file replacing the checkpoint's chat template
-    health_stall_s: float = 30.0  # /health fails when a busy engine has not stepped this long
+    # The least heartbeat silence of the engine thread that /health (503) and the systemd
+    # watchdog (pings stop) call a stall; a model with slower steps raises it (async_engine.py).
+    health_stall_s: float = 30.0
     log_level: str = "warning"  # uvicorn's access and error log level
 
     def __post_init__(self) -> None:

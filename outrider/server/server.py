@@ -5,7 +5,9 @@ Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /he
 systemd hears STOPPING=1, in-flight requests get up to `shutdown_timeout` seconds to finish,
 then whatever is left is aborted (its clients get finish_reason "abort"), uvicorn closes and
 the process exits 0. A second SIGINT exits at once. If the engine thread dies, the server
-shuts down and exits 1, for the service manager to restart it.
+shuts down and exits 1, for the service manager to restart it. If it is alive but stuck (no
+heartbeat within its stall limit), /health says 503 "stalled" and, under a unit with
+WatchdogSec=, the WATCHDOG=1 pings stop so that systemd restarts it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from outrider.server import sdnotify
 from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
+from outrider.server.guards import JSONErrorH11Protocol
 from outrider.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,9 @@ class OutriderServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.engine_failed = False
+        # Ticked from on_tick, which uvicorn calls only once startup is done: after READY=1,
+        # when systemd starts expecting pings.
+        self.watchdog = sdnotify.Watchdog.from_env(lambda: state.engine.is_responsive)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -55,6 +61,8 @@ class OutriderServer(uvicorn.Server):
             sdnotify.notify(f"READY=1\nSTATUS=serving {self.state.model_name} on port {port}")
 
     async def on_tick(self, counter: int) -> bool:
+        if self.watchdog is not None:
+            self.watchdog.tick()
         # A dead engine thread cannot recover in this process: exit non-zero so the service
         # manager (Restart=on-failure) starts a fresh one, instead of answering 503 forever.
         if not self.state.engine.is_alive and not self.engine_failed:
@@ -124,7 +132,7 @@ def model_name(server_config: ServerConfig, core: EngineCore) -> str:
 def build_server(
     server_config: ServerConfig, core: EngineCore
 ) -> tuple[OutriderServer, ServerState]:
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(core, stall_s=server_config.health_stall_s)
     state = ServerState.build(engine, server_config, model_name(server_config, core))
     app = build_app(state, server_config.resolve_api_key())
     uv_config = uvicorn.Config(
@@ -133,6 +141,9 @@ def build_server(
         port=server_config.port,
         log_level=server_config.log_level,
         lifespan="off",
+        # h11 (what uvicorn runs without httptools, which outrider does not install), answering
+        # requests it cannot parse with the error JSON too
+        http=JSONErrorH11Protocol,
         timeout_graceful_shutdown=int(_ABORT_GRACE_S),
         access_log=server_config.log_level in ("debug", "info"),
     )

@@ -80,13 +80,12 @@ def test_four_times_the_kv_pool_completes_by_preemption(server):
     assert _wait_idle(server).num_free_blocks == NUM_BLOCKS
 
 
-def test_health_proves_a_token_can_be_produced(server):
+def test_health_reads_the_heartbeat_without_probing(server):
     r = httpx.get(server.base + "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    server.state.engine.last_step_time -= 60  # pretend the engine has been quiet: it probes
+    server.state.engine.last_step_time -= 60  # idle for a minute: the idle loop still beats
     r = httpx.get(server.base + "/health")
-    assert r.status_code == 200 and r.json().get("probe") is True
-    assert time.monotonic() - server.state.engine.last_step_time < 5  # the probe stepped
+    assert r.status_code == 200 and r.json()["heartbeat_age_s"] < 1
 
 
 def test_metrics_count_tokens_and_latencies(server, client):

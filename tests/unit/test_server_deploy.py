@@ -41,6 +41,7 @@ def test_deploy_writes_unit_env_config_and_notes(tmp_path, capsys):
         "EnvironmentFile=/etc/outrider/outrider.env",
         "LimitNOFILE=65536",
         "TimeoutStopSec=50",  # shutdown_timeout 20 + margin
+        "WatchdogSec=120",
         "-m outrider serve --config /etc/outrider/server.yaml",
     ):
         assert line in unit, line
@@ -53,6 +54,7 @@ def test_deploy_writes_unit_env_config_and_notes(tmp_path, capsys):
     digest = hashlib.sha256(model.read_bytes()).hexdigest()
     assert digest in notes and str(model) in notes
     assert "method `ngram`, 3 draft tokens" in notes and "Roll back" in notes
+    assert "`WatchdogSec=`" in notes and "503 `stalled`" in notes
     assert "wrote" in capsys.readouterr().out
 
 
