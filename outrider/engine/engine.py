@@ -55,7 +55,8 @@ class EngineCore:
         self.checkpoint = checkpoint or open_checkpoint(config.model.model or env.default_model())
         self.tokenizer = self.checkpoint.tokenizer
         self.runner = ModelRunner(config, self.checkpoint)
-        self.max_model_len = self.runner.max_model_len
+        self._pool_tokens = self.runner.num_blocks * config.cache.block_size
+        self.max_model_len = self._fit_context_to_pool()
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -64,7 +65,6 @@ class EngineCore:
             self.checkpoint.config.eos_token_ids
         )
         self.vocab_size = self.checkpoint.config.vocab_size
-        self._pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         self._tracked: dict[str, _Tracked] = {}
         self.proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # Async scheduling (engine/overlap.py): opt-in until measured on a GPU; speculative
@@ -76,6 +76,31 @@ class EngineCore:
         self.spec_stats = SpecStats()
         self.spec_k = 0  # drafts verified in the last decode step (0: plain)
         self.spec_steps_by_k: dict[int, int] = {}  # decode steps by drafts verified
+
+    def _fit_context_to_pool(self) -> int:
+        """The context one request may use: the configured (or the model's) limit, capped by
+        what the whole KV pool holds, so an admitted request always runs to its end (alone, by
+        preempting the others) instead of being cut short. Only the engine's limit drops: the
+        runner keeps its own max_model_len, which sizes its rotary table and graph block tables
+        and so covers this one."""
+        limit, pool = self.runner.max_model_len, self._pool_tokens
+        if limit <= pool:
+            return limit
+        cache = self.config.cache
+        held = f"{self.runner.num_blocks} blocks of {cache.block_size} tokens"
+        if self.config.model.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len={limit} does not fit the KV cache, which holds {pool} tokens "
+                f"({held}): give the cache more memory (gpu_memory_utilization / cpu_kv_bytes "
+                f"/ num_blocks) or use max_model_len <= {pool}"
+            )
+        log.warning(
+            "max_model_len lowered from the model's %d to %d tokens, all the KV cache holds "
+            "(%s): give the cache more memory (gpu_memory_utilization / cpu_kv_bytes / "
+            "num_blocks) for the full context",
+            limit, pool, held,
+        )  # fmt: skip
+        return pool
 
     def _configure_speculation(self) -> None:
         """Chains and a device drafter's trees run through the runner's speculative step (a
@@ -129,17 +154,16 @@ class EngineCore:
             raise ValueError(
                 f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        if n >= self.max_model_len:
+        # max_model_len is within the KV pool (_fit_context_to_pool): what passes here fits.
+        limit, raise_it = self.max_model_len, "raise max_model_len / give the KV cache more memory"
+        if n >= limit:
             raise ValueError(
-                f"the prompt has {n} tokens but the context holds {self.max_model_len}, which must "
-                f"include at least one generated token: shorten the prompt or raise max_model_len"
+                f"the prompt has {n} tokens but the context holds {limit}, which must include "
+                f"at least one generated token: shorten the prompt, or {raise_it}"
             )
-        pool_tokens = self._pool_tokens
-        if n + 1 > pool_tokens:
-            raise ValueError(
-                f"the prompt has {n} tokens but the whole KV pool holds {pool_tokens}: give the "
-                f"cache more memory (cpu_kv_bytes / gpu_memory_utilization / num_blocks)"
-            )
+        # prompt + max_tokens past the context: the server refuses it (400, serving.py, as
+        # vLLM's does); here, as in vLLM's offline API, generation stops at the context's end
+        # with finish_reason "length" (datagen's long conversations count on it).
 
     def add_request(
         self,

@@ -110,12 +110,14 @@ def test_yaml_config_drives_the_engine(tiny_dir, tmp_path, prompts, reference):
 
 
 def test_request_outgrowing_the_whole_pool_stops_with_length(tiny_dir, prompts):
-    # 10 blocks of 8 hold 80 positions: a 64-token prompt can produce 16 tokens, then stops
-    # cleanly instead of preempting itself forever.
+    # 10 blocks of 8 hold 80 positions, so the context is 80: a 64-token prompt generating to
+    # the context's end produces 16 tokens, then stops cleanly instead of preempting itself
+    # forever. (Asking for more than 16 is refused up front: tests/unit/test_capacity.py.)
     llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=10, block_size=8)
-    out = llm.generate([prompts[6]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[
-        0
-    ]
+    assert llm.engine.max_model_len == 80
+    out = llm.generate(
+        [prompts[6]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    )[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 16
     assert llm.engine.block_manager.num_free_blocks == 10
 
