@@ -1,5 +1,7 @@
-"""`outrider drafter datagen | train | eval | export`. Every flag's default comes from the
-config dataclasses (config.py); `--help` shows them."""
+"""`outrider drafter datagen | train | eval | export | doctor`. Every flag's default comes from the
+config dataclasses (train/config.py); `--help` shows them. Each subcommand's flags are added only
+when it is chosen (cli.Commands): the training configs import torch, which `outrider --help` and
+`outrider drafter --help` should not pay for."""
 
 from __future__ import annotations
 
@@ -11,76 +13,114 @@ import types
 import typing
 from typing import Any
 
+from outrider.cli import Commands, add_cache_flags, add_command, given
 from outrider.config import DEVICES, DTYPES
-from outrider.models.eagle3_io import LAYOUTS
-from outrider.train.config import DatagenConfig, EvalConfig, TrainConfig
 
 
-def add_drafter_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `drafter` and its subcommands to the top-level parser's subparsers."""
-    drafter = subparsers.add_parser(
+def add_drafter_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `drafter` to the top-level commands: its subcommands are added when it is chosen
+    (cli.add_command), and each one's flags when that one is."""
+    return add_command(
+        subparsers,
         "drafter",
+        _add_drafter_commands,
         help="build EAGLE-3 drafters: generate data, train, evaluate, export",
         description="Train an EAGLE-3 drafter for the target outrider serves, on hidden states "
         "outrider itself computes. Typical: datagen -> train -> eval -> export.",
     )
-    sub = drafter.add_subparsers(dest="drafter_command", metavar="SUBCOMMAND")
-    sub.required = True
 
-    gen = sub.add_parser(
+
+def _add_drafter_commands(drafter: argparse.ArgumentParser) -> None:
+    sub = drafter.add_subparsers(
+        dest="drafter_command", metavar="SUBCOMMAND", required=True, action=Commands
+    )
+    add_command(
+        sub,
         "datagen",
+        _add_datagen_flags,
         help="write conversations whose answers the target generates (JSONL)",
         description="Prompts from the built-in seed set, composed requests (--composed), "
         "Magpie-style self-generated turns and an optional user file; the target answers each "
         "through outrider. Resumable: rerun the same command to continue.",
     )
-    _add_config_flags(gen, DatagenConfig)
-    _add_target_flags(gen)
-    gen.add_argument("--max-model-len", type=int, default=None, help="context for generation")
-
-    tr = sub.add_parser(
+    add_command(
+        sub,
         "train",
+        _add_train_flags,
         help="train a drafter (torchrun for several GPUs)",
         description="TTT training with online target features. Several GPUs: torchrun "
         "--nproc-per-node N -m outrider drafter train ...",
     )
-    _add_config_flags(tr, TrainConfig, choices={"dtype": DTYPES})
-
-    ev = sub.add_parser(
+    add_command(
+        sub,
         "eval",
+        _add_eval_flags,
         help="per-step accuracy and estimated accept length on held-out samples",
         description="Scores the drafter on the dataset's last --num-samples samples (train "
         "with --holdout N to keep them out). --serving N also runs N of them through real "
         "speculative decoding and reports the measured accept length.",
     )
-    _add_config_flags(ev, EvalConfig, choices={"dtype": DTYPES})
-    ev.add_argument("--serving", type=int, default=0, help="prompts to decode speculatively")
-    ev.add_argument("--max-tokens", type=int, default=128, help="tokens per --serving prompt")
-
-    ex = sub.add_parser(
+    add_command(
+        sub,
         "export",
+        _add_export_flags,
         help="rewrite a drafter for SGLang or vLLM",
         description="Load a drafter (any supported layout), check it against the target, and "
         "save it in the layout the chosen engine reads (aux layer ids converted).",
     )
-    ex.add_argument("drafter", help="drafter directory")
-    ex.add_argument("out", help="output directory")
-    ex.add_argument("--format", choices=LAYOUTS, default="sglang", help="target engine layout")
-    ex.add_argument("--model", default=None, help="the target (default: the embedded model)")
-
-    doc = sub.add_parser(
+    add_command(
+        sub,
         "doctor",
+        _add_doctor_flags,
         help="check a drafter against a target before serving it",
         description="Hidden size, the aux layer-id convention (SGLang vs vLLM, one layer "
         "apart), the d2t/t2d vocabulary map against the target's tokenizer, and (--live N) "
         "the accept length it reaches on N prompts. Exits 1 when a check fails.",
     )
+
+
+def _add_datagen_flags(gen: argparse.ArgumentParser) -> None:
+    from outrider.train.config import DatagenConfig
+
+    _add_config_flags(gen, DatagenConfig)
+    _add_target_flags(gen)
+    gen.add_argument("--max-model-len", type=int, default=None, help="context for generation")
+    add_cache_flags(gen)
+
+
+def _add_train_flags(tr: argparse.ArgumentParser) -> None:
+    from outrider.train.config import TrainConfig
+
+    _add_config_flags(tr, TrainConfig, choices={"dtype": DTYPES})
+
+
+def _add_eval_flags(ev: argparse.ArgumentParser) -> None:
+    from outrider.train.config import EvalConfig
+
+    _add_config_flags(ev, EvalConfig, choices={"dtype": DTYPES})
+    ev.add_argument("--serving", type=int, default=0, help="prompts to decode speculatively")
+    ev.add_argument("--max-tokens", type=int, default=128, help="tokens per --serving prompt")
+    add_cache_flags(ev)
+
+
+def _add_export_flags(ex: argparse.ArgumentParser) -> None:
+    from outrider.models.eagle3_io import LAYOUTS
+
+    ex.add_argument("drafter", help="drafter directory")
+    ex.add_argument("out", help="output directory")
+    ex.add_argument("--format", choices=LAYOUTS, default="sglang", help="target engine layout")
+    ex.add_argument("--model", default=None, help="the target (default: the embedded model)")
+
+
+def _add_doctor_flags(doc: argparse.ArgumentParser) -> None:
+    from outrider.models.eagle3_io import LAYOUTS
+
     doc.add_argument("drafter", help="drafter directory")
     doc.add_argument("--model", default=None, help="the target (default: the embedded model)")
     doc.add_argument("--layout", choices=LAYOUTS, default=None, help="for files without a record")
     doc.add_argument("--min-overlap", type=float, default=0.9, help="vocabulary overlap floor")
     doc.add_argument("--live", type=int, default=0, help="prompts to decode speculatively")
-    return drafter
+    add_cache_flags(doc)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -93,7 +133,7 @@ def _doctor(args: argparse.Namespace) -> int:
             from outrider.llm import LLM
 
             spec = {"method": "eagle3", "draft": args.drafter, "num_draft_tokens": 4}
-            return LLM(args.model, speculative=spec)
+            return LLM(args.model, speculative=spec, **given(args, "cache"))
 
     report = diagnose(
         args.drafter, args.model, min_overlap=args.min_overlap, live_prompts=args.live,
@@ -113,10 +153,14 @@ def cmd_drafter(args: argparse.Namespace) -> int:
 
 def _datagen(args: argparse.Namespace) -> int:
     from outrider.llm import LLM
+    from outrider.train.config import DatagenConfig
     from outrider.train.datagen import generate_dataset
 
     c = _config(DatagenConfig, args)
-    llm = LLM(c.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(
+        c.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        **given(args, "cache"),
+    )  # fmt: skip
     path = generate_dataset(
         llm, c.out, num_samples=c.num_samples, max_new_tokens=c.max_new_tokens,
         seed_prompts=c.seed_prompts, composed=c.composed, self_generated=c.self_generated,
@@ -129,6 +173,7 @@ def _datagen(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from outrider.train.config import TrainConfig
     from outrider.train.trainer import train
 
     result = train(_config(TrainConfig, args))
@@ -141,6 +186,7 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from outrider.llm import LLM
     from outrider.models.eagle3_io import load_drafter
+    from outrider.train.config import EvalConfig
     from outrider.train.dataset import read_samples
     from outrider.train.evaluate import (
         confidence_profile,
@@ -150,7 +196,8 @@ def _eval(args: argparse.Namespace) -> int:
     )
 
     c = _config(EvalConfig, args)
-    llm = LLM(c.model, dtype=c.dtype, device=c.device)
+    cache = given(args, "cache")
+    llm = LLM(c.model, dtype=c.dtype, device=c.device, **cache)
     runner = llm.engine.runner
     draft = load_drafter(c.drafter, runner.model_config, device=runner.device, dtype=runner.dtype)
     samples = read_samples(c.data, runner.model_config.vocab_size)[-c.num_samples :]
@@ -173,7 +220,7 @@ def _eval(args: argparse.Namespace) -> int:
 
         del llm, draft
         spec = LLM(c.model, dtype=c.dtype, device=c.device,
-                   speculative={"method": "eagle3", "draft": c.drafter})  # fmt: skip
+                   speculative={"method": "eagle3", "draft": c.drafter}, **cache)  # fmt: skip
         prompts = [s.prompt() for s in samples[: args.serving]]
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         report["serving_accept_length"] = round(serving_accept_length(spec, prompts, params), 3)
@@ -211,7 +258,8 @@ def _add_target_flags(parser: argparse.ArgumentParser) -> None:
 def _add_config_flags(
     parser: argparse.ArgumentParser, cls: type, choices: dict[str, Any] | None = None
 ) -> None:
-    """One --flag per dataclass field, typed from its annotation, defaulting to its default."""
+    """One --flag per dataclass field, typed from its annotation, defaulting to its default
+    (cli.HelpFormatter shows it)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
@@ -222,9 +270,7 @@ def _add_config_flags(
         extra = {"choices": choices[f.name]} if choices and choices.get(f.name) else {}
         if typing.get_origin(kind) is tuple:  # tuple[int, ...]: --flag 2 15 27
             kind, extra["nargs"] = typing.get_args(kind)[0], "+"
-        parser.add_argument(
-            flag, type=kind, default=f.default, help=f"(default: {f.default})", **extra
-        )
+        parser.add_argument(flag, type=kind, default=f.default, **extra)
 
 
 def _base_type(hint: Any) -> Any:
