@@ -17,6 +17,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COMMIT_FILE = Path(__file__).resolve().parent / ".commit"
 
 
+def _known(commit: str) -> bool:
+    """Whether this repository holds `commit` (False where there is no git or no such object)."""
+    try:
+        return (
+            subprocess.run(
+                ["git", "cat-file", "-e", f"{commit}^{{commit}}"],
+                capture_output=True,
+                cwd=RESULTS.parent,
+            ).returncode
+            == 0
+        )
+    except OSError:
+        return False
+
+
 def metadata() -> dict:
     import torch
 
@@ -47,10 +62,10 @@ def metadata() -> dict:
     if commit is None:  # no repository here: `git status` said nothing, which is not "clean"
         dirty = None
     written = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
-    if written and (commit is None or commit != written):
-        # A copy of the tree whose .git (if any) is not the one the file was written from: the
-        # remote machines carry the session's first checkout beside the working tree. Where
-        # git's HEAD is the file's commit, git's own dirty flag stands.
+    if written and (commit is None or (commit != written and not _known(written))):
+        # A copy of the tree whose .git (if any) never saw the file's commit: the remote
+        # machines carry the session's first checkout beside the working tree. Where git knows
+        # the commit (the repository it was written in, since moved on), git's answer stands.
         commit, dirty = written, False
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {
