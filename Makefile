@@ -5,7 +5,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: install demo test test-fast lint format bench clean
+.PHONY: install demo test test-fast lint format bench soak clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ format: install
 
 bench: install
 	$(PY) benchmarks/cpu_vs_hf.py
+
+# A real server on loopback: hostile requests, abort waves, KV oversubscription, SIGTERM under
+# load (~6 min on 2 CPU cores); fails on any 5xx, hang, leaked KV block or unclean drain.
+# e.g. make soak SOAK_ARGS="--spec ngram --out-dir /tmp/soak"
+soak: install
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

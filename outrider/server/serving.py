@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from outrider.core import SamplingParams
 from outrider.server.errors import APIError, bad_request, clip, from_validation_error
@@ -29,7 +30,10 @@ _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients get a large negative 
 
 async def read_body(request: Request, model: type[M]) -> M:
     _check_content_type(request.headers.get("content-type"))
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing to log
+        raise APIError(499, "the client closed the request before its body arrived") from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError

@@ -331,3 +331,29 @@ def test_param_names_the_field(client, path, body, param):
     err = _error(client.post(path, json=body), 400)
     assert err["param"] == param, err
     assert "list[" not in err["message"] and ".str" not in err["message"], err
+
+
+def test_a_client_gone_before_its_body_arrived_is_a_quiet_499():
+    """The soak run's case: Content-Length promises more than arrives, then the client closes.
+    That was an unhandled ClientDisconnect (two tracebacks and a 500 nobody received)."""
+    import asyncio
+
+    from fastapi import Request
+
+    from outrider.server.errors import APIError
+    from outrider.server.protocol import CompletionRequest
+    from outrider.server.serving import read_body
+
+    messages = [
+        {"type": "http.request", "body": b'{"prompt": "hi"', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive():
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    with pytest.raises(APIError) as e:
+        asyncio.run(read_body(Request(scope, receive), CompletionRequest))
+    assert e.value.status == 499

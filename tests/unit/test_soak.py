@@ -1,0 +1,308 @@
+"""The soak run's pure parts (benchmarks/soak_corpus.py): the fuzz corpus, response parsing,
+tallies and the must-hold verdict; plus benchmarks/soak.py's hang detection against a toy
+loopback server. No model runs here; the
+soak itself is `make soak`."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+KEY = "sk-unit-test"
+
+
+@pytest.fixture(scope="module")
+def pure():
+    spec = importlib.util.spec_from_file_location("bench_soak_corpus", BENCH / "soak_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+@pytest.fixture(scope="module")
+def soak():
+    spec = importlib.util.spec_from_file_location("bench_soak", BENCH / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    path_before = list(sys.path)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(module)  # inserts benchmarks/ for `common`
+    finally:
+        sys.path[:] = path_before
+        del sys.modules[spec.name]
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus(pure):
+    return pure.build_corpus(seed=0, n=300, key=KEY, model="SmolLM2", context=512)
+
+
+# -- the corpus ----------------------------------------------------------------------------------
+
+
+def test_the_corpus_is_a_function_of_its_seed(pure, corpus):
+    again = pure.build_corpus(seed=0, n=300, key=KEY, model="SmolLM2", context=512)
+    assert [(c.name, c.raw, c.expect) for c in again] == [(c.name, c.raw, c.expect) for c in corpus]
+    other = pure.build_corpus(seed=1, n=300, key=KEY, model="SmolLM2", context=512)
+    assert [c.raw for c in other] != [c.raw for c in corpus]
+    assert len(corpus) == 300
+    assert len({c.name for c in corpus}) == 300  # names key the per-case outcomes
+    fixed = len(pure._fixed_cases(KEY, "SmolLM2", 512))
+    assert len(pure.build_corpus(seed=0, n=10, key=KEY, model="SmolLM2", context=512)) == fixed
+
+
+def test_every_kind_of_hostility_is_in_it(corpus):
+    kinds = Counter(c.name.split(":")[0] for c in corpus)
+    for kind in ("valid", "bad_json", "wrong_type", "huge", "empty", "token_ids", "bool_ids",
+                 "surrogate", "model", "unknown_field", "content_type", "content_length",
+                 "chunked", "route", "framing", "auth", "random"):  # fmt: skip
+        assert kinds[kind] > 0, kind
+    assert kinds["valid"] >= 10  # good requests amid the noise must still get 200
+    assert any(c.half_close for c in corpus)
+
+
+def test_most_requests_carry_the_key_some_in_lower_case_some_none(corpus):
+    good = sum(f"Authorization: Bearer {KEY}\r\n".encode() in c.raw for c in corpus)
+    lower = sum(f"Authorization: bearer {KEY}\r\n".encode() in c.raw for c in corpus)
+    none = sum(b"Authorization:" not in c.raw for c in corpus)
+    assert good > 0.7 * len(corpus)
+    assert lower >= 3 and none >= 10
+    # without the key a correct server says 401, whatever the body
+    for c in corpus:
+        if c.name.startswith("random:") and c.name.endswith((":none", ":wrong")):
+            assert c.expect == frozenset({"401"})
+
+
+def test_well_framed_cases_parse_as_one_complete_request(corpus):
+    h11 = pytest.importorskip("h11")
+    checked = 0
+    for c in corpus:
+        lying = c.name.startswith(("content_length:", "chunked:bad", "framing:"))
+        if c.framing or lying or c.name.endswith("5MB_body") or "5M_chars" in c.name:
+            continue
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=1 << 20)
+        conn.receive_data(c.raw)
+        request, body = conn.next_event(), b""
+        assert isinstance(request, h11.Request), c.name
+        while isinstance(event := conn.next_event(), h11.Data):
+            body += event.data
+        assert isinstance(event, h11.EndOfMessage), (c.name, event)
+        if c.name.startswith(("huge:", "wrong_type:", "surrogate:", "bool_ids:", "token_ids:")):
+            json.loads(body)  # the hostility is in the values, never in the JSON
+        checked += 1
+    assert checked > 200
+
+
+def test_lone_surrogates_go_out_as_json_escapes(corpus):
+    surrogates = [c for c in corpus if c.name.startswith("surrogate:")]
+    assert surrogates and all(b"\\ud" in c.raw or b"\\udc" in c.raw for c in surrogates)
+    for c in surrogates:
+        c.raw.decode("utf-8")  # the bytes are valid UTF-8; the JSON text holds the escape
+
+
+def test_the_served_name_and_context_are_filled_in(corpus):
+    raw = b"".join(c.raw for c in corpus)
+    assert b"$MODEL" not in raw and b"$CONTEXT" not in raw
+    assert b'"max_tokens": 512' in raw and b'"model": "SmolLM2"' in raw
+
+
+def test_http_request_content_length_options(pure):
+    raw = pure.http_request("POST", "/x", b"abc", [("A", "b")])
+    assert raw.endswith(b"Content-Length: 3\r\n\r\nabc") and b"Host: 127.0.0.1" in raw
+    assert b"Content-Length" not in pure.http_request("GET", "/x", content_length=False)
+    assert b"Content-Length: -5\r\n" in pure.http_request("POST", "/x", b"a", content_length="-5")
+    assert b"Host:" not in pure.http_request("GET", "/", host=False)
+
+
+# -- responses and tallies -----------------------------------------------------------------------
+
+
+def test_parse_response(pure):
+    plain = b'HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n\r\n{"a": 1}'
+    assert pure.parse_response(plain) == ("400", {"content-type": "application/json"}, b'{"a": 1}')
+    chunked = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    )
+    assert pure.parse_response(chunked)[::2] == ("200", b"abcde")
+    cont = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+    assert pure.parse_response(cont)[::2] == ("200", b"ok")
+    assert pure.parse_response(b"")[0] == "closed"
+    assert pure.parse_response(b"\x00garbage")[0] == "garbled"
+
+
+def test_error_shape(pure):
+    good = {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": None}
+    }
+    assert pure.error_shape_ok(json.dumps(good).encode())
+    assert not pure.error_shape_ok(b'{"detail": "Not Found"}')
+    assert not pure.error_shape_ok(
+        b'{"error": {"message": "", "type": "x", "param": 1, "code": 2}}'
+    )
+    assert not pure.error_shape_ok(b'{"error": "x"}')
+    assert not pure.error_shape_ok(b"Invalid HTTP request received.")
+
+
+def test_tally_flags_5xx_hangs_and_surprises(pure):
+    Case, Outcome = pure.Case, pure.Outcome
+    err = json.dumps({"error": {"message": "m", "type": "t", "param": None, "code": None}})
+    results = [
+        (Case("a", b"", frozenset({"400"})), Outcome("400", 0.1, err.encode())),
+        (Case("b", b"", frozenset({"400"})), Outcome("200", 0.1, b"{}")),  # unexpected
+        (Case("c", b""), Outcome("500", 0.2, b"boom")),  # 5xx, and not OpenAI's shape
+        (
+            Case("d", b"", frozenset({"200"})),
+            Outcome("hang", 30.0),
+        ),  # a hang, not also "unexpected"
+        (
+            Case("e", b"", framing=True),
+            Outcome("400", 0.1, b"Invalid HTTP request"),
+        ),  # uvicorn's 400
+        (Case("f", b"", frozenset({"413", "reset"})), Outcome("reset", 0.1)),
+    ]
+    t = pure.tally(results)
+    assert t["requests_by_status"] == {"200": 1, "400": 2, "500": 1, "hang": 1, "reset": 1}
+    assert t["n_5xx"] == 1 and t["five_xx"] == ["c"]
+    assert t["n_hangs"] == 1 and t["hangs"] == ["d"]
+    assert [u["case"] for u in t["unexpected"]] == ["b"]
+    assert t["bad_error_shape"] == ["c"]
+    assert t["slowest_s"] == 30.0
+    outcomes = {"a": "400", "b": "200", "c": "500", "d": "hang", "e": "400", "f": "reset"}
+    assert t["outcomes"] == outcomes
+
+
+def test_metric_values_sum_label_sets(pure):
+    text = (
+        "# HELP outrider:num_free_kv_blocks KV blocks free.\n"
+        'outrider:num_free_kv_blocks{model_name="m"} 32.0\n'
+        'outrider:request_success_total{finished_reason="length",model_name="m"} 3.0\n'
+        'outrider:request_success_total{finished_reason="stop",model_name="m"} 2.0\n'
+        'outrider:request_success_created{model_name="m"} 1.7e9\n'
+    )
+    names = ("outrider:num_free_kv_blocks", "outrider:request_success_total", "outrider:absent")
+    assert pure.metric_values(text, names) == dict(zip(names, (32.0, 5.0, None)))
+
+
+def test_traceback_exceptions_name_what_ended_each_traceback(pure):
+    log = (
+        "[outrider] ERROR outrider.server.app: unhandled error on POST /v1/completions\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n'
+        "    raise ClientDisconnect()\n"
+        "starlette.requests.ClientDisconnect\n"
+        "ERROR:    Exception in ASGI application\n"
+        "Traceback (most recent call last):\n"
+        '  File "y.py", line 2, in g\n'
+        "starlette.requests.ClientDisconnect\n"
+        "INFO: fine\n"
+    )
+    assert pure.traceback_exceptions(log) == {"starlette.requests.ClientDisconnect": 2}
+    assert pure.traceback_exceptions("no errors here") == {}
+
+
+# -- the verdict ----------------------------------------------------------------------------------
+
+
+def _passing() -> dict:
+    return {
+        "num_blocks": 32, "cache_blocks_seen": 32.0, "n_5xx": 0, "n_hangs": 0,
+        "fuzz": {"n_unexpected": 0, "n_bad_error_shape": 0, "five_xx": [], "hangs": []},
+        "leaked_blocks": 0.0, "kv_free": {}, "oversubscribed_completed": 16,
+        "oversubscribed_total": 16, "outputs_equal_sequential": True, "preemptions": 5.0,
+        "abort_streams": 8, "abort_streams_saw_content": 8, "sigterm_streams": 6,
+        "sigterm_streams_clean": 6, "sigterm_streams_done": 6, "exit_code": 0,
+        "health_while_draining": "503", "request_while_draining": "503", "server_tracebacks": 0,
+    }  # fmt: skip
+
+
+def test_a_clean_run_passes(pure):
+    assert pure.verdict(_passing()) == ([], [])
+
+
+def test_the_summary_prints_whatever_ran(pure):
+    assert any("5xx 0" in line for line in pure.summary(_passing()))
+    assert pure.summary({})[0].startswith("soak (spec None)")  # a run that stopped at once
+
+
+@pytest.mark.parametrize(
+    ("change", "word"),
+    [
+        ({"n_5xx": 1}, "5xx"),
+        ({"n_hangs": 2}, "hung"),
+        ({"leaked_blocks": 3.0}, "leaked"),
+        ({"leaked_blocks": None}, "leaked"),  # never measured is not "no leak"
+        ({"oversubscribed_completed": 15}, "oversubscription"),
+        ({"oversubscribed_total": None, "oversubscribed_completed": None}, "oversubscription"),
+        ({"sigterm_streams_clean": 5}, "SIGTERM"),
+        ({"exit_code": 1}, "exit code"),
+        ({"exit_code": None}, "exit code"),  # killed after the drain timed out
+        ({"cache_blocks_seen": 2048.0}, "cache"),
+    ],
+)
+def test_each_must_hold_fails_the_run(pure, change, word):
+    failures, _ = pure.verdict({**_passing(), **change})
+    assert len(failures) == 1 and word in failures[0], failures
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"outputs_equal_sequential": False, "outputs_differ": [3]},
+        {"preemptions": 0.0},
+        {"fuzz": {"n_unexpected": 2, "n_bad_error_shape": 0}},
+        {"fuzz": {"n_unexpected": 0, "n_bad_error_shape": 1}},
+        {"health_while_draining": "200"},
+        {"sigterm_streams_done": 5},
+        {"server_tracebacks": 2},
+    ],
+)
+def test_checks_beyond_the_must_holds_only_warn(pure, change):
+    failures, warnings = pure.verdict({**_passing(), **change})
+    assert failures == [] and len(warnings) == 1
+
+
+def test_an_empty_result_fails_every_must_hold(pure):
+    failures, _ = pure.verdict({})
+    for word in ("cache", "fuzz", "leaked", "oversubscription", "ended cleanly", "exit code"):
+        assert sum(word in f for f in failures) == 1, (word, failures)
+
+
+# -- hang detection, against a toy server --------------------------------------------------------
+
+
+def test_send_raw_tells_answers_closes_and_hangs_apart(soak, pure):
+    async def handler(reader, writer):
+        line = await reader.readline()
+        if b"/answer" in line:
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 2\r\n\r\nno")
+        elif b"/hang" in line:
+            await asyncio.sleep(5)
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return [
+                await soak.send_raw(port, pure.Case(p, pure.http_request("GET", p)), timeout=0.5)
+                for p in ("/answer", "/close", "/hang")
+            ]
+        finally:
+            server.close()
+
+    answer, closed, hang = asyncio.run(run())
+    assert (answer.status, answer.body) == ("404", b"no")
+    assert closed.status == "closed"
+    assert hang.status == "hang" and hang.seconds < 2
