@@ -28,12 +28,21 @@ _GREEDY_BELOW = 1e-5  # temperatures this small divide logits into inf: treat th
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI clients get a large negative number instead
 
 
+# A body still arriving after this long is a client holding a connection, not an upload: 4 MiB
+# (max_body_bytes' default) at 1 Mbit/s takes 34 s.
+BODY_TIMEOUT_S = 60.0
+
+
 async def read_body(request: Request, model: type[M]) -> M:
     _check_content_type(request.headers.get("content-type"))
     try:
-        body = await request.body()
+        body = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
     except ClientDisconnect:  # gone before its body arrived: nobody to answer, nothing to log
         raise APIError(499, "the client closed the request before its body arrived") from None
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s: send it whole"
+        ) from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError

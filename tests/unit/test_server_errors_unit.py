@@ -357,3 +357,29 @@ def test_a_client_gone_before_its_body_arrived_is_a_quiet_499():
     with pytest.raises(APIError) as e:
         asyncio.run(read_body(Request(scope, receive), CompletionRequest))
     assert e.value.status == 499
+
+
+def test_a_body_that_never_finishes_arriving_times_out_with_408(monkeypatch):
+    """A client that promises a body and sends it never (the soak's chunked case hung 30 s)
+    holds the connection only until the body timeout."""
+    import asyncio
+
+    from fastapi import Request
+
+    from outrider.server import serving
+    from outrider.server.errors import APIError
+    from outrider.server.protocol import CompletionRequest
+
+    monkeypatch.setattr(serving, "BODY_TIMEOUT_S", 0.2)
+    first = [{"type": "http.request", "body": b'{"prompt": ', "more_body": True}]
+
+    async def receive():
+        if first:
+            return first.pop(0)
+        await asyncio.sleep(3600)  # the rest never comes
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    with pytest.raises(APIError) as e:
+        asyncio.run(serving.read_body(Request(scope, receive), CompletionRequest))
+    assert e.value.status == 408 and "did not arrive" in e.value.message
