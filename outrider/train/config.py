@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from outrider.config import DEVICES, DTYPES
-from outrider.models.eagle3_io import LAYOUTS
-from outrider.train.ttt import ATTENTION_BACKENDS
 
 
 def _check(ok: bool, name: str, value, hint: str) -> None:
@@ -140,6 +138,10 @@ class TrainConfig:
                self.head_from_target, "init_from keeps the drafter's own head: drop one of them")  # fmt: skip
         _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every, "use >= 1")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints, "use >= 1")
+        # Imported here: both modules import torch, and `drafter <cmd> --help` reads this file.
+        from outrider.models.eagle3_format import LAYOUTS
+        from outrider.train.ttt import ATTENTION_BACKENDS
+
         _check(self.attention in ATTENTION_BACKENDS, "attention", self.attention,
                f"use one of {', '.join(ATTENTION_BACKENDS)}")  # fmt: skip
         _check(self.layout in LAYOUTS, "layout", self.layout, f"use one of {', '.join(LAYOUTS)}")

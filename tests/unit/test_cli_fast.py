@@ -25,6 +25,9 @@ LIGHT_ARGVS = (
     ["serve", "--help"],
     ["deploy", "--help"],
     ["drafter", "--help"],
+    ["drafter", "train", "--help"],
+    ["drafter", "datagen", "--help"],
+    ["drafter", "eval", "--help"],
     ["generate", "--spec", "bogus", "x"],
 )
 
