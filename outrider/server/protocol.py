@@ -13,13 +13,32 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WrapValidator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    WrapValidator,
+)
 from pydantic_core import PydanticCustomError
 
 # Bounds that keep every accepted value inside what torch and the sampler can compute with:
 # a temperature or penalty this extreme would turn logits into inf/NaN.
 _MAX_INT = 2**31 - 1
 TokenIds = list[StrictInt]
+
+
+def _not_a_bool(value: Any) -> Any:
+    """JSON true/false are not numbers, though Python's bool is an int."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer, not a boolean")
+    return value
+
+
+# Counts and ids: integers (2.0 and "2" still read as 2, as pydantic reads ints), never booleans.
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
 
 
 class _Request(BaseModel):
@@ -36,17 +55,17 @@ class SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=_MAX_INT)
+    top_k: Int | None = Field(None, ge=-1, le=_MAX_INT)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
-    n: int = Field(1, ge=1, le=_MAX_INT)
-    max_tokens: int | None = Field(None, ge=1, le=2**62)
-    min_tokens: int = Field(0, ge=0, le=_MAX_INT)
+    n: Int = Field(1, ge=1, le=_MAX_INT)
+    max_tokens: Int | None = Field(None, ge=1, le=2**62)
+    min_tokens: Int = Field(0, ge=0, le=_MAX_INT)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -111,8 +130,8 @@ class ResponseFormat(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1, le=2**62)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: Int | None = Field(None, ge=1, le=2**62)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -165,10 +184,10 @@ class CompletionRequest(SamplingFields):
         Field(union_mode="left_to_right"),
         WrapValidator(_prompt_shape),
     ]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1, le=_MAX_INT)
+    best_of: Int | None = Field(None, ge=1, le=_MAX_INT)
 
 
 # -- responses (plain dicts would do; models document the shape and keep it in one place) ----

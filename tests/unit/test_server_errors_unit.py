@@ -226,6 +226,26 @@ def test_prompt_booleans_say_so(client):
     assert "true/false are not token ids" in err["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/completions", "max_tokens"),
+        ("/v1/completions", "n"),
+        ("/v1/completions", "seed"),
+        ("/v1/completions", "logprobs"),
+        ("/v1/chat/completions", "top_logprobs"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+    ],
+)
+def test_booleans_are_not_counts_either(client, path, field):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    err = _error(client.post(path, json={**body, field: True}), 400, param=field)
+    assert "boolean" in err["message"]
+    needs = {"logprobs": True} if field == "top_logprobs" else {}
+    r = client.post(path, json={**body, **needs, field: 1})
+    assert r.status_code == 200, r.text  # the integer itself is fine
+
+
 def test_token_id_prompts_still_work(client):
     for prompt in ([3, 4], [[3], [4, 3]]):
         r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
