@@ -23,7 +23,7 @@ import torch
 
 from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.executor.cuda_graph import GraphRunner
-from outrider.executor.inputs import build_inputs
+from outrider.executor.inputs import build_inputs, table_slots_no_sync
 from outrider.executor.kv_cache import KVLayout, KVPool
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -243,8 +243,7 @@ class Eagle3Drafter:
         out, ids = [first], first
         for j in range(2, k_draft + 1):
             pos = first_pos + (j - 2)
-            col = (pos // bs).clamp(max=width - 1)
-            slots = block_tables.gather(1, col[:, None]).squeeze(1).long() * bs + pos % bs
+            slots = table_slots_no_sync(block_tables, pos[:, None], bs).squeeze(1)
             lens = (pos + 1).to(torch.int32)
             meta = AttentionMetadata(
                 ForwardMode.DRAFT, slots, qsl, lens, block_tables, [1] * b, [width * bs] * b
@@ -280,16 +279,12 @@ class Eagle3Drafter:
         bs, width = self.block_size, block_tables.shape[1]
         top = self.draft.rotary_emb.cos.shape[0] - 1
 
-        def slots(pos: torch.Tensor) -> torch.Tensor:  # [B, n] positions -> flat slots
-            col = (pos // bs).clamp(max=width - 1)
-            return block_tables.gather(1, col).long() * bs + pos % bs
-
         def metadata(pos, q: int, seq_lens, tree_mask=None) -> AttentionMetadata:
             # Graph-safe backends read lengths on the device; the reference backend (the CPU,
             # where reading them costs nothing) plans from the host's.
             host = seq_lens.tolist() if dev.type == "cpu" else [width * bs] * b
             return AttentionMetadata(
-                ForwardMode.VERIFY, slots(pos).reshape(-1),
+                ForwardMode.VERIFY, table_slots_no_sync(block_tables, pos, bs).reshape(-1),
                 torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
                 seq_lens.to(torch.int32), block_tables, [q] * b, host, tree_mask=tree_mask,
             )  # fmt: skip

@@ -78,6 +78,17 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
     )
 
 
+def table_slots_no_sync(
+    tables: torch.Tensor,  # [B, W] int32 block tables, the last column the scratch block
+    pos: torch.Tensor,  # [B, n] int64 positions, computed on the device
+    block_size: int,
+) -> torch.Tensor:  # [B, n] int64 flat KV slots
+    """Where positions computed on the device put their KV (graph-safe): each row's block for
+    the position, or the last column (the scratch block) for one past the table's width."""
+    col = (pos // block_size).clamp(max=tables.shape[1] - 1)
+    return tables.gather(1, col).long() * block_size + pos % block_size
+
+
 def _tree_mask(
     batch: ScheduledBatch,
     trees: list[tuple[int, TreeTopology]],

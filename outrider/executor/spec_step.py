@@ -38,6 +38,7 @@ import torch
 
 from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
 from outrider.executor.cuda_graph import StaticInputs
+from outrider.executor.inputs import table_slots_no_sync
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.speculative.tree_batch import (
@@ -271,22 +272,16 @@ class SpecStep:
         )  # fmt: skip
         starts = self.inputs.positions[: padded * t].view(padded, t)[:, 0]
         src, dst = tree_kv_moves_no_sync(path_rows, accepted, starts)
-        tables = meta.block_tables
+        tables, bs = meta.block_tables, self.block_size
         self.kv_pool.move_no_sync(
-            self._slots(src, tables).reshape(-1), self._slots(dst, tables).reshape(-1)
+            table_slots_no_sync(tables, src, bs).reshape(-1),
+            table_slots_no_sync(tables, dst, bs).reshape(-1),
         )
         tokens = argmax.gather(1, path_rows)  # [padded, 1 + S]
         if aux is not None:
             rows = (torch.arange(padded, device=aux.device)[:, None] * t + path_rows).reshape(-1)
             aux = aux.index_select(0, rows)
         return SpecOutput(tokens, accepted, logits, aux, path_rows=path_rows)
-
-    def _slots(self, pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """Flat KV slots of positions [B, n] through each row's table; past the table's width
-        the last column (the scratch block)."""
-        bs = self.block_size
-        col = (pos // bs).clamp(max=tables.shape[1] - 1)
-        return tables.gather(1, col).long() * bs + pos % bs
 
     def draft_no_sync(
         self, out: SpecOutput, padded: int, k: int, k_draft: int, full_width: bool = False
