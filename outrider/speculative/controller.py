@@ -240,8 +240,10 @@ class SpecController:
         self._steps: dict[int, int] = {}
         self._probes = 0
         self.live_window = 9
-        # (batch bucket, k) -> the last live_window measured ms, newest last
+        # (batch bucket, k) -> the last live_window measured ms, newest last, and what they say
+        # the step costs (_robust of them; read every choose, so kept, not recomputed)
         self._live: dict[tuple[int, int], deque[float]] = {}
+        self._live_ms: dict[tuple[int, int], float] = {}
         # (batch bucket, speculative?) -> the last live step's ms over its profile entry: what
         # a k not yet timed at that bucket is assumed to cost on top of its own entry.
         self._extra: dict[tuple[int, bool], float] = {}
@@ -268,7 +270,8 @@ class SpecController:
                     "measure them, or leave ks=None to use the measured ones"
                 )
         self._profile, self._ks = profile, ks
-        self._live, self._extra = {}, {}  # measurements refine the table they were made against
+        # Measurements refine the table they were made against.
+        self._live, self._live_ms, self._extra = {}, {}, {}
 
     def choose(self, request_ids: Sequence[str]) -> int:
         """k for the next step of a batch of these requests (len = batch size). An empty batch
@@ -326,7 +329,8 @@ class SpecController:
         if window is None:
             window = self._live[(bucket, k)] = deque(maxlen=self.live_window)
         window.append(ms)
-        self._extra[(bucket, k > 0)] = _robust(window) - self._profile.step_ms(bucket, k)
+        live = self._live_ms[(bucket, k)] = _robust(window)
+        self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)
 
     def _step_ms(self, batch_size: int, k: int) -> float:
         """The live time at this bucket and k; else the profile's plus the host work the last
@@ -334,9 +338,9 @@ class SpecController:
         costs about the same whatever k it drafts, so one k timed tells what the others cost
         (without it, each k > 0 would take one slow step of its own to be seen losing)."""
         bucket = self._profile.bucket(batch_size)
-        window = self._live.get((bucket, k))
-        if window:
-            return _robust(window)
+        live = self._live_ms.get((bucket, k))
+        if live is not None:
+            return live
         return self._profile.step_ms(batch_size, k) + max(
             0.0, self._extra.get((bucket, k > 0), 0.0)
         )
