@@ -55,7 +55,7 @@ class EngineCore:
         self.checkpoint = checkpoint or open_checkpoint(config.model.model or env.default_model())
         self.tokenizer = self.checkpoint.tokenizer
         self.runner = ModelRunner(config, self.checkpoint)
-        self._pool_tokens = self.runner.num_blocks * config.cache.block_size
+        # Within the KV pool, so check_stop's context limit also keeps every request in it.
         self.max_model_len = self._fit_context_to_pool()
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
@@ -83,7 +83,8 @@ class EngineCore:
         preempting the others) instead of being cut short. Only the engine's limit drops: the
         runner keeps its own max_model_len, which sizes its rotary table and graph block tables
         and so covers this one."""
-        limit, pool = self.runner.max_model_len, self._pool_tokens
+        limit = self.runner.max_model_len
+        pool = self.runner.num_blocks * self.config.cache.block_size
         if limit <= pool:
             return limit
         cache = self.config.cache
@@ -334,8 +335,6 @@ class EngineCore:
                 reason = FinishReason.STOP
             else:
                 reason = check_stop(req, self.max_model_len)
-            if reason is None and req.num_tokens >= self._pool_tokens:
-                reason = FinishReason.LENGTH  # the next token would not fit even in an empty pool
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 if req.params.detokenize:
