@@ -27,6 +27,7 @@ from outrider.executor.inputs import build_inputs, table_slots_no_sync
 from outrider.executor.kv_cache import KVLayout, KVPool
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from outrider.layers.fused import top_logprobs
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree_batch import TreeShape, select_tree_no_sync
@@ -119,7 +120,7 @@ class Eagle3Drafter:
             return
         hidden = output.aux_hidden[torch.as_tensor(rows, device=output.aux_hidden.device)]
         logits, last_hidden = self._run(ScheduledBatch(ForwardMode.PREFILL, seqs), hidden)
-        top_logp, top = torch.log_softmax(logits.float(), dim=-1).topk(self.topk, dim=-1)
+        top_logp, top = top_logprobs(logits, self.topk)
         top_ids = self.draft.to_target_ids(top)
         for i, s in enumerate(seqs):
             keep = None if s.request.params.greedy else logits[i]
@@ -299,8 +300,7 @@ class Eagle3Drafter:
         meta = metadata(pos, rows, starts + rows)
         normed, summed = run(meta, path_ids.reshape(-1), pos.reshape(-1), path_aux)
         last = torch.arange(b, device=dev) * rows + num_accepted
-        logp = torch.log_softmax(self.draft.compute_logits(normed[last]).float(), dim=-1)
-        scores, cand = logp.topk(t, dim=-1)  # [B, t]
+        scores, cand = top_logprobs(self.draft.compute_logits(normed[last]), t)  # [B, t]
         tokens = self.draft.to_target_ids(cand)
         hidden = summed[last][:, None, :].expand(-1, t, -1)  # [B, t, H]
         all_tokens, all_scores = [tokens], [scores]
@@ -317,8 +317,7 @@ class Eagle3Drafter:
             rope = (c + d - 2)[:, None].expand(-1, t).reshape(-1)
             h = hidden.shape[-1]
             normed, summed = run(meta, tokens.reshape(-1), rope, hidden.reshape(b * t, h))
-            logp = torch.log_softmax(self.draft.compute_logits(normed).float(), dim=-1)
-            child_logp, child = logp.topk(t, dim=-1)  # [B * t, t]
+            child_logp, child = top_logprobs(self.draft.compute_logits(normed), t)  # [B*t, t]
             cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
             scores, pick = cum.topk(t, dim=-1)  # [B, t]
             parent = pick // t

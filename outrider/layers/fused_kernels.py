@@ -65,3 +65,59 @@ def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.const
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # rounded like F.silu's output
     out = act.to(tl.float32) * u.to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, out.to(g.dtype), mask=ok)
+
+
+@triton.jit
+def top_logprobs_partial_kernel(
+    x_ptr, stride_x, vocab, chunk, cand_v_ptr, cand_i_ptr, max_ptr, sum_ptr,
+    T: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (row, part) reads its chunk of the row once: the chunk's max and sum of
+    # exp(x - max) (for the row's logsumexp), and its T largest values, descending, ties to
+    # the lower index. Written to [rows, parts] and [rows, parts, T].
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    offs = tl.arange(0, BLOCK)
+    cols = part * chunk + offs
+    ok = (offs < chunk) & (cols < vocab)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.where(ok, tl.exp(x - m_safe), 0.0), 0)
+    slot = row * parts + part
+    tl.store(max_ptr + slot, m)
+    tl.store(sum_ptr + slot, s)
+    for j in tl.static_range(T):
+        v = tl.max(x, 0)
+        i = tl.min(tl.where((x == v) & ok, cols, vocab), 0)
+        tl.store(cand_v_ptr + slot * T + j, v)
+        tl.store(cand_i_ptr + slot * T + j, i)
+        x = tl.where(cols == i, float("-inf"), x)
+
+
+@triton.jit
+def top_logprobs_merge_kernel(
+    cand_v_ptr, cand_i_ptr, max_ptr, sum_ptr, out_v_ptr, out_i_ptr, parts, vocab,
+    T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # One program per row: the row's logsumexp from its parts, then the T best of the parts'
+    # candidates (ties to the lower index), as log-probabilities.
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)
+    pok = p < parts
+    m = tl.load(max_ptr + row * parts + p, mask=pok, other=float("-inf"))
+    s = tl.load(sum_ptr + row * parts + p, mask=pok, other=0.0)
+    top = tl.max(m, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    lse = top_safe + tl.log(tl.sum(s * tl.exp(m - top_safe), 0))
+    c = tl.arange(0, BLOCK_C)
+    cok = c < parts * T
+    v = tl.load(cand_v_ptr + row * parts * T + c, mask=cok, other=float("-inf"))
+    ids = tl.load(cand_i_ptr + row * parts * T + c, mask=cok, other=vocab)
+    for j in tl.static_range(T):
+        best = tl.max(v, 0)
+        i = tl.min(tl.where(v == best, ids, vocab), 0)
+        tl.store(out_v_ptr + row * T + j, best - lse)
+        tl.store(out_i_ptr + row * T + j, i.to(tl.int64))
+        v = tl.where(ids == i, float("-inf"), v)

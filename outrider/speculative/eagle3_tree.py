@@ -21,6 +21,7 @@ import torch
 
 from outrider.core import ForwardMode, Request
 from outrider.layers.forward_context import AttentionMetadata
+from outrider.layers.fused import top_logprobs
 from outrider.speculative.base import SeqDrafts
 from outrider.transfer import to_device_no_sync
 
@@ -50,7 +51,7 @@ def propose_trees(proposer, reqs: Sequence[Request], frontiers, k: int) -> list[
             tokens.reshape(-1), positions, meta, hidden.reshape(b * t, -1), rows
         )
         # 3. score the t * t children, keep the best t per sequence.
-        child_logp, child = torch.log_softmax(logits.float(), dim=-1).topk(t, dim=-1)
+        child_logp, child = top_logprobs(logits, t)  # [B * t, t]
         cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
         scores, pick = cum.topk(t, dim=-1)  # [B, t]
         parent = pick // t

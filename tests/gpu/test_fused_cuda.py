@@ -81,3 +81,16 @@ def test_silu_and_mul_rounds_like_torch(dtype, monkeypatch):
     if dtype != torch.float32:
         assert _same(out, ref) >= 0.99
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,vocab,t", [(1, 32000, 3), (48, 32000, 3), (7, 128256, 8), (3, 50, 1)])
+def test_top_logprobs_matches_reference(dtype, rows, vocab, t):
+    """The draft trees' candidates: ids exactly the reference's (ties to the lower id: bf16
+    logits tie often), log-probabilities to fp32 rounding."""
+    torch.manual_seed(0)
+    x = (3 * torch.randn(rows, vocab, device="cuda")).to(dtype)
+    values, ids = fused.top_logprobs(x, t)
+    ref_values, ref_ids = fused.top_logprobs_reference(x, t)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(values, ref_values, atol=1e-5, rtol=0)

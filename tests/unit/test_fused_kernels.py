@@ -81,6 +81,24 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         x = torch.randn(4, 2 * 1300, dtype=dtype)  # > one 1024 block, not a power of two
         report(f"silu-{tag}", fused.silu_and_mul(x), SiluAndMul()(x))
 
+    # Top-t log-probabilities: several parts per row (the last one short), one short part, and
+    # bfloat16 rows full of ties (their order must be the reference's: lower id first).
+    cases = [
+        ("f32-3parts", torch.randn(5, 10000), 3),
+        ("bf16-ties", torch.randn(4, 9000).to(torch.bfloat16).round(decimals=1), 4),
+        ("f32-small", torch.randn(3, 100), 2),
+        ("f32-flat", torch.zeros(2, 5000), 3),
+        ("f32-strided", torch.randn(3, 6000)[:, :5000], 1),
+    ]
+    real = fused.use_fused
+    fused.use_fused = lambda x: True
+    for name, x, t in cases:
+        values, ids = fused.top_logprobs(x, t)
+        ref_values, ref_ids = fused.top_logprobs_reference(x, t)
+        report(f"top-values-{name}", values, ref_values)
+        report(f"top-ids-{name}", ids, ref_ids)
+    fused.use_fused = real
+
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
     sys.path.insert(0, str(ROOT))
     from tests.tiny import hf_reference, outrider_model, prefill_batch, run_forward, tiny_hf_config
@@ -145,3 +163,25 @@ def test_silu_and_mul_matches_torch(results, dtype):
 
 def test_llama_forward_with_fused_kernels_matches_plain(results):
     assert results["llama-forward-f32"]["diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("case", ["f32-3parts", "bf16-ties", "f32-small", "f32-flat", "f32-strided"])
+def test_top_logprobs_kernel_matches_reference(results, case):
+    assert results[f"top-ids-{case}"]["same"] == 1.0, results[f"top-ids-{case}"]
+    assert results[f"top-values-{case}"]["diff"] <= 1e-5, results[f"top-values-{case}"]
+
+
+def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():
+    from outrider.layers.fused import top_logprobs_reference
+
+    x = torch.randn(6, 300)
+    values, ids = top_logprobs_reference(x, 4)
+    want_values, want_ids = torch.log_softmax(x, dim=-1).topk(4, dim=-1)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(values, want_values, atol=1e-6)
+    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, -1.0]])
+    assert top_logprobs_reference(tied, 4)[1].tolist() == [[1, 3, 4, 2]]
+    with pytest.raises(ValueError, match="t=0"):
+        from outrider.layers.fused import top_logprobs
+
+        top_logprobs(x, 0)
