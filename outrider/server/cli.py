@@ -1,14 +1,14 @@
 """`outrider serve` (and `outrider deploy`): flags, their defaults read from ServerConfig and the
 engine's configs, and one YAML file (`--config`) holding both. As for `outrider generate`, a flag
-given overrides the YAML whatever its value, and one not given leaves it alone (cli.py)."""
+given overrides the YAML whatever its value, and one not given leaves it alone (flags.py)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from outrider.cli import add_command, add_engine_flags, config_flag, engine_config, given
 from outrider.config import EngineConfig
+from outrider.flags import add_command, add_engine_flags, config_flag, engine_config, given
 from outrider.server.config import ServerConfig, load_yaml
 
 # ServerConfig fields exposed as flags: (field, type, help).

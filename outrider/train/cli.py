@@ -13,8 +13,8 @@ import types
 import typing
 from typing import Any
 
-from outrider.cli import Commands, add_cache_flags, add_command, given
 from outrider.config import DEVICES, DTYPES
+from outrider.flags import Commands, add_cache_flags, add_command, given
 
 
 def add_drafter_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -84,7 +84,9 @@ def test_silu_and_mul_rounds_like_torch(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows,vocab,t", [(1, 32000, 3), (48, 32000, 3), (7, 128256, 8), (3, 50, 1)])
+@pytest.mark.parametrize(
+    "rows,vocab,t", [(1, 32000, 3), (48, 32000, 3), (7, 128256, 8), (3, 50, 1)]
+)
 def test_top_logprobs_matches_reference(dtype, rows, vocab, t):
     """The draft trees' candidates: ids exactly the reference's (ties to the lower id: bf16
     logits tie often), log-probabilities to fp32 rounding."""

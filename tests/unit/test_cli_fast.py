@@ -173,3 +173,35 @@ def test_bad_values_are_clear_errors(capsys):
     assert "invalid byte count '4X'" in capsys.readouterr().err
     assert main(["generate", "--num-gpu-blocks", "1", "hi"]) == 2
     assert "num_blocks=1" in capsys.readouterr().err
+
+
+def test_command_modules_build_flags_from_one_module_and_never_import_each_other():
+    """outrider/flags.py builds every command's flags; the command modules import it, never
+    outrider.cli (which imports them: a cycle) nor each other."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "outrider"
+    commands = {
+        "outrider.cli": root / "cli.py",
+        "outrider.server.cli": root / "server" / "cli.py",
+        "outrider.train.cli": root / "train" / "cli.py",
+    }
+
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    flags = imported(root / "flags.py")
+    assert not flags & set(commands), flags & set(commands)
+    for name, path in commands.items():
+        if name == "outrider.cli":
+            continue
+        uses = imported(path)
+        assert "outrider.flags" in uses, name
+        assert not uses & set(commands), (name, uses & set(commands))

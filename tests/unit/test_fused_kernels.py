@@ -165,7 +165,9 @@ def test_llama_forward_with_fused_kernels_matches_plain(results):
     assert results["llama-forward-f32"]["diff"] <= 1e-4
 
 
-@pytest.mark.parametrize("case", ["f32-3parts", "bf16-ties", "f32-small", "f32-flat", "f32-strided"])
+@pytest.mark.parametrize(
+    "case", ["f32-3parts", "bf16-ties", "f32-small", "f32-flat", "f32-strided"]
+)
 def test_top_logprobs_kernel_matches_reference(results, case):
     assert results[f"top-ids-{case}"]["same"] == 1.0, results[f"top-ids-{case}"]
     assert results[f"top-values-{case}"]["diff"] <= 1e-5, results[f"top-values-{case}"]
