@@ -1,20 +1,33 @@
 """Engine configuration: frozen, composed dataclasses validated on construction.
 
 The CLI and YAML files read their defaults from these classes; nothing mutates a config after
-the engine starts. `EngineConfig.from_dict` takes the nested form YAML gives:
+the engine starts. `EngineConfig.from_dict` takes the sectioned form
 
     model: {model: path/to/model.gguf, dtype: float32}
     cache: {block_size: 16, cpu_kv_bytes: 1073741824}
     scheduler: {max_num_seqs: 64}
     speculative: {method: ngram, num_draft_tokens: 4}
+
+and the flat form vLLM's YAML files use, keyed by field or flag name (dashes or underscores),
+vLLM's spellings included (`FLAT_ALIASES`, `SpecConfig.normalize`):
+
+    model: path/to/model.gguf
+    max-num-seqs: 64
+    enforce-eager: true
+    speculative-config: {method: EAGLE3, model: path/to/drafter, num_speculative_tokens: 3}
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -157,6 +170,49 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.method is not None
 
+    @staticmethod
+    def normalize(values: dict[str, Any]) -> dict[str, Any]:
+        """SpecConfig fields from a speculative section in outrider's or vLLM's keys
+        (`speculative_config`: method, model, num_speculative_tokens, prompt_lookup_min/max),
+        method names in any case ("EAGLE3", "[ngram]"); a key both ways with two values is an
+        error. Keys neither knows are left for the section's unknown-key error."""
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            name = str(key).replace("-", "_")
+            if name == "draft_tensor_parallel_size":
+                if value not in (None, 1):
+                    raise ValueError(
+                        f"speculative {key}={value!r}: the drafter runs on one device; use 1"
+                    )
+                continue
+            name = VLLM_SPEC_KEYS.get(name, name)
+            if name in out and out[name] != value:
+                raise ValueError(
+                    f"speculative {name} is given twice ({out[name]!r} and {value!r} as {key!r}): "
+                    "keep one"
+                )
+            out[name] = value
+        method = out.get("method")
+        if isinstance(method, str):
+            m = method.strip().strip("[]").lower().replace("-", "").replace("_", "")
+            m = {"promptlookup": "ngram"}.get(m, m)
+            if m in ("eagle", "eagle2", "medusa", "mlpspeculator", "draftmodel", "deepseekmtp"):
+                raise ValueError(
+                    f"speculative method {method!r} is not supported: use eagle3 (an EAGLE-3 "
+                    "drafter; `outrider drafter train` makes one for any model) or ngram"
+                )
+            out["method"] = m
+        return out
+
+
+# vLLM's speculative_config keys -> SpecConfig fields
+VLLM_SPEC_KEYS = {
+    "num_speculative_tokens": "num_draft_tokens",
+    "model": "draft",
+    "prompt_lookup_min": "ngram_min_n",
+    "prompt_lookup_max": "ngram_max_n",
+}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -167,17 +223,28 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
-        """Build from the nested dict form (YAML); unknown keys are errors, not silently dropped."""
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = set(data) - set(sections)
-        if unknown:
-            raise ValueError(f"unknown config section(s) {sorted(unknown)}: use {sorted(sections)}")
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            section_cls = f.default_factory  # type: ignore[misc]
-            values = data.get(f.name) or {}
-            kwargs[f.name] = build_section(section_cls, values, f.name)
-        return cls(**kwargs)
+        """Build from YAML's dict: sections (a mapping under a section's name) and flat keys
+        (any field by its name or flag name, and FLAT_ALIASES) may mix. Unknown keys are
+        errors naming the close matches, not silently dropped."""
+        if not isinstance(data, dict):
+            raise ValueError(f"an engine config is a mapping of keys, got {type(data).__name__}")
+        nested: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in SECTIONS and (value is None or isinstance(value, dict)):
+                nested[key].update(value or {})
+            else:
+                flat[key] = value
+        for section, values in flat_sections(flat).items():
+            for name, value in values.items():
+                have = nested[section].get(name, value)
+                if have != value:
+                    raise ValueError(
+                        f"{section}.{name} is given twice, {have!r} in its section and "
+                        f"{value!r} as a flat key: keep one"
+                    )
+                nested[section][name] = value
+        return cls(**{name: build_section(c, nested[name], name) for name, c in SECTIONS.items()})
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
@@ -193,7 +260,10 @@ class EngineConfig:
         kwargs = {}
         for f in dataclasses.fields(self):
             current = getattr(self, f.name)
-            changes = sections.get(f.name) or {}
+            changes = {str(k).replace("-", "_"): v for k, v in (sections.get(f.name) or {}).items()}
+            normalize = getattr(type(current), "normalize", None)
+            if normalize is not None:  # another spelling of a field replaces that field
+                changes = normalize(changes)
             kwargs[f.name] = build_section(
                 type(current), {**dataclasses.asdict(current), **changes}, f.name
             )
@@ -201,14 +271,138 @@ class EngineConfig:
 
 
 def build_section(section_cls: type, values: dict[str, Any], section: str) -> Any:
-    """A config dataclass from one YAML section; an unknown key is an error naming it."""
-    names = {f.name for f in dataclasses.fields(section_cls)}
-    unknown = set(values) - names
+    """A config dataclass from one YAML section (keys with dashes or underscores; a section
+    with a `normalize` static method translates its other spellings first); an unknown key is
+    an error naming it and its close matches."""
+    if not isinstance(values, dict):
+        raise ValueError(f"config section {section!r} must be a mapping of keys, got {values!r}")
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
+    normalize = getattr(section_cls, "normalize", None)
+    if normalize is not None:
+        values = normalize(values)
+    names = [f.name for f in dataclasses.fields(section_cls)]
+    unknown = sorted(set(values) - set(names))
     if unknown:
         raise ValueError(
-            f"unknown key(s) {sorted(unknown)} in config section {section!r}: use {sorted(names)}"
+            f"unknown key(s) {unknown} in config section {section!r}{_close(unknown, names)}; "
+            f"its keys are {sorted(names)}"
         )
     return section_cls(**values)
+
+
+def _close(keys: list[str], names) -> str:
+    """' (did you mean ...?)' for the keys with a close match among names, else ''."""
+    hints = [
+        f"{key!r} -> {match[0]!r}"
+        for key in keys
+        if (match := difflib.get_close_matches(key, list(names), n=1, cutoff=0.6))
+    ]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "speculative": SpecConfig,
+}
+
+# Flat keys other than a field's own name -> (section, field), as vLLM and the CLI spell them.
+FLAT_ALIASES: dict[str, tuple[str, str]] = {
+    "spec": ("speculative", "method"),
+    "spec_controller": ("speculative", "controller"),
+    "num_gpu_blocks": ("cache", "num_blocks"),
+    "num_gpu_blocks_override": ("cache", "num_blocks"),
+    "model_path": ("model", "model"),
+}
+
+
+def sglang_speculative(values: dict[str, Any], native: list[str] = ()) -> dict[str, Any]:
+    """SGLang's speculative flags (algorithm, draft, num_steps, topk, num_draft_tokens) ->
+    SpecConfig fields. SGLang's num_draft_tokens counts the root: N there is N - 1 drafts here
+    (steps 3, topk 1, draft tokens 4 is a chain of 3). With topk 1 SGLang's num_steps is the
+    chain's length; with topk > 1 it is the tree's depth, as here. `native`: outrider's own
+    speculative flags given beside them, which win (a warning says so when it could confuse)."""
+    out: dict[str, Any] = {}
+    if "algorithm" in values:
+        out["method"] = values["algorithm"]
+    if "draft" in values:
+        out["draft"] = values["draft"]
+    topk, steps, n = values.get("topk"), values.get("num_steps"), values.get("num_draft_tokens")
+    if topk is not None:
+        out["topk"] = topk
+    if n is not None:
+        if n < 2:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {n}: SGLang counts the root token, so use at "
+                "least 2 (one draft)"
+            )
+        out["num_draft_tokens"] = n - 1
+    if steps is not None and (topk or 1) == 1:
+        if n is not None and n - 1 != steps:
+            raise ValueError(
+                f"--speculative-num-steps {steps} and --speculative-num-draft-tokens {n} "
+                f"disagree for a chain (topk 1): SGLang counts the root, so steps {steps} "
+                f"needs num-draft-tokens {steps + 1}"
+            )
+        out["num_draft_tokens"] = steps
+    elif steps is not None:
+        out["num_steps"] = steps
+    if native and n is not None:
+        log.warning(
+            "both SGLang's --speculative-num-draft-tokens %d (root included: %d drafts) and "
+            "outrider's %s given: outrider's win",
+            n, n - 1, ", ".join(native),
+        )  # fmt: skip
+    return SpecConfig.normalize(out)
+
+
+def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat keys (vLLM-style YAML, `LLM(**options)`) -> {section: {field: value}}.
+
+    A key is a field's name or flag name (dashes or underscores), a FLAT_ALIASES key, or one of
+    vLLM's: speculative_config (a mapping or its JSON text, SpecConfig.normalize's keys),
+    enforce_eager (no CUDA graphs), tensor_parallel_size (1 until tensor parallelism lands)."""
+    owners = {f.name: s for s, c in SECTIONS.items() for f in dataclasses.fields(c)}
+    out: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    unknown = []
+    for key, value in flat.items():
+        name = str(key).replace("-", "_")
+        if name == "speculative_config":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"speculative_config {value!r} is not JSON ({e.msg}): e.g. "
+                        '\'{"method": "eagle3", "num_speculative_tokens": 3}\''
+                    ) from None
+            if not isinstance(value, dict):
+                raise ValueError(f"speculative_config must be a mapping, got {value!r}")
+            out["speculative"].update(SpecConfig.normalize(value))
+        elif name == "enforce_eager":
+            out["model"]["cuda_graphs"] = False if value else None
+        elif name == "tensor_parallel_size":
+            if value not in (None, 1):
+                raise ValueError(
+                    f"tensor_parallel_size={value!r}: outrider runs a model on one device for "
+                    "now; use 1 (a model too large for one device does not load yet)"
+                )
+        elif name in FLAT_ALIASES:
+            section, field_name = FLAT_ALIASES[name]
+            out[section][field_name] = value
+        elif name in owners:
+            out[owners[name]][name] = value
+        else:
+            unknown.append(str(key))
+    if unknown:
+        known = [*owners, *FLAT_ALIASES, "speculative_config", "enforce_eager",
+                 "tensor_parallel_size", *SECTIONS]  # fmt: skip
+        raise ValueError(
+            f"unknown config key(s) {sorted(unknown)}{_close(sorted(unknown), known)}: use a "
+            f"section ({', '.join(SECTIONS)}) or a field name, e.g. max_num_seqs"
+        )
+    return out
 
 
 def defaults(section_cls: type) -> dict[str, Any]:

@@ -66,6 +66,9 @@ class SamplingParams:
     # False: token ids only, no text (saves the per-token detokenizing where nobody reads text,
     # e.g. generating training data); stop strings then cannot be matched.
     detokenize: bool = True
+    # Completions per prompt (LLM.generate/chat: RequestOutput.outputs). The engine runs each as
+    # its own request; with a seed, completion i samples with seed + i (as the server does).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept lists and a single string for convenience; store tuples so params stay hashable.
@@ -131,6 +134,12 @@ class SamplingParams:
             self.stop,
             "stop strings are matched in the text: keep detokenize=True, or stop on token ids "
             "(stop_token_ids)",
+        )
+        _check(
+            isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= 128,
+            "n",
+            self.n,
+            "use an integer in [1, 128]: completions per prompt",
         )
         _check(
             self.seed is None or -(2**63) <= self.seed < 2**63,
@@ -331,8 +340,22 @@ class StepOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's name): RequestOutput.outputs[index]."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+    metrics: dict[str, float | int | None] = field(default_factory=dict)
+
+
+@dataclass
 class RequestOutput:
-    """What a caller receives: the whole output so far, or (streaming) the new part."""
+    """What a caller receives: the whole output so far, or (streaming) the new part. text,
+    token_ids, finish_reason and logprobs are the first completion's; `outputs` holds every
+    completion (SamplingParams.n of them), as vLLM's RequestOutput does."""
 
     request_id: str
     prompt: str | None
@@ -343,3 +366,14 @@ class RequestOutput:
     finish_reason: str | None
     metrics: dict[str, float | int | None]
     logprobs: list[dict[int, float]] | None = None
+    completions: list[CompletionOutput] | None = None  # None: the one above
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        if self.completions is not None:
+            return self.completions
+        return [
+            CompletionOutput(
+                0, self.text, self.token_ids, self.finish_reason, self.logprobs, self.metrics
+            )
+        ]

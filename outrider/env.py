@@ -36,6 +36,17 @@ def default_model() -> str | None:
     return os.environ.get("OUTRIDER_MODEL") or None
 
 
+def hf_hub_cache() -> str:
+    """Hugging Face's hub cache, as huggingface_hub finds it: HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub (XDG_CACHE_HOME moves ~/.cache)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(home, "hub")
+
+
 def log_level() -> str:
     return os.environ.get("OUTRIDER_LOG_LEVEL", "WARNING").upper()
 

@@ -18,23 +18,15 @@ from typing import Any
 
 from outrider.config import (
     DTYPES,
+    SECTIONS,
     SPEC_CONTROLLERS,
     SPEC_METHODS,
-    CacheConfig,
     EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
     SpecConfig,
     defaults,
+    flat_sections,
+    sglang_speculative,
 )
-
-# The engine's config sections, as `--config` YAML and `EngineConfig.replace` name them.
-ENGINE_CONFIGS: dict[str, type] = {
-    "model": ModelConfig,
-    "cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "speculative": SpecConfig,
-}
 
 # -- argparse plumbing shared by every command -------------------------------------------------
 
@@ -111,7 +103,7 @@ def config_flag(
     engine config field's own."""
     section, field = dest.split(".", 1)
     if shown_default is _FIELD_DEFAULT:
-        shown_default = defaults(ENGINE_CONFIGS[section])[field]
+        shown_default = defaults(SECTIONS[section])[field]
     names = names or ("--" + field.replace("_", "-"),)
     if "choices" not in kwargs and kwargs.get("action") in (None, "append"):
         kwargs.setdefault("metavar", field.upper())
@@ -161,6 +153,11 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         g, "cache.cpu_kv_bytes", "CPU: the KV pool's byte budget (K, M, G: binary units)",
         type=byte_size, metavar="BYTES",
     )  # fmt: skip
+    config_flag(
+        g, "cache.enable_prefix_caching",
+        "reuse the KV of prompt prefixes seen before (--no-enable-prefix-caching: off)",
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+    )  # fmt: skip
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -168,7 +165,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, help="a YAML engine config; flags given override it")
     config_flag(
         g, "model.model",
-        "a .gguf file or an HF model directory (default: the embedded SmolLM2-135M-Instruct)",
+        "a .gguf file, an HF model directory or an HF repo id in the local HF cache (default: "
+        "the embedded SmolLM2-135M-Instruct)",
+        "--model", "--model-path",
     )  # fmt: skip
     config_flag(g, "model.dtype", "auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     config_flag(g, "model.device", "auto, cpu, cuda or cuda:N")
@@ -176,12 +175,31 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g, "model.max_model_len", "the longest sequence (default: the checkpoint's)", type=int
     )
     config_flag(g, "scheduler.max_num_seqs", "most sequences in one batch", type=int)
+    config_flag(
+        g, "scheduler.max_num_batched_tokens",
+        "most tokens in one step; longer prompts are prefilled in chunks of it", type=int,
+    )  # fmt: skip
+    config_flag(
+        g, "model.cuda_graphs", "run every step eagerly (no CUDA graphs: debugging, profiling)",
+        "--enforce-eager", action="store_const", const=False, shown_default="off",
+    )  # fmt: skip
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
+        default=argparse.SUPPRESS, metavar="N",
+        help="devices one model is split over; 1 for now (default: 1)",
+    )  # fmt: skip
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     add_cache_flags(p)
     g = p.add_argument_group("speculative decoding")
     config_flag(
         g, "speculative.method", "draft ahead of the model and verify in one forward (default: off)",
-        "--spec", choices=SPEC_METHODS,
+        "--spec", choices=SPEC_METHODS, type=_method,
+    )  # fmt: skip
+    g.add_argument(
+        "--speculative-config", dest="speculative_config", type=_json_object,
+        default=argparse.SUPPRESS, metavar="JSON",
+        help="vLLM's form: a JSON object with method, model, num_speculative_tokens, "
+        "prompt_lookup_min/max (or this group's names); the flags of this group win over it",
     )  # fmt: skip
     config_flag(g, "speculative.num_draft_tokens", "drafts verified per step (k)", type=int)
     config_flag(
@@ -196,15 +214,67 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "from step times measured at start-up); fixed: always --num-draft-tokens",
         "--spec-controller", choices=SPEC_CONTROLLERS,
     )  # fmt: skip
+    g = p.add_argument_group(
+        "SGLang's speculative flags",
+        "translated (config.sglang_speculative): its --speculative-num-draft-tokens counts the "
+        "root token, so N there verifies N - 1 drafts here; with topk 1 its num-steps is the "
+        "chain's length",
+    )
+    for name, field, kind, doc in (
+        ("algorithm", "algorithm", str, "EAGLE3 or NGRAM (--spec)"),
+        ("draft-model-path", "draft", str, "the drafter (--draft)"),
+        ("num-steps", "num_steps", int, "draft steps (--num-steps; a chain's length)"),
+        ("eagle-topk", "topk", int, "candidates per step (--topk)"),
+        ("num-draft-tokens", "num_draft_tokens", int, "root + drafts (--num-draft-tokens + 1)"),
+    ):
+        g.add_argument(
+            f"--speculative-{name}", dest="sglang." + field, type=kind,
+            default=argparse.SUPPRESS, metavar=field.upper(), help=doc,
+        )  # fmt: skip
+
+
+def _method(text: str) -> str:
+    """A speculative method in any case and spelling (EAGLE3, Eagle-3, [ngram])."""
+    try:
+        return str(SpecConfig.normalize({"method": text})["method"])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({e.msg}): e.g. "
+            '\'{"method": "eagle3", "num_speculative_tokens": 3}\''
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: use {{...}}")
+    return value
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The engine flags given, by config section: EngineConfig.replace(**engine_overrides(a))."""
-    return {section: given(args, section) for section in ENGINE_CONFIGS}
+    return {section: given(args, section) for section in SECTIONS}
 
 
 def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
-    """`base` (default: --config's YAML, else the dataclass defaults) with the flags given."""
+    """`base` (default: --config's YAML, else the dataclass defaults) with the flags given:
+    vLLM's (--speculative-config, --tensor-parallel-size) and SGLang's speculative flags first,
+    outrider's own flags over them."""
     if base is None:
         base = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
-    return base.replace(**engine_overrides(args))
+    overrides = engine_overrides(args)
+    foreign = {k: getattr(args, k) for k in ("speculative_config", "tensor_parallel_size")
+               if hasattr(args, k)}  # fmt: skip
+    sections = flat_sections(foreign)
+    sglang = given(args, "sglang")
+    if sglang:
+        native = [f"--{k.replace('_', '-')}" for k in overrides["speculative"]]
+        sections["speculative"].update(sglang_speculative(sglang, native))
+    for name, values in sections.items():
+        overrides[name] = {**values, **overrides[name]}
+    return base.replace(**overrides)

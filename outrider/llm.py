@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from outrider.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from outrider.config import EngineConfig, flat_sections
 from outrider.core import RequestOutput, SamplingParams
 from outrider.engine.engine import EngineCore, request_metrics
 
@@ -30,26 +30,25 @@ class LLM:
         max_model_len: int | None = None,
         speculative: dict[str, Any] | None = None,
         config: EngineConfig | None = None,
+        speculative_config: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         """`speculative` holds SpecConfig fields, e.g. {"method": "ngram", "num_draft_tokens":
-        4}. `options` are fields of the cache and scheduler configs (block_size, num_blocks,
-        cpu_kv_bytes, enable_prefix_caching, max_num_seqs, max_num_batched_tokens, ...) or of
-        the model config (attention_backend, seed)."""
+        4}; `speculative_config` is the same in vLLM's keys ({"method": "eagle3", "model":
+        drafter_dir, "num_speculative_tokens": 3}); either takes both spellings. `options` are
+        fields of the cache, scheduler and model configs (block_size, num_blocks,
+        cpu_kv_bytes, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+        attention_backend, seed, ...) and vLLM's enforce_eager, tensor_parallel_size,
+        gpu_memory_utilization (config.flat_sections)."""
         config = config or EngineConfig()
-        sections: dict[str, dict[str, Any]] = {
-            "model": {},
-            "cache": {},
-            "scheduler": {},
-            "speculative": dict(speculative or {}),
-        }
-        owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-        for key, value in options.items():
-            section = next((s for s, c in owners.items() if key in _field_names(c)), None)
-            if section is None:
-                known = sorted(set().union(*(_field_names(c) for c in owners.values())))
-                raise TypeError(f"LLM() got an unknown option {key!r}: known options are {known}")
-            sections[section][key] = value
+        if speculative is not None and speculative_config is not None:
+            raise TypeError("LLM() got both speculative and speculative_config: pass one")
+        spec = speculative if speculative is not None else speculative_config
+        try:
+            sections = flat_sections(options)
+        except ValueError as e:
+            raise TypeError(f"LLM() got an unknown or invalid option: {e}") from None
+        sections["speculative"] = {**sections["speculative"], **dict(spec or {})}
         sections["model"].update(
             model=model if model is not None else config.model.model,
             dtype=dtype if dtype != "auto" else config.model.dtype,
@@ -92,6 +91,8 @@ class LLM:
         """Yield deltas (new text, new token ids) as they are decoded; the last has finished=True
         and the request's metrics. Closing the iterator early aborts the request."""
         params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream() yields one completion, got n={params.n}: use generate()")
         req = self.engine.add_request(
             self._encode(prompt), params, prompt=prompt if isinstance(prompt, str) else None
         )
@@ -129,20 +130,32 @@ class LLM:
     ) -> list[RequestOutput]:
         params = _as_params_list(sampling_params, len(encoded))
         for ids, p in zip(encoded, params):  # validate all before any starts: nothing half-runs
-            self.engine.validate(ids, p)
-        requests = [
-            self.engine.add_request(ids, p, prompt=prompt if isinstance(prompt, str) else None)
+            self.engine.validate(ids, _completion(p, 0))
+        # One engine request per completion; completion i of a seeded prompt uses seed + i.
+        groups = [
+            [
+                self.engine.add_request(
+                    ids, _completion(p, i), prompt=prompt if isinstance(prompt, str) else None
+                )
+                for i in range(p.n)
+            ]
             for ids, p, prompt in zip(encoded, params, prompts)
         ]
+        requests = [r for group in groups for r in group]
         texts: dict[str, list[str]] = {r.request_id: [] for r in requests}
         while any(not r.is_finished for r in requests):
             for delta in self.engine.step():
                 if delta.request_id in texts:
                     texts[delta.request_id].append(delta.text)
-        return [
-            self._final(r, "".join(texts[r.request_id]), prompt)
-            for r, prompt in zip(requests, prompts)
-        ]
+        outputs = []
+        for group, prompt in zip(groups, prompts):
+            first, *rest = [self._final(r, "".join(texts[r.request_id]), prompt) for r in group]
+            if rest:
+                first.completions = [c.outputs[0] for c in (first, *rest)]
+                for i, c in enumerate(first.completions):
+                    c.index = i
+            outputs.append(first)
+        return outputs
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -163,10 +176,6 @@ class LLM:
         )
 
 
-def _field_names(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)} - {"model", "dtype", "device", "max_model_len"}
-
-
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
@@ -179,6 +188,14 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
                 f"a prompt must be a string or a list of token ids, got {type(p).__name__}"
             )
     return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _completion(params: SamplingParams, i: int) -> SamplingParams:
+    """The engine request's params for completion i of params.n."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + i
+    return dataclasses.replace(params, n=1, seed=seed)
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

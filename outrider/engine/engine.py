@@ -147,6 +147,11 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem; the engine's state is untouched either way."""
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: an engine request is one completion; LLM.generate/chat run n "
+                "(one request each), or add n requests"
+            )
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty: give at least one token or character")

@@ -426,11 +426,16 @@ def build_eagle3_drafter(config, runner, checkpoint=None) -> Eagle3Drafter:
     """config: SpecConfig. Loads config.draft (or the drafter shipped for the default model)
     after the doctor's static checks against the target (checkpoint: its config and tokenizer):
     a drafter for another model or tokenizer is refused here, not discovered as accept length 1."""
+    from pathlib import Path
+
+    from outrider.loaders.checkpoint import hf_cache_snapshot, is_repo_id
     from outrider.models.eagle3_io import load_drafter
     from outrider.speculative.eagle3 import shipped_drafter
     from outrider.speculative.eagle3_doctor import require_fit
 
     path = config.draft or shipped_drafter(runner.model_config)
+    if not Path(path).expanduser().exists() and is_repo_id(str(path)):
+        path = str(hf_cache_snapshot(str(path)))  # a published drafter's repo id, cached
     if checkpoint is not None:
         require_fit(path, checkpoint, f"refusing EAGLE-3 drafter {path} for this model",
                     "train one for it with `outrider drafter train`")  # fmt: skip

@@ -5,6 +5,7 @@ a tokenizer, and (HF name, tensor) pairs in HF layout."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from outrider import env
 from outrider.loaders.hf_config import TransformerConfig, read_hf_config
 from outrider.loaders.tokenizer import Tokenizer
 from outrider.models.registry import resolve_architecture
@@ -64,8 +66,13 @@ def default_model_path() -> Path:
 
 
 def open_checkpoint(path: str | Path | None) -> Checkpoint:
-    """None -> the embedded default; a .gguf file -> GGUF; a directory with config.json -> HF."""
-    path = default_model_path() if path is None else Path(path).expanduser()
+    """None -> the embedded default; a .gguf file -> GGUF; a directory with config.json -> HF;
+    an HF repo id ("org/name") that is no local path -> its snapshot in the local HF cache."""
+    if path is None:
+        path = default_model_path()
+    elif not Path(path).expanduser().exists() and is_repo_id(str(path)):
+        path = hf_cache_snapshot(str(path))
+    path = Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"{str(path)!r} does not exist: {_WHAT_TO_PASS}")
     if path.is_file():
@@ -82,6 +89,35 @@ def open_checkpoint(path: str | Path | None) -> Checkpoint:
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
     hint = f"pass one of its GGUF files: {', '.join(ggufs[:5])}" if ggufs else _WHAT_TO_PASS
     raise ValueError(f"{str(path)!r} is a directory without config.json: {hint}")
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_repo_id(text: str) -> bool:
+    """ "org/name" as Hugging Face spells repo ids (not ./x, /x, ~/x or a/b/c)."""
+    return bool(_REPO_ID.fullmatch(text)) and not text.endswith((".gguf", ".json"))
+
+
+def hf_cache_snapshot(repo_id: str, revision: str = "main") -> Path:
+    """The directory of `repo_id`'s snapshot at `revision` in the local HF hub cache
+    (models--org--name/snapshots/<commit>, the commit read from refs/<revision>). Offline: a
+    repo that is not there is an error saying how to get it, never a download."""
+    cache = Path(env.hf_hub_cache())
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    ref = repo / "refs" / revision
+    snapshots = repo / "snapshots"
+    commit = ref.read_text().strip() if ref.is_file() else None
+    if commit is None and snapshots.is_dir():  # a cache without refs (copied by hand): one snapshot
+        found = sorted(p.name for p in snapshots.iterdir() if p.is_dir())
+        commit = found[0] if len(found) == 1 else None
+    if commit is None or not (snapshots / commit).is_dir():
+        raise FileNotFoundError(
+            f"{repo_id!r} is neither a local path nor in the Hugging Face cache ({repo} has no "
+            f"snapshot for {revision!r}): download it where there is internet (`hf download "
+            f"{repo_id}`, with HF_HUB_CACHE or HF_HOME pointing here), or {_WHAT_TO_PASS}"
+        )
+    return snapshots / commit
 
 
 def _open_gguf(path: Path) -> Checkpoint:

@@ -48,11 +48,26 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     )
 
 
+# Other spellings of server flags (vLLM's).
+_SERVER_ALIASES = {"tool_parser": ("--tool-parser", "--tool-call-parser")}
+
+
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+    p.add_argument(
+        "model_positional", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+        help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)",
+    )  # fmt: skip
     group = p.add_argument_group("server")
     for name, kind, doc in _SERVER_FLAGS:
-        config_flag(group, "server." + name, doc, type=kind, shown_default=defaults[name])
+        names = _SERVER_ALIASES.get(name, ())
+        config_flag(group, "server." + name, doc, *names, type=kind, shown_default=defaults[name])
+    group.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM's command lines: tool calls are parsed whenever --tool-parser "
+        "is set",
+    )  # fmt: skip
+    config_flag(group, "model.seed", "the engine's seed", type=int)
     config_flag(
         group, "server.cors_origins",
         "allow browser calls from this origin (repeatable; default: CORS off)",
@@ -62,6 +77,14 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    model = vars(args).pop("model_positional", None)
+    if model is not None:
+        flag = getattr(args, "model.model", None)
+        if flag is not None and flag != model:
+            raise ValueError(
+                f"two models given: {model!r} (positional) and --model {flag!r}: pass one"
+            )
+        setattr(args, "model.model", model)
     server_base, engine_base = (
         load_yaml(args.config) if args.config else (ServerConfig(), EngineConfig())
     )

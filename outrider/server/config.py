@@ -93,7 +93,22 @@ def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
     data = yaml.safe_load(p.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(p)!r} must hold a mapping of sections")
-    return server_config_from_dict(data.pop("server", None) or {}), EngineConfig.from_dict(data)
+    server = dict(data.pop("server", None) or {})
+    # Flat server keys, as vLLM's YAML has them (`port: 8000`, `tool-call-parser: hermes`).
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    for key in list(data):
+        name = _SERVER_ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        if name in names:
+            if name in server and server[name] != data[key]:
+                raise ValueError(
+                    f"server.{name} is given twice in {str(p)!r}, {server[name]!r} in the "
+                    f"server section and {data[key]!r} as {key!r}: keep one"
+                )
+            server[name] = data.pop(key)
+    return server_config_from_dict(server), EngineConfig.from_dict(data)
+
+
+_SERVER_ALIASES = {"tool_call_parser": "tool_parser"}  # vLLM's names of ServerConfig fields
 
 
 def server_config_from_dict(values: dict[str, Any]) -> ServerConfig:
