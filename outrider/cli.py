@@ -1,4 +1,4 @@
-"""`outrider` command line: `generate`, `serve`, `deploy` and `drafter`.
+"""`outrider` command line: `generate`, `serve`, `deploy`, `drafter` and `bench`.
 
 Start-up: building the parser imports argparse and the config dataclasses only. Each command's
 flags are added when that command is chosen (`Commands`), and torch, the engine and the server
@@ -115,6 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from outrider.bench.cli import add_bench_parser
     from outrider.server.cli import add_deploy_parser, add_serve_parser
     from outrider.train.cli import add_drafter_parser
 
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(commands)
     add_drafter_parser(commands)
     add_deploy_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
@@ -160,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             from outrider.server.cli import cmd_deploy
 
             return cmd_deploy(args)
+        if args.command == "bench":
+            from outrider.bench.cli import cmd_bench
+
+            return cmd_bench(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"outrider: error: {e}", file=sys.stderr)
         return 2

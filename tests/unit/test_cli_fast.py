@@ -16,7 +16,17 @@ from outrider.cli import SAMPLING_FLAGS, build_parser, engine_config, given, mai
 from outrider.config import EngineConfig
 from outrider.server.cli import configs_from_args
 
-HEAVY = ("torch", "numpy", "transformers", "safetensors", "fastapi", "uvicorn", "pydantic")
+HEAVY = (
+    "torch",
+    "numpy",
+    "transformers",
+    "safetensors",
+    "fastapi",
+    "uvicorn",
+    "pydantic",
+    "httpx",
+    "matplotlib",
+)
 
 # Every command whose help and argument errors must stay light, and one argument error.
 LIGHT_ARGVS = (
@@ -28,6 +38,8 @@ LIGHT_ARGVS = (
     ["drafter", "train", "--help"],
     ["drafter", "datagen", "--help"],
     ["drafter", "eval", "--help"],
+    ["bench", "--help"],
+    ["bench", "serve", "--help"],
     ["generate", "--spec", "bogus", "x"],
 )
 
@@ -186,6 +198,7 @@ def test_command_modules_build_flags_from_one_module_and_never_import_each_other
         "outrider.cli": root / "cli.py",
         "outrider.server.cli": root / "server" / "cli.py",
         "outrider.train.cli": root / "train" / "cli.py",
+        "outrider.bench.cli": root / "bench" / "cli.py",
     }
 
     def imported(path: Path) -> set[str]:

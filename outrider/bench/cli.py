@@ -1,0 +1,211 @@
+"""`outrider bench serve | plot`: load an OpenAI-compatible server over a concurrency sweep and
+chart the results. Flag defaults come from BenchConfig (bench/serve.py); each subcommand's
+flags are added only when it is chosen (flags.Commands), and httpx, tqdm and matplotlib are
+imported only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from outrider.flags import Commands, add_command
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `bench` to the top-level commands (its subcommands when it is chosen)."""
+    return add_command(
+        commands,
+        "bench",
+        _add_bench_commands,
+        help="benchmark a server: a load sweep over concurrency, and charts",
+        description="Benchmark any OpenAI-compatible server (outrider, vLLM, SGLang): `serve` "
+        "sweeps concurrency and writes JSON and PNGs; `plot` redraws and overlays results.",
+    )
+
+
+def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    sub = bench.add_subparsers(
+        dest="bench_command", metavar="SUBCOMMAND", required=True, action=Commands
+    )
+    add_command(
+        sub,
+        "serve",
+        _add_serve_flags,
+        help="load a server at each concurrency; TTFT, TPOT, ITL, throughput, accept length",
+        description="Stream requests to --base-url at each --max-concurrency (one sweep point "
+        "each, bounded by --num-prompts and --time-limit) and write one JSON result (keys as "
+        "`vllm bench serve` names them, one entry per point under `points`) plus PNG charts. "
+        "Accept length comes from the server's speculative counters on /metrics (outrider, "
+        "vLLM); null where it has none.",
+    )
+    add_command(
+        sub,
+        "plot",
+        _add_plot_flags,
+        help="draw PNG charts from result files, overlaid by label",
+        description="Throughput and TPOT against concurrency, and per-user speed against "
+        "total throughput, one line per result file (vLLM's --save-result files sharing a "
+        "label join one line).",
+    )
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from outrider.bench.serve import DATASETS, ENDPOINTS, BenchConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(BenchConfig)}
+    g = p.add_argument_group("server")
+    g.add_argument(
+        "--base-url", required=True,
+        help="the server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
+    )  # fmt: skip
+    g.add_argument("--model", default=None, help="model to request (default: /v1/models' first)")
+    g.add_argument(
+        "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
+    )
+    g.add_argument("--endpoint", choices=tuple(ENDPOINTS), default=d["endpoint"])
+    g = p.add_argument_group("load")
+    g.add_argument(
+        "--max-concurrency", type=int, nargs="+", metavar="N",
+        default=list(d["max_concurrency"]),
+        help="requests in flight at most; one sweep point per value (default: "
+        f"{' '.join(map(str, d['max_concurrency']))})",
+    )  # fmt: skip
+    g.add_argument(
+        "--request-rate", type=float, default=d["request_rate"], metavar="R",
+        help="requests/s, Poisson arrivals; inf: all at once (the concurrency bounds them)",
+    )  # fmt: skip
+    g.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="per sweep point")
+    g.add_argument(
+        "--time-limit", type=float, default=d["time_limit_s"], metavar="S",
+        help="seconds per sweep point; requests still running then are cancelled",
+    )  # fmt: skip
+    g.add_argument("--seed", type=int, default=d["seed"], help="prompt order and arrivals")
+    g = p.add_argument_group("requests")
+    g.add_argument(
+        "--dataset", nargs="+", default=[d["dataset"]], metavar=("NAME", "PATH"),
+        help=f"{', '.join(DATASETS)}: the built-in chat prompts; a ShareGPT-style JSON/JSONL "
+        f"file (--dataset sharegpt PATH; first user turn of each record); random words "
+        f"(default: {d['dataset']})",
+    )  # fmt: skip
+    g.add_argument(
+        "--random-input-len", type=int, default=d["random_input_len"],
+        help="--dataset random: words per prompt (about one token each)",
+    )  # fmt: skip
+    g.add_argument(
+        "--random-output-len", type=int, default=d["random_output_len"],
+        help="--dataset random: max tokens per request",
+    )  # fmt: skip
+    g.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="max tokens per request")
+    g.add_argument("--temperature", type=float, default=d["temperature"])
+    g.add_argument(
+        "--ignore-eos", action="store_true",
+        help="ask the server to generate max tokens whatever the model says (outrider, vLLM)",
+    )  # fmt: skip
+    g = p.add_argument_group("goodput (requests meeting every SLO given, per second)")
+    g.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=None,
+        help="time to first token at most (default: no SLO)",
+    )
+    g.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=None,
+        help="time per output token at most (default: no SLO)",
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--out-dir", default="bench-results", help="where the JSON and PNGs go")
+    g.add_argument("--label", default=None, help="names the run in plots (default: the model)")
+    g.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _add_plot_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="`bench serve` (or vLLM --save-result) JSON files")
+    p.add_argument("--out-dir", default=None, help="where the PNGs go (default: the first file's)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from outrider.bench.serve import BenchError
+
+    try:
+        if args.bench_command == "serve":
+            return _serve(args)
+        return _plot(args)
+    except BenchError as e:
+        print(f"outrider: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from outrider.bench.serve import BenchConfig, load_prompts, run, write_result
+
+    name, *path = args.dataset
+    if len(path) > 1:
+        raise ValueError(f"--dataset {' '.join(args.dataset)}: give NAME and at most one PATH")
+    cfg = BenchConfig(
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        endpoint=args.endpoint,
+        max_concurrency=tuple(args.max_concurrency),
+        request_rate=args.request_rate,
+        num_prompts=args.num_prompts,
+        dataset=name,
+        dataset_path=path[0] if path else None,
+        random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        time_limit_s=args.time_limit,
+    )  # bad values fail here, before a prompt is read or a request sent
+    prompts = load_prompts(cfg)
+    result = run(
+        cfg, prompts, label=args.label, on_point=_print_point, progress=not args.no_progress
+    )
+    path = write_result(result, args.out_dir)
+    print(f"wrote {path}")
+    if not args.no_plot:
+        from outrider.bench.plot import load_results, plot_results
+
+        for png in plot_results(load_results([path]), args.out_dir, prefix=path.stem + "-"):
+            print(f"wrote {png}")
+    return 0 if all(p["completed"] > 0 for p in result["points"]) else 1
+
+
+def _print_point(p: dict) -> None:
+    """One line per sweep point on stderr, as it finishes."""
+
+    def ms(key: str) -> str:
+        return "-" if p[key] is None else f"{p[key]:.1f}"
+
+    accept = "" if p["accept_length"] is None else f", accept length {p['accept_length']:.2f}"
+    limited = " (time limit)" if p["time_limited"] else ""
+    print(
+        f"[bench] concurrency {p['max_concurrency']}: {p['completed']}/{p['num_prompts']} "
+        f"completed, {p['failed']} failed{limited} in {p['duration']:.1f} s; "
+        f"{p['request_throughput']:.2f} req/s, {p['output_throughput']:.1f} output tok/s; "
+        f"TTFT p50 {ms('median_ttft_ms')} p99 {ms('p99_ttft_ms')} ms, "
+        f"TPOT p50 {ms('median_tpot_ms')} p99 {ms('p99_tpot_ms')} ms{accept}",
+        file=sys.stderr,
+    )
+    for error, count in p["errors"].items():
+        print(f"[bench]   {count} x {error}", file=sys.stderr)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from outrider.bench.plot import load_results, plot_results
+
+    paths = [Path(r) for r in args.results]
+    series = load_results(paths)
+    prefix = paths[0].stem + "-" if len(paths) == 1 else "compare-"
+    for png in plot_results(series, args.out_dir or paths[0].parent, prefix=prefix):
+        print(f"wrote {png}")
+    return 0

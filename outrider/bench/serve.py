@@ -1,0 +1,656 @@
+"""`outrider bench serve`: load on any OpenAI-compatible endpoint (outrider, vLLM, SGLang), one
+sweep point per concurrency, measured the way `vllm bench serve` measures it so results compare
+across tools:
+
+    TTFT    request sent -> first chunk with text
+    ITL     gaps between chunks with text (a chunk may hold several tokens: speculative steps)
+    TPOT    (e2e - TTFT) / (output tokens - 1), per request with more than one token
+    e2el    request sent -> end of stream
+    throughput: completed requests and tokens over the point's wall time; goodput: the requests
+    that met every SLO given, over the same time.
+
+Output tokens come from the server's `usage` (asked for with stream_options.include_usage);
+a server that sends none is counted one token per chunk, which undercounts speculative steps.
+Accept length under load comes from the server's own speculative counters on /metrics, read
+before and after each point; servers without them report null.
+
+Start-up: stdlib imports only; httpx (and tqdm) are imported when a sweep runs, so
+`outrider bench --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    import httpx
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+DATASETS = ("builtin", "sharegpt", "random")
+PERCENTILES = (50, 90, 99)
+# Speculative counters, as outrider and vLLM name them (same names, their own prefix).
+SPEC_PREFIXES = ("outrider:", "vllm:")
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+class BenchError(RuntimeError):
+    """The endpoint cannot be benchmarked (unreachable, wrong path, no model)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One `bench serve` run; `outrider bench serve`'s flags read their defaults from here."""
+
+    base_url: str
+    model: str | None = None  # None: the first model /v1/models lists
+    api_key: str | None = None
+    endpoint: str = "chat"
+    max_concurrency: tuple[int, ...] = (1, 4, 16)
+    request_rate: float = math.inf  # requests/s, Poisson arrivals; inf: all at once
+    num_prompts: int = 100  # per sweep point
+    dataset: str = "builtin"
+    dataset_path: str | None = None
+    random_input_len: int = 1024  # words, about one token each
+    random_output_len: int = 128
+    max_tokens: int = 128
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    seed: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    time_limit_s: float = 300.0  # per sweep point
+
+    def __post_init__(self) -> None:
+        url = urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(
+                f"--base-url {self.base_url!r} is not an http(s) URL: give the server's root, "
+                "e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)"
+            )
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint {self.endpoint!r}: use one of {', '.join(ENDPOINTS)}")
+        if not self.max_concurrency or any(c < 1 for c in self.max_concurrency):
+            raise ValueError(
+                f"--max-concurrency {' '.join(map(str, self.max_concurrency))}: every value "
+                "must be a positive integer, e.g. --max-concurrency 1 2 4 8"
+            )
+        positive = {
+            "--num-prompts": self.num_prompts,
+            "--max-tokens": self.max_tokens,
+            "--random-input-len": self.random_input_len,
+            "--random-output-len": self.random_output_len,
+            "--request-rate": self.request_rate,
+            "--time-limit": self.time_limit_s,
+            "--slo-ttft-ms": self.slo_ttft_ms,
+            "--slo-tpot-ms": self.slo_tpot_ms,
+        }
+        for flag, value in positive.items():
+            if value is not None and not value > 0:
+                hint = " (inf: no gaps between arrivals)" if flag == "--request-rate" else ""
+                raise ValueError(f"{flag} {value} must be positive{hint}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"--dataset {self.dataset!r}: use builtin, sharegpt PATH or random")
+        if (self.dataset == "sharegpt") != (self.dataset_path is not None):
+            given = " ".join(v for v in (self.dataset, self.dataset_path) if v)
+            raise ValueError(
+                "--dataset sharegpt takes a file (--dataset sharegpt PATH); builtin and random "
+                f"take none (got --dataset {given})"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or more")
+
+    @property
+    def root(self) -> str:
+        """The server's root URL: /v1/... and /metrics hang below it."""
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    max_tokens: int
+
+
+# Short common words, one token each (with their leading space) in BPE vocabularies: a random
+# prompt of N of them is about N tokens; the server's usage gives the exact count.
+# fmt: off
+_WORDS = (
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "at", "be",
+    "by", "this", "had", "not", "but", "from", "or", "have", "an", "they", "which", "one", "you",
+    "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him",
+    "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into",
+    "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may",
+    "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even",
+    "most", "made", "after", "also", "did", "many",
+)
+# fmt: on
+
+
+def load_prompts(cfg: BenchConfig) -> list[Prompt]:
+    """cfg.num_prompts prompts from cfg.dataset, shuffled by cfg.seed (a set smaller than
+    num_prompts is cycled)."""
+    rng = random.Random(cfg.seed)
+    if cfg.dataset == "random":
+        return [
+            Prompt(" ".join(rng.choices(_WORDS, k=cfg.random_input_len)), cfg.random_output_len)
+            for _ in range(cfg.num_prompts)
+        ]
+    if cfg.dataset == "sharegpt":
+        texts = read_conversations(cfg.dataset_path)
+    else:
+        from outrider.bench.datasets import GROUNDED, HELDOUT, HELDOUT_FRESH
+
+        texts = GROUNDED + HELDOUT + HELDOUT_FRESH
+    order = rng.sample(texts, len(texts))
+    return [Prompt(order[i % len(order)], cfg.max_tokens) for i in range(cfg.num_prompts)]
+
+
+_SHAPES = (
+    '{"conversations": [{"from": "human", "value": ...}]} or '
+    '{"messages": [{"role": "user", "content": ...}]}'
+)
+
+
+def read_conversations(path: str | Path) -> list[str]:
+    """The first user turn of every record in a ShareGPT-style file: a JSON list (or one
+    record) or JSONL, records shaped like _SHAPES. Records without a user turn are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"--dataset sharegpt: no file {str(path)!r}: give a JSON or JSONL file of "
+            f"{_SHAPES} records (e.g. ShareGPT_V3_unfiltered_cleaned_split.json)"
+        )
+    text = p.read_text(encoding="utf-8")
+    try:
+        whole = json.loads(text)
+        records = whole if isinstance(whole, list) else [whole]
+    except json.JSONDecodeError:
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{n}: not JSON ({e.msg}): expected a JSON list or one JSON record "
+                    "per line (JSONL)"
+                ) from None
+    prompts = [t for t in map(first_user_turn, records) if t]
+    if not prompts:
+        raise ValueError(f"{path}: none of its {len(records)} records has a user turn: {_SHAPES}")
+    return prompts
+
+
+def first_user_turn(record: Any) -> str | None:
+    """The text of `record`'s first user turn (ShareGPT's from/value or OpenAI's role/content);
+    None when it has none or it is empty."""
+    if not isinstance(record, dict):
+        return None
+    turns = record.get("conversations") or record.get("messages")
+    for turn in turns if isinstance(turns, list) else ():
+        if isinstance(turn, dict) and turn.get("from", turn.get("role")) in ("human", "user"):
+            content = turn.get("value", turn.get("content"))
+            if isinstance(content, list):  # OpenAI content parts
+                content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+            if isinstance(content, str) and content.strip():
+                return content.strip()
+            return None
+    return None
+
+
+def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Seconds after the point's start at which each request arrives: a Poisson process of
+    `rate` per second (exponential gaps; the first at 0), or all at 0 when rate is inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+# -- one request -------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    latency: float = 0.0  # s, sent -> end of stream
+    ttft: float | None = None  # s
+    itl: list[float] = field(default_factory=list)  # s, between chunks with text
+    output_tokens: int = 0
+    prompt_tokens: int | None = None  # from usage; None when the server sent none
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def payload(cfg: BenchConfig, model: str, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": prompt.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt.text}]
+    else:
+        body["prompt"] = prompt.text
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    """Stream one request, timing each chunk that carries text as it arrives."""
+    import httpx
+
+    chunks, usage = 0, None
+    start = last = time.perf_counter()
+    res = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                return RequestResult(ok=False, error=f"HTTP {r.status_code}: {_message(text)}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, ": keep-alive" comments
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    continue  # read on to the body's end: a response left unread loses its
+                    # connection, and every request would pay a new one in its TTFT
+                now = time.perf_counter()
+                obj = json.loads(data)
+                if obj.get("error"):
+                    res.error = f"error in stream: {_message(data)}"
+                    return res
+                usage = obj.get("usage") or usage
+                if _chunk_text(obj):
+                    if res.ttft is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - start
+    if usage:
+        res.output_tokens = usage.get("completion_tokens") or chunks
+        res.prompt_tokens = usage.get("prompt_tokens")
+    else:
+        res.output_tokens = chunks
+    if res.ttft is None:
+        res.error = "the stream ended without any text"
+        return res
+    res.ok = True
+    return res
+
+
+def _chunk_text(obj: dict) -> str:
+    choices = obj.get("choices") or [{}]
+    c = choices[0]
+    delta = c.get("delta") or {}
+    return c.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+
+
+def _message(body: str) -> str:
+    """An OpenAI error body's message (else the body itself), clipped."""
+    try:
+        err = json.loads(body).get("error")
+        body = err.get("message", body) if isinstance(err, dict) else str(err or body)
+    except (json.JSONDecodeError, AttributeError):
+        pass
+    return body.strip()[:200]
+
+
+# -- server metrics ----------------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {metric name: value summed over its label sets}."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                totals[m[1]] = totals.get(m[1], 0.0) + float(m[3])
+            except ValueError:
+                continue
+    return totals
+
+
+def spec_counters(text: str) -> dict[str, float] | None:
+    """The speculative counters outrider or vLLM exposes (SPEC_COUNTERS); None without them."""
+    samples = parse_prometheus(text)
+    for prefix in SPEC_PREFIXES:
+        names = [f"{prefix}spec_decode_{c}_total" for c in SPEC_COUNTERS]
+        if all(n in samples for n in names):
+            return {c: samples[n] for c, n in zip(SPEC_COUNTERS, names)}
+    return None
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """What a point added to the counters, and its accept length: tokens per verify step per
+    sequence, the bonus token included (1 + accepted / drafts, as outrider and vLLM define it).
+    None when the server has no counters or verified nothing."""
+    if before is None or after is None:
+        return None
+    d = {c: int(after[c] - before[c]) for c in SPEC_COUNTERS}
+    if d["num_drafts"] <= 0:
+        return None
+    d["accept_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"]
+    d["acceptance_rate"] = (
+        d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
+    )
+    return d
+
+
+async def scrape_spec(client: httpx.AsyncClient, root: str) -> dict[str, float] | None:
+    import httpx
+
+    try:
+        r = await client.get(root + "/metrics")
+    except httpx.HTTPError:
+        return None
+    return spec_counters(r.text) if r.status_code == 200 else None
+
+
+# -- a sweep point -----------------------------------------------------------------------------
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """numpy's default (linear interpolation between closest ranks)."""
+    k = (len(sorted_values) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def latency_stats(name: str, seconds: list[float]) -> dict[str, float | None]:
+    """mean/median/std/pN of `seconds`, in ms, under vLLM's key names (None when empty)."""
+    v = sorted(s * 1000 for s in seconds)
+    stats = {
+        f"mean_{name}_ms": statistics.fmean(v) if v else None,
+        f"median_{name}_ms": statistics.median(v) if v else None,
+        f"std_{name}_ms": statistics.pstdev(v) if v else None,
+    }
+    stats.update({f"p{p}_{name}_ms": percentile(v, p) if v else None for p in PERCENTILES})
+    return stats
+
+
+def summarize(results: list[RequestResult], duration: float, cfg: BenchConfig) -> dict[str, Any]:
+    """A point's numbers from its requests (failed ones count only as failures)."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_counts = [r.prompt_tokens for r in ok]
+    in_tokens = None if None in prompt_counts else sum(prompt_counts)  # only the server counts
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    slo = cfg.slo_ttft_ms is not None or cfg.slo_tpot_ms is not None
+    good = sum(1 for r in ok if _meets_slo(r, cfg)) if slo else None
+    point: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": None if good is None else good / duration,
+        "good_completed": good,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": None,
+    }
+    if in_tokens is not None:
+        point["total_token_throughput"] = (in_tokens + out_tokens) / duration
+    point.update(latency_stats("ttft", [r.ttft for r in ok]))
+    point.update(latency_stats("tpot", tpots))
+    point.update(latency_stats("itl", [g for r in ok for g in r.itl]))
+    point.update(latency_stats("e2el", [r.latency for r in ok]))
+    point["errors"] = dict(Counter(r.error for r in results if not r.ok).most_common(5))
+    return point
+
+
+def _meets_slo(r: RequestResult, cfg: BenchConfig) -> bool:
+    tpot = r.tpot or 0.0  # one token: no time per output token to miss (vLLM counts 0)
+    return (cfg.slo_ttft_ms is None or r.ttft * 1000 <= cfg.slo_ttft_ms) and (
+        cfg.slo_tpot_ms is None or tpot * 1000 <= cfg.slo_tpot_ms
+    )
+
+
+async def run_point(
+    client: httpx.AsyncClient,
+    cfg: BenchConfig,
+    model: str,
+    prompts: list[Prompt],
+    concurrency: int,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Send `prompts` with at most `concurrency` in flight, arriving at cfg.request_rate; stop
+    at cfg.time_limit_s, cancelling what is still running (counted as `incomplete`)."""
+    url = cfg.root + ENDPOINTS[cfg.endpoint]
+    gate = asyncio.Semaphore(concurrency)
+    results: list[RequestResult] = []
+    arrivals = arrival_times(len(prompts), cfg.request_rate, random.Random(cfg.seed))
+    bar = _progress(len(prompts), f"concurrency {concurrency}", progress)
+
+    async def one(prompt: Prompt) -> None:
+        async with gate:
+            results.append(await send_request(client, url, payload(cfg, model, prompt)))
+        bar.update(1)
+
+    async def issue_all(start: float) -> None:
+        tasks = []
+        for prompt, at in zip(prompts, arrivals):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(prompt)))
+        await asyncio.gather(*tasks)
+
+    before = await scrape_spec(client, cfg.root)
+    start = time.perf_counter()
+    try:
+        await asyncio.wait_for(issue_all(start), cfg.time_limit_s)
+        time_limited = False
+    except asyncio.TimeoutError:  # wait_for has cancelled the requests still running
+        time_limited = True
+    duration = time.perf_counter() - start
+    bar.close()
+    spec = spec_delta(before, await scrape_spec(client, cfg.root))
+    return {
+        "max_concurrency": concurrency,
+        "request_rate": _json_rate(cfg.request_rate),
+        "num_prompts": len(prompts),
+        "incomplete": len(prompts) - len(results),
+        "time_limited": time_limited,
+        **summarize(results, duration, cfg),
+        "accept_length": spec["accept_length"] if spec else None,
+        "spec_decode": spec,
+    }
+
+
+def _progress(total: int, desc: str, show: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not show, leave=False)
+
+
+def _json_rate(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate  # JSON has no infinity (vLLM writes "inf" too)
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+
+
+async def run_sweep(
+    cfg: BenchConfig,
+    prompts: list[Prompt],
+    label: str | None = None,
+    on_point: Callable[[dict], None] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every concurrency in cfg.max_concurrency over the same prompts, after one warm-up
+    request that checks the endpoint; returns the result (metadata + `points`). Stops early
+    when a point completes nothing: the next ones would fail the same way."""
+    try:
+        import httpx
+    except ImportError:
+        raise BenchError("`outrider bench serve` needs httpx: pip install httpx") from None
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    n = max(cfg.max_concurrency) + 1  # + the /metrics scrape
+    # No read timeout: a long stream is not a failure; the point's time limit bounds it.
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        server = await _models(client, cfg)
+        model = cfg.model or server[0]["id"]
+        url = cfg.root + ENDPOINTS[cfg.endpoint]
+        warm = dataclasses.replace(prompts[0], max_tokens=min(4, prompts[0].max_tokens))
+        first = await send_request(client, url, payload(cfg, model, warm))
+        if not first.ok:
+            raise BenchError(
+                f"the warm-up request to {url} failed ({first.error}): check --base-url, "
+                f"--endpoint (completions or chat) and --model (sent {model!r})"
+            )
+        points = []
+        for c in cfg.max_concurrency:
+            point = await run_point(client, cfg, model, prompts, c, progress)
+            points.append(point)
+            if on_point is not None:
+                on_point(point)
+            if point["completed"] == 0:
+                break
+    config = dataclasses.asdict(cfg) | {"request_rate": _json_rate(cfg.request_rate)}
+    config.pop("api_key")
+    return {
+        **run_metadata(),
+        "base_url": cfg.base_url,
+        "endpoint": ENDPOINTS[cfg.endpoint],
+        "model": model,
+        "label": label or model,
+        "server_models": server,
+        "config": config,
+        "points": points,
+    }
+
+
+async def _models(client: httpx.AsyncClient, cfg: BenchConfig) -> list[dict]:
+    """/v1/models' cards; [] when the server lists none and --model was given, an error when
+    it was not."""
+    import httpx
+
+    url = cfg.root + "/v1/models"
+    try:
+        r = await client.get(url)
+    except httpx.HTTPError as e:
+        raise BenchError(
+            f"could not reach {url} ({type(e).__name__}: {e}): is the server running, and is "
+            f"--base-url {cfg.base_url!r} its root?"
+        ) from None
+    try:
+        cards = r.json().get("data", []) if r.status_code == 200 else []
+    except (json.JSONDecodeError, AttributeError):
+        cards = []
+    if not cards and cfg.model is None:
+        raise BenchError(
+            f"GET {url} answered {r.status_code} with no model: give one with --model NAME"
+        )
+    return cards
+
+
+def run(cfg: BenchConfig, prompts: list[Prompt], **kwargs: Any) -> dict[str, Any]:
+    """run_sweep from synchronous code."""
+    return asyncio.run(run_sweep(cfg, prompts, **kwargs))
+
+
+def write_result(result: dict[str, Any], out_dir: str | Path) -> Path:
+    """`out_dir`/serve-<label>-<UTC time>.json."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", result["label"]).strip("_") or "run"
+    stamp = datetime.datetime.fromisoformat(result["date"]).strftime("%Y%m%d-%H%M%S")
+    path = Path(out_dir) / f"serve-{safe}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+# -- what every result carries -----------------------------------------------------------------
+
+
+def run_metadata() -> dict[str, Any]:
+    """The command, date, commit, client machine and versions, as benchmarks/common.py records
+    them (outrider/ does not import benchmarks/). The machine is the client's: the server's
+    own is whatever base_url points at."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    commit, dirty = _git_commit(Path(__file__).resolve().parents[2])
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": commit,
+        "dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "outrider": installed("outrider"),
+            "httpx": installed("httpx"),
+        },
+    }
+
+
+def _git_commit(repo: Path) -> tuple[str | None, bool | None]:
+    """HEAD and whether tracked files differ from it; (None, None) outside a git checkout
+    (an installed package)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=repo, timeout=10
+        )
+        if head.returncode != 0:
+            return None, None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, cwd=repo, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
