@@ -157,7 +157,7 @@ def load_prompts(cfg: BenchConfig) -> list[Prompt]:
             for _ in range(cfg.num_prompts)
         ]
     if cfg.dataset == "sharegpt":
-        texts = read_conversations(cfg.dataset_path)
+        texts = file_prompts(cfg.dataset_path)
     else:
         from outrider.bench.datasets import GROUNDED, HELDOUT, HELDOUT_FRESH
 
@@ -166,58 +166,24 @@ def load_prompts(cfg: BenchConfig) -> list[Prompt]:
     return [Prompt(order[i % len(order)], cfg.max_tokens) for i in range(cfg.num_prompts)]
 
 
-_SHAPES = (
-    '{"conversations": [{"from": "human", "value": ...}]} or '
-    '{"messages": [{"role": "user", "content": ...}]}'
-)
+def file_prompts(path: str | Path) -> list[str]:
+    """The first user turn of every record of a conversation file (outrider/conversations.py
+    reads any layout: ShareGPT, messages, prompt lists; JSON or JSONL); records without one are
+    skipped."""
+    from outrider.conversations import ACCEPTED, read_conversations
 
-
-def read_conversations(path: str | Path) -> list[str]:
-    """The first user turn of every record in a ShareGPT-style file: a JSON list (or one
-    record) or JSONL, records shaped like _SHAPES. Records without a user turn are skipped."""
-    p = Path(path)
-    if not p.is_file():
+    if not Path(path).is_file():
         raise FileNotFoundError(
-            f"--dataset sharegpt: no file {str(path)!r}: give a JSON or JSONL file of "
-            f"{_SHAPES} records (e.g. ShareGPT_V3_unfiltered_cleaned_split.json)"
+            f"--dataset sharegpt: no file {str(path)!r}: give a JSON or JSONL file of records "
+            f"({ACCEPTED}), e.g. ShareGPT_V3_unfiltered_cleaned_split.json"
         )
-    text = p.read_text(encoding="utf-8")
-    try:
-        whole = json.loads(text)
-        records = whole if isinstance(whole, list) else [whole]
-    except json.JSONDecodeError:
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{n}: not JSON ({e.msg}): expected a JSON list or one JSON record "
-                    "per line (JSONL)"
-                ) from None
-    prompts = [t for t in map(first_user_turn, records) if t]
+    conversations = read_conversations(path)
+    prompts = [turns[0].strip() for c in conversations if (turns := c.user_turns())]
     if not prompts:
-        raise ValueError(f"{path}: none of its {len(records)} records has a user turn: {_SHAPES}")
+        raise ValueError(
+            f"{path}: none of its {len(conversations)} records has a user turn: {ACCEPTED}"
+        )
     return prompts
-
-
-def first_user_turn(record: Any) -> str | None:
-    """The text of `record`'s first user turn (ShareGPT's from/value or OpenAI's role/content);
-    None when it has none or it is empty."""
-    if not isinstance(record, dict):
-        return None
-    turns = record.get("conversations") or record.get("messages")
-    for turn in turns if isinstance(turns, list) else ():
-        if isinstance(turn, dict) and turn.get("from", turn.get("role")) in ("human", "user"):
-            content = turn.get("value", turn.get("content"))
-            if isinstance(content, list):  # OpenAI content parts
-                content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-            if isinstance(content, str) and content.strip():
-                return content.strip()
-            return None
-    return None
 
 
 def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:

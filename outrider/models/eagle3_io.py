@@ -1,8 +1,10 @@
-"""EAGLE-3 drafters on disk, in the layouts SGLang and vLLM load (SpecForge writes SGLang's).
+"""EAGLE-3 drafters on disk, in the layouts SGLang and vLLM load (SpecForge writes SGLang's) and
+the `speculators` library's (vLLM loads it natively; RedHatAI's published speculators use it).
 
 A drafter directory holds `config.json` (an HF Llama config, architectures
 ["LlamaForCausalLMEagle3"], plus vocab_size / draft_vocab_size / target_hidden_size and the aux
-layer ids) and `model.safetensors` with unpacked HF tensor names:
+layer ids; speculators nests the Llama fields under transformer_layer_config, see
+eagle3_format.py) and `model.safetensors` with unpacked HF tensor names:
 
     fc.weight                                   [H, 3 * Ht]
     <layer>.{input_layernorm,hidden_norm,post_attention_layernorm}.weight      [H]
@@ -13,12 +15,13 @@ layer ids) and `model.safetensors` with unpacked HF tensor names:
 
 <layer> is `midlayer` for SGLang (its LlamaForCausalLMEagle3 has a `midlayer` module and drops
 names it does not know without a word, so `layers.0.*` would load as random weights) and
-`layers.0` for vLLM (its Eagle3 LlamaModel keeps the layer in `layers`; its loader also renames
-`midlayer.` to `layers.0.`). Loading accepts both, with or without a `model.` prefix. The
-target's embedding is shared, never stored; a shipped `embed_tokens.weight` is ignored.
+`layers.0` for vLLM and speculators (their models keep the layer in `layers`; vLLM's loader also
+renames `midlayer.` to `layers.0.`). Loading accepts both, with or without a `model.` prefix.
+The target's embedding is shared, never stored; a shipped `embed_tokens.weight` (speculators
+saves one) is ignored, and so are speculators' training-only `verifier_norm` / `verifier_lm_head`.
 
 Aux layer ids: see `engine_aux_ids`. Invariant: save -> load returns bit-identical parameters,
-d2t, t2d and aux_layers for either layout.
+d2t, t2d and aux_layers for every layout.
 """
 
 from __future__ import annotations
@@ -129,6 +132,11 @@ def check_tensors(tensors: dict[str, torch.Tensor], cfg: Eagle3Config, where: Pa
         )
 
 
+# speculators' copy of the target's final norm and (draft-vocabulary rows of the) lm_head: the
+# training loss's reference, never part of the drafter (speculators itself skips them on save).
+_TRAINING_ONLY = ("verifier_norm.weight", "verifier_lm_head.weight")
+
+
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the drafter directory on CPU, under canonical names (`midlayer.*`, no
     `model.` prefix). Raises ValueError naming a file that is not readable safetensors."""
@@ -158,6 +166,8 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
             ) from e
     if (embed := out.pop("embed_tokens.weight", None)) is not None:
         log.info("ignoring the drafter's embed_tokens.weight %s: the target's is used", embed.shape)
+    for name in _TRAINING_ONLY:
+        out.pop(name, None)
     return out
 
 
@@ -224,9 +234,10 @@ def load_drafter(
     dtype: torch.dtype | None = None,  # None: the stored dtype
     max_positions: int | None = None,
 ) -> Eagle3Draft:
-    """A drafter directory (ours, SpecForge's, SGLang's or vLLM's) -> an Eagle3Draft for
-    `target`, validated against it. Layout: the file's outrider record, else `layout`, else
-    inferred (see resolve_layout). Bind the target's embedding before running it."""
+    """A drafter directory (ours, SpecForge's, SGLang's, vLLM's or speculators') -> an
+    Eagle3Draft for `target`, validated against it. Aux-id convention: a speculators file's
+    (vLLM's), else the file's outrider record, else `layout`, else inferred (see
+    resolve_layout). Bind the target's embedding before running it."""
     path = Path(path)
     raw = read_config(path)
     layout = resolve_layout(raw, layout)

@@ -126,6 +126,8 @@ def diagnose(
         report.add(Check("config", False, str(e)))
         return report
     how = "recorded by outrider" if "outrider" in raw else "inferred"
+    if "speculators_config" in raw:  # its aux ids read as vLLM's
+        how = "speculators layout, vLLM's aux-id convention"
     report.add(Check("config", True, f"{_ENGINE[layout]} layout ({how})"))
     report.add(_hidden_check(raw, cfg_t))
     report.add(_aux_check(raw, layout, cfg_t))

@@ -200,7 +200,7 @@ def _eval(args: argparse.Namespace) -> int:
     llm = LLM(c.model, dtype=c.dtype, device=c.device, **cache)
     runner = llm.engine.runner
     draft = load_drafter(c.drafter, runner.model_config, device=runner.device, dtype=runner.dtype)
-    samples = read_samples(c.data, runner.model_config.vocab_size)[-c.num_samples :]
+    samples = read_samples(c.data, runner.model_config.vocab_size, chat=llm)[-c.num_samples :]
     res = evaluate_drafter(draft, llm, samples, ttt_steps=c.ttt_steps, max_len=c.max_len)
     replay = replay_chain(draft, llm, samples, k=c.chain, max_len=c.max_len)
     report: dict[str, Any] = {

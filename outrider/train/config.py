@@ -24,7 +24,9 @@ class DatagenConfig:
     seed_prompts: bool = True
     composed: int = 0  # requests composed from templates and topic lists (train/composed.py)
     self_generated: int = 0  # Magpie-style user turns written by the target itself
-    user_file: str | None = None  # JSONL: {"prompt"}, {"messages"} or ShareGPT {"conversations"}
+    # JSON or JSONL prompts or conversations: ShareGPT, role/content lists, prompt strings
+    # (outrider/conversations.py); the target regenerates every answer
+    user_file: str | None = None
     batch_size: int = 32
     temperature: float = 0.0
     seed: int = 0

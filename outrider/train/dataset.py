@@ -1,5 +1,6 @@
-"""The training set: JSONL samples {"id", "input_ids", "loss_mask"} (what datagen writes), the
-draft vocabulary counted from them, and their packing into fixed [rows, max_len] batches.
+"""The training set: JSONL samples {"id", "input_ids", "loss_mask"} (what datagen writes) or
+conversations in any common layout (`read_conversations`), the draft vocabulary counted from
+them, and their packing into fixed [rows, max_len] batches.
 
 Packing: an epoch's samples, shuffled by (seed, epoch), are laid end to end into rows of
 max_len tokens (a sample that does not fit starts the next row; longer ones are truncated);
@@ -16,8 +17,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
+
+from outrider.conversations import Conversation, read_conversations
 
 
 @dataclass(frozen=True)
@@ -38,14 +42,58 @@ class Sample:
         return self.input_ids.numel()
 
 
-def read_samples(path: str | Path, vocab_size: int | None = None) -> list[Sample]:
-    """Read a datagen JSONL file, streaming; a truncated last line (a crash mid-write) is
-    skipped."""
+class ChatRenderer(Protocol):
+    """Renders and tokenizes a conversation the way the target is prompted (outrider.LLM)."""
+
+    def apply_chat_template(
+        self, conversation: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+    def encode_chat_text(self, text: str) -> list[int]: ...
+
+
+def read_samples(
+    path: str | Path, vocab_size: int | None = None, chat: ChatRenderer | None = None
+) -> list[Sample]:
+    """Read a training set: datagen's JSONL samples (streamed; a truncated last line, a crash
+    mid-write, is skipped), or a conversation file (`read_conversations`) whose assistant turns
+    are learned as `chat` (the target's LLM) renders them (`conversation_sample`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"dataset {str(path)!r} not found: create it with `outrider drafter datagen`"
         )
+    if _holds_samples(path):
+        samples = _read_sample_lines(path, vocab_size)
+    else:
+        samples = _conversation_samples(path, vocab_size, chat)
+    if not samples:
+        raise ValueError(
+            f"dataset {str(path)!r} holds no samples: generate some with `outrider drafter "
+            f"datagen` (num_samples > 0)"
+        )
+    if not any(bool(s.loss_mask.any()) for s in samples):
+        raise ValueError(
+            f"dataset {str(path)!r}: no sample has a loss-masked (response) token, so there is "
+            f"nothing to learn: regenerate it with max_new_tokens > 0"
+        )
+    return samples
+
+
+def _holds_samples(path: Path) -> bool:
+    """Whether the file is datagen's (its first record has input_ids); an empty file counts."""
+    with open(path) as f:
+        first = next((line for line in f if line.strip()), None)
+    if first is None:
+        return True
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        return False  # a pretty-printed JSON file, or not JSON: read_conversations says which
+    return isinstance(rec, dict) and "input_ids" in rec
+
+
+def _read_sample_lines(path: Path, vocab_size: int | None) -> list[Sample]:
     samples = []
     bad: tuple[int, str] | None = None  # an unparsable line: fatal unless it is the last
     with open(path) as f:
@@ -60,16 +108,32 @@ def read_samples(path: str | Path, vocab_size: int | None = None) -> list[Sample
                 bad = (n, line)  # the last line of an interrupted write, if nothing follows
                 continue
             samples.append(_sample(rec, path, n, vocab_size))
-    if not samples:
+    return samples
+
+
+def _conversation_samples(
+    path: Path, vocab_size: int | None, chat: ChatRenderer | None
+) -> list[Sample]:
+    conversations = read_conversations(path)
+    if chat is None:
         raise ValueError(
-            f"dataset {str(path)!r} holds no samples: generate some with `outrider drafter "
-            f"datagen` (num_samples > 0)"
+            f"dataset {str(path)!r} holds conversations, not token ids: run `outrider drafter "
+            f"datagen --user-file {path}` and train on its output (the target answers the "
+            f"prompts, as it will when the drafter serves it)"
         )
-    if not any(bool(s.loss_mask.any()) for s in samples):
+    samples = [s for c in conversations if (s := conversation_sample(c, chat)) is not None]
+    if conversations and not samples:
         raise ValueError(
-            f"dataset {str(path)!r}: no sample has a loss-masked (response) token, so there is "
-            f"nothing to learn: regenerate it with max_new_tokens > 0"
+            f"dataset {str(path)!r} holds prompts without answers, so there is nothing to "
+            f"learn: run `outrider drafter datagen --user-file {path}` to have the target answer"
         )
+    for s in samples:
+        top = int(s.input_ids.max()) if len(s) else 0
+        if vocab_size is not None and top >= vocab_size:
+            raise ValueError(
+                f"{path}: conversation {s.id}: token id {top} is outside the target's vocabulary "
+                f"of {vocab_size}: render it with the target's own chat template (chat=its LLM)"
+            )
     return samples
 
 
@@ -159,3 +223,35 @@ def layout_batch(samples: list[Sample], batch: list[list[int]], max_len: int) ->
             k, start = k + 1, start + n
     flat = torch.cat(dest) if dest else torch.zeros(0, dtype=torch.int64)
     return PackedLayout(seqs, flat, ids, pos, seq, mask)
+
+
+def conversation_sample(conversation: Conversation, chat: ChatRenderer) -> Sample | None:
+    """The conversation as the target's chat template renders it, learned (loss_mask) on each
+    answer: the tokens the template adds after that turn's generation prompt, the end-of-turn
+    marker included, as datagen masks what the target generated. None without an answer.
+
+    Worked example, ChatML, [user "Hi", assistant "Hello", user "Bye", assistant "Ciao"]:
+        <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n  Hello<|im_end|>\n  ...
+        0 ...................................................... 1 ........... 1    0 ...
+    Earlier answers keep their mask when the template re-renders them unchanged (some drop an
+    earlier turn's reasoning, and then only the last answer is learned)."""
+    msgs = list(conversation.messages)
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant" or not any(p["role"] == "user" for p in msgs[:i]):
+            continue  # an answer to nothing: rendered with the turns after it, never learned
+        prompt = chat.encode_chat_text(chat.apply_chat_template(msgs[:i], True))
+        full = chat.encode_chat_text(chat.apply_chat_template(msgs[: i + 1], False))
+        keep = mask if full[: len(ids)] == ids else []
+        start = len(prompt) if full[: len(prompt)] == prompt else len(full)
+        start = max(start, len(keep))
+        mask = keep + [0] * (start - len(keep)) + [1] * (len(full) - start)
+        ids = full
+    if not any(mask):
+        return None
+    return Sample(
+        conversation.id,
+        torch.tensor(ids, dtype=torch.int32),
+        torch.tensor(mask, dtype=torch.bool),
+    )

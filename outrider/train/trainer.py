@@ -122,7 +122,7 @@ class Trainer:
         self.device = self.capture.device
         self.attention = resolve_attention(c.attention, self.device)
         target = self.capture.config
-        self.samples = read_samples(c.data, target.vocab_size)
+        self.samples = read_samples(c.data, target.vocab_size, chat=llm)
         if c.holdout:
             if c.holdout >= len(self.samples):
                 raise ValueError(

@@ -23,10 +23,10 @@ from outrider.bench.serve import (
     Prompt,
     RequestResult,
     arrival_times,
+    file_prompts,
     load_prompts,
     parse_prometheus,
     percentile,
-    read_conversations,
     run,
     spec_counters,
     spec_delta,
@@ -409,7 +409,7 @@ def test_sharegpt_json_list_takes_the_first_human_turn(tmp_path):
         {"id": "3", "conversations": []},
     ]  # fmt: skip
     path.write_text(json.dumps(records))
-    assert read_conversations(path) == ["first question"]
+    assert file_prompts(path) == ["first question"]
 
 
 def test_jsonl_and_single_records_with_roles_and_content_parts(tmp_path):
@@ -420,23 +420,23 @@ def test_jsonl_and_single_records_with_roles_and_content_parts(tmp_path):
         {"messages": [{"role": "assistant", "content": "only an answer"}]},
     ]
     jsonl.write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
-    assert read_conversations(jsonl) == ["q1", "q2"]
+    assert file_prompts(jsonl) == ["q1", "q2"]
     one = tmp_path / "one.json"
     one.write_text(json.dumps({"messages": [{"role": "user", "content": "q3"}]}, indent=2))
-    assert read_conversations(one) == ["q3"]
+    assert file_prompts(one) == ["q3"]
 
 
 def test_bad_dataset_files_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no file '.*missing.json'.*JSONL"):
-        read_conversations(tmp_path / "missing.json")
+        file_prompts(tmp_path / "missing.json")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n{not json\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
-        read_conversations(bad)
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2 is not valid JSON"):
+        file_prompts(bad)
     empty = tmp_path / "empty.json"
-    empty.write_text(json.dumps([{"text": "no turns"}]))
+    empty.write_text(json.dumps([{"messages": [{"role": "assistant", "content": "no turns"}]}]))
     with pytest.raises(ValueError, match="none of its 1 records has a user turn"):
-        read_conversations(empty)
+        file_prompts(empty)
 
 
 def test_load_prompts_builtin_sharegpt_and_random(tmp_path):

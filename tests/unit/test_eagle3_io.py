@@ -1,6 +1,7 @@
-"""EAGLE-3 drafter files: bit-exact save -> load in both layouts, the names and aux-id
+"""EAGLE-3 drafter files: bit-exact save -> load in every layout, the names and aux-id
 conventions each engine reads, foreign spellings accepted on load, and every way a file can
-fail to fit its target refused with the values named."""
+fail to fit its target refused with the values named. The speculators layout's own tests:
+test_eagle3_speculators.py."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def assert_same(a: Eagle3Draft, b: Eagle3Draft) -> None:
     assert a.config == b.config
 
 
-@pytest.mark.parametrize("layout", ["sglang", "vllm"])
+@pytest.mark.parametrize("layout", ["sglang", "vllm", "speculators"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_round_trip_is_bit_exact(tmp_path, target, draft, layout, dtype):
     src = random_drafter(target).to(dtype)
@@ -203,7 +204,8 @@ def test_loaded_drafter_computes_what_the_engines_compute(tmp_path, target, layo
 def test_aux_id_conventions():
     assert engine_aux_ids((2, 15, 27), "sglang") == [1, 14, 26]
     assert engine_aux_ids((2, 15, 27), "vllm") == [2, 15, 27]
-    for layout in ("sglang", "vllm"):
+    assert engine_aux_ids((2, 15, 27), "speculators") == [2, 15, 27]  # vLLM reads them as given
+    for layout in ("sglang", "vllm", "speculators"):
         assert outrider_aux_layers(engine_aux_ids((2, 15, 27), layout), layout) == (2, 15, 27)
     with pytest.raises(ValueError, match=r"layout='trtllm' is unknown"):
         engine_aux_ids((2, 15, 27), "trtllm")
