@@ -1,0 +1,113 @@
+"""Speculation measured at the server: `outrider serve` plain, with EAGLE-3 and with n-gram
+(the adaptive controller, as a user starts it), each load-tested by `outrider bench serve` on
+the same prompts and concurrency sweep; one result file and the overlaid plots.
+
+    python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
+                                    [--max-tokens 256] [--configs plain eagle3 ngram]
+
+Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
+one port. Writes benchmarks/results/spec_serve.json (the per-configuration `bench serve`
+results under `runs`, the speedup of each over plain in output tokens/s and in median TPOT at
+each concurrency) and spec_serve_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, write_result  # noqa: E402
+
+CONFIGS = {"plain": [], "eagle3": ["--spec", "eagle3"], "ngram": ["--spec", "ngram"]}
+PORT, KEY = 8011, "sk-bench"
+
+
+def start_server(flags: list[str], log: Path, timeout: float = 300.0) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "outrider", "serve", "--port", str(PORT), "--api-key", KEY]
+    proc = subprocess.Popen([*cmd, *flags], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s: see {log}")
+
+
+def speedups(runs: dict, key: str, better_high: bool) -> dict[str, dict[str, float]]:
+    """config -> {concurrency: its `key` over plain's (inverted for times: > 1 is faster)}."""
+    base = {p["max_concurrency"]: p.get(key) for p in runs["plain"]["points"]}
+    out = {}
+    for name, run in runs.items():
+        if name == "plain":
+            continue
+        row = {}
+        for p in run["points"]:
+            b, v = base.get(p["max_concurrency"]), p.get(key)
+            if b and v:
+                row[str(p["max_concurrency"])] = round(v / b if better_high else b / v, 3)
+        out[name] = row
+    return out
+
+
+def main() -> None:
+    from outrider.bench.plot import load_results, plot_results
+    from outrider.bench.serve import BenchConfig, load_prompts, run
+    from outrider.bench.serve import write_result as write_run
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    args = ap.parse_args()
+    if "plain" not in args.configs:
+        ap.error("--configs needs plain: every speedup is over it")
+    cfg = BenchConfig(
+        base_url=f"http://127.0.0.1:{PORT}", api_key=KEY, max_concurrency=tuple(args.concurrency),
+        num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=0.0,
+    )  # fmt: skip
+    prompts = load_prompts(cfg)
+    work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
+    runs, files = {}, []
+    for name in args.configs:
+        proc = start_server(CONFIGS[name], work / f"server_{name}.log")
+        print(f"{name}: serving (log {work / f'server_{name}.log'})", flush=True)
+        try:
+            runs[name] = run(cfg, prompts, label=name, progress=False)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        files.append(write_run(runs[name], work))
+        for p in runs[name]["points"]:
+            print(f"{name:8s} C={p['max_concurrency']:<3} {p['output_throughput']:9.1f} tok/s  "
+                  f"TPOT p50 {p.get('median_tpot_ms') or 0:7.2f} ms  accept "
+                  f"{p.get('accept_length')}", flush=True)  # fmt: skip
+    plots = plot_results(load_results(files), RESULTS, prefix="spec_serve_")
+    result = {
+        "configs": {n: CONFIGS[n] for n in args.configs},
+        "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "speedup_throughput": speedups(runs, "output_throughput", True),
+        "speedup_tpot": speedups(runs, "median_tpot_ms", False),
+        "runs": runs,
+        "plots": [p.name for p in plots],
+    }
+    print(write_result("spec_serve", result))
+
+
+if __name__ == "__main__":
+    main()
