@@ -5,6 +5,9 @@
     GET  /v1/models            the served model
     POST /v1/chat/completions  serving_chat.py
     POST /v1/completions       serving_completion.py
+    POST /tokenize             a prompt or messages -> token ids (serving_tokens.py, as vLLM's)
+    POST /detokenize           token ids -> text
+    GET  /version              {"version": ...}
 
 Every route but /health needs the API key when one is configured. Every error, whatever
 raised it, leaves as OpenAI's error JSON.
@@ -20,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from outrider.server import serving_tokens
 from outrider.server.errors import APIError, clip, error_body, from_validation_error
 from outrider.server.guards import APIKeyGuard, BodyLimitGuard
 from outrider.server.metrics import CONTENT_TYPE
@@ -90,6 +94,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await create_completion(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await serving_tokens.tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await serving_tokens.detokenize(state, request)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return serving_tokens.version()
 
 
 def _add_error_handlers(app: FastAPI) -> None:

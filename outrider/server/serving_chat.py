@@ -40,7 +40,7 @@ async def create_chat_completion(state: ServerState, request: Request):
     state.check_model(req.model)
     check_n(state, req.n)
     tools = _check_tools(state, req)
-    messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+    messages = [template_message(m, i) for i, m in enumerate(req.messages)]
     prompt_ids = await asyncio.to_thread(_render, state, req, messages, tools)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
@@ -85,7 +85,7 @@ def _check_tools(state: ServerState, req: ChatCompletionRequest) -> list[dict] |
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
 
-def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+def template_message(m: ChatMessage, index: int) -> dict[str, Any]:
     """A message as HF chat templates expect it: text content, tool-call arguments as dicts."""
     if isinstance(m.content, list):
         kinds = {p.type for p in m.content} - {"text"}
