@@ -57,6 +57,12 @@ def fused_kernels() -> bool:
     return _bool("OUTRIDER_FUSED_KERNELS", True)
 
 
+def progress(default: bool) -> bool:
+    """OUTRIDER_PROGRESS: 1 shows start-up progress bars (loading, graph capture) on stderr, 0
+    hides them; unset: `default` (the caller's: stderr is a terminal)."""
+    return _bool("OUTRIDER_PROGRESS", default)
+
+
 def notify_socket() -> str | None:
     """NOTIFY_SOCKET: systemd's readiness socket (set by systemd for Type=notify units)."""
     return os.environ.get("NOTIFY_SOCKET") or None

@@ -23,6 +23,7 @@ from outrider.core import ForwardMode
 from outrider.executor.inputs import ForwardInputs
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from outrider.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,14 @@ class GraphRunner:
     # -- capture ----------------------------------------------------------------------------
 
     def capture(self) -> None:
-        for tpq in reversed(self.tokens_per_seq):
-            mode = self._mode(tpq)
-            for batch in reversed(self.batch_sizes):
-                self._capture(GraphKey(mode, batch, tpq))
+        keys = [
+            GraphKey(self._mode(tpq), batch, tpq)
+            for tpq in reversed(self.tokens_per_seq)
+            for batch in reversed(self.batch_sizes)
+        ]
+        what = "drafter " if self.mode == ForwardMode.DRAFT else ""
+        for key in progress(keys, f"capturing {what}CUDA graphs"):
+            self._capture(key)
         log.info("captured %d CUDA graphs", len(self.graphs))
 
     def _capture(self, key: GraphKey) -> None:

@@ -29,6 +29,7 @@ from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.loaders.checkpoint import Checkpoint
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
+from outrider.progress import progress
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree import TreeTopology, accepted_kv_moves
 from outrider.speculative.tree_batch import TreeShape
@@ -77,7 +78,7 @@ class ModelRunner:
 
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = model_class(cfg.architecture)(cfg, max_positions=self.max_model_len)
-        load_weights(self.model, checkpoint.iter_tensors())
+        load_weights(self.model, progress(checkpoint.iter_tensors(), "loading weights"))
         self.model.eval()
 
         layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
@@ -335,7 +336,7 @@ class ModelRunner:
             reps = 10 if graphs else 4
         params = SamplingParams(temperature=0, max_tokens=None)
         table: dict[int, dict[int, float]] = {}
-        for b in batch_sizes:
+        for b in progress(batch_sizes, "measuring speculative steps"):
             table[b] = {}
             for k in sorted({0, *ks}):
                 seqs = [

@@ -41,6 +41,7 @@ from outrider.executor.cuda_graph import StaticInputs
 from outrider.executor.inputs import table_slots_no_sync
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from outrider.progress import progress
 from outrider.speculative.tree_batch import (
     TreeShape,
     accept_tree_greedy_no_sync,
@@ -309,9 +310,9 @@ class SpecStep:
     def capture(self, ks: Sequence[int]) -> None:
         """Per (padded B, k): a verify graph and, with a drafter, a draft graph reading the
         verify graph's outputs; largest first into one memory pool."""
-        for k in sorted(ks, reverse=True):
-            for b in reversed(self.batch_sizes):
-                self._capture(b, k)
+        keys = [(b, k) for k in sorted(ks, reverse=True) for b in reversed(self.batch_sizes)]
+        for b, k in progress(keys, "capturing speculative step graphs"):
+            self._capture(b, k)
         log.info("captured %d speculative step graphs", len(self.graphs))
 
     def _capture(self, padded: int, k: int) -> None:
