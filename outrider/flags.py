@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -231,6 +232,44 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
             f"--speculative-{name}", dest="sglang." + field, type=kind,
             default=argparse.SUPPRESS, metavar=field.upper(), help=doc,
         )  # fmt: skip
+    add_generated_engine_flags(p)
+
+
+# Engine fields without a generated flag: generate's --seed is the sampling seed (serve adds
+# --seed for the engine's).
+_NOT_GENERATED = frozenset({"model.seed"})
+
+
+def add_generated_engine_flags(p: argparse.ArgumentParser) -> None:
+    """A flag for every engine config field that has none written above (--field-name, typed
+    from its annotation: a bool gets --x/--no-x), so every field is settable from the CLI."""
+    import typing
+
+    taken = {a.dest for a in p._actions}
+    g = p.add_argument_group("more engine settings (config fields, see outrider/config.py)")
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            dest = f"{section}.{f.name}"
+            flag = "--" + f.name.replace("_", "-")
+            if dest in taken or dest in _NOT_GENERATED or flag in p._option_string_actions:
+                continue
+            kind = field_type(hints[f.name])
+            if kind is bool:
+                config_flag(g, dest, "", flag, action=argparse.BooleanOptionalAction)
+            else:
+                config_flag(g, dest, "", flag, type=kind)
+
+
+def field_type(hint: Any) -> Any:
+    """A field's type for argparse: int | None -> int; str -> str; tuple[int, ...] | None ->
+    tuple[int, ...]."""
+    import types
+    import typing
+
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
 
 
 def _method(text: str) -> str:

@@ -9,12 +9,11 @@ import argparse
 import dataclasses
 import json
 import sys
-import types
 import typing
 from typing import Any
 
 from outrider.config import DEVICES, DTYPES
-from outrider.flags import Commands, add_cache_flags, add_command, given
+from outrider.flags import Commands, add_cache_flags, add_command, field_type, given
 
 
 def add_drafter_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -263,7 +262,7 @@ def _add_config_flags(
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(hints[f.name])
+        kind = field_type(hints[f.name])
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
@@ -271,13 +270,6 @@ def _add_config_flags(
         if typing.get_origin(kind) is tuple:  # tuple[int, ...]: --flag 2 15 27
             kind, extra["nargs"] = typing.get_args(kind)[0], "+"
         parser.add_argument(flag, type=kind, default=f.default, **extra)
-
-
-def _base_type(hint: Any) -> Any:
-    """int | None -> int; str -> str; tuple[int, ...] | None -> tuple[int, ...]."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
 
 
 def _config(cls: type, args: argparse.Namespace):

@@ -202,3 +202,26 @@ def test_n_completions_per_prompt_in_the_python_api():
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="one completion"):
         next(llm.stream("x", params))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_engine_config_field_has_a_flag(command):
+    """The flags are generated from the config dataclasses: a field added there is settable
+    from the command line without a line here (generate's --seed is the sampling seed)."""
+    import dataclasses
+
+    from outrider.config import SECTIONS
+
+    parser = build_parser()
+    argv = [command, "--help"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)  # fills the command's flags (they load on first use)
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    dests = {a.dest for a in sub._actions}
+    fields = {f"{s}.{f.name}" for s, c in SECTIONS.items() for f in dataclasses.fields(c)}
+    missing = fields - dests - ({"model.seed"} if command == "generate" else set())
+    assert not missing, missing
+    _, engine = _serve(
+        "serve --ngram-max-n 6 --no-enable-chunked-prefill --attention-backend torch_ref"
+    )
+    assert engine.speculative.ngram_max_n == 6 and not engine.scheduler.enable_chunked_prefill
