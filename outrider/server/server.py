@@ -175,7 +175,9 @@ class ServerThread:
 
     def __init__(self, server_config: ServerConfig, core: EngineCore) -> None:
         self.server, self.state = build_server(server_config.replace(host="127.0.0.1"), core)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and without
+        # it every streamed chunk after the first waits ~40 ms (Nagle and delayed ACKs).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
