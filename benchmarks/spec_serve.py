@@ -64,7 +64,8 @@ def speedups(runs: dict, key: str, better_high: bool) -> dict[str, dict[str, flo
 
 def main() -> None:
     from outrider.bench.plot import load_results, plot_results
-    from outrider.bench.serve import BenchConfig, load_prompts, run
+    from outrider.bench.prompts import load_prompts
+    from outrider.bench.serve import BenchConfig, run
     from outrider.bench.serve import write_result as write_run
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

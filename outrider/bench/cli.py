@@ -141,7 +141,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from outrider.bench.serve import BenchConfig, load_prompts, run, write_result
+    from outrider.bench.prompts import load_prompts
+    from outrider.bench.serve import BenchConfig, run, write_result
 
     name, *path = args.dataset
     if len(path) > 1:

@@ -25,12 +25,8 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import platform
 import random
 import re
-import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -40,15 +36,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from outrider.bench.prompts import Prompt, arrival_times
+from outrider.bench.stats import (
+    latency_stats,
+    run_metadata,
+    spec_counters,
+    spec_delta,
+)
+
 if TYPE_CHECKING:
     import httpx
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DATASETS = ("builtin", "sharegpt", "random")
-PERCENTILES = (50, 90, 99)
-# Speculative counters, as outrider and vLLM name them (same names, their own prefix).
-SPEC_PREFIXES = ("outrider:", "vllm:")
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 class BenchError(RuntimeError):
@@ -121,81 +121,6 @@ class BenchConfig:
     def root(self) -> str:
         """The server's root URL: /v1/... and /metrics hang below it."""
         return self.base_url.rstrip("/").removesuffix("/v1")
-
-
-# -- prompts -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    max_tokens: int
-
-
-# Short common words, one token each (with their leading space) in BPE vocabularies: a random
-# prompt of N of them is about N tokens; the server's usage gives the exact count.
-# fmt: off
-_WORDS = (
-    "the", "of", "and", "to", "in", "is", "was", "for", "on", "are", "with", "as", "at", "be",
-    "by", "this", "had", "not", "but", "from", "or", "have", "an", "they", "which", "one", "you",
-    "were", "all", "we", "her", "she", "there", "would", "their", "will", "when", "who", "him",
-    "been", "has", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into",
-    "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may",
-    "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even",
-    "most", "made", "after", "also", "did", "many",
-)
-# fmt: on
-
-
-def load_prompts(cfg: BenchConfig) -> list[Prompt]:
-    """cfg.num_prompts prompts from cfg.dataset, shuffled by cfg.seed (a set smaller than
-    num_prompts is cycled)."""
-    rng = random.Random(cfg.seed)
-    if cfg.dataset == "random":
-        return [
-            Prompt(" ".join(rng.choices(_WORDS, k=cfg.random_input_len)), cfg.random_output_len)
-            for _ in range(cfg.num_prompts)
-        ]
-    if cfg.dataset == "sharegpt":
-        texts = file_prompts(cfg.dataset_path)
-    else:
-        from outrider.bench.datasets import GROUNDED, HELDOUT, HELDOUT_FRESH
-
-        texts = GROUNDED + HELDOUT + HELDOUT_FRESH
-    order = rng.sample(texts, len(texts))
-    return [Prompt(order[i % len(order)], cfg.max_tokens) for i in range(cfg.num_prompts)]
-
-
-def file_prompts(path: str | Path) -> list[str]:
-    """The first user turn of every record of a conversation file (outrider/conversations.py
-    reads any layout: ShareGPT, messages, prompt lists; JSON or JSONL); records without one are
-    skipped."""
-    from outrider.conversations import ACCEPTED, read_conversations
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"--dataset sharegpt: no file {str(path)!r}: give a JSON or JSONL file of records "
-            f"({ACCEPTED}), e.g. ShareGPT_V3_unfiltered_cleaned_split.json"
-        )
-    conversations = read_conversations(path)
-    prompts = [turns[0].strip() for c in conversations if (turns := c.user_turns())]
-    if not prompts:
-        raise ValueError(
-            f"{path}: none of its {len(conversations)} records has a user turn: {ACCEPTED}"
-        )
-    return prompts
-
-
-def arrival_times(n: int, rate: float, rng: random.Random) -> list[float]:
-    """Seconds after the point's start at which each request arrives: a Poisson process of
-    `rate` per second (exponential gaps; the first at 0), or all at 0 when rate is inf."""
-    if math.isinf(rate):
-        return [0.0] * n
-    times, t = [], 0.0
-    for _ in range(n):
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
 
 
 # -- one request -------------------------------------------------------------------------------
@@ -302,47 +227,6 @@ def _message(body: str) -> str:
 
 # -- server metrics ----------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text exposition -> {metric name: value summed over its label sets}."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            try:
-                totals[m[1]] = totals.get(m[1], 0.0) + float(m[3])
-            except ValueError:
-                continue
-    return totals
-
-
-def spec_counters(text: str) -> dict[str, float] | None:
-    """The speculative counters outrider or vLLM exposes (SPEC_COUNTERS); None without them."""
-    samples = parse_prometheus(text)
-    for prefix in SPEC_PREFIXES:
-        names = [f"{prefix}spec_decode_{c}_total" for c in SPEC_COUNTERS]
-        if all(n in samples for n in names):
-            return {c: samples[n] for c, n in zip(SPEC_COUNTERS, names)}
-    return None
-
-
-def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
-    """What a point added to the counters, and its accept length: tokens per verify step per
-    sequence, the bonus token included (1 + accepted / drafts, as outrider and vLLM define it).
-    None when the server has no counters or verified nothing."""
-    if before is None or after is None:
-        return None
-    d = {c: int(after[c] - before[c]) for c in SPEC_COUNTERS}
-    if d["num_drafts"] <= 0:
-        return None
-    d["accept_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"]
-    d["acceptance_rate"] = (
-        d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
-    )
-    return d
-
 
 async def scrape_spec(client: httpx.AsyncClient, root: str) -> dict[str, float] | None:
     import httpx
@@ -355,26 +239,6 @@ async def scrape_spec(client: httpx.AsyncClient, root: str) -> dict[str, float] 
 
 
 # -- a sweep point -----------------------------------------------------------------------------
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """numpy's default (linear interpolation between closest ranks)."""
-    k = (len(sorted_values) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
-
-
-def latency_stats(name: str, seconds: list[float]) -> dict[str, float | None]:
-    """mean/median/std/pN of `seconds`, in ms, under vLLM's key names (None when empty)."""
-    v = sorted(s * 1000 for s in seconds)
-    stats = {
-        f"mean_{name}_ms": statistics.fmean(v) if v else None,
-        f"median_{name}_ms": statistics.median(v) if v else None,
-        f"std_{name}_ms": statistics.pstdev(v) if v else None,
-    }
-    stats.update({f"p{p}_{name}_ms": percentile(v, p) if v else None for p in PERCENTILES})
-    return stats
 
 
 def summarize(results: list[RequestResult], duration: float, cfg: BenchConfig) -> dict[str, Any]:
@@ -568,55 +432,3 @@ def write_result(result: dict[str, Any], out_dir: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
-
-
-# -- what every result carries -----------------------------------------------------------------
-
-
-def run_metadata() -> dict[str, Any]:
-    """The command, date, commit, client machine and versions, as benchmarks/common.py records
-    them (outrider/ does not import benchmarks/). The machine is the client's: the server's
-    own is whatever base_url points at."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    commit, dirty = _git_commit(Path(__file__).resolve().parents[2])
-    return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": commit,
-        "dirty": dirty,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "outrider": installed("outrider"),
-            "httpx": installed("httpx"),
-        },
-    }
-
-
-def _git_commit(repo: Path) -> tuple[str | None, bool | None]:
-    """HEAD and whether tracked files differ from it; (None, None) outside a git checkout
-    (an installed package)."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=repo, timeout=10
-        )
-        if head.returncode != 0:
-            return None, None
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, cwd=repo, timeout=10,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None, None
-    return head.stdout.strip(), bool(status.stdout.strip())

@@ -17,21 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from outrider.bench.serve import (
-    BenchConfig,
-    BenchError,
-    Prompt,
-    RequestResult,
-    arrival_times,
-    file_prompts,
-    load_prompts,
-    parse_prometheus,
-    percentile,
-    run,
-    spec_counters,
-    spec_delta,
-    summarize,
-)
+from outrider.bench.prompts import Prompt, arrival_times, file_prompts, load_prompts
+from outrider.bench.serve import BenchConfig, BenchError, RequestResult, run, summarize
+from outrider.bench.stats import parse_prometheus, percentile, spec_counters, spec_delta
 from outrider.cli import main
 
 # Per request the fake server adds this to its speculative counters.

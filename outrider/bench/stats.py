@@ -1,0 +1,132 @@
+"""What `bench serve` computes from what it saw: latency percentiles, the server's speculative
+counters parsed from /metrics and their difference over a point, and the metadata every result
+carries. Plain Python, no HTTP."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+# Speculative counters, as outrider and vLLM name them (same names, their own prefix).
+SPEC_PREFIXES = ("outrider:", "vllm:")
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {metric name: value summed over its label sets}."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            try:
+                totals[m[1]] = totals.get(m[1], 0.0) + float(m[3])
+            except ValueError:
+                continue
+    return totals
+
+
+def spec_counters(text: str) -> dict[str, float] | None:
+    """The speculative counters outrider or vLLM exposes (SPEC_COUNTERS); None without them."""
+    samples = parse_prometheus(text)
+    for prefix in SPEC_PREFIXES:
+        names = [f"{prefix}spec_decode_{c}_total" for c in SPEC_COUNTERS]
+        if all(n in samples for n in names):
+            return {c: samples[n] for c, n in zip(SPEC_COUNTERS, names)}
+    return None
+
+
+def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """What a point added to the counters, and its accept length: tokens per verify step per
+    sequence, the bonus token included (1 + accepted / drafts, as outrider and vLLM define it).
+    None when the server has no counters or verified nothing."""
+    if before is None or after is None:
+        return None
+    d = {c: int(after[c] - before[c]) for c in SPEC_COUNTERS}
+    if d["num_drafts"] <= 0:
+        return None
+    d["accept_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"]
+    d["acceptance_rate"] = (
+        d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
+    )
+    return d
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """numpy's default (linear interpolation between closest ranks)."""
+    k = (len(sorted_values) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
+def latency_stats(name: str, seconds: list[float]) -> dict[str, float | None]:
+    """mean/median/std/pN of `seconds`, in ms, under vLLM's key names (None when empty)."""
+    v = sorted(s * 1000 for s in seconds)
+    stats = {
+        f"mean_{name}_ms": statistics.fmean(v) if v else None,
+        f"median_{name}_ms": statistics.median(v) if v else None,
+        f"std_{name}_ms": statistics.pstdev(v) if v else None,
+    }
+    stats.update({f"p{p}_{name}_ms": percentile(v, p) if v else None for p in PERCENTILES})
+    return stats
+
+
+def run_metadata() -> dict[str, Any]:
+    """The command, date, commit, client machine and versions, as benchmarks/common.py records
+    them (outrider/ does not import benchmarks/). The machine is the client's: the server's
+    own is whatever base_url points at."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    commit, dirty = _git_commit(Path(__file__).resolve().parents[2])
+    return {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "commit": commit,
+        "dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "outrider": installed("outrider"),
+            "httpx": installed("httpx"),
+        },
+    }
+
+
+def _git_commit(repo: Path) -> tuple[str | None, bool | None]:
+    """HEAD and whether tracked files differ from it; (None, None) outside a git checkout
+    (an installed package)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=repo, timeout=10
+        )
+        if head.returncode != 0:
+            return None, None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, cwd=repo, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    return head.stdout.strip(), bool(status.stdout.strip())
