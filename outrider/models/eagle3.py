@@ -58,6 +58,10 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     max_position_embeddings: int = 2048
+    # The layer's residual is the normed hidden (vLLM's and the speculators library's variant,
+    # which speculators trains by default) instead of the hidden as it came (SGLang's,
+    # SpecForge's and outrider's own drafters).
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -110,6 +114,7 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm_before_residual = cfg.norm_before_residual
         self.self_attn = nn.Module()
         self.self_attn.qkv_proj = QKVParallelLinear(
             2 * h, self.head_dim, self.num_heads, self.num_kv_heads
@@ -128,8 +133,9 @@ class Eagle3Layer(nn.Module):
         self, rope: Rope, embeds: torch.Tensor, hidden: torch.Tensor, attend: Attend | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden: [T, H] -> (mlp output, residual); their sum is the layer output."""
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         qkv = self.self_attn.qkv_proj(x)
         rotated = RotaryEmbedding.apply_packed_(
             rope, qkv, self.num_heads, self.num_kv_heads, self.head_dim

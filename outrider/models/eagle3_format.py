@@ -158,10 +158,11 @@ def config_from_json(
             f"drafter num_hidden_layers={config['num_hidden_layers']}: outrider runs the "
             f"one-layer EAGLE-3 drafter only"
         )
-    if config.get("norm_before_residual"):  # vLLM's variant: the residual is the normed hidden
+    norm_before_residual = config.get("norm_before_residual", False)
+    if not isinstance(norm_before_residual, bool):
         raise ValueError(
-            "drafter config.json sets norm_before_residual=true: outrider's drafter adds the "
-            "un-normed hidden as residual (SGLang's and SpecForge's layer); it would run wrongly"
+            f"drafter norm_before_residual={norm_before_residual!r}: set true or false as the "
+            "drafter was trained"
         )
     hidden = config["hidden_size"]
     target_hidden = config.get("target_hidden_size") or hidden  # what SGLang and vLLM assume
@@ -196,11 +197,17 @@ def config_from_json(
         rope_theta=float(theta),
         rope_scaling=dict(rope) if rope else None,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
+        norm_before_residual=norm_before_residual,
     )
 
 
 def config_json(cfg: Eagle3Config, layout: str, extra: dict[str, Any], dtype: torch.dtype):
     check_layout(layout)
+    if cfg.norm_before_residual and layout == "sglang":
+        raise ValueError(
+            "this drafter's residual is the normed hidden (norm_before_residual), which "
+            "SGLang's EAGLE-3 layer does not compute: export it as vllm or speculators"
+        )
     ids = engine_aux_ids(cfg.aux_layers, layout)
     own = {"format_version": 1, "layout": layout, "aux_layers": list(cfg.aux_layers), **extra}
     dtype_name = str(dtype).removeprefix("torch.")
@@ -219,6 +226,7 @@ def config_json(cfg: Eagle3Config, layout: str, extra: dict[str, Any], dtype: to
         # vLLM reads the top-level key (older versions nothing else). Never written for SGLang
         # files: a vLLM reading SGLang-convention ids there would capture one layer early.
         out[AUX_KEY] = ids
+        out["norm_before_residual"] = cfg.norm_before_residual
     out["outrider"] = own
     return out
 
@@ -243,7 +251,7 @@ def _llama_layer(cfg: Eagle3Config) -> dict[str, Any]:
 #   speculators_model_type "eagle3", architectures ["Eagle3DraftModel"] (older: Eagle3Speculator)
 #   transformer_layer_config   the decoder layer, an HF Llama config; its vocab_size is the target's
 #   draft_vocab_size, target_hidden_size (null: hidden_size), eagle_aux_hidden_state_layer_ids
-#       (null: the default layers; ids in vLLM's convention), norm_before_residual,
+#       (null: the default layers; ids in vLLM's convention), norm_before_residual (computed),
 #       norm_before_fc, fc_norm, norm_output (variants outrider's layer does not compute)
 #   speculators_config {algorithm "eagle3", proposal_methods [{proposal_type "greedy",
 #       speculative_tokens, ...}], default_proposal_method, verifier {name_or_path, architectures}}
@@ -252,8 +260,7 @@ SPECULATORS_ARCHITECTURE = "Eagle3DraftModel"  # the class speculators saves EAG
 # The draft length vLLM defaults to for this drafter (its num_speculative_tokens); speculators'
 # converter writes 3 too. outrider's own controller ignores it.
 SPECULATIVE_TOKENS = 3
-_VARIANTS = {  # EAGLE-3 variants speculators can train; outrider's layer computes none of them
-    "norm_before_residual": "the residual is the normed hidden (vLLM's variant)",
+_VARIANTS = {  # EAGLE-3 variants speculators can train that outrider's layer does not compute
     "norm_before_fc": "an RMSNorm over the concatenated aux states before fc",
     "fc_norm": "an RMSNorm per aux state before fc",
     "norm_output": "the normed hidden is fed back between steps (EAGLE 3.1)",
@@ -332,6 +339,7 @@ def to_speculators(cfg: Eagle3Config, ids: list[int], own: dict[str, Any], dtype
         "architectures": [SPECULATORS_ARCHITECTURE], "speculators_model_type": "eagle3",
         "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size, **dict.fromkeys(_VARIANTS, False),
+        "norm_before_residual": cfg.norm_before_residual,
         AUX_KEY: ids,
         "speculators_config": {
             "algorithm": "eagle3", "proposal_methods": [greedy],
@@ -374,7 +382,8 @@ def from_speculators(config: dict[str, Any], file: str | Path) -> dict[str, Any]
     tokens = spec["proposal_methods"][i].get("speculative_tokens")
     need(_positive_int(tokens), f"{_SPEC}proposal_methods[{i}].speculative_tokens", tokens,
          "vLLM takes its default draft length from it: set a positive integer")  # fmt: skip
-    flat = {**config["transformer_layer_config"], "norm_before_residual": False}
+    flat = {**config["transformer_layer_config"]}
+    flat["norm_before_residual"] = config["norm_before_residual"]
     flat["draft_vocab_size"] = config["draft_vocab_size"]
     for key in ("target_hidden_size", AUX_KEY):  # null: the defaults (ids checked when read)
         if config.get(key) is not None:

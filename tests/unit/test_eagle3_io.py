@@ -269,7 +269,7 @@ REFUSED = [
     ),
     (lambda c: c.update(draft_vocab_size=32), None, r"lm_head.weight is \(64, 128\), .* \(32, 128\)"),
     (lambda c: c.update(num_hidden_layers=2), None, "num_hidden_layers=2"),
-    (lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=true"),
+    (lambda c: c.update(norm_before_residual="yes"), None, "norm_before_residual=.yes.: set true or false"),
     (None, lambda ts: ts.update({"fc.bias": torch.zeros(128)}), r"no place for: \['fc.bias'\]"),
     (lambda c: c.pop("hidden_size"), None, r"lacks \['hidden_size'\]"),
     (None, lambda ts: ts.pop("midlayer.mlp.up_proj.weight"), r"lacks 1 drafter tensor.*up_proj"),

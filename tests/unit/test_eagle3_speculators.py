@@ -216,7 +216,6 @@ MALFORMED = [
     ("transformer_layer_config.layer_types", ["sliding_attention"], r"layer_types is \['sliding"),
     ("draft_vocab_size", ..., r"draft_vocab_size is missing: set it to lm_head's row count"),
     ("norm_before_residual", ..., r"norm_before_residual is missing: set true or false"),
-    ("norm_before_residual", True, r"norm_before_residual is True: the residual is the normed"),
     ("norm_before_fc", True, r"norm_before_fc is True: an RMSNorm .* trained without it"),
     ("norm_output", True, r"norm_output is True: .* fed back"),
     ("target_hidden_size", "128", r"target_hidden_size is '128': use the target's hidden size"),
@@ -341,3 +340,64 @@ def test_cli_exports_the_speculators_layout(served_target, tmp_path):
     assert cmd_drafter(args) == 0
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
     assert_same(draft, load_drafter(out, target))
+
+
+def _norm_before_residual(target, seed=4):
+    import dataclasses
+
+    from outrider.models.eagle3 import Eagle3Draft
+
+    plain = random_drafter(target, seed=seed)
+    variant = Eagle3Draft(dataclasses.replace(plain.config, norm_before_residual=True))
+    variant.load_state_dict(plain.state_dict())
+    return plain, variant
+
+
+def test_norm_before_residual_adds_the_normed_hidden(target):
+    """vLLM's and speculators' variant: the layer's residual is hidden_norm(hidden), not the
+    hidden as it came; everything else is the same layer (a reference written out here)."""
+    from outrider.layers.rotary import Rope, RotaryEmbedding
+
+    plain, variant = _norm_before_residual(target)
+    layer = variant.midlayer
+    torch.manual_seed(0)
+    n, h = 5, variant.config.hidden_size
+    embeds, hidden = torch.randn(n, h), torch.randn(n, h)
+    pos = torch.arange(n)
+    rope = Rope(
+        pos, variant.rotary_emb.cos[pos][:, None], variant.rotary_emb.sin[pos][:, None], False
+    )
+
+    def causal(q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    with torch.no_grad():
+        _, residual = layer(rope, embeds, hidden, causal)
+        _, plain_residual = plain.midlayer(rope, embeds, hidden, causal)
+        normed = layer.hidden_norm(hidden)
+        attn_in = torch.cat([layer.input_layernorm(embeds), normed], -1)
+        sizes = [layer.q_size, layer.kv_size, layer.kv_size]
+        q, k, v = layer.self_attn.qkv_proj(attn_in).split(sizes, -1)
+        d = layer.head_dim
+        q, k = RotaryEmbedding.apply(rope, q.view(n, -1, d), k.view(n, -1, d))
+        attn = causal(q, k, v.view(n, -1, d))
+        want_residual = normed + layer.self_attn.o_proj(attn)
+    torch.testing.assert_close(residual, want_residual, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(residual, plain_residual)  # the variant changes the output
+
+
+@pytest.mark.parametrize("layout", ["vllm", "speculators"])
+def test_norm_before_residual_round_trips_and_sglang_refuses_it(tmp_path, target, layout):
+    _, variant = _norm_before_residual(target)
+    path = save_drafter(variant, tmp_path / layout, layout)
+    assert json.loads((path / "config.json").read_text())["norm_before_residual"] is True
+    loaded = load_drafter(path, target)
+    assert loaded.config.norm_before_residual is True
+    assert_same(variant, loaded)
+    with pytest.raises(ValueError, match="SGLang's EAGLE-3 layer does not compute"):
+        save_drafter(variant, tmp_path / "sglang", "sglang")
