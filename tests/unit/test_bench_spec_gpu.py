@@ -125,14 +125,26 @@ def test_configs_name_every_method(bench):
 
 
 def test_summarize_takes_the_median_round_against_the_plain_runs_around_it(bench):
-    # Plain drifts 1000 -> 800 -> 1200 over the slot; the config runs 1100, 880, 2000 tok/s.
+    # Plain drifts 1000 -> 800 -> 1200 tok/s over the slot (1000 tokens each time); the config
+    # runs 1100, 880, 2000 tok/s on 990 tokens (its bf16 outputs end elsewhere).
+    def plain(tps):
+        return {"tok_per_s": tps, "seconds": 1000 / tps, "tokens": 1000}
+
+    def run(tps, around, ids, acc):
+        return {"tok_per_s": tps, "seconds": 990 / tps, "tokens": 990, "ids": ids,
+                "accept_length": acc, "plain_around": [plain(p) for p in around]}  # fmt: skip
+
     tries = [
-        {"tok_per_s": 1100.0, "plain_around": (1000.0, 800.0), "ids": [[1]], "accept_length": 2.0},
-        {"tok_per_s": 880.0, "plain_around": (800.0, 1200.0), "ids": [[2]], "accept_length": 2.5},
-        {"tok_per_s": 2000.0, "plain_around": (1200.0, 1000.0), "ids": [[3]], "accept_length": 3.0},
+        run(1100.0, (1000.0, 800.0), [[1]], 2.0),
+        run(880.0, (800.0, 1200.0), [[2]], 2.5),
+        run(2000.0, (1200.0, 1000.0), [[3]], 3.0),
     ]
     row = bench.summarize(tries)
     assert row["speedup_rounds"] == [round(1100 / 900, 3), 0.88, round(2000 / 1100, 3)]
     assert row["speedup"] == round(1100 / 900, 3)  # the median round, not the 1.82 outlier
     assert row["tok_per_s"] == 1100.0
+    # Wall time of the same requests: round 1 took 0.9 s against plain's mean 1.125 s.
+    times = sorted([1.125 / 0.9, (1.25 + 1000 / 1200) / 2 / 1.125, (1000 / 1200 + 1) / 2 / 0.495])
+    assert row["speedup_time"] == round(times[1], 3)
+    assert row["tokens_vs_plain"] == 0.99
     assert row["ids"] == [[1]] and row["accept_length"] == 3.0 and "plain_around" not in row
