@@ -19,6 +19,7 @@ from typing import Any
 
 from outrider.config import (
     DTYPES,
+    FLAT_ALIASES,
     SECTIONS,
     SPEC_CONTROLLERS,
     SPEC_METHODS,
@@ -100,12 +101,17 @@ def config_flag(
     group, dest: str, help: str, *names: str, shown_default: Any = _FIELD_DEFAULT, **kwargs: Any
 ) -> None:
     """A flag for the config field `dest` ("section.field"), present in the namespace only when
-    given. Its names default to --field-name; --help shows `shown_default`, by default the
+    given. Its names default to --field-name, and the field's other spellings in FLAT_ALIASES
+    (what YAML accepts, the CLI accepts) follow; --help shows `shown_default`, by default the
     engine config field's own."""
     section, field = dest.split(".", 1)
     if shown_default is _FIELD_DEFAULT:
         shown_default = defaults(SECTIONS[section])[field]
     names = names or ("--" + field.replace("_", "-"),)
+    aliases = (
+        "--" + a.replace("_", "-") for a, to in FLAT_ALIASES.items() if to == (section, field)
+    )
+    names = tuple(dict.fromkeys([*names, *aliases]))
     if "choices" not in kwargs and kwargs.get("action") in (None, "append"):
         kwargs.setdefault("metavar", field.upper())
     help = with_default(help, shown_default)
@@ -142,7 +148,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         g, "cache.num_blocks",
         "fix the pool at N blocks, overriding both memory budgets (default: sized from "
         "--gpu-memory-utilization on CUDA, --cpu-kv-bytes on CPU)",
-        "--num-blocks", "--num-gpu-blocks", "--num-gpu-blocks-override", type=int, metavar="N",
+        "--num-blocks", type=int, metavar="N",
     )  # fmt: skip
     config_flag(
         g, "cache.gpu_memory_utilization",
@@ -168,7 +174,6 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g, "model.model",
         "a .gguf file, an HF model directory or an HF repo id in the local HF cache (default: "
         "the embedded SmolLM2-135M-Instruct)",
-        "--model", "--model-path",
     )  # fmt: skip
     config_flag(g, "model.dtype", "auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     config_flag(g, "model.device", "auto, cpu, cuda or cuda:N")
@@ -197,7 +202,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--spec", choices=SPEC_METHODS, type=_method,
     )  # fmt: skip
     g.add_argument(
-        "--speculative-config", dest="speculative_config", type=_json_object,
+        "--speculative-config", dest="speculative_config",
         default=argparse.SUPPRESS, metavar="JSON",
         help="vLLM's form: a JSON object with method, model, num_speculative_tokens, "
         "prompt_lookup_min/max (or this group's names); the flags of this group win over it",
@@ -278,21 +283,6 @@ def _method(text: str) -> str:
         return str(SpecConfig.normalize({"method": text})["method"])
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not JSON ({e.msg}): e.g. "
-            '\'{"method": "eagle3", "num_speculative_tokens": 3}\''
-        ) from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object: use {{...}}")
-    return value
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

@@ -9,7 +9,7 @@ import dataclasses
 
 from outrider.config import EngineConfig
 from outrider.flags import add_command, add_engine_flags, config_flag, engine_config, given
-from outrider.server.config import ServerConfig, load_yaml
+from outrider.server.config import SERVER_ALIASES, ServerConfig, load_yaml
 
 # ServerConfig fields exposed as flags: (field, type, help).
 _SERVER_FLAGS: tuple[tuple[str, type, str], ...] = (
@@ -48,10 +48,6 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     )
 
 
-# Other spellings of server flags (vLLM's).
-_SERVER_ALIASES = {"tool_parser": ("--tool-parser", "--tool-call-parser")}
-
-
 def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
     p.add_argument(
@@ -60,7 +56,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group = p.add_argument_group("server")
     for name, kind, doc in _SERVER_FLAGS:
-        names = _SERVER_ALIASES.get(name, ())
+        names = ["--" + n.replace("_", "-") for n in (name, *_aliases(name))]
         config_flag(group, "server." + name, doc, *names, type=kind, shown_default=defaults[name])
     group.add_argument(
         "--enable-auto-tool-choice", action="store_true",
@@ -74,6 +70,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--cors-origin", action="append", shown_default=defaults["cors_origins"],
     )  # fmt: skip
     add_engine_flags(p)
+
+
+def _aliases(field: str) -> list[str]:
+    return [alias for alias, to in SERVER_ALIASES.items() if to == field]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:

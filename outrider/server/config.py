@@ -97,7 +97,7 @@ def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
     # Flat server keys, as vLLM's YAML has them (`port: 8000`, `tool-call-parser: hermes`).
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     for key in list(data):
-        name = _SERVER_ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+        name = SERVER_ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
         if name in names:
             if name in server and server[name] != data[key]:
                 raise ValueError(
@@ -108,7 +108,8 @@ def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
     return server_config_from_dict(server), EngineConfig.from_dict(data)
 
 
-_SERVER_ALIASES = {"tool_call_parser": "tool_parser"}  # vLLM's names of ServerConfig fields
+# vLLM's names of ServerConfig fields, in YAML and (as --tool-call-parser) on the command line
+SERVER_ALIASES = {"tool_call_parser": "tool_parser"}
 
 
 def server_config_from_dict(values: dict[str, Any]) -> ServerConfig:
