@@ -41,7 +41,7 @@ async def create_chat_completion(state: ServerState, request: Request):
     check_n(state, req.n)
     tools = _check_tools(state, req)
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-    prompt_ids = await asyncio.to_thread(_render, state, req, messages, tools)
+    prompt_ids = await asyncio.to_thread(render, state, req, messages, tools)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
     rid = new_id("chatcmpl")
@@ -129,8 +129,9 @@ def _arguments(arguments: str | dict) -> dict | str:
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def _render(state: ServerState, req: ChatCompletionRequest, messages, tools) -> list[int]:
-    """Template and tokenize (in a worker thread: both cost milliseconds per request)."""
+def render(state: ServerState, req, messages, tools, add_special_tokens: bool = False) -> list[int]:
+    """Template and tokenize (in a worker thread: both cost milliseconds per request). `req`
+    gives add_generation_prompt and chat_template_kwargs (a chat or a /tokenize request)."""
     try:
         text = state.chat_tokenizer.apply_chat_template(
             messages,
@@ -139,7 +140,7 @@ def _render(state: ServerState, req: ChatCompletionRequest, messages, tools) -> 
             **(req.chat_template_kwargs or {}),
         )
         # The template writes BOS itself when the model wants one.
-        return state.chat_tokenizer.encode(text, add_special_tokens=False)
+        return state.chat_tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (ValueError, TypeError, UnicodeError) as e:
         raise bad_request(
             f"the messages could not be rendered or tokenized: {e}", "messages"

@@ -12,7 +12,7 @@ from outrider import __version__
 from outrider.server.errors import bad_request
 from outrider.server.protocol import DetokenizeRequest, TokenizeRequest
 from outrider.server.serving import read_body
-from outrider.server.serving_chat import template_message
+from outrider.server.serving_chat import render, template_message
 from outrider.server.state import ServerState
 
 
@@ -29,21 +29,14 @@ async def tokenize(state: ServerState, request: Request) -> JSONResponse:
 
 
 def _tokenize(state: ServerState, req: TokenizeRequest) -> list[int]:
-    try:
-        if req.prompt is not None:
-            special = True if req.add_special_tokens is None else req.add_special_tokens
-            return list(state.engine.tokenizer.encode(req.prompt, add_special_tokens=special))
+    if req.messages is not None:  # as a chat completion sees them
         messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-        text = state.chat_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt,
-            **(req.chat_template_kwargs or {}),
-        )  # fmt: skip
-        # The template writes BOS itself, as for a chat completion.
-        special = bool(req.add_special_tokens)
-        return list(state.chat_tokenizer.encode(text, add_special_tokens=special))
+        return list(render(state, req, messages, None, bool(req.add_special_tokens)))
+    special = True if req.add_special_tokens is None else req.add_special_tokens
+    try:
+        return list(state.engine.tokenizer.encode(req.prompt, add_special_tokens=special))
     except (ValueError, TypeError, UnicodeError) as e:
-        param = "prompt" if req.prompt is not None else "messages"
-        raise bad_request(f"could not tokenize the {param}: {e}", param) from None
+        raise bad_request(f"could not tokenize the prompt: {e}", "prompt") from None
 
 
 async def detokenize(state: ServerState, request: Request) -> JSONResponse:
