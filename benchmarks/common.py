@@ -35,32 +35,16 @@ def _known(commit: str) -> bool:
 def metadata() -> dict:
     import torch
 
+    from outrider.bench.stats import git_commit
+
     def version(mod: str) -> str | None:
         try:
             return __import__(mod).__version__
         except Exception:
             return None
 
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=RESULTS.parent
-            ).stdout.strip()
-            or None
-        )
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                cwd=RESULTS.parent,
-            ).stdout.strip()
-        )
-    except OSError:
-        commit, dirty = None, None
-    git = {"head": commit, "dirty": dirty}
-    if commit is None:  # no repository here: `git status` said nothing, which is not "clean"
-        dirty = None
+    commit, dirty = git_commit(RESULTS.parent)
+    git = {"head": commit, "dirty": dirty}  # (None, None) with no repository here
     written = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
     if written and (commit is None or (commit != written and not _known(written))):
         # A copy of the tree whose .git (if any) never saw the file's commit: the remote

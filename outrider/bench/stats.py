@@ -95,7 +95,7 @@ def run_metadata() -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
-    commit, dirty = _git_commit(Path(__file__).resolve().parents[2])
+    commit, dirty = git_commit(Path(__file__).resolve().parents[2])
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "commit": commit,
@@ -114,7 +114,7 @@ def run_metadata() -> dict[str, Any]:
     }
 
 
-def _git_commit(repo: Path) -> tuple[str | None, bool | None]:
+def git_commit(repo: Path) -> tuple[str | None, bool | None]:
     """HEAD and whether tracked files differ from it; (None, None) outside a git checkout
     (an installed package)."""
     try:
