@@ -185,9 +185,8 @@ class GraphRunner:
             torch.arange(t, device=s.positions.device).repeat(rows)
         )
         scratch = self.scratch_block * self.block_size
-        s.slot_mapping[first_row * t : b * t].copy_(
-            scratch + torch.arange(t, device=s.positions.device).repeat(rows)
-        )
+        within = torch.arange(t, device=s.positions.device) % self.block_size  # t may pass a block
+        s.slot_mapping[first_row * t : b * t].copy_(scratch + within.repeat(rows))
         s.seq_lens[first_row:b].fill_(t)
         s.block_tables[first_row:b].fill_(self.scratch_block)
         s.query_start_loc[first_row + 1 : b + 1].copy_(

@@ -190,7 +190,9 @@ class SpecStep:
         real = (ar[None, :] <= ns[:, None]) & (pos // bs < ntab[:, None])
         col = np.minimum(pos // bs, w - 1)
         own = np.take_along_axis(tables, col, axis=1) * bs + pos % bs
-        slots = np.where(real, own, scratch * bs + ar[None, :])
+        # Masked rows write inside the scratch block (a step may hold more tokens than a block:
+        # trees of 16+ nodes, chains of k >= 16), where collisions are harmless.
+        slots = np.where(real, own, scratch * bs + ar[None, :] % bs)
         n_tok = padded * t
         s = self.inputs
         dev = self.device

@@ -345,3 +345,27 @@ def test_eagle3_under_preemption_prefix_hits_and_chunking(tiny_dir, prompts, ref
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     if options.get("num_blocks") == 14:
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("topk,steps", [(1, None), (3, 4)])
+def test_steps_wider_than_a_kv_block_stay_inside_the_pool(
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+    reference,  # noqa: F811
+    topk,
+    steps,
+):
+    """12 drafts per row with 8-token blocks: a verify holds 13 tokens, so the masked rows of a
+    short or padded row spill past one block; they must still write inside the scratch block
+    (writing past it ran off the end of the pool, or over another request's KV on a GPU)."""
+    llm = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256, block_size=8,
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 12},
+    )  # fmt: skip
+    engine = llm.engine
+    drafter = Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner, topk, steps)
+    engine.use_proposer(drafter)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.spec_stats.num_verify_steps > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
