@@ -1,4 +1,4 @@
-"""`outrider` command line: `generate`, `serve`, `deploy`, `drafter` and `bench`.
+"""`outrider` command line: `generate`, `serve`, `deploy`, `drafter`, `bench` and `plan`.
 
 Start-up: building the parser imports argparse and the config dataclasses only. Each command's
 flags are added when that command is chosen (`Commands`), and torch, the engine and the server
@@ -116,6 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from outrider.bench.cli import add_bench_parser
+    from outrider.plan.cli import add_plan_parser
     from outrider.server.cli import add_deploy_parser, add_serve_parser
     from outrider.train.cli import add_drafter_parser
 
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_drafter_parser(commands)
     add_deploy_parser(commands)
     add_bench_parser(commands)
+    add_plan_parser(commands)
     return parser
 
 
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             from outrider.bench.cli import cmd_bench
 
             return cmd_bench(args)
+        if args.command == "plan":
+            from outrider.plan.cli import cmd_plan
+
+            return cmd_plan(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"outrider: error: {e}", file=sys.stderr)
         return 2

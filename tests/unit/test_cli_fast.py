@@ -40,6 +40,7 @@ LIGHT_ARGVS = (
     ["drafter", "eval", "--help"],
     ["bench", "--help"],
     ["bench", "serve", "--help"],
+    ["plan", "--help"],
     ["generate", "--spec", "bogus", "x"],
 )
 

@@ -1,0 +1,313 @@
+"""What one step costs: the kernels a forward launches (bytes each reads, FLOPs each does), the
+collectives between them, and the time they take on a GPU and link. Plain data in and out.
+
+Per rank at tensor-parallel size tp, for N = batch x tokens-per-sequence tokens over contexts of
+C tokens, each kernel takes
+
+    t = max(bytes / (bandwidth x mem_efficiency), flops / (peak x compute_efficiency), floor)
+
+and the step is the sum of its kernels and collectives (nothing overlaps inside a forward). A
+kernel's time goes to `memory` or `compute` by which bound it hit, and what the floor adds to
+`launch`. Eager steps (no CUDA graph) also pay host dispatch per launch: the step is the larger
+of the device's time and the host's, the difference going to `launch`.
+
+Weights read per step are what the N tokens touch: every dense weight once, and for MoE
+layers the experts routed to. With E routed experts, k chosen per token, routing uniform and
+independent, an expert is missed by one token with probability 1 - k/E, so N tokens touch
+
+    U(N) = E * (1 - (1 - k/E)^N)        experts in expectation (kimi-k2.5: U(1) = 8, U(4) = 31.4,
+                                         U(64) = 284 of 384)
+
+which is why large batches read most of the experts and a verify of 1 + k tokens per sequence
+reads several times the expert bytes of a decode step. Real routing is skewed, so U(N) is an
+upper estimate.
+
+Collectives per forward at tp > 1: two all-reduces per layer (after attention's output
+projection and after the MLP or MoE, shared experts summed in before it), one for the
+vocabulary-parallel embedding, and an all-gather of the vocabulary-parallel LM head's logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from outrider.plan.hardware import Gpu, Link
+from outrider.plan.models import ModelSpec, weight_format
+
+# Host time to dispatch one kernel in an eager PyTorch forward (Python, the dispatcher,
+# cudaLaunchKernel): HF transformers' eager Llama-3.1-8B decode on this project's H200 host
+# takes ~25 ms for ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json).
+EAGER_HOST_US = 19.0
+ACT_BYTES = 2  # activations and logits in bf16
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    bytes: float
+    flops: float
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str  # "all_reduce" | "all_gather"
+    bytes: float  # all-reduce: each rank's buffer; all-gather: the gathered output
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where a model runs. `graphs`: decode steps replay CUDA graphs; `verify_graphs`: verify
+    and draft steps do too (an engine without verify graphs runs them eager). `algo` pins an
+    all-reduce algorithm ("ring", "oneshot"); None takes the link's cheapest."""
+
+    model: ModelSpec
+    gpu: Gpu
+    link: Link
+    tp: int = 1
+    graphs: bool = True
+    verify_graphs: bool = True
+    algo: str | None = None
+
+    def __post_init__(self) -> None:
+        self.model.check_tp(self.tp)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step on one rank: what it moves and computes, and its predicted milliseconds."""
+
+    kind: str
+    tokens: int
+    bytes: float
+    flops: float
+    launches: int
+    collectives: dict[str, int]
+    collective_bytes: dict[str, float]
+    compute_ms: float
+    memory_ms: float
+    comm_ms: float
+    launch_ms: float
+    experts_touched: float = 0.0
+    parts: tuple[StepCost, ...] = field(default=(), repr=False)
+
+    @property
+    def ms(self) -> float:
+        return self.compute_ms + self.memory_ms + self.comm_ms + self.launch_ms
+
+    def __add__(self, other: StepCost) -> StepCost:
+        def merged(a: dict, b: dict) -> dict:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in {**a, **b}}
+
+        return StepCost(
+            kind=self.kind,
+            tokens=self.tokens + other.tokens,
+            bytes=self.bytes + other.bytes,
+            flops=self.flops + other.flops,
+            launches=self.launches + other.launches,
+            collectives=merged(self.collectives, other.collectives),
+            collective_bytes=merged(self.collective_bytes, other.collective_bytes),
+            compute_ms=self.compute_ms + other.compute_ms,
+            memory_ms=self.memory_ms + other.memory_ms,
+            comm_ms=self.comm_ms + other.comm_ms,
+            launch_ms=self.launch_ms + other.launch_ms,
+            experts_touched=max(self.experts_touched, other.experts_touched),
+            parts=(*(self.parts or (self,)), *(other.parts or (other,))),
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "tokens": self.tokens,
+            "ms": round(self.ms, 4),
+            "compute_ms": round(self.compute_ms, 4),
+            "memory_ms": round(self.memory_ms, 4),
+            "comm_ms": round(self.comm_ms, 4),
+            "launch_ms": round(self.launch_ms, 4),
+            "bytes": self.bytes,
+            "flops": self.flops,
+            "launches": self.launches,
+            "collectives": self.collectives,
+            "collective_bytes": self.collective_bytes,
+            "experts_touched": round(self.experts_touched, 2),
+        }
+
+
+def unique_experts(num_experts: int, per_token: int, tokens: int) -> float:
+    """U(N) = E * (1 - (1 - k/E)^N): experts touched by N tokens routed uniformly."""
+    if num_experts == 0 or tokens == 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - per_token / num_experts) ** tokens)
+
+
+def forward_kernels(
+    m: ModelSpec, tp: int, seqs: int, tokens_per_seq: int, context: int
+) -> tuple[list[Kernel], list[Collective], float]:
+    """One target forward's kernels and collectives on one rank, and the experts it touches.
+    `context` is each sequence's KV length before this step."""
+    n = seqs * tokens_per_seq
+    kv_len = context + tokens_per_seq
+    w = weight_format(m.weights).bytes_per_element
+    we = weight_format(m.expert_weights or m.weights).bytes_per_element
+    h, act = m.hidden_size, ACT_BYTES
+    ks: list[Kernel] = []
+    cs: list[Collective] = []
+    reduce = Collective("all_reduce", n * h * act)
+
+    def gemm(name: str, k_in: float, k_out: float, wbytes: float = w, rows: int = n) -> Kernel:
+        return Kernel(name, k_in * k_out * wbytes + rows * (k_in + k_out) * act,
+                      2.0 * rows * k_in * k_out)  # fmt: skip
+
+    def small(name: str, width: float) -> Kernel:  # elementwise: read and write activations
+        return Kernel(name, 2 * n * width * act, 4.0 * n * width)
+
+    ks.append(small("embedding", h))
+    if tp > 1:
+        cs.append(reduce)
+    experts = 0.0
+    heads = m.num_heads // tp
+    for layer in range(m.num_layers):
+        ks.append(small("input_norm", h))
+        if m.mla:
+            rope, lora, nope, v = (
+                m.qk_rope_head_dim,
+                m.kv_lora_rank,
+                m.qk_nope_head_dim,
+                m.v_head_dim,
+            )
+            if m.q_lora_rank:  # q_a and kv_a as one replicated GEMM, then q_b split by heads
+                ks.append(gemm("qkv_a_proj", h, m.q_lora_rank + lora + rope))
+                ks += [small("q_a_norm", m.q_lora_rank), small("kv_a_norm", lora)]
+                ks.append(gemm("q_b_proj", m.q_lora_rank, heads * (nope + rope)))
+            else:
+                ks.append(gemm("kv_a_proj", h, lora + rope))
+                ks += [small("kv_a_norm", lora), gemm("q_proj", h, heads * (nope + rope))]
+            # Decode-style MLA absorbs kv_b into the query and the output (two batched GEMMs
+            # over kv_b_proj's halves) and attends over the cached latent, which every rank
+            # holds whole: one (kv_lora_rank + rope) vector per token per layer.
+            ks.append(gemm("q_absorb", nope, heads * lora))
+            ks.append(small("rotary_kv_write", heads * (nope + rope)))
+            latent = seqs * kv_len * (lora + rope) * m.kv_bytes
+            ks.append(Kernel("attention", latent, 2.0 * n * heads * (2 * lora + rope) * kv_len))
+            ks.append(gemm("v_absorb", lora, heads * v))
+            ks.append(gemm("o_proj", heads * v, h))
+        else:
+            kv = max(1, m.num_kv_heads // tp)  # KV heads replicate when tp exceeds them
+            d = m.head_dim
+            ks.append(gemm("qkv_proj", h, (heads + 2 * kv) * d))
+            ks.append(small("rotary_kv_write", (heads + 2 * kv) * d))
+            cache = seqs * kv_len * 2 * kv * d * m.kv_bytes
+            ks.append(Kernel("attention", cache, 4.0 * n * heads * d * kv_len))
+            ks.append(gemm("o_proj", heads * d, h))
+        if tp > 1:
+            cs.append(reduce)
+        ks.append(small("post_attention_norm", h))
+        if m.moe and layer >= m.first_k_dense:
+            inter = m.moe_intermediate_size // tp
+            touched = unique_experts(m.num_experts, m.experts_per_token, n)
+            experts = max(experts, touched)
+            routed = n * m.experts_per_token  # token-expert pairs
+            ks.append(gemm("router", h, m.num_experts, 2))  # the gate stays bf16
+            ks += [small("topk", m.num_experts), small("moe_align", m.experts_per_token)]
+            ks.append(
+                Kernel(
+                    "experts_gate_up",
+                    touched * h * 2 * inter * we + routed * (h + 2 * inter) * act,
+                    2.0 * routed * h * 2 * inter,
+                )
+            )
+            ks.append(Kernel("experts_act", 2 * routed * 2 * inter * act, 4.0 * routed * inter))
+            ks.append(Kernel("experts_down", touched * inter * h * we
+                             + routed * (inter + h) * act, 2.0 * routed * inter * h))  # fmt: skip
+            if m.num_shared_experts:
+                shared = m.num_shared_experts * inter
+                ks += [gemm("shared_gate_up", h, 2 * shared), small("shared_act", 2 * shared)]
+                ks.append(gemm("shared_down", shared, h))
+            ks.append(small("moe_combine", h * m.experts_per_token))
+        else:
+            inter = m.intermediate_size // tp
+            ks += [gemm("gate_up_proj", h, 2 * inter), small("act", 2 * inter)]
+            ks.append(gemm("down_proj", inter, h))
+        if tp > 1:
+            cs.append(reduce)
+    ks.append(small("final_norm", h))
+    vocab = -(-m.vocab_size // tp)
+    ks.append(gemm("lm_head", h, vocab, 2))  # the LM head stays bf16
+    if tp > 1:
+        cs.append(Collective("all_gather", n * m.vocab_size * act))
+    return ks, cs, experts
+
+
+def time_step(
+    kind: str,
+    kernels: list[Kernel],
+    collectives: list[Collective],
+    setup: Setup,
+    graphed: bool,
+    tokens: int,
+    experts: float = 0.0,
+) -> StepCost:
+    gpu, link = setup.gpu, setup.link
+    mem_bytes_per_us = gpu.mem_gbs * 1e3 * gpu.mem_efficiency
+    compute_flops_per_us = gpu.bf16_tflops * 1e6 * gpu.compute_efficiency
+    compute = memory = launch = 0.0
+    for k in kernels:
+        t_mem, t_cmp = k.bytes / mem_bytes_per_us, k.flops / compute_flops_per_us
+        if t_cmp > t_mem:
+            compute += t_cmp
+        else:
+            memory += t_mem
+        launch += max(0.0, gpu.kernel_floor_us - max(t_mem, t_cmp))
+    comm = 0.0
+    counts: dict[str, int] = {}
+    moved: dict[str, float] = {}
+    for c in collectives:
+        if c.kind == "all_reduce":
+            comm += link.all_reduce_us(c.bytes, setup.tp, setup.algo)
+        else:
+            comm += link.all_gather_us(c.bytes, setup.tp)
+        counts[c.kind] = counts.get(c.kind, 0) + 1
+        moved[c.kind] = moved.get(c.kind, 0.0) + c.bytes
+    if not graphed:
+        host = (len(kernels) + len(collectives)) * EAGER_HOST_US
+        launch += max(0.0, host - (compute + memory + launch + comm))
+    return StepCost(
+        kind=kind,
+        tokens=tokens,
+        bytes=sum(k.bytes for k in kernels),
+        flops=sum(k.flops for k in kernels),
+        launches=len(kernels) + len(collectives),
+        collectives=counts,
+        collective_bytes=moved,
+        compute_ms=compute / 1e3,
+        memory_ms=memory / 1e3,
+        comm_ms=comm / 1e3,
+        launch_ms=launch / 1e3,
+        experts_touched=experts,
+    )
+
+
+def forward_cost(
+    setup: Setup, kind: str, seqs: int, tokens_per_seq: int, context: int, graphed: bool
+) -> StepCost:
+    kernels, collectives, experts = forward_kernels(
+        setup.model, setup.tp, seqs, tokens_per_seq, context
+    )
+    return time_step(kind, kernels, collectives, setup, graphed, seqs * tokens_per_seq, experts)
+
+
+def decode_cost(setup: Setup, batch: int, context: int) -> StepCost:
+    """A plain decode step: one token per sequence."""
+    return forward_cost(setup, "decode", batch, 1, context, setup.graphs)
+
+
+def verify_cost(setup: Setup, batch: int, tokens_per_seq: int, context: int) -> StepCost:
+    """The target's verify forward over 1 + k chain tokens or 1 + N tree nodes per sequence,
+    plus acceptance (argmax, compare, the accepted run: three small kernels)."""
+    step = forward_cost(setup, "verify", batch, tokens_per_seq, context, setup.verify_graphs)
+    accept = [Kernel("accept", 2 * batch * tokens_per_seq * 4, 0.0)] * 3
+    return step + time_step("verify", accept, [], setup, setup.verify_graphs, 0)
+
+
+def layer_allreduces(model: ModelSpec) -> int:
+    """All-reduces the transformer layers issue per forward at tp > 1 (two per layer)."""
+    return 2 * model.num_layers

@@ -1,0 +1,61 @@
+"""`outrider plan`: its JSON, its chart, its errors, and that it never imports torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from outrider.cli import main
+
+KIMI = ["plan", "kimi-k2.5", "--tp", "8", "--gpu", "rtx-pro-6000", "--link", "pcie5-nop2p"]
+
+
+def test_json_has_the_promised_keys(capsys):
+    assert main([*KIMI, "--nccl-channels", "4", "--batch", "1", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("allreduces_per_forward", "comm_ms", "decode_ms", "verify_ms", "draft_ms",
+                "break_even_accept_len", "best"):  # fmt: skip
+        assert key in out, key
+    assert out["allreduces_per_forward"] == 122
+    assert set(out["best"]) == {"1", "16"}
+    assert out["comm_ms"]["verify"] < out["verify_ms"]
+    spec_over_plain = (out["verify_ms"] + out["draft_ms"]) / out["decode_ms"]
+    assert abs(out["break_even_accept_len"] - spec_over_plain) < 1e-3
+    # Sixteen sequences touch more experts than one.
+    batches = out["batches"]
+    assert batches["16"]["decode"]["experts_touched"] > batches["1"]["decode"]["experts_touched"]
+
+
+def test_table_and_png(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert main(["plan", "llama-3.1-8b", "--batch", "1", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "decode" in out and "break-even" in out and "best:" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_is_a_clear_error(capsys):
+    assert main(["plan", "kimi-k3"]) == 2
+    assert "unknown model 'kimi-k3'" in capsys.readouterr().err
+    assert main(["plan", "smollm2-135m", "--tp", "2"]) == 2
+    assert "use one of 1, 3, 9" in capsys.readouterr().err
+    assert main(["plan", "llama-3.1-8b", "--gpu", "h300"]) == 2
+    assert "unknown GPU 'h300'" in capsys.readouterr().err
+
+
+def test_plan_imports_no_torch():
+    code = """
+import contextlib, io, json, sys
+from outrider.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    main(["plan", "deepseek-v3", "--tp", "8", "--json"])
+    try:
+        main(["plan", "--help"])
+    except SystemExit:
+        pass
+print(json.dumps(sorted(m for m in ("torch", "numpy", "matplotlib") if m in sys.modules)))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == []
