@@ -32,14 +32,18 @@ CONFIGS = ("ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_e
 SUMMARY_KEYS = {"heldout": "speedup", "grounded": "speedup_grounded"}
 
 
-def spec_configs(k: int, draft: str | None) -> dict[str, dict | None]:
-    """Config name -> the `speculative=` dict given to `LLM` (None: plain decoding)."""
+def spec_configs(
+    k: int, draft: str | None, tree: tuple[int, int, int] = (8, 3, 4)
+) -> dict[str, dict | None]:
+    """Config name -> the `speculative=` dict given to `LLM` (None: plain decoding); `tree`:
+    (nodes, topk, steps) of the eagle3_tree configuration."""
     eagle = {"method": "eagle3", "draft": draft}
+    nodes, topk, steps = tree
     return {
         "plain": None,
         "ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "fixed"},
         "eagle3_chain": {**eagle, "num_draft_tokens": k, "controller": "fixed"},
-        "eagle3_tree": {**eagle, "num_draft_tokens": 8, "topk": 3, "num_steps": 4,
+        "eagle3_tree": {**eagle, "num_draft_tokens": nodes, "topk": topk, "num_steps": steps,
                         "controller": "fixed"},
         "adaptive_ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "adaptive"},
         "adaptive_eagle3": {**eagle, "num_draft_tokens": k, "controller": "adaptive"},
@@ -251,6 +255,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="default GPU 256, CPU 64")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (chain configs)")
     ap.add_argument(
+        "--tree",
+        type=int,
+        nargs=3,
+        default=[8, 3, 4],
+        metavar=("NODES", "TOPK", "STEPS"),
+        help="the eagle3_tree configuration's shape (default 8 3 4)",
+    )
+    ap.add_argument(
         "--rounds", type=int, default=None,
         help="rounds per (set, C), each running every configuration once between plain runs "
         "(default GPU 3: one batch of 64 takes ~0.5 s there, and two plain runs in a row "
@@ -278,7 +290,7 @@ def main() -> None:
     prompt_sets = {"heldout": HELDOUT, "grounded": GROUNDED}
     convs = {s: [[{"role": "user", "content": p}] for p in prompt_sets[s][: args.num_prompts]]
              for s in args.sets}  # fmt: skip
-    all_specs = spec_configs(args.k, args.draft)
+    all_specs = spec_configs(args.k, args.draft, tuple(args.tree))
     specs = {n: all_specs[n] for n in ["plain", *args.configs]}
     # Every configuration lives side by side, and each (set, C) slot runs plain, then rounds
     # of every configuration (rotated) each followed by plain: a configuration is compared
@@ -347,6 +359,7 @@ def main() -> None:
         "new_tokens": new_tokens,
         "concurrency": concurrency,
         "k": args.k,
+        "tree": args.tree,
         "num_prompts": {s: len(v) for s, v in convs.items()},
         "configs": specs,
         "errors": errors,

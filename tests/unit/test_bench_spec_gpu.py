@@ -122,6 +122,8 @@ def test_configs_name_every_method(bench):
     assert specs["ngram"]["num_draft_tokens"] == 5
     assert specs["eagle3_tree"]["topk"] == 3 and specs["eagle3_tree"]["num_draft_tokens"] == 8
     assert {specs[n]["controller"] for n in ("adaptive_ngram", "adaptive_eagle3")} == {"adaptive"}
+    tree = bench.spec_configs(k=5, draft=None, tree=(24, 4, 6))["eagle3_tree"]
+    assert (tree["num_draft_tokens"], tree["topk"], tree["num_steps"]) == (24, 4, 6)
 
 
 def test_summarize_takes_the_median_round_against_the_plain_runs_around_it(bench):
