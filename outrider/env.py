@@ -93,3 +93,13 @@ def rank() -> int:
 def local_rank() -> int:
     """LOCAL_RANK: this process's rank on its host (its GPU index); 0 outside torchrun."""
     return _int("LOCAL_RANK", 0)
+
+
+def master_addr() -> str | None:
+    """MASTER_ADDR: the host of rank 0's rendezvous in a torchrun job; None outside torchrun."""
+    return os.environ.get("MASTER_ADDR") or None
+
+
+def master_port() -> int | None:
+    """MASTER_PORT: the port of rank 0's rendezvous in a torchrun job; None outside torchrun."""
+    return _int("MASTER_PORT", 0) or None

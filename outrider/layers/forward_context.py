@@ -94,3 +94,9 @@ def get_forward_context() -> ForwardContext:
             "attention ran outside a forward context: wrap the forward in forward_context()"
         )
     return ctx
+
+
+def current_mode() -> ForwardMode | None:
+    """The running forward's mode, or None outside a forward (collectives are counted by it)."""
+    ctx = _CURRENT.get()
+    return None if ctx is None else ctx.attn.mode

@@ -1,0 +1,226 @@
+"""Tensor-parallel process groups and the one place their collectives run.
+
+`init_tensor_parallel` joins (or starts) torch.distributed — NCCL on CUDA, gloo on CPU — from
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or explicit
+arguments, so one node and several nodes run the same code. It returns a `TPGroup`: rank,
+size, and the collectives every parallel layer calls (all_reduce, all_gather, broadcast). Each
+call is counted, with its bytes, under the mode of the forward it ran in, so /metrics and the
+planner see what a decode, verify, prefill or draft forward moves across the link.
+
+Bytes follow the planner's convention (outrider/plan/costmodel.py): an all-reduce counts each
+rank's buffer, an all-gather the gathered output, a broadcast the buffer.
+
+A group of size 1 needs no torch.distributed: its collectives return their input and count
+nothing, so a model built for one rank runs exactly as it did before tensor parallelism.
+
+Captured CUDA graphs replay their collectives without running this Python, so the counts see
+a graph's collectives once, when it is captured; eager forwards are counted every time.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from outrider import env
+from outrider.layers.forward_context import current_mode
+
+# Outside any forward before the first one (weight broadcasts, start-up checks).
+OTHER = "other"
+
+
+@dataclass
+class TPGroup:
+    """One tensor-parallel group as the layers see it: this process's rank, the group's size,
+    and counted collectives over `group` (a torch.distributed ProcessGroup; None for size 1)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    # Whether init_tensor_parallel started torch.distributed for this group (close() ends it).
+    owns_process_group: bool = False
+    # mode -> collective -> {"calls": n, "bytes": b}
+    _counts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict, repr=False)
+    _last_mode: str = field(default=OTHER, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(
+                f"tensor-parallel rank {self.rank} of size {self.size} is out of range: "
+                "a rank is in [0, size)"
+            )
+        if self.size > 1 and self.group is None:
+            raise ValueError(
+                f"a tensor-parallel group of size {self.size} needs a process group: build it "
+                "with init_tensor_parallel()"
+            )
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+    # --- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place; returns it. Size 1: `x` untouched."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        self._count("all_reduce", x.numel() * x.element_size())
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim` in rank order (the same on every rank)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        self._count("all_gather", x.numel() * x.element_size() * self.size)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` on every rank, written in place; returns it."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        self._count("broadcast", x.numel() * x.element_size())
+        dist.broadcast(x, src=src, group=self.group)
+        return x
+
+    # --- counts ------------------------------------------------------------------------------
+
+    def _count(self, op: str, nbytes: int) -> None:
+        # A forward's logits are computed just after it, outside its forward context (the
+        # runner's run() and the speculative step do so): collectives outside a forward count
+        # under the mode of the last forward this group saw.
+        mode = current_mode()
+        key = self._last_mode if mode is None else mode.value
+        self._last_mode = key
+        slot = self._counts.setdefault(key, {}).setdefault(op, {"calls": 0, "bytes": 0})
+        slot["calls"] += 1
+        slot["bytes"] += nbytes
+
+    def counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """A snapshot: {mode: {collective: {"calls": n, "bytes": b}}}, modes as ForwardMode
+        values ("decode", "verify", "prefill", "draft") or "other"."""
+        return copy.deepcopy(self._counts)
+
+    def reset_counts(self) -> None:
+        self._counts.clear()
+        self._last_mode = OTHER
+
+    def close(self) -> None:
+        """End torch.distributed if this group started it."""
+        if self.owns_process_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_process_group = False
+
+
+def single() -> TPGroup:
+    """The group of one rank: no torch.distributed, collectives are the identity."""
+    return TPGroup()
+
+
+def init_tensor_parallel(
+    tp_size: int | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 300.0,
+) -> TPGroup:
+    """This process's tensor-parallel group. Unset arguments come from torchrun's environment
+    (one process outside torchrun). tp_size None means the whole world; tensor parallelism
+    spans every process of the job. On CUDA the process's device becomes cuda:local_rank."""
+    world = env.world_size() if world_size is None else world_size
+    rank = env.rank() if rank is None else rank
+    tp_size = world if tp_size is None else tp_size
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size={tp_size}: use 1 or more")
+    if tp_size != world:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not match the world size {world}: start "
+            f"{tp_size} processes (torchrun --nnodes N --nproc-per-node M with N x M = "
+            f"{tp_size}), or set tensor_parallel_size={world}"
+        )
+    if world == 1:
+        return single()
+    device = torch.device(device)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a launcher (or the trainer) already joined the job
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(
+                f"torch.distributed is already running as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world}: pass the same rank "
+                "and world size, or leave them unset"
+            )
+        return TPGroup(rank, world, dist.group.WORLD)
+    addr = master_addr or env.master_addr()
+    port = master_port or env.master_port()
+    if addr is None or port is None:
+        raise ValueError(
+            f"rank {rank} of {world} has no rendezvous address (MASTER_ADDR={addr}, "
+            f"MASTER_PORT={port}): launch with torchrun, or pass master_addr and master_port"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(env.local_rank() if local_rank is None else local_rank)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return TPGroup(rank, world, dist.group.WORLD, owns_process_group=True)
+
+
+def check_tp_size(cfg: Any, tp_size: int) -> None:
+    """Fail, naming the sizes that work, when `tp_size` cannot split the model `cfg` (a
+    TransformerConfig): attention heads, the vocabulary and the MLP split evenly over the
+    ranks; KV heads split too, or each is replicated on tp_size / kv_heads ranks."""
+
+    def problems(t: int) -> list[str]:
+        out = []
+        if cfg.num_attention_heads % t:
+            out.append(f"{cfg.num_attention_heads} attention heads")
+        kv = cfg.num_key_value_heads
+        if kv % t and t % kv:
+            out.append(f"{kv} KV heads (nor is it a multiple of them)")
+        if cfg.vocab_size % t:
+            out.append(f"vocabulary of {cfg.vocab_size}")
+        if cfg.intermediate_size % t:
+            out.append(f"MLP width {cfg.intermediate_size}")
+        return out
+
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size={tp_size}: use 1 or more")
+    found = problems(tp_size)
+    if found:
+        fits = [t for t in range(1, cfg.num_attention_heads + 1) if not problems(t)]
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the {' or the '.join(found)}: "
+            f"use tensor_parallel_size in {fits}"
+        )
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads a rank holds: its share, or one replicated head when there are fewer KV heads
+    than ranks."""
+    return max(1, num_kv_heads // tp_size)
