@@ -58,14 +58,19 @@ def hf_reference(hf_cfg: dict, seed: int = 0):
     return model
 
 
-def outrider_model(hf_cfg: dict, state_dict: dict, num_blocks: int = 64, block_size: int = 16):
+def outrider_model(
+    hf_cfg: dict, state_dict: dict, num_blocks: int = 64, block_size: int = 16, tp=None
+):
+    """The outrider model of `hf_cfg` holding `state_dict` (this rank's shard of it under the
+    tensor-parallel group `tp`), with a KV pool of this rank's KV heads bound to its layers."""
     cfg = TransformerConfig.from_hf_dict(hf_cfg)
     old = torch.get_default_dtype()
-    model = model_class(cfg.architecture)(cfg).float().eval()
+    model = model_class(cfg.architecture)(cfg, tp=tp).float().eval()
     torch.set_default_dtype(old)
     load_weights(model, state_dict.items())
+    kv_heads = model.attention_layers()[0].num_kv_heads
     pool = KVPool(
-        KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, torch.float32),
+        KVLayout.multi_head(kv_heads, cfg.head_dim, torch.float32),
         cfg.num_hidden_layers,
         num_blocks,
         block_size,

@@ -2,8 +2,13 @@
 checkpoint weights: `param.weight_loader(param, loaded, shard_id)`.
 
 Column-parallel layers split the output dimension across ranks, row-parallel ones the input
-dimension (their partial sums are all-reduced by the caller's collective). With tp_size=1 every
-loader is a copy; the slicing is here so that parallelism stays a property of the layers.
+dimension and all-reduce their partial sums themselves. With one rank every loader is a copy
+and nothing is reduced; the slicing is here so that parallelism stays a property of the layers.
+
+Each layer takes its `TPGroup` as a constructor argument rather than from a process-wide
+"current group": a process holds models of different parallelism side by side (a drafter on
+one rank beside a target split over all of them; TP 1 and TP N models in one test), and a
+layer must reduce over the group its model was built for.
 """
 
 from __future__ import annotations
@@ -12,13 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outrider.executor.distributed import TPGroup, kv_heads_per_rank, single
+
 
 class _Linear(nn.Module):
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup | None = None
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp or single()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -35,13 +43,14 @@ class _Linear(nn.Module):
 
 
 class ColumnParallelLinear(_Linear):
-    """y = x W^T with W's rows (outputs) split across ranks."""
+    """y = x W^T with W's rows (outputs) split across ranks: each rank holds its slice of y."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank=0, tp_size=1
+        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup | None = None
     ):
-        _divisible(out_features, tp_size, "output features")
-        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+        tp = tp or single()
+        _divisible(out_features, tp.size, "output features")
+        super().__init__(in_features, out_features // tp.size, bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = param.shape[0]
@@ -50,13 +59,21 @@ class ColumnParallelLinear(_Linear):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input packed into one matmul (gate_up_proj).
-    Checkpoint shards arrive one at a time with shard_id = their index in `output_sizes`."""
+    Checkpoint shards arrive one at a time with shard_id = their index in `output_sizes`; a
+    rank's output is [its slice of projection 0 | its slice of projection 1 | ...]."""
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool = False, tp_rank=0, tp_size=1
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TPGroup | None = None,
     ):
+        tp = tp or single()
+        for size in output_sizes:
+            _divisible(size, tp.size, "output features")
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
+        super().__init__(in_features, sum(output_sizes), bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
@@ -65,9 +82,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         _copy_checked(target, loaded.narrow(0, self.tp_rank * size, size), self)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
+class QKVParallelLinear(_Linear):
     """q, k and v projections packed into one matmul. Output layout per rank:
-    [q heads of this rank | k heads | v heads], each head head_dim wide."""
+    [q heads of this rank | k heads | v heads], each head head_dim wide.
+
+    Query heads split evenly. KV heads split too when there are at least as many as ranks;
+    with fewer, each rank holds one KV head — the one its query heads read — replicated on
+    tp_size / num_kv_heads ranks (9 heads, 3 KV heads at TP 9: ranks 0-2 hold KV head 0)."""
 
     def __init__(
         self,
@@ -76,36 +97,53 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int,
         bias: bool = False,
-        tp_rank=0,
-        tp_size=1,
+        tp: TPGroup | None = None,
     ):
-        _divisible(num_heads, tp_size, "attention heads")
-        _divisible(
-            num_kv_heads, tp_size, "KV heads"
-        )  # KV-head replication for tp > kv heads: later
+        tp = tp or single()
+        _divisible(num_heads, tp.size, "attention heads")
+        if num_kv_heads % tp.size and tp.size % num_kv_heads:
+            raise ValueError(
+                f"{num_kv_heads} KV heads neither split over tensor-parallel size {tp.size} nor "
+                f"replicate evenly on it: pick a divisor or a multiple of {num_kv_heads}"
+            )
         self.head_dim = head_dim
-        self.num_heads, self.num_kv_heads = num_heads // tp_size, num_kv_heads // tp_size
-        out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden, out, bias, tp_rank, tp_size)
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
+        # The KV shard this rank holds: its own, or the one it shares with its replicas.
+        self.kv_shard = tp.rank // max(1, tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden, out, bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        offset, size, shard = {
+            "q": (0, q, self.tp_rank),
+            "k": (q, kv, self.kv_shard),
+            "v": (q + kv, kv, self.kv_shard),
+        }[shard_id]
         target = param.data.narrow(0, offset, size)
-        _copy_checked(target, loaded.narrow(0, self.tp_rank * size, size), self)
+        _copy_checked(target, loaded.narrow(0, shard * size, size), self)
 
 
 class RowParallelLinear(_Linear):
-    """y = x W^T with W's columns (inputs) split across ranks; the caller all-reduces y."""
+    """y = x W^T with W's columns (inputs) split across ranks: each rank multiplies its slice
+    of x and the partial sums are all-reduced here, so every rank returns the whole y."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp_rank=0, tp_size=1
+        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup | None = None
     ):
-        _divisible(in_features, tp_size, "input features")
-        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+        tp = tp or single()
+        _divisible(in_features, tp.size, "input features")
+        super().__init__(in_features // tp.size, out_features, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias  # added once, after the sum
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.dim() == 1:  # the bias is added once, on every rank's full output
+        if param.dim() == 1:  # the bias is whole on every rank
             _copy_checked(param.data, loaded, self)
             return
         n = param.shape[1]
@@ -115,7 +153,8 @@ class RowParallelLinear(_Linear):
 def _divisible(n: int, tp_size: int, what: str) -> None:
     if n % tp_size:
         raise ValueError(
-            f"{n} {what} do not split over tensor-parallel size {tp_size}: pick a divisor"
+            f"{n} {what} do not split over tensor-parallel size {tp_size}: pick a tensor-"
+            f"parallel size that divides {n}"
         )
 
 

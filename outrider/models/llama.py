@@ -1,7 +1,12 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k norms, SmolLM2)
 on one flat-batch forward: tokens of all sequences in one [num_tokens] row, positions beside
 them, paged KV through the attention layer. Module names follow HF so checkpoints map 1:1,
-except the packed projections listed in `packed_modules_mapping`."""
+except the packed projections listed in `packed_modules_mapping`.
+
+One file for every tensor-parallel size: the model takes its `TPGroup` once and hands it to
+each parallel layer, which slices its weights and reduces its own output. A rank holds
+heads / tp query heads and kv_heads / tp KV heads (one replicated KV head when there are fewer
+KV heads than ranks); the residual stream, norms and logits are whole on every rank."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from outrider.executor.distributed import TPGroup, check_tp_size, kv_heads_per_rank, single
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention
 from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -20,20 +26,25 @@ from outrider.loaders.hf_config import TransformerConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # This rank's heads.
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_key_value_heads, tp.size)
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             self.head_dim,
-            self.num_heads,
-            self.num_kv_heads,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
             bias=cfg.attention_bias,
+            tp=tp,
         )
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False, tp=tp
+        )
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -57,11 +68,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, tp: TPGroup) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias=False)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias=False, tp=tp
+        )
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=False, tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,10 +82,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -94,10 +107,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: TransformerConfig, max_positions: int) -> None:
+    def __init__(self, cfg: TransformerConfig, max_positions: int, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)
+        )
         # One rotary table for all layers; cos/sin are looked up once per forward.
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
@@ -130,11 +145,16 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: TransformerConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self, cfg: TransformerConfig, max_positions: int | None = None, tp: TPGroup | None = None
+    ) -> None:
+        """tp: the tensor-parallel group this model is split over (None: one rank)."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.tp = tp = tp or single()
+        check_tp_size(cfg, tp.size)
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -146,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+        return self.lm_head(hidden)  # [N, vocab], whole on every rank
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
