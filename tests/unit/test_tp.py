@@ -280,3 +280,89 @@ def test_bad_tp_sizes_name_the_fix(monkeypatch):
         init_tensor_parallel(2, rank=0, world_size=2)
     with pytest.raises(ValueError, match="needs a process group"):
         TPGroup(0, 2)
+
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers greater than 10.",
+)
+DEFAULT_NEW_TOKENS = 20
+
+
+def default_model_greedy(tp: TPGroup) -> list[list[int]]:
+    """Greedy tokens of the real default model for DEFAULT_PROMPTS (chat-templated): one
+    batched prefill, then batched decodes, driven through the model's forward."""
+    from outrider.executor.kv_cache import KVLayout, KVPool
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.models.weights import load_weights
+
+    ckpt = open_checkpoint(None)
+    cfg, tok = ckpt.config, ckpt.tokenizer
+    model = LlamaForCausalLM(cfg, max_positions=256, tp=tp).float().eval()
+    load_weights(model, ckpt.iter_tensors())
+    kv_heads = model.attention_layers()[0].num_kv_heads
+    blocks_per_seq = 4  # 64 tokens: prompt and new tokens
+    pool = KVPool(
+        KVLayout.multi_head(kv_heads, cfg.head_dim, torch.float32),
+        cfg.num_hidden_layers,
+        blocks_per_seq * len(DEFAULT_PROMPTS),
+        BLOCK,
+        torch.device("cpu"),
+    )
+    for i, attn in enumerate(model.attention_layers()):
+        attn.kv_cache = pool.layer(i)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False
+        )
+        for p in DEFAULT_PROMPTS
+    ]
+    assert max(len(p) for p in prompts) + DEFAULT_NEW_TOKENS <= blocks_per_seq * BLOCK
+
+    def step(mode: ForwardMode, rows: list[tuple[list[int], int]]) -> list[int]:
+        seqs = []
+        for i, (ids, start) in enumerate(rows):
+            req = Request(prompt_token_ids=list(ids), params=SamplingParams(temperature=0))
+            blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+            seqs.append(ScheduledSeq(req, list(ids), start, blocks, sample=True))
+        hidden = run_forward(model, ScheduledBatch(mode, seqs), BLOCK)
+        last = torch.tensor([len(ids) for ids, _ in rows]).cumsum(0) - 1
+        with torch.inference_mode():
+            return model.compute_logits(hidden[last]).argmax(-1).tolist()
+
+    out = [[t] for t in step(ForwardMode.PREFILL, [(p, 0) for p in prompts])]
+    for n in range(DEFAULT_NEW_TOKENS - 1):
+        rows = [([o[-1]], len(p) + n) for p, o in zip(prompts, out)]
+        for o, t in zip(out, step(ForwardMode.DECODE, rows)):
+            o.append(t)
+    return out
+
+
+def _default_model_worker(rank: int, size: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(
+        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
+    )
+    try:
+        torch.save(default_model_greedy(tp), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        tp.close()
+
+
+@pytest.mark.slow
+def test_default_model_tp3_greedy_equals_tp1(tmp_path):
+    """The real default model (9 heads, 3 KV heads: one KV head per rank) split over 3 ranks
+    picks TP 1's greedy tokens."""
+    from outrider.loaders.checkpoint import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    want = default_model_greedy(single())
+    mp.spawn(_default_model_worker, args=(3, _free_port(), str(tmp_path)), nprocs=3, join=True)
+    for rank in range(3):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got == want, f"rank {rank} diverged from TP 1"
+    assert all(len(o) == DEFAULT_NEW_TOKENS for o in want)
