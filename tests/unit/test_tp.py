@@ -3,6 +3,7 @@ file at TP 1 and TP N gives the same logits, and every collective a forward runs
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -150,11 +151,20 @@ def _free_port() -> int:
 
 def _worker(rank: int, size: int, port: int, names: tuple[str, ...], out_dir: str) -> None:
     torch.set_num_threads(1)
-    tp = init_tensor_parallel(
-        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
-    )
+    if size == 3:  # as torchrun starts a rank: everything from the environment
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        tp = init_tensor_parallel()
+    else:
+        tp = init_tensor_parallel(
+            size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
+        )
     try:
-        result = {name: run_steps(CASES[name], tp) for name in names}
+        x = torch.full((4,), float(rank))
+        tp.broadcast(x, src=1)  # outside any forward: counted as "other"
+        result = {"broadcast": (x, tp.counts(), tp.rank, tp.size)}
+        result |= {name: run_steps(CASES[name], tp) for name in names}
         result["row_bias"] = row_parallel_with_bias(tp)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -168,6 +178,11 @@ def run_tp(size: int, names: tuple[str, ...], tmp_path: Path) -> list[dict]:
 
 
 def assert_matches_tp1(names: tuple[str, ...], ranks: list[dict]) -> None:
+    for rank, result in enumerate(ranks):
+        x, counts, tp_rank, tp_size = result["broadcast"]
+        assert (tp_rank, tp_size) == (rank, len(ranks))
+        assert x.tolist() == [1.0] * 4
+        assert counts == {"other": {"broadcast": {"calls": 1, "bytes": 16}}}
     want = row_parallel_with_bias(single())  # the bias is added once, after the sum
     for rank, result in enumerate(ranks):
         err = (result["row_bias"] - want).abs().max().item()
