@@ -149,6 +149,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(fn, size: int, *args) -> None:
+    """`fn(rank, size, port, *args)` on `size` processes. The port is free when probed but
+    another process may take it before rank 0 binds it: then the job is started again on a new
+    port (any other failure is raised)."""
+    for attempt in range(3):
+        try:
+            mp.spawn(fn, args=(size, _free_port(), *args), nprocs=size, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if "address already in use" not in str(e).lower() or attempt == 2:
+                raise
+
+
 def _worker(rank: int, size: int, port: int, names: tuple[str, ...], out_dir: str) -> None:
     torch.set_num_threads(1)
     if size == 3:  # as torchrun starts a rank: everything from the environment
@@ -173,7 +186,7 @@ def _worker(rank: int, size: int, port: int, names: tuple[str, ...], out_dir: st
 
 def run_tp(size: int, names: tuple[str, ...], tmp_path: Path) -> list[dict]:
     """Every rank's run_steps for each case, TP `size` over gloo."""
-    mp.spawn(_worker, args=(size, _free_port(), names, str(tmp_path)), nprocs=size, join=True)
+    spawn_ranks(_worker, size, names, str(tmp_path))
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
 
 
@@ -376,7 +389,7 @@ def test_default_model_tp3_greedy_equals_tp1(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     want = default_model_greedy(single())
-    mp.spawn(_default_model_worker, args=(3, _free_port(), str(tmp_path)), nprocs=3, join=True)
+    spawn_ranks(_default_model_worker, 3, str(tmp_path))
     for rank in range(3):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got == want, f"rank {rank} diverged from TP 1"
