@@ -38,9 +38,6 @@ from outrider.speculative.tree_batch import TreeShape
 log = logging.getLogger(__name__)
 
 _OBSERVED_ROWS = 16  # rows of a verify step the adaptive controller learns from
-# A host proposer under the controller whose last _LOOKUP_PATIENCE lookups found no draft for
-# any request looks up once every _LOOKUP_GAP steps until one finds some.
-_LOOKUP_PATIENCE, _LOOKUP_GAP = 8, 16
 
 
 @dataclass
@@ -113,9 +110,6 @@ class EngineCore:
         self._k_max = k if p is not None else 0
         self._k = self._k_max  # drafts verified this step (the controller's pick)
         self._drafted_only = False  # the last step drafted but verified nothing
-        # A host proposer under the controller drafts before k is chosen (_draft_then_choose):
-        # the ms its lookup took this step, and the lookups skipped while none found drafts.
-        self._lookup_ms, self._lookup_misses, self._lookup_skip = 0.0, 0, 0
         self._observe_phase = 0  # which share of a large batch the controller sees this step
         self._tree: TreeShape | None = None
         if p is not None and p.topk > 1 and p.on_device:
@@ -250,12 +244,11 @@ class EngineCore:
             return self.scheduler.schedule()
         if not self._stepped:
             return self.scheduler.schedule()  # as proposed
-        if self.controller is not None and not self.proposer.on_device:
-            self._draft_then_choose()
-        else:
-            self._choose_k()
-            if not self.proposer.on_device and self._k:
-                self._propose()  # drafted for the k chosen (a fixed k: every step)
+        self._choose_k()
+        if not self.proposer.on_device and self._k:
+            # Drafted on demand, for the k chosen: while speculation is off a host proposer
+            # costs nothing.
+            self._propose()
         lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
         if self._tree is not None:
             lookahead = self._tree.reach - 1
@@ -278,40 +271,6 @@ class EngineCore:
         if ids:
             self._k = self.controller.choose(ids)
 
-    def _draft_then_choose(self) -> None:
-        """A host proposer's lookup runs before k is chosen, so the controller sees which
-        requests have drafts now: one without yields exactly one token whatever k is, one with
-        yields what its acceptance of real drafts says. n-gram matches come in bursts (a passage
-        repeated, then none): averaged over steps with and without a match, acceptance read
-        low after a few misses and turned speculation off where a fixed k won 1.3x (H200, C=4
-        and 8), and while off nothing was verified to lift it again.
-
-        The lookup is skipped where no k could pay even with every draft accepted (a slow
-        verify, or a lookup that costs more than it saves: its time is in the k > 0 steps'
-        measured cost), and after 8 in a row that found nothing for any request runs once in 16
-        steps until one finds some: a drafter that never matches costs 1/16 of its lookups, a
-        bursty one misses no burst shorter gaps apart. A plain
-        step is recorded without its lookup's time (drafting was a choice, not plain's cost)."""
-        reqs = [r for r in self.scheduler.running if r.num_computed_tokens == r.num_tokens - 1]
-        self._lookup_ms = 0.0
-        if not reqs:
-            return
-        ids = [r.request_id for r in reqs]
-        if self._lookup_skip:
-            self._lookup_skip -= 1
-        elif self.controller.drafts_can_pay(len(reqs)):
-            t = time.perf_counter()
-            self._propose(self._k_max)
-            self._lookup_ms = (time.perf_counter() - t) * 1e3
-            self._lookup_misses = 0 if any(r.drafts for r in reqs) else self._lookup_misses + 1
-            if self._lookup_misses >= _LOOKUP_PATIENCE:
-                self._lookup_skip = _LOOKUP_GAP - 1
-        num = [r.drafts.num_nodes if r.drafts else 0 for r in reqs]
-        self._k = k = self.controller.choose(ids, num)
-        for r, n in zip(reqs, num):
-            if n > k:
-                r.drafts = r.drafts.truncated(k) if k else None
-
     def _record_step(self, batch: ScheduledBatch, k: int, t0: float) -> None:
         """The whole step (scheduling, a host proposer's lookup, the runner, the bookkeeping of
         every token it emitted) refines the start-up profile, which timed the runner alone: at
@@ -320,8 +279,6 @@ class EngineCore:
         step taken while speculation was on (no row found drafts) is neither: not recorded."""
         if self.controller is not None:
             ms = (time.perf_counter() - t0) * 1e3
-            if k == 0:
-                ms -= self._lookup_ms
             self.controller.record_step(len(batch.seqs), k, ms)
 
     def _speculative_step(self, batch: ScheduledBatch) -> bool:
@@ -407,11 +364,15 @@ class EngineCore:
         stride = -(-len(sampling) // _OBSERVED_ROWS)
         self._observe_phase = (self._observe_phase + 1) % stride
         for i, seq in enumerate(sampling):
-            if observe and i % stride == self._observe_phase and seq.drafts is not None:
-                # The drafts the row had are what was tried: a device drafter's hold what the
-                # previous step's k asked for, a host proposer's what its lookup found (the
-                # controller knew which rows had none when it chose k: _draft_then_choose).
-                n = seq.drafts.num_nodes
+            if (
+                observe
+                and i % stride == self._observe_phase
+                and (seq.drafts is not None or not self.proposer.on_device)
+            ):
+                # A host proposer drafts all it can (up to the most k): drafts short of k, or
+                # none, yielded nothing there and count as rejected. A device drafter's rows
+                # hold what the previous step's k asked for: only those were tried.
+                n = seq.drafts.num_nodes if self.proposer.on_device else self._k
                 self.controller.observe(seq.request.request_id, n, output.num_accepted[i])
             if seq.drafts is None:
                 continue
@@ -452,16 +413,16 @@ class EngineCore:
             if not req.is_finished and n > 0:
                 req.drafts = drafts.truncated(n)
 
-    def _propose(self, k: int | None = None) -> None:
-        """Draft (up to k, default the step's) for every running request that is decoding,
-        capped so accepted drafts plus the final token never pass max_tokens or the context."""
+    def _propose(self) -> None:
+        """Draft for every running request that is decoding, capped so accepted drafts plus
+        the final token never pass max_tokens or the context."""
         reqs = [
             r
             for r in self.scheduler.running
             if r.num_computed_tokens == r.num_tokens - 1
             and not r.drafts  # a device drafter already drafted inside the step
         ]
-        k = self._k if k is None else k
+        k = self._k
         if not reqs or k == 0:
             return
         if self.proposer.writes_kv:

@@ -14,10 +14,7 @@ request, plus an engine-wide one that requests never observed use.
     a = [0.8, 0.5]:  E(0) = 1,  E(1) = 1 + 0.8 = 1.8,  E(2) = 1.8 + 0.8 * 0.5 = 2.2
 
 A verify of n drafts with the first m accepted updates positions 1..min(m + 1, n): accepts at
-1..m, a reject at m + 1; later positions saw nothing and keep their value. n is the drafts the
-request had: a host proposer drafts before choose() and passes each request's count, so a
-request without drafts counts exactly 1 token (E capped at E(n)), not a rejection: n-gram
-matches come in bursts, and averaging the misses in turned speculation off where it won. A position never
+1..m, a reject at m + 1; later positions saw nothing and keep their value. A position never
 observed reads as the deepest observed one (`prior` before any): choosing k observes nothing past
 k, so with the prior there a drafter that always matches could stall below the best k (step ms
 10 + 3k, full acceptance, prior 0.6: stuck at k = 2, 21% slower than k = 4).
@@ -192,14 +189,6 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return _cumulative(acceptance[:k])[k]
 
 
-def _capped(expect: list[float], n: int) -> list[float]:
-    """[E(0), ..., E(max_k)] of a request that has n drafts: E(k) = E(min(k, n))."""
-    if n >= len(expect) - 1:
-        return expect
-    n = max(n, 0)
-    return expect[: n + 1] + [expect[n]] * (len(expect) - 1 - n)
-
-
 def _cumulative(acceptance: Sequence[float]) -> list[float]:
     """[E(0), E(1), ..., E(len(acceptance))] in one pass."""
     out, p = [1.0], 1.0
@@ -284,25 +273,13 @@ class SpecController:
         # Measurements refine the table they were made against.
         self._live, self._live_ms, self._extra = {}, {}, {}
 
-    def choose(self, request_ids: Sequence[str], num_drafts: Sequence[int] | None = None) -> int:
+    def choose(self, request_ids: Sequence[str]) -> int:
         """k for the next step of a batch of these requests (len = batch size). An empty batch
-        gets 0 and changes nothing.
-
-        num_drafts: the drafts each request has now, when they were made before choosing (a
-        host proposer's lookup): a request yields at most E(its drafts) whatever k is, one with
-        none exactly 1 token. Its acceptance then means acceptance of drafts that existed
-        (observe with the drafts it had)."""
+        gets 0 and changes nothing."""
         batch = len(request_ids)
         if batch == 0:
             return 0
         rows = map(self._expect.get, request_ids, repeat(self._engine_expect()))
-        if num_drafts is not None:
-            if len(num_drafts) != batch:
-                raise ValueError(
-                    f"num_drafts has {len(num_drafts)} entries for {batch} requests: give one "
-                    "count per request (0 for a request without drafts)"
-                )
-            rows = map(_capped, rows, num_drafts)
         totals = list(map(sum, zip(*rows)))  # sum_r E_r(k), k = 0..max_k
         step_ms = self._step_ms
         tps = {k: totals[k] / step_ms(batch, k) for k in self._ks}  # tokens per ms
@@ -320,9 +297,10 @@ class SpecController:
         probe = False
         if k == 0 and len(self._ks) > 1:
             probe_k = max(self._ks[1:], key=tps.__getitem__)
-            probe = self._plain_ms >= self.probe_every * step_ms(
-                batch, probe_k
-            ) and self.drafts_can_pay(batch)
+            probe = self._plain_ms >= self.probe_every * step_ms(batch, probe_k) and any(
+                (1 + j) * step_ms(batch, 0) > (1 + self.hysteresis) * step_ms(batch, j)
+                for j in self._ks[1:]
+            )
             if probe:
                 k = probe_k
         self._plain_ms = self._plain_ms + step_ms(batch, 0) if k == 0 else 0.0
@@ -386,15 +364,6 @@ class SpecController:
             self._update(a, n, min(num_accepted, n))
         self._expect[request_id] = self._expectations(mine)
         self._global_expect = None  # B observes a step: recomputed once, when next read
-
-    def drafts_can_pay(self, batch_size: int) -> bool:
-        """Whether some k beats plain for a batch of this size even if every draft were accepted
-        (after hysteresis): when not, drafting (a host lookup) is wasted work."""
-        ms = self._step_ms
-        plain = ms(batch_size, 0)
-        return any(
-            (1 + j) * plain > (1 + self.hysteresis) * ms(batch_size, j) for j in self._ks[1:]
-        )
 
     def forget(self, request_id: str) -> None:
         self._accept.pop(request_id, None)

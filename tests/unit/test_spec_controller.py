@@ -293,20 +293,3 @@ def test_one_stalled_step_does_not_hold_a_k_off():
     for _ in range(9):  # slow every time now: the window turns over
         ctl.record_step(4, 2, 60.0)
     assert ctl._step_ms(4, 2) == 60.0 and ctl.choose(ids) == 0
-
-
-def test_drafts_made_before_choosing_cap_what_each_request_can_yield():
-    c = SpecController(FAST, 4, prior=1.0, hysteresis=0.0)
-    batch = ["a", "b", "c", "d"]
-    # No request has drafts: every k yields one token per request for more time.
-    assert c.choose(batch, [0, 0, 0, 0]) == 0
-    # Two drafts each, all accepted: k = 2 yields as much as 3 or 4, for less time.
-    assert c.choose(batch, [2, 2, 2, 2]) == 2
-    assert c.choose(batch, [4, 4, 4, 4]) == 4
-    with pytest.raises(ValueError, match="num_drafts has 3 entries for 4 requests"):
-        c.choose(batch, [1, 1, 1])
-
-
-def test_drafts_can_pay_only_where_a_full_acceptance_would_beat_plain():
-    assert SpecController(FAST, 4).drafts_can_pay(4)
-    assert not SpecController(SLOW, 4).drafts_can_pay(4)

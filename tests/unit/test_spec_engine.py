@@ -196,8 +196,7 @@ def test_adaptive_controller_turns_speculation_off_and_on(tiny_dir, prompts, ref
         engine.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
     else:
         engine.use_proposer(OracleProposer(cont))
-    # 100x plain: a live plain step slowed by a loaded machine must not make it look cheap
-    engine.controller.set_profile(_profile(verify_factor=100.0))
+    engine.controller.set_profile(_profile(verify_factor=10.0))
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert engine.spec_stats.num_verify_steps == 0
@@ -237,59 +236,6 @@ def test_adaptive_controller_counts_the_host_work_of_a_step(tiny_dir, prompts, r
     speculative = sum(n for k, n in engine.spec_steps_by_k.items() if k)
     assert 1 <= speculative <= 2, engine.spec_steps_by_k  # one per batch-size bucket at most
     assert engine.spec_steps_by_k[0] >= 10
-
-
-class BurstyProposer(OracleProposer):
-    """The oracle's drafts in bursts: for requests with an even number of outputs // 4 only
-    (a passage that repeats, then none); counts the lookups and those that found drafts."""
-
-    def __init__(self, continuations):
-        super().__init__(continuations)
-        self.lookups = self.found = 0
-
-    def propose(self, requests, max_draft_tokens):
-        self.lookups += 1
-        out = super().propose(requests, max_draft_tokens)
-        out = [d if (len(r.output_token_ids) // 4) % 2 == 0 else SeqDrafts.chain([])
-               for r, d in zip(requests, out)]  # fmt: skip
-        self.found += any(d.num_nodes for d in out)
-        return out
-
-
-def test_adaptive_host_proposer_drafts_first_and_verifies_whenever_drafts_exist(tiny_dir, prompts):  # noqa: F811
-    """Drafts in bursts (4 outputs with, 4 without) and a verify 1.6x plain's cost: the lookup
-    runs every step, and every one that found drafts is verified. Counted as rejections, the
-    rows without drafts would turn speculation off after a gap and miss the next burst."""
-    params = SamplingParams(temperature=0, max_tokens=60)
-    plain = [o.token_ids for o in _llm(tiny_dir).generate(prompts[:2], params)]
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
-    engine = llm.engine
-    bursty = BurstyProposer({tuple(p): r for p, r in zip(prompts, plain)})
-    engine.use_proposer(bursty)
-    engine.controller.set_profile(_profile(verify_factor=1.6))
-    verifies = []
-    run_spec = engine.runner.run_spec
-    engine.runner.run_spec = lambda *a: verifies.append(1) or run_spec(*a)
-    outs = llm.generate(prompts[:2], params)
-    assert [o.token_ids for o in outs] == plain
-    decode_steps = sum(engine.spec_steps_by_k.values())
-    assert bursty.found >= 4 and bursty.lookups > bursty.found  # bursts, and gaps between
-    assert bursty.lookups >= decode_steps - 2, (bursty.lookups, decode_steps)
-    assert len(verifies) == bursty.found
-
-
-def test_adaptive_host_lookups_back_off_while_they_find_nothing(tiny_dir, prompts, reference):  # noqa: F811
-    """A proposer that never finds a draft is asked at most once in every few steps (1, 2, 4,
-    .. 16 apart), so a drafter that never matches costs little more than plain decoding."""
-    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
-    engine = llm.engine
-    never = BurstyProposer({tuple(p): [] for p in prompts})  # an empty continuation: no drafts
-    engine.use_proposer(never)
-    engine.controller.set_profile(_profile(verify_factor=1.0))
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=60))
-    steps = engine.spec_steps_by_k.get(0, 0)
-    assert never.found == 0 and steps >= 50
-    assert 1 <= never.lookups <= steps // 4, (never.lookups, steps)
 
 
 def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F811
