@@ -134,6 +134,11 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="copy into /etc (keeping replaced files) and run systemctl daemon-reload && enable",
     )
+    p.add_argument(
+        "--env-file", default=None, metavar="PATH",
+        help="an extra KEY=VALUE environment file the unit reads after outrider.env (e.g. "
+        "`outrider bench comm`'s NCCL settings); installed beside it in /etc/outrider",
+    )  # fmt: skip
     p.add_argument("--root", default="/", help="install under this root (image builds)")
     p.add_argument("--systemctl", default="systemctl", help="the systemctl to run")
 
@@ -144,7 +149,12 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     from outrider.server.deploy import DeployOptions, install, write_bundle
 
     server, engine = load_yaml(args.config)
-    opts = DeployOptions(user=args.user, python=args.python, limit_nofile=args.limit_nofile)
+    opts = DeployOptions(
+        user=args.user,
+        python=args.python,
+        limit_nofile=args.limit_nofile,
+        env_file=Path(args.env_file) if args.env_file else None,
+    )
     bundle = write_bundle(server, engine, Path(args.output), opts)
     for path in bundle.values():
         print(f"wrote {path}")

@@ -6,6 +6,8 @@ and production notes, written to a directory; `--install` puts them in place.
     DIR/outrider.env       OUTRIDER_* knobs (EnvironmentFile=); never the API key
     DIR/server.yaml        the frozen, resolved config the unit serves (model path absolute)
     DIR/production.md      model path and sha256, speculation, endpoints, how to roll back
+    DIR/NAME.env           with --env-file: that file (e.g. `outrider bench comm`'s NCCL
+                           settings), a second EnvironmentFile= read after outrider.env
 
 Installing copies them to /etc/systemd/system and /etc/outrider (under --root for image
 builds), keeps any file it replaces as NAME.bak-TIMESTAMP, and runs `systemctl daemon-reload`
@@ -42,6 +44,43 @@ class DeployOptions:
     # WatchdogSec=: systemd restarts the service this long after the last WATCHDOG=1, which
     # the server sends only while its engine thread beats within its stall limit.
     watchdog_sec: int = 120
+    # An extra environment file the unit reads after outrider.env (later files win).
+    env_file: Path | None = None
+
+
+def read_env_file(path: Path) -> str:
+    """The file's text once every line is blank, a # comment or KEY=VALUE (systemd's
+    EnvironmentFile= syntax, as far as this checks); else a ValueError naming the line."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--env-file {str(path)!r} not found: pass the file `outrider bench comm` wrote "
+            "(its --env-out)"
+        )
+    text = path.read_text()
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, eq, _ = line.partition("=")
+        if not eq or not key.strip().replace("_", "a").isalnum() or key.strip()[0].isdigit():
+            raise ValueError(
+                f"{path}:{n}: {line!r} is not KEY=VALUE: an environment file holds only "
+                "KEY=VALUE lines and # comments"
+            )
+    return text
+
+
+def env_file_name(opts: DeployOptions) -> str | None:
+    """The extra environment file's name in the bundle and under /etc/outrider."""
+    if opts.env_file is None:
+        return None
+    name = opts.env_file.name
+    if name in (UNIT_NAME, "outrider.env", "server.yaml", "production.md"):
+        raise ValueError(
+            f"--env-file {str(opts.env_file)!r} has the name of a file the bundle writes: "
+            "rename it (e.g. nccl.env)"
+        )
+    return name
 
 
 def model_path(engine: EngineConfig) -> Path:
@@ -75,6 +114,8 @@ def frozen_yaml(server: ServerConfig, engine: EngineConfig, model: Path) -> str:
 
 def unit_text(server: ServerConfig, opts: DeployOptions, model: Path) -> str:
     stop_s = int(server.shutdown_timeout) + 30  # drain, then abort, then a margin
+    extra = env_file_name(opts)
+    extra_env = f"EnvironmentFile={ETC}/{extra}\n" if extra else ""
     return f"""\
 # Written by `outrider deploy systemd`; regenerate rather than edit.
 [Unit]
@@ -89,7 +130,7 @@ NotifyAccess=main
 User={opts.user}
 Group={opts.user}
 EnvironmentFile={ETC}/outrider.env
-ExecStart={opts.python} -m outrider serve --config {ETC}/server.yaml
+{extra_env}ExecStart={opts.python} -m outrider serve --config {ETC}/server.yaml
 Restart=on-failure
 RestartSec=5
 # Loading and warming the model happen before READY=1.
@@ -209,6 +250,8 @@ def write_bundle(
         "server.yaml": frozen_yaml(server, engine, model),
         "production.md": production_md(server, engine, model, sha256_of(model), opts),
     }
+    if opts.env_file is not None:
+        files[env_file_name(opts)] = read_env_file(opts.env_file)
     paths = {}
     for name, text in files.items():
         paths[name] = output / name
@@ -232,6 +275,8 @@ def install(
         "server.yaml": ETC / "server.yaml",
         "production.md": ETC / "production.md",
     }
+    for name in bundle:
+        targets.setdefault(name, ETC / name)  # the --env-file
     for name, target in targets.items():
         dest = root / target.relative_to("/")
         dest.parent.mkdir(parents=True, exist_ok=True)
