@@ -103,3 +103,9 @@ def master_addr() -> str | None:
 def master_port() -> int | None:
     """MASTER_PORT: the port of rank 0's rendezvous in a torchrun job; None outside torchrun."""
     return _int("MASTER_PORT", 0) or None
+
+
+def child_environment(overrides: dict[str, str]) -> dict[str, str]:
+    """This process's environment with `overrides` set, for a child process (the ranks of
+    `outrider bench comm` get the NCCL settings under test this way)."""
+    return {**os.environ, **overrides}

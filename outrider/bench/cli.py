@@ -1,7 +1,8 @@
-"""`outrider bench serve | plot`: load an OpenAI-compatible server over a concurrency sweep and
-chart the results. Flag defaults come from BenchConfig (bench/serve.py); each subcommand's
-flags are added only when it is chosen (flags.Commands), and httpx, tqdm and matplotlib are
-imported only when a command runs."""
+"""`outrider bench serve | plot | comm`: load an OpenAI-compatible server over a concurrency sweep
+and chart the results; time the collectives of tensor parallelism. Flag defaults come from
+BenchConfig (bench/serve.py) and CommConfig (bench/comm.py); each subcommand's flags are added
+only when it is chosen (flags.Commands), and httpx, tqdm, matplotlib and torch are imported only
+when a command runs."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentP
         commands,
         "bench",
         _add_bench_commands,
-        help="benchmark a server: a load sweep over concurrency, and charts",
+        help="benchmark a server (a load sweep over concurrency, and charts) or the collectives",
         description="Benchmark any OpenAI-compatible server (outrider, vLLM, SGLang): `serve` "
-        "sweeps concurrency and writes JSON and PNGs; `plot` redraws and overlays results.",
+        "sweeps concurrency and writes JSON and PNGs; `plot` redraws and overlays results; "
+        "`comm` times all-reduce and all-gather at decode and verify sizes.",
     )
 
 
@@ -48,6 +50,18 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
         description="Throughput and TPOT against concurrency, and per-user speed against "
         "total throughput, one line per result file (vLLM's --save-result files sharing a "
         "label join one line).",
+    )
+    add_command(
+        sub,
+        "comm",
+        _add_comm_flags,
+        help="all-reduce and all-gather latency and bandwidth at decode and verify sizes",
+        description="Start --world-size ranks on this machine (NCCL on GPUs, gloo on the CPU) "
+        "and time the engine's all-reduce (hidden x B(1+k) x dtype bytes) and all-gather "
+        "(vocab x B(1+k) x dtype bytes) for each batch size and k, under each NCCL setting "
+        "candidate in its own processes (protocol, algorithm, channels, P2P). Writes the full "
+        "result, the best candidate's figures for `outrider plan --link FILE`, and its settings "
+        "as an env file for `outrider deploy systemd --env-file FILE`.",
     )
 
 
@@ -128,16 +142,114 @@ def _add_plot_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None, help="where the PNGs go (default: the first file's)")
 
 
+def _add_comm_flags(p: argparse.ArgumentParser) -> None:
+    from outrider.bench.comm import DTYPE_BYTES, NCCL_CANDIDATES, CommConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(CommConfig)}
+    g = p.add_argument_group("ranks")
+    g.add_argument(
+        "--world-size", type=int, default=d["world_size"], metavar="N",
+        help="processes started on this machine, one per GPU (on the CPU: gloo ranks)",
+    )  # fmt: skip
+    g.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default=d["device"],
+        help="auto: NCCL when there are N GPUs, else gloo on the CPU",
+    )  # fmt: skip
+    g = p.add_argument_group("sizes")
+    g.add_argument(
+        "--model", default=d["model"],
+        help="a planner model (built-in name, config.json or directory): its hidden size and "
+        "vocabulary set the sizes, its layers weigh the candidates",
+    )  # fmt: skip
+    g.add_argument(
+        "--batch", type=int, nargs="+", default=list(d["batch_sizes"]), metavar="B",
+        help="sequences per step",
+    )  # fmt: skip
+    g.add_argument(
+        "--k", type=int, nargs="+", default=list(d["ks"]), metavar="K",
+        help="drafts verified per sequence (0: decode); a step sends B(1+k) tokens",
+    )  # fmt: skip
+    g.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=d["dtype"])
+    g.add_argument(
+        "--sizes", type=int, nargs="+", default=None, metavar="BYTES",
+        help="time these sizes instead (all-reduce buffers and all-gather outputs)",
+    )  # fmt: skip
+    g = p.add_argument_group("timing")
+    g.add_argument("--warmup", type=int, default=d["warmup"], help="untimed calls per size")
+    g.add_argument("--iters", type=int, default=d["iters"], help="timed calls per run")
+    g.add_argument("--trials", type=int, default=d["trials"], help="runs per size (median)")
+    g.add_argument(
+        "--timeout", type=float, default=d["timeout_s"], metavar="S",
+        help="seconds one candidate may take before it is stopped",
+    )  # fmt: skip
+    g = p.add_argument_group("NCCL candidates (GPUs only; gloo has none)")
+    g.add_argument(
+        "--candidates", nargs="+", default=None, metavar="NAME",
+        help=f"built-in candidates to try, 'default' always among them (default: all: "
+        f"{', '.join(NCCL_CANDIDATES)})",
+    )  # fmt: skip
+    g.add_argument(
+        "--candidate", action="append", default=[], metavar="KEY=VALUE,...",
+        help="a candidate of your own (repeatable), e.g. NCCL_PROTO=LL,NCCL_MIN_NCHANNELS=8",
+    )  # fmt: skip
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--out-dir", default="bench-results",
+        help="where comm.json (every candidate and size) goes",
+    )  # fmt: skip
+    g.add_argument(
+        "--link-out", default=None, metavar="PATH",
+        help="the best figures for `outrider plan --link` (default: OUT_DIR/link.json)",
+    )  # fmt: skip
+    g.add_argument(
+        "--env-out", default=None, metavar="PATH",
+        help="the best settings as KEY=VALUE lines (default: OUT_DIR/comm.env)",
+    )  # fmt: skip
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from outrider.bench.serve import BenchError
 
     try:
         if args.bench_command == "serve":
             return _serve(args)
+        if args.bench_command == "comm":
+            return _comm(args)
         return _plot(args)
     except BenchError as e:
         print(f"outrider: error: {e}", file=sys.stderr)
         return 1
+
+
+def _comm(args: argparse.Namespace) -> int:
+    from outrider.bench.comm import CommConfig, CommError, bench_comm, summary, write_outputs
+
+    cfg = CommConfig(
+        world_size=args.world_size,
+        device=args.device,
+        model=args.model,
+        batch_sizes=tuple(args.batch),
+        ks=tuple(args.k),
+        dtype=args.dtype,
+        sizes=tuple(args.sizes or ()),
+        warmup=args.warmup,
+        iters=args.iters,
+        trials=args.trials,
+        candidates=tuple(args.candidates) if args.candidates is not None else None,
+        extra_candidates=tuple(args.candidate),
+        timeout_s=args.timeout,
+    )  # bad values fail here, before a rank starts
+    try:
+        result = bench_comm(cfg, say=lambda line: print(line, file=sys.stderr))
+    except CommError as e:
+        print(f"outrider: error: {e}", file=sys.stderr)
+        return 1
+    print(summary(result))
+    link = Path(args.link_out) if args.link_out else None
+    env_file = Path(args.env_out) if args.env_out else None
+    for path in write_outputs(result, Path(args.out_dir), link, env_file):
+        print(f"wrote {path}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

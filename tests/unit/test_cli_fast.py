@@ -40,6 +40,7 @@ LIGHT_ARGVS = (
     ["drafter", "eval", "--help"],
     ["bench", "--help"],
     ["bench", "serve", "--help"],
+    ["bench", "comm", "--help"],
     ["plan", "--help"],
     ["generate", "--spec", "bogus", "x"],
 )
