@@ -34,10 +34,6 @@ from dataclasses import dataclass, field
 from outrider.plan.hardware import Gpu, Link
 from outrider.plan.models import ModelSpec, weight_format
 
-# Host time to dispatch one kernel in an eager PyTorch forward (Python, the dispatcher,
-# cudaLaunchKernel): HF transformers' eager Llama-3.1-8B decode on this project's H200 host
-# takes ~25 ms for ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json).
-EAGER_HOST_US = 19.0
 ACT_BYTES = 2  # activations and logits in bf16
 
 
@@ -268,7 +264,7 @@ def time_step(
         counts[c.kind] = counts.get(c.kind, 0) + 1
         moved[c.kind] = moved.get(c.kind, 0.0) + c.bytes
     if not graphed:
-        host = (len(kernels) + len(collectives)) * EAGER_HOST_US
+        host = (len(kernels) + len(collectives)) * gpu.eager_host_us
         launch += max(0.0, host - (compute + memory + launch + comm))
     return StepCost(
         kind=kind,
@@ -304,8 +300,13 @@ def verify_cost(setup: Setup, batch: int, tokens_per_seq: int, context: int) -> 
     """The target's verify forward over 1 + k chain tokens or 1 + N tree nodes per sequence,
     plus acceptance (argmax, compare, the accepted run: three small kernels)."""
     step = forward_cost(setup, "verify", batch, tokens_per_seq, context, setup.verify_graphs)
-    accept = [Kernel("accept", 2 * batch * tokens_per_seq * 4, 0.0)] * 3
+    accept = accept_kernels(batch, tokens_per_seq)
     return step + time_step("verify", accept, [], setup, setup.verify_graphs, 0)
+
+
+def accept_kernels(batch: int, tokens_per_seq: int) -> list[Kernel]:
+    """Acceptance after a verify forward: argmax, compare, the accepted run."""
+    return [Kernel("accept", 2 * batch * tokens_per_seq * 4, 0.0)] * 3
 
 
 def layer_allreduces(model: ModelSpec) -> int:

@@ -47,6 +47,11 @@ class Gpu:
     # model's decode on the H200 is ~1.3 ms for ~13 kernels x 30 layers, ~3.3 us each, with
     # 0.07 ms of weights to read.
     kernel_floor_us: float = 3.3
+    # Host time to dispatch one kernel in an eager forward (Python, the dispatcher, the launch):
+    # HF transformers' eager Llama-3.1-8B decode on this project's H200 host takes ~25 ms for
+    # ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json). A property of the
+    # host CPU more than the GPU; `outrider plan --calibrate` measures it with the rest.
+    eager_host_us: float = 19.0
 
     def __post_init__(self) -> None:
         for f in ("mem_gbs", "bf16_tflops", "memory_gb"):
@@ -194,13 +199,15 @@ def _key(text: str) -> str:
 
 
 def load_gpu(gpu: str) -> Gpu:
-    """A built-in GPU by name, or a JSON file of Gpu's fields (measured figures)."""
+    """A built-in GPU by name, or a JSON file of Gpu's fields (measured figures; a
+    `calibration` key, what `outrider plan --calibrate` measured, is read by people only)."""
     key = _key(gpu)
     key = GPU_ALIASES.get(key, key)
     if key in GPUS:
         return GPUS[key]
     if gpu.endswith(".json"):
         d = _read_json(gpu, "GPU figures")
+        d.pop("calibration", None)
         try:
             return Gpu(**d)
         except TypeError as e:

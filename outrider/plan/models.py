@@ -36,6 +36,7 @@ class WeightFormat:
 
 WEIGHT_FORMATS = {
     "bf16": WeightFormat("bf16", 16),
+    "fp32": WeightFormat("fp32", 32),  # the engine on the CPU
     "fp16": WeightFormat("fp16", 16),
     # DeepSeek-V3's released format: e4m3 weights, one fp32 scale per 128x128 block.
     "fp8": WeightFormat("fp8", 8, group=128 * 128, scale_bytes=4),
@@ -47,6 +48,7 @@ WEIGHT_FORMATS = {
 
 def weight_format(name: str) -> WeightFormat:
     key = name.lower().replace("_", "-").replace("bfloat16", "bf16").replace("float16", "fp16")
+    key = key.replace("float32", "fp32")
     key = {"int4-g32": "int4", "w4a16": "int4", "fp8-e4m3": "fp8"}.get(key, key)
     if key not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {name!r}: use one of {', '.join(WEIGHT_FORMATS)}")
