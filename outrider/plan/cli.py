@@ -5,6 +5,7 @@ matplotlib is imported only to write --png."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from outrider.flags import add_command
@@ -32,14 +33,16 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     from outrider.plan.planner import METHODS
 
     p.add_argument(
-        "model",
-        help=f"a built-in name ({', '.join(BUILTIN)}), a config.json or a model directory",
-    )
+        "model", nargs="?", default=None,
+        help=f"a built-in name ({', '.join(BUILTIN)}), a config.json or a model directory; "
+        "with --calibrate, a checkpoint the engine loads (default: the embedded default model)",
+    )  # fmt: skip
     g = p.add_argument_group("machine")
     g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size")
     g.add_argument(
-        "--gpu", default="h200",
-        help=f"{', '.join(GPUS)}, or a JSON file of measured figures",
+        "--gpu", default=None,
+        help=f"{', '.join(GPUS)}, or a JSON file of measured figures (`--calibrate` writes one) "
+        "(default: h200; with --calibrate, this machine's GPU or a CPU profile)",
     )  # fmt: skip
     g.add_argument(
         "--link", default="nvlink4",
@@ -97,9 +100,43 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print one JSON object instead")
     g.add_argument("--png", default=None, metavar="PATH", help="write the speedup chart here")
+    g = p.add_argument_group(
+        "calibration (measures this machine's steps through the engine; loads torch)"
+    )
+    g.add_argument(
+        "--calibrate", action="store_true",
+        help="time decode and verify steps of MODEL here, fit the cost model's efficiency and "
+        "launch constants to them, and write a profile for --gpu",
+    )  # fmt: skip
+    g.add_argument(
+        "--calibrate-out", default="calibrated-profile.json", metavar="PATH",
+        help="where the fitted profile goes",
+    )  # fmt: skip
+    g.add_argument(
+        "--calibrate-batch", type=int, nargs="+", default=[1, 4], metavar="B",
+        help="batch sizes measured",
+    )  # fmt: skip
+    g.add_argument(
+        "--calibrate-k", type=int, nargs="+", default=[0, 3], metavar="K",
+        help="drafts per sequence measured (0: plain decode)",
+    )  # fmt: skip
+    g.add_argument(
+        "--calibrate-reps", type=int, default=None, metavar="N",
+        help="timed steps per shape, median taken (default: the engine's: 10 with CUDA graphs, "
+        "4 eager)",
+    )  # fmt: skip
+    g.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    g.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
+    if args.model is None:
+        raise ValueError(
+            "no MODEL given: pass a built-in name, a config.json or a model directory (or "
+            "--calibrate to measure this machine)"
+        )
     from outrider.plan.costmodel import Setup
     from outrider.plan.hardware import load_gpu, load_link
     from outrider.plan.models import load_model
@@ -117,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         link = link.with_channels(args.nccl_channels)
     setup = Setup(
         model,
-        load_gpu(args.gpu),
+        load_gpu(args.gpu or "h200"),
         link,
         tp=args.tp,
         graphs=not args.eager,
@@ -145,3 +182,63 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nchart: {out}")
     return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from outrider.plan import calibrate
+    from outrider.plan.hardware import load_gpu
+    from outrider.plan.models import ALIASES, BUILTIN
+
+    if args.tp != 1:
+        raise ValueError(
+            f"--calibrate measures one rank, not --tp {args.tp}: drop --tp (collectives are "
+            "measured by `outrider bench comm`)"
+        )
+    bad = [v for v in args.calibrate_batch if v < 1] + [v for v in args.calibrate_k if v < 0]
+    if bad or (args.calibrate_reps is not None and args.calibrate_reps < 1):
+        raise ValueError(
+            f"invalid calibration shapes: --calibrate-batch {args.calibrate_batch} (>= 1), "
+            f"--calibrate-k {args.calibrate_k} (>= 0), --calibrate-reps {args.calibrate_reps} "
+            "(>= 1)"
+        )
+    model = args.model
+    key = ALIASES.get((model or "").lower(), (model or "").lower())
+    if key == "smollm2-135m":
+        model = None  # the embedded default is that model
+    elif key in BUILTIN:
+        raise ValueError(
+            f"--calibrate runs the model, and {args.model!r} is only a shape here: pass its "
+            "checkpoint (a model directory or .gguf), or no MODEL for the embedded default"
+        )
+    m = calibrate.measure(
+        model, args.device, args.dtype, tuple(args.calibrate_batch),
+        tuple(sorted(set(args.calibrate_k))), args.calibrate_reps,
+    )  # fmt: skip
+    if args.gpu:
+        prior = load_gpu(args.gpu)
+    elif m.device.startswith("cuda"):
+        prior = _gpu_by_name(m.device_name)
+    else:
+        prior = calibrate.cpu_profile(m.threads, m.memory_gb)
+    fitted = calibrate.fit(m.model, prior, m.points, m.graphs)
+    fitted = dataclasses.replace(fitted, name=f"{prior.name}, calibrated")
+    print(calibrate.report(m, prior, fitted))
+    out = Path(args.calibrate_out)
+    out.write_text(json.dumps(calibrate.profile_json(m, prior, fitted), indent=1) + "\n")
+    print(f"wrote {out}: use it as `outrider plan MODEL --gpu {out}`")
+    return 0
+
+
+def _gpu_by_name(device_name: str):
+    """The built-in row whose name the CUDA device's name holds ("NVIDIA H200" -> h200)."""
+    from outrider.plan.hardware import GPUS
+
+    for gpu in sorted(GPUS.values(), key=lambda g: -len(g.name)):
+        if gpu.name.lower() in device_name.lower():
+            return gpu
+    raise ValueError(
+        f"no built-in figures for {device_name!r}: pass --gpu with the closest of "
+        f"{', '.join(GPUS)} or a JSON file of its datasheet figures"
+    )

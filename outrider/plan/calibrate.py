@@ -1,0 +1,315 @@
+"""`outrider plan --calibrate`: the cost model's machine constants fitted to this machine's own
+step times, written as a GPU profile that `outrider plan --gpu FILE` reads.
+
+What is measured: the engine's step timings (ModelRunner.profile_steps, the adaptive
+controller's start-up profile): a plain decode step and the speculative verify step at each
+batch size and k, on dummy rows in the scratch block, CUDA graphs where the engine captures
+them, the host read included. One rank (tp 1): collectives are `outrider bench comm`'s.
+
+What is fitted, and why these. The cost model prices a kernel at max(bytes / (bandwidth x
+mem_efficiency), flops / (peak x compute_efficiency), kernel_floor_us) and an eager step at
+no less than launches x eager_host_us. The peaks come from datasheets and stay: only a peak
+times its efficiency reaches the prediction, so fitting both would be fitting one number
+twice. The four constants are the ones no datasheet gives and the ones that decide small
+steps: what fraction of the bandwidth weight streaming reaches (decode), of the FLOP/s a GEMM
+reaches (large verifies), the least time a kernel takes inside a graph, and the host's time per
+eager launch. A constant the measured shapes do not exercise (the floor in eager steps, the
+host in graphed ones, compute where every kernel is memory-bound) keeps its prior: a weak pull
+toward it decides a flat direction.
+
+The fit: least squares on log(predicted / measured) over the points (relative error, so a
+40 ms step weighs as much as a 2 ms one), by coordinate descent in log space, each constant a
+grid search within its bounds refined by golden section, a few sweeps, then a Nelder-Mead
+simplex from there for the valleys along which constants trade off. The model is a sum of max()es, so this
+finds a good local minimum rather than a certified global one; with a handful of points
+that is what there is to find.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from dataclasses import dataclass
+
+from outrider.plan.costmodel import Setup, accept_kernels, forward_kernels, time_step
+from outrider.plan.hardware import LINKS, Gpu
+from outrider.plan.models import ModelSpec
+
+# constant -> (lower bound, upper bound). Efficiencies may pass 1 where the base profile's
+# peak is a guess (the CPU's) or caches serve what the model counts as memory reads.
+FITTED: dict[str, tuple[float, float]] = {
+    "mem_efficiency": (0.005, 2.0),
+    "compute_efficiency": (0.005, 2.0),
+    "kernel_floor_us": (0.1, 500.0),
+    "eager_host_us": (0.1, 2000.0),
+}
+PRIOR_WEIGHT = 1e-6  # per constant, on log(value / prior)^2: decides only flat directions
+SWEEPS = 4
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured step: `batch` sequences, k drafts each (0: plain decode)."""
+
+    batch: int
+    k: int
+    measured_ms: float
+
+
+def predict_ms(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> float:
+    """The cost model's time for the step the engine measured: its rows hold 1 + k tokens in
+    an empty cache (context 0), one rank. The same sums as costmodel.decode_cost and
+    verify_cost, over kernel lists built once per shape (the fit prices them thousands of
+    times)."""
+    setup = Setup(model, gpu, LINKS["nvlink4"], tp=1, graphs=graphs, verify_graphs=graphs)
+    kernels, collectives, experts = _kernels(model, point.batch, point.k)
+    tokens = point.batch * (1 + point.k)
+    kind = "verify" if point.k else "decode"
+    step = time_step(kind, list(kernels), list(collectives), setup, graphs, tokens, experts)
+    if point.k:
+        step = step + time_step(kind, accept_kernels(point.batch, 1 + point.k), [], setup,
+                                graphs, 0)  # fmt: skip
+    return step.ms
+
+
+@functools.lru_cache(maxsize=64)
+def _kernels(model: ModelSpec, batch: int, k: int) -> tuple[tuple, tuple, float]:
+    ks, cs, experts = forward_kernels(model, 1, batch, 1 + k, 0)
+    return tuple(ks), tuple(cs), experts
+
+
+def _loss(model: ModelSpec, gpu: Gpu, prior: Gpu, points: list[Point], graphs: bool) -> float:
+    fit = sum(math.log(predict_ms(model, gpu, p, graphs) / p.measured_ms) ** 2 for p in points)
+    pull = sum(math.log(getattr(gpu, f) / getattr(prior, f)) ** 2 for f in FITTED)
+    return fit / len(points) + PRIOR_WEIGHT * pull
+
+
+def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
+    """`prior` with FITTED's constants fitted to `points` (see the module's docstring)."""
+    if not points:
+        raise ValueError("calibration needs at least one measured step")
+    bad = [p for p in points if not p.measured_ms > 0]
+    if bad:
+        raise ValueError(f"measured times must be > 0 ms, got {bad}")
+    gpu = dataclasses.replace(
+        prior, **{f: min(max(getattr(prior, f), lo), hi) for f, (lo, hi) in FITTED.items()}
+    )
+    for _ in range(SWEEPS):
+        for name, (lo, hi) in FITTED.items():
+
+            def f(x: float, name: str = name, gpu: Gpu = gpu) -> float:
+                trial = dataclasses.replace(gpu, **{name: math.exp(x)})
+                return _loss(model, trial, prior, points, graphs)
+
+            x = _search(f, math.log(lo), math.log(hi), math.log(getattr(gpu, name)))
+            gpu = dataclasses.replace(gpu, **{name: math.exp(x)})
+    # Constants trade off along diagonal valleys (a lower bandwidth efficiency against a
+    # higher floor) that one-at-a-time steps crawl along: a simplex walks them.
+    names = list(FITTED)
+    bounds = [(math.log(lo), math.log(hi)) for lo, hi in FITTED.values()]
+
+    def at(xs: list[float]) -> Gpu:
+        clamped = [min(max(x, lo), hi) for x, (lo, hi) in zip(xs, bounds)]
+        return dataclasses.replace(gpu, **{n: math.exp(x) for n, x in zip(names, clamped)})
+
+    xs = _nelder_mead(
+        lambda xs: _loss(model, at(xs), prior, points, graphs),
+        [math.log(getattr(gpu, n)) for n in names],
+    )
+    return at(xs)
+
+
+def _nelder_mead(f, x0: list[float], step: float = 0.1, iters: int = 300) -> list[float]:
+    """Nelder-Mead's simplex minimisation from x0 (standard coefficients)."""
+    n = len(x0)
+    simplex = [x0] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=values.__getitem__)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        centre = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
+
+        def toward(t: float, centre=centre, worst=simplex[-1]) -> list[float]:
+            return [c + t * (w - c) for c, w in zip(centre, worst)]
+
+        r = toward(-1.0)
+        fr = f(r)
+        if fr < values[0]:
+            e = toward(-2.0)
+            fe = f(e)
+            simplex[-1], values[-1] = (e, fe) if fe < fr else (r, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = r, fr
+        else:
+            c = toward(0.5)
+            fc = f(c)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = c, fc
+            else:  # shrink toward the best
+                simplex = [simplex[0]] + [
+                    [b + 0.5 * (x - b) for b, x in zip(simplex[0], p)] for p in simplex[1:]
+                ]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    return simplex[min(range(n + 1), key=values.__getitem__)]
+
+
+def _search(f, a: float, b: float, start: float, grid: int = 16) -> float:
+    """The minimiser of f on [a, b]: the best of a grid (a max() model has several valleys
+    along one constant), refined by golden section between its neighbours; `start` is kept
+    unless that beats it (a flat f leaves a constant where it was)."""
+    xs = [a + (b - a) * i / (grid - 1) for i in range(grid)]
+    i = min(range(grid), key=lambda j: f(xs[j]))
+    x = _golden(f, xs[max(i - 1, 0)], xs[min(i + 1, grid - 1)])
+    return x if f(x) < f(start) else start
+
+
+def _golden(f, a: float, b: float, iters: int = 20) -> float:
+    """The minimiser of a unimodal f on [a, b] by golden-section search."""
+    g = (math.sqrt(5) - 1) / 2
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return c if fc < fd else d
+
+
+def mean_abs_error(model: ModelSpec, gpu: Gpu, points: list[Point], graphs: bool) -> float:
+    """Mean |predicted / measured - 1| over the points."""
+    errors = [abs(predict_ms(model, gpu, p, graphs) / p.measured_ms - 1) for p in points]
+    return sum(errors) / len(errors)
+
+
+def cpu_profile(threads: int, memory_gb: float) -> Gpu:
+    """A starting profile for the CPU, which has no datasheet row: ~20 GB/s of memory
+    bandwidth and ~50 GFLOP/s fp32 a thread (AVX2 FMA at ~3 GHz, half of peak). The fit
+    scales both through the efficiencies."""
+    return Gpu(f"cpu ({threads} threads)", 20.0, 0.05 * threads, 0.0, memory_gb)
+
+
+# -- measuring: the engine's own step timings (imports torch) --------------------------------
+
+
+@dataclass
+class Measurement:
+    model: ModelSpec
+    points: list[Point]
+    graphs: bool
+    device: str
+    dtype: str
+    device_name: str
+    threads: int
+    memory_gb: float
+
+
+def measure(
+    model_path: str | None,
+    device: str,
+    dtype: str,
+    batch_sizes: tuple[int, ...],
+    ks: tuple[int, ...],
+    reps: int | None,
+) -> Measurement:
+    """Load the model into a ModelRunner as the engine would and time its decode and
+    speculative steps (ModelRunner.profile_steps) at every batch size and k (0: decode)."""
+    import torch
+
+    from outrider.config import EngineConfig
+    from outrider.executor.model_runner import ModelRunner
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.plan.models import from_hf_dict
+
+    checkpoint = open_checkpoint(model_path)
+    spec_ks = tuple(sorted({k for k in ks if k > 0}))
+    config = EngineConfig.from_dict({
+        "model": {"model": str(checkpoint.path), "device": device, "dtype": dtype},
+        "speculative": {"method": "ngram", "num_draft_tokens": max(spec_ks, default=1)},
+    })  # fmt: skip
+    runner = ModelRunner(config, checkpoint)
+    runner.set_speculation(None, spec_ks or (1,))
+    runner.capture_graphs()
+    table = runner.profile_steps(spec_ks, batch_sizes, reps)
+    points = [Point(b, k, table[b][k]) for b in batch_sizes for k in sorted({0, *ks})]
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[runner.dtype]
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    model = dataclasses.replace(
+        from_hf_dict(checkpoint.hf_config, name=checkpoint.path.name),
+        weights=name, expert_weights=None, kv_bytes=elem,
+    )  # fmt: skip
+    cuda = runner.device.type == "cuda"
+    memory_gb = (
+        torch.cuda.get_device_properties(runner.device).total_memory / 1e9
+        if cuda
+        else _host_memory_gb()
+    )
+    return Measurement(
+        model=model, points=points, graphs=runner.graphs is not None,
+        device=str(runner.device), dtype=name,
+        device_name=torch.cuda.get_device_name(runner.device) if cuda else "cpu",
+        threads=torch.get_num_threads(), memory_gb=memory_gb,
+    )  # fmt: skip
+
+
+def _host_memory_gb() -> float:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+def profile_json(m: Measurement, prior: Gpu, fitted: Gpu) -> dict:
+    """The fitted profile: Gpu's fields (what `--gpu FILE` reads) and, under `calibration`,
+    what it was fitted to."""
+    rows = [
+        {"batch": p.batch, "k": p.k, "measured_ms": round(p.measured_ms, 4),
+         "predicted_before_ms": round(predict_ms(m.model, prior, p, m.graphs), 4),
+         "predicted_after_ms": round(predict_ms(m.model, fitted, p, m.graphs), 4)}
+        for p in m.points
+    ]  # fmt: skip
+    return {
+        **dataclasses.asdict(fitted),
+        "calibration": {
+            "model": m.model.name,
+            "device": m.device,
+            "device_name": m.device_name,
+            "dtype": m.dtype,
+            "cuda_graphs": m.graphs,
+            "base_profile": prior.name,
+            "fitted": list(FITTED),
+            "points": rows,
+            "mean_abs_error_before": round(mean_abs_error(m.model, prior, m.points, m.graphs), 4),
+            "mean_abs_error_after": round(mean_abs_error(m.model, fitted, m.points, m.graphs), 4),
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        },
+    }
+
+
+def report(m: Measurement, prior: Gpu, fitted: Gpu) -> str:
+    """Predicted against measured, before and after the fit, and the constants."""
+    lines = [
+        f"{m.model.name} on {m.device_name} ({m.device}, {m.dtype}, "
+        f"{'CUDA graphs' if m.graphs else 'eager'}), base profile {prior.name}",
+        f"{'batch':>5} {'k':>3} {'measured ms':>12} {'before ms':>10} {'err':>7} "
+        f"{'after ms':>10} {'err':>7}",
+    ]
+    for p in m.points:
+        before = predict_ms(m.model, prior, p, m.graphs)
+        after = predict_ms(m.model, fitted, p, m.graphs)
+        lines.append(
+            f"{p.batch:>5} {p.k:>3} {p.measured_ms:>12.3f} {before:>10.3f} "
+            f"{before / p.measured_ms - 1:>+7.0%} {after:>10.3f} {after / p.measured_ms - 1:>+7.0%}"
+        )
+    lines.append(
+        f"mean |error|: {mean_abs_error(m.model, prior, m.points, m.graphs):.1%} before, "
+        f"{mean_abs_error(m.model, fitted, m.points, m.graphs):.1%} after"
+    )
+    for f in FITTED:
+        lines.append(f"  {f:<20} {getattr(prior, f):>10.4g} -> {getattr(fitted, f):.4g}")
+    return "\n".join(lines)

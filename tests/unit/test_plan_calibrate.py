@@ -1,0 +1,93 @@
+"""`outrider plan --calibrate`: the fit recovers constants it generated points from, and a tiny
+model timed through the engine gives a profile that predicts its own steps better than the
+uncalibrated one and loads back through `--gpu`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from outrider.cli import main
+from outrider.plan.calibrate import FITTED, Point, cpu_profile, fit, mean_abs_error, predict_ms
+from outrider.plan.hardware import load_gpu
+from outrider.plan.models import load_model
+from tests.tiny import hf_reference, tiny_hf_config
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf_reference(tiny_hf_config("LlamaForCausalLM")).save_pretrained(path, safe_serialization=True)
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
+    )
+    return path
+
+
+def test_fit_recovers_the_constants_that_made_the_points():
+    """Points the cost model itself predicts for a GPU with other constants: the fit from the
+    datasheet profile predicts them again within 2%, decode and large verifies alike."""
+    model = load_model("llama-3.1-8b")
+    h200 = load_gpu("h200")
+    truth = dataclasses.replace(h200, mem_efficiency=0.6, compute_efficiency=0.4,
+                                kernel_floor_us=6.0)  # fmt: skip
+    shapes = [(1, 0), (16, 0), (64, 0), (1, 7), (16, 7), (64, 15)]
+    points = [Point(b, k, predict_ms(model, truth, Point(b, k, 1.0), True)) for b, k in shapes]
+    before = mean_abs_error(model, h200, points, True)
+    fitted = fit(model, h200, points, True)
+    assert before > 0.2
+    assert mean_abs_error(model, fitted, points, True) < 0.02
+    assert fitted.mem_efficiency == pytest.approx(0.6, rel=0.05)
+    # Graphed steps say nothing of the eager host cost: it keeps its prior.
+    assert fitted.eager_host_us == pytest.approx(h200.eager_host_us, rel=1e-6)
+    with pytest.raises(ValueError, match="must be > 0 ms"):
+        fit(model, h200, [Point(1, 0, 0.0)], True)
+
+
+def test_calibrate_tiny_model_and_load_the_profile(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    argv = ["plan", str(tiny_dir), "--calibrate", "--device", "cpu", "--calibrate-batch", "1",
+            "2", "--calibrate-k", "0", "2", "--calibrate-reps", "2", "--calibrate-out",
+            str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "before" in printed and "after" in printed and "eager_host_us" in printed
+    profile = json.loads(out.read_text())
+    cal = profile["calibration"]
+    assert [(p["batch"], p["k"]) for p in cal["points"]] == [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert all(p["measured_ms"] > 0 for p in cal["points"])
+    assert cal["cuda_graphs"] is False and cal["dtype"] == "fp32"
+    assert cal["fitted"] == list(FITTED)
+    assert cal["mean_abs_error_after"] < cal["mean_abs_error_before"]
+    # The profile is a --gpu file: it loads, and plans differ from the uncalibrated ones.
+    gpu = load_gpu(str(out))
+    assert gpu.name.endswith("calibrated")
+    prior = cpu_profile(1, 1.0)
+    assert any(getattr(gpu, f) != pytest.approx(getattr(prior, f)) for f in FITTED)
+    assert main(["plan", "smollm2-135m", "--gpu", str(out), "--batch", "1", "--json"]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert main(["plan", "smollm2-135m", "--gpu", "h200", "--batch", "1", "--json"]) == 0
+    assert calibrated["decode_ms"] != pytest.approx(
+        json.loads(capsys.readouterr().out)["decode_ms"]
+    )
+
+
+def test_calibrate_errors_name_the_fix(capsys):
+    assert main(["plan", "llama-3.1-8b", "--calibrate"]) == 2
+    assert "only a shape here: pass its checkpoint" in capsys.readouterr().err
+    assert main(["plan", "--calibrate", "--tp", "2"]) == 2
+    assert "measures one rank" in capsys.readouterr().err
+    assert main(["plan", "--calibrate", "--calibrate-k", "-1"]) == 2
+    assert "--calibrate-k [-1] (>= 0)" in capsys.readouterr().err
+    assert main(["plan"]) == 2
+    assert "no MODEL given" in capsys.readouterr().err
