@@ -156,11 +156,18 @@ class Measured:
 
 
 def resolve_device(cfg: CommConfig) -> str:
-    if cfg.device != "auto":
-        return cfg.device
+    """cpu or cuda; one GPU a rank, on this machine."""
+    if cfg.device == "cpu":
+        return "cpu"
     import torch
 
-    return "cuda" if torch.cuda.device_count() >= cfg.world_size else "cpu"
+    gpus = torch.cuda.device_count()
+    if cfg.device == "cuda" and gpus < cfg.world_size:
+        raise ValueError(
+            f"--device cuda with --world-size {cfg.world_size} needs one GPU a rank, and this "
+            f"machine has {gpus}: use --world-size {gpus} or less, or --device cpu (gloo)"
+        )
+    return "cuda" if gpus >= cfg.world_size else "cpu"
 
 
 def candidates_for(device: str, cfg: CommConfig) -> list[tuple[str, dict[str, str]]]:

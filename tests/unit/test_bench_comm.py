@@ -9,6 +9,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from outrider.bench.comm import CommConfig, candidates_for, env_text, parse_candidate, step_shapes
 from outrider.cli import main
@@ -154,3 +155,6 @@ def test_env_file_errors_name_the_fix(tmp_path, capsys):
     assert "bench comm" in capsys.readouterr().err
     assert main(["bench", "comm", "--world-size", "1"]) == 2
     assert "2 or more ranks" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "comm", "--device", "cuda"]) == 2
+        assert "needs one GPU a rank, and this machine has 0" in capsys.readouterr().err
