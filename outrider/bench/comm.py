@@ -329,12 +329,17 @@ def _candidate_json(m: Measured, n: int) -> dict:
         # 2(n-1)/n of the buffer, all-gather (n-1)/n of the output).
         factor = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
         rows[kind] = [
-            {"bytes": int(b), "us": round(us, 3), "algbw_gbs": round(b / us / 1e3, 4),
-             "busbw_gbs": round(factor * b / us / 1e3, 4)} for b, us in table
+            {"bytes": int(b), "us": round(us, 3), "algbw_gbs": _sig(b / us / 1e3),
+             "busbw_gbs": _sig(factor * b / us / 1e3)} for b, us in table
         ]  # fmt: skip
     out = {"name": m.name, "settings": m.settings, "error": m.error, **rows}
     out["score_us"] = None if m.error else round(m.score_us, 2)
     return out
+
+
+def _sig(x: float) -> float:
+    """Four significant figures: a slow link's GB/s is still told apart from zero."""
+    return float(f"{x:.4g}")
 
 
 def link_json(result: dict) -> dict:
