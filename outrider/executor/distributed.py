@@ -41,6 +41,10 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
+    # A gloo group over the same ranks for host-side control (the step header rank 0 sends,
+    # start-up agreement): CPU tensors, and no time limit, since the other ranks wait there
+    # between requests for as long as the engine is idle. None: `group` serves (tests).
+    control: Any = None
     # Whether init_tensor_parallel started torch.distributed for this group (close() ends it).
     owns_process_group: bool = False
     # mode -> collective -> {"calls": n, "bytes": b}
@@ -87,25 +91,46 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Rank `src`'s `x` on every rank, written in place; returns it."""
+    def broadcast(
+        self, x: torch.Tensor, src: int = 0, *, mode: str | None = None, control: bool = False
+    ) -> torch.Tensor:
+        """Rank `src`'s `x` on every rank, written in place; returns it. `mode`: count it under
+        that forward mode (a step's inputs, sent before its forward opens); `control`: over the
+        control group (a CPU tensor)."""
         if self.size == 1:
             return x
         import torch.distributed as dist
 
-        self._count("broadcast", x.numel() * x.element_size())
-        dist.broadcast(x, src=src, group=self.group)
+        self._count("broadcast", x.numel() * x.element_size(), mode)
+        group = self.control if control and self.control is not None else self.group
+        dist.broadcast(x, src=src, group=group)
         return x
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value` (e.g. KV blocks: each rank's memory differs, the
+        block manager's count must fit them all). Over the control group; counted as "other"."""
+        if self.size == 1:
+            return value
+        import torch.distributed as dist
+
+        x = torch.tensor([value], dtype=torch.int64)
+        self._count("all_reduce", 8, OTHER)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.control or self.group)
+        return int(x.item())
 
     # --- counts ------------------------------------------------------------------------------
 
-    def _count(self, op: str, nbytes: int) -> None:
+    def _count(self, op: str, nbytes: int, mode: str | None = None) -> None:
         # A forward's logits are computed just after it, outside its forward context (the
         # runner's run() and the speculative step do so): collectives outside a forward count
         # under the mode of the last forward this group saw.
-        mode = current_mode()
-        key = self._last_mode if mode is None else mode.value
-        self._last_mode = key
+        if mode is None:
+            current = current_mode()
+            key = self._last_mode if current is None else current.value
+        else:
+            key = mode
+        if key != OTHER:
+            self._last_mode = key
         slot = self._counts.setdefault(key, {}).setdefault(op, {"calls": 0, "bytes": 0})
         slot["calls"] += 1
         slot["bytes"] += nbytes
@@ -147,7 +172,8 @@ def init_tensor_parallel(
 ) -> TPGroup:
     """This process's tensor-parallel group. Unset arguments come from torchrun's environment
     (one process outside torchrun). tp_size None means the whole world; tensor parallelism
-    spans every process of the job. On CUDA the process's device becomes cuda:local_rank."""
+    spans every process of the job. On CUDA the process's device becomes cuda:local_rank.
+    timeout_s bounds joining and each collective of the tensor-parallel group."""
     world = env.world_size() if world_size is None else world_size
     rank = env.rank() if rank is None else rank
     tp_size = world if tp_size is None else tp_size
@@ -171,7 +197,7 @@ def init_tensor_parallel(
                 f"{dist.get_world_size()}, not rank {rank} of {world}: pass the same rank "
                 "and world size, or leave them unset"
             )
-        return TPGroup(rank, world, dist.group.WORLD)
+        return TPGroup(rank, world, dist.group.WORLD, control=_control_group())
     addr = master_addr or env.master_addr()
     port = master_port or env.master_port()
     if addr is None or port is None:
@@ -188,7 +214,21 @@ def init_tensor_parallel(
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return TPGroup(rank, world, dist.group.WORLD, owns_process_group=True)
+    return TPGroup(rank, world, dist.group.WORLD, control=_control_group(), owns_process_group=True)
+
+
+# How long a rank waits on the control group: the engine may sit idle between requests for any
+# time, and a rank whose process ends breaks the connection at once (gloo raises), so the wait
+# needs no limit of its own.
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def _control_group() -> Any:
+    """A gloo group over the whole world, for CPU control tensors (every rank calls this at the
+    same point: creating a group is collective)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
 def check_tp_size(cfg: Any, tp_size: int) -> None:
