@@ -79,7 +79,8 @@ class Eagle3Drafter:
                 f"{target.num_hidden_layers} layers: it was trained for another model"
             )
         self.aux_layers = tuple(cfg.aux_layers)
-        draft.bind_embedding(runner.model.model.embed_tokens)
+        # Whole on rank 0 under tensor parallelism: the drafter runs there alone.
+        draft.bind_embedding(runner.embedding_for_drafter())
         layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, runner.dtype)
         # Same block ids as the target's pool (+1 scratch block, as there).
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from outrider.config import EngineConfig
 from outrider.core import (
@@ -19,10 +21,12 @@ from outrider.core import (
     StepOutput,
 )
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
+from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler, logprob_rows_no_sync, unpack_logprobs
 from outrider.executor.spec_step import SpecOutput, SpecStep, simple_greedy
+from outrider.executor.tp_channel import StepSender
 from outrider.executor.verify_step import sample_and_verify, verify_chain_rows_no_sync
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
@@ -68,21 +72,34 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint) -> None:
+    def __init__(
+        self, config: EngineConfig, checkpoint: Checkpoint, tp: TPGroup | None = None
+    ) -> None:
+        """tp: the tensor-parallel group this rank's shard of the model belongs to (None: one
+        rank). Rank 0 sends every forward's inputs to the others (executor/tp_channel.py);
+        ranks > 0 run `tp_channel.worker_loop` on this runner instead of `run`."""
         self.config = config
         self.model_config = cfg = checkpoint.config
+        self.tp = tp = tp or single()
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.max_model_len = _max_model_len(config.model.max_model_len, cfg)
         self.block_size = config.cache.block_size
 
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = model_class(cfg.architecture)(cfg, max_positions=self.max_model_len)
+            self.model = model_class(cfg.architecture)(cfg, max_positions=self.max_model_len, tp=tp)
         load_weights(self.model, progress(checkpoint.iter_tensors(), "loading weights"))
         self.model.eval()
 
-        layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+        # This rank's KV heads (all of them on one rank); every rank's pool has as many blocks
+        # as the smallest one, since rank 0's block manager hands out ids for all of them.
+        kv_heads = self.model.attention_layers()[0].num_kv_heads
+        layout = KVLayout.multi_head(kv_heads, cfg.head_dim, self.dtype)
         num_blocks = num_blocks_for_budget(layout, cfg.num_hidden_layers, config.cache, self.device)
+        num_blocks = tp.agree_min(num_blocks)
+        # Rank 0 of several: every target forward's inputs go to the other ranks first.
+        self.tp_sender = StepSender(tp) if tp.size > 1 and tp.rank == 0 else None
+        self._whole_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         # One block more than the block manager hands out: padded graph rows write there.
         self._num_blocks = num_blocks
         self.kv_pool = KVPool(
@@ -101,10 +118,13 @@ class ModelRunner:
         self.spec_step: SpecStep | None = None
         self.spec_ks: tuple[int, ...] = ()
         log.info(
-            "model %s on %s/%s: KV pool %d blocks x %d tokens (%.1f MiB)",
+            "model %s on %s/%s (tensor-parallel rank %d of %d): KV pool %d blocks x %d tokens "
+            "(%.1f MiB)",
             cfg.architecture,
             self.device,
             self.dtype,
+            tp.rank,
+            tp.size,
             num_blocks,
             self.block_size,
             self.kv_pool.nbytes / 2**20,
@@ -114,6 +134,38 @@ class ModelRunner:
     def num_blocks(self) -> int:
         """Blocks the block manager may hand out (the pool holds one more, a scratch block)."""
         return self._num_blocks
+
+    def embedding_for_drafter(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The target's token embedding as a drafter on rank 0 uses it (ids [T] -> [T, H]): the
+        layer itself on one rank; under tensor parallelism the whole table, gathered from the
+        shards once, since the sharded layer all-reduces and a drafter on rank 0 alone must
+        not (the other ranks would never join)."""
+        if self.tp_sender is None:
+            return self.model.model.embed_tokens
+        if self._whole_embedding is None:
+            weight = self.tp_sender.gather_embedding(self.model.model.embed_tokens)
+            self._whole_embedding = functools.partial(F.embedding, weight=weight)
+        return self._whole_embedding
+
+    def collective_counts(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{mode: {collective: {"calls", "bytes"}}} this rank ran, plus {"forward": {"calls":
+        n}} per mode under tensor parallelism: a forward's share is calls / n. Empty on one
+        rank."""
+        counts = self.tp.counts()
+        if self.tp_sender is not None:
+            for mode, n in self.tp_sender.forwards.items():
+                counts.setdefault(mode, {})["forward"] = {"calls": n, "bytes": 0}
+        return counts
+
+    def reset_collective_counts(self) -> None:
+        self.tp.reset_counts()
+        if self.tp_sender is not None:
+            self.tp_sender.forwards.clear()
+
+    def shutdown(self) -> None:
+        """Release the other ranks from their loop (rank 0 of several; else nothing)."""
+        if self.tp_sender is not None:
+            self.tp_sender.stop()
 
     def set_speculation(self, drafter, ks: tuple[int, ...], tree: TreeShape | None = None) -> None:
         """Chain speculation at the draft lengths `ks` (each a k >= 1 the step may be asked to
@@ -129,7 +181,7 @@ class ModelRunner:
             max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
             max_positions=self.max_model_len,
             batch_sizes=self._graph_batch_sizes(), aux_layers=self.aux_layers,
-            tree=tree, kv_pool=self.kv_pool,
+            tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender,
         )  # fmt: skip
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
@@ -148,6 +200,15 @@ class ModelRunner:
         wanted = config.model.cuda_graphs
         usable = self.device.type == "cuda" and ForwardMode.DECODE in self.backend.graph_modes
         if wanted is False or (wanted is None and (not usable or self.backend.name != "triton")):
+            return None
+        if self.tp.size > 1:
+            # The other ranks replay no graphs yet: every rank runs each forward eagerly.
+            if wanted:
+                raise ValueError(
+                    f"cuda_graphs=True with tensor_parallel_size={self.tp.size}: CUDA graphs "
+                    "run on one rank only for now; set cuda_graphs=False (--enforce-eager)"
+                )
+            log.info("tensor parallelism: CUDA graphs off, every rank runs eagerly")
             return None
         if not usable:
             raise ValueError(
@@ -184,6 +245,9 @@ class ModelRunner:
         inputs = build_inputs(batch, self.block_size, self.device)
         if input_ids is not None:
             inputs.input_ids = input_ids
+        if self.tp_sender is not None:  # run() and launch() take logits iff a row samples
+            rows = inputs.logits_indices if any(s.sample for s in batch.seqs) else None
+            self.tp_sender.forward(inputs.input_ids, inputs.positions, inputs.attn, rows)
         graphs = self.graphs
         usable = graphs is not None and tuple(aux_layers) == graphs.aux_layers
         key = graphs.can_run(inputs) if usable else None
@@ -379,7 +443,11 @@ class ModelRunner:
             def slot(p: int) -> int:
                 return seq.block_ids[p // bs] * bs + p % bs
 
-            self.kv_pool.move([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
+            src = torch.tensor([slot(a) for a, _ in moves], device=self.device)
+            dst = torch.tensor([slot(b) for _, b in moves], device=self.device)
+            if self.tp_sender is not None:
+                self.tp_sender.move_kv(src, dst)
+            self.kv_pool.move_no_sync(src, dst)
 
 
 def _max_model_len(requested: int | None, cfg) -> int:

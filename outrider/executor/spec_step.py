@@ -39,6 +39,7 @@ import torch
 from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
 from outrider.executor.cuda_graph import StaticInputs
 from outrider.executor.inputs import table_slots_no_sync
+from outrider.executor.tp_channel import ALL_ROWS
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.progress import progress
@@ -114,8 +115,10 @@ class SpecStep:
         aux_layers: tuple[int, ...] = (),
         tree: TreeShape | None = None,
         kv_pool=None,  # executor.kv_cache.KVPool: trees move accepted nodes' KV in it
+        sender=None,  # executor.tp_channel.StepSender on rank 0 of several, else None
     ) -> None:
         self.model, self.backend, self.drafter = model, backend, drafter
+        self.sender = sender
         self.tree, self.kv_pool = tree, kv_pool
         if tree is not None:
             max_k = tree.num_nodes
@@ -251,6 +254,8 @@ class SpecStep:
         meta = self._metadata(padded, k, full_width)
         self._host_lengths(meta)
         ids = s.input_ids[: padded * t]
+        if self.sender is not None:  # the other ranks verify too, logits for every row
+            self.sender.forward(ids, s.positions[: padded * t], meta, ALL_ROWS)
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
             hidden, aux = self.model(ids, s.positions[: padded * t], self.aux_layers)
@@ -276,10 +281,11 @@ class SpecStep:
         starts = self.inputs.positions[: padded * t].view(padded, t)[:, 0]
         src, dst = tree_kv_moves_no_sync(path_rows, accepted, starts)
         tables, bs = meta.block_tables, self.block_size
-        self.kv_pool.move_no_sync(
-            table_slots_no_sync(tables, src, bs).reshape(-1),
-            table_slots_no_sync(tables, dst, bs).reshape(-1),
-        )
+        src = table_slots_no_sync(tables, src, bs).reshape(-1)
+        dst = table_slots_no_sync(tables, dst, bs).reshape(-1)
+        if self.sender is not None:  # every rank moves its own KV heads' entries
+            self.sender.move_kv(src, dst)
+        self.kv_pool.move_no_sync(src, dst)
         tokens = argmax.gather(1, path_rows)  # [padded, 1 + S]
         if aux is not None:
             rows = (torch.arange(padded, device=aux.device)[:, None] * t + path_rows).reshape(-1)

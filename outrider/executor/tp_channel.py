@@ -1,0 +1,183 @@
+"""Rank 0 drives, the other ranks follow: every target forward's inputs go from rank 0 to the
+other ranks as a fixed header and a few tensors (torch.distributed broadcasts, never pickle),
+and each rank runs the same forward on them over its own shard of the weights and its own
+slice of the KV pool (its KV heads).
+
+Sampling and acceptance run on rank 0 alone. After the LM head's all-gather the logits are
+whole and identical on every rank, so another rank deciding tokens would repeat rank 0's work
+and would have to advance every seeded generator in lockstep with it; the other ranks need no
+tokens, only the next step's inputs, which carry them. The drafter runs on rank 0 alone too
+(a group of one: its forwards reduce nothing). What a step changes in a rank's KV slice beyond
+the forward's own writes (accepted tree nodes moved into path order) is sent the same way.
+
+The header is int64 [HEADER] over the control group (gloo, a CPU tensor, no time limit: the
+other ranks wait there while the engine is idle); the tensors follow over the tensor-parallel
+group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
+
+    op FORWARD  mode, tokens T, batch B, table width W, tree-mask width M (0: causal),
+                logits rows L (-1: every row, 0: none, n: the rows in logits_indices)
+                -> input_ids [T] int64, positions [T] int64, slot_mapping [T] int64,
+                   query_start_loc [B + 1] int32, seq_lens [B] int32, block_tables [B, W] int32,
+                   tree_mask [T, M] uint8 (M > 0), logits_indices [L] int64 (L > 0)
+    op MOVE_KV  n -> src [n] int64, dst [n] int64 flat slots (KVPool.move_no_sync)
+    op GATHER_EMBEDDING   every rank all-gathers its shard of the vocabulary embedding (a
+                drafter on rank 0 embeds with the whole table)
+    op STOP     the worker loop returns
+
+With one rank nothing here runs: the runner holds no sender and never checks more than that.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from outrider.core import ForwardMode
+from outrider.executor.distributed import TPGroup
+from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+
+log = logging.getLogger(__name__)
+
+HEADER = 8
+STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING = range(4)
+_MODES = list(ForwardMode)
+ALL_ROWS = -1
+
+
+class StepSender:
+    """Rank 0's side. `forwards` counts the forwards sent, by mode value (the collectives a
+    forward runs are TPGroup.counts() divided by these)."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        assert tp.rank == 0 and tp.size > 1
+        self.tp = tp
+        self.forwards: dict[str, int] = {}
+        self._header = torch.zeros(HEADER, dtype=torch.int64)
+        self.stopped = False
+
+    def _send_header(self, *fields: int) -> None:
+        self._header.zero_()
+        self._header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        self.tp.broadcast(self._header, control=True, mode="other")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        logits_rows: torch.Tensor | int | None,  # [L] int64 rows, ALL_ROWS, or None (none)
+    ) -> None:
+        """Before rank 0 runs a target forward: the others run the same one, and the LM head
+        over the same rows (the head's all-gather is a collective too)."""
+        mode = attn.mode.value
+        self.forwards[mode] = self.forwards.get(mode, 0) + 1
+        tables = attn.block_tables
+        tree = attn.tree_mask
+        if isinstance(logits_rows, torch.Tensor):
+            n_logits = logits_rows.numel()
+        else:
+            n_logits = ALL_ROWS if logits_rows == ALL_ROWS else 0
+        self._send_header(
+            FORWARD,
+            _MODES.index(attn.mode),
+            input_ids.numel(),
+            tables.shape[0],
+            tables.shape[1],
+            0 if tree is None else tree.shape[1],
+            n_logits,
+        )
+        send = self._send(mode)
+        send(input_ids, torch.int64)
+        send(positions, torch.int64)
+        send(attn.slot_mapping, torch.int64)
+        send(attn.query_start_loc, torch.int32)
+        send(attn.seq_lens, torch.int32)
+        send(tables, torch.int32)
+        if tree is not None:
+            send(tree, torch.uint8)
+        if n_logits > 0:
+            send(logits_rows, torch.int64)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rank 0 moved KV entries src -> dst (flat slots [n] int64): every rank does."""
+        self._send_header(MOVE_KV, src.numel())
+        send = self._send("other")
+        send(src, torch.int64)
+        send(dst, torch.int64)
+
+    def gather_embedding(self, embedding: torch.nn.Module) -> torch.Tensor:
+        """The whole [vocab, hidden] embedding table on rank 0, from every rank's shard."""
+        self._send_header(GATHER_EMBEDDING)
+        return self.tp.all_gather(embedding.weight.data, dim=0)
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._send_header(STOP)
+
+    def _send(self, mode: str):
+        def send(x: torch.Tensor, dtype: torch.dtype) -> None:
+            x = x.contiguous()  # a speculative step's block tables are a column slice
+            x = x.view(torch.uint8) if x.dtype == torch.bool else x.to(dtype)
+            self.tp.broadcast(x, mode=mode)
+
+        return send
+
+
+def worker_loop(runner) -> None:
+    """A rank > 0 follows rank 0 until it sends STOP. runner: this rank's ModelRunner (its
+    model shard and KV slice); it samples nothing."""
+    tp: TPGroup = runner.tp
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    dev = runner.device
+
+    def recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return tp.broadcast(torch.empty(shape, dtype=dtype, device=dev))
+
+    with torch.inference_mode():
+        while True:
+            tp.broadcast(header, control=True)
+            op, *fields = header.tolist()
+            if op == STOP:
+                log.info("rank %d: stop from rank 0", tp.rank)
+                return
+            if op == FORWARD:
+                _forward(runner, recv, *fields[:6])
+            elif op == MOVE_KV:
+                n = fields[0]
+                src, dst = recv((n,), torch.int64), recv((n,), torch.int64)
+                runner.kv_pool.move_no_sync(src, dst)
+            elif op == GATHER_EMBEDDING:
+                tp.all_gather(runner.model.model.embed_tokens.weight.data, dim=0)
+            else:
+                raise RuntimeError(f"rank {tp.rank}: unknown step op {op} from rank 0")
+
+
+def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int) -> None:
+    ids = recv((t,), torch.int64)
+    positions = recv((t,), torch.int64)
+    slots = recv((t,), torch.int64)
+    qsl = recv((b + 1,), torch.int32)
+    seq_lens = recv((b,), torch.int32)
+    tables = recv((b, w), torch.int32)
+    tree = recv((t, m), torch.uint8).view(torch.bool) if m else None
+    rows = recv((n_logits,), torch.int64) if n_logits > 0 else None
+    starts = qsl.tolist()  # CPU-GPU sync point (the reference backend plans from host lengths)
+    meta = AttentionMetadata(
+        mode=_MODES[mode],
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_tables=tables,
+        query_lens_cpu=[e - s for s, e in zip(starts, starts[1:])],
+        seq_lens_cpu=seq_lens.tolist(),
+        tree_mask=tree,
+    )
+    runner.backend.prepare(meta)
+    with forward_context(ForwardContext(meta, runner.backend)):
+        hidden, _ = runner.model(ids, positions, ())
+    if n_logits == ALL_ROWS:
+        runner.model.compute_logits(hidden)
+    elif rows is not None:
+        runner.model.compute_logits(hidden[rows])
