@@ -7,6 +7,7 @@ the engine starts. `EngineConfig.from_dict` takes the sectioned form
     cache: {block_size: 16, cpu_kv_bytes: 1073741824}
     scheduler: {max_num_seqs: 64}
     speculative: {method: ngram, num_draft_tokens: 4}
+    parallel: {tensor_parallel_size: 2}
 
 and the flat form vLLM's YAML files use, keyed by field or flag name (dashes or underscores),
 vLLM's spellings included (`FLAT_ALIASES`, `SpecConfig.normalize`):
@@ -205,6 +206,34 @@ class SpecConfig:
         return out
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model split over `tensor_parallel_size` processes, one per GPU
+    (NCCL) or CPU processes (gloo). Outside torchrun the engine starts the other ranks itself
+    on this machine; under torchrun (`--nnodes N --nproc-per-node M`, N x M ranks) every rank
+    runs the same command and the world size must equal tensor_parallel_size.
+
+    collective_timeout_s bounds one collective inside a step (a rank that stops answering
+    fails the step after it); ranks waiting for the next step between requests wait without
+    limit, and a rank whose process ends is noticed at once (executor/tp_workers.py)."""
+
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not (
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
+        ):
+            raise ValueError(
+                f"invalid tensor_parallel_size={self.tensor_parallel_size!r}: use an integer "
+                ">= 1 (the number of GPUs, or CPU processes, the model is split over)"
+            )
+        if not self.collective_timeout_s > 0:
+            raise ValueError(
+                f"invalid collective_timeout_s={self.collective_timeout_s!r}: use seconds > 0"
+            )
+
+
 # vLLM's speculative_config keys -> SpecConfig fields
 VLLM_SPEC_KEYS = {
     "num_speculative_tokens": "num_draft_tokens",
@@ -220,6 +249,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
@@ -305,6 +335,7 @@ SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpecConfig,
+    "parallel": ParallelConfig,
 }
 
 # Flat keys other than a field's own name -> (section, field), as vLLM and the CLI spell them.
@@ -314,6 +345,7 @@ FLAT_ALIASES: dict[str, tuple[str, str]] = {
     "num_gpu_blocks": ("cache", "num_blocks"),
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "model_path": ("model", "model"),
+    "tp": ("parallel", "tensor_parallel_size"),
 }
 
 
@@ -362,7 +394,7 @@ def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     A key is a field's name or flag name (dashes or underscores), a FLAT_ALIASES key, or one of
     vLLM's: speculative_config (a mapping or its JSON text, SpecConfig.normalize's keys),
-    enforce_eager (no CUDA graphs), tensor_parallel_size (1 until tensor parallelism lands)."""
+    enforce_eager (no CUDA graphs); tensor_parallel_size is a field of the parallel section."""
     owners = {f.name: s for s, c in SECTIONS.items() for f in dataclasses.fields(c)}
     out: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     unknown = []
@@ -382,12 +414,6 @@ def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
             out["speculative"].update(SpecConfig.normalize(value))
         elif name == "enforce_eager":
             out["model"]["cuda_graphs"] = False if value else None
-        elif name == "tensor_parallel_size":
-            if value not in (None, 1):
-                raise ValueError(
-                    f"tensor_parallel_size={value!r}: outrider runs a model on one device for "
-                    "now; use 1 (a model too large for one device does not load yet)"
-                )
         elif name in FLAT_ALIASES:
             section, field_name = FLAT_ALIASES[name]
             out[section][field_name] = value
@@ -396,8 +422,7 @@ def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
         else:
             unknown.append(str(key))
     if unknown:
-        known = [*owners, *FLAT_ALIASES, "speculative_config", "enforce_eager",
-                 "tensor_parallel_size", *SECTIONS]  # fmt: skip
+        known = [*owners, *FLAT_ALIASES, "speculative_config", "enforce_eager", *SECTIONS]
         raise ValueError(
             f"unknown config key(s) {sorted(unknown)}{_close(sorted(unknown), known)}: use a "
             f"section ({', '.join(SECTIONS)}) or a field name, e.g. max_num_seqs"

@@ -189,10 +189,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         g, "model.cuda_graphs", "run every step eagerly (no CUDA graphs: debugging, profiling)",
         "--enforce-eager", action="store_const", const=False, shown_default="off",
     )  # fmt: skip
-    g.add_argument(
-        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
-        default=argparse.SUPPRESS, metavar="N",
-        help="devices one model is split over; 1 for now (default: 1)",
+    config_flag(
+        g, "parallel.tensor_parallel_size",
+        "GPUs (or CPU processes) the model is split over; under torchrun, the world size",
+        "--tensor-parallel-size", "-tp", type=int, metavar="N",
     )  # fmt: skip
     g.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     add_cache_flags(p)
@@ -292,13 +292,12 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) -> EngineConfig:
     """`base` (default: --config's YAML, else the dataclass defaults) with the flags given:
-    vLLM's (--speculative-config, --tensor-parallel-size) and SGLang's speculative flags first,
+    vLLM's --speculative-config and SGLang's speculative flags first,
     outrider's own flags over them."""
     if base is None:
         base = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
     overrides = engine_overrides(args)
-    foreign = {k: getattr(args, k) for k in ("speculative_config", "tensor_parallel_size")
-               if hasattr(args, k)}  # fmt: skip
+    foreign = {k: getattr(args, k) for k in ("speculative_config",) if hasattr(args, k)}
     sections = flat_sections(foreign)
     sglang = given(args, "sglang")
     if sglang:

@@ -38,8 +38,12 @@ class LLM:
         drafter_dir, "num_speculative_tokens": 3}); either takes both spellings. `options` are
         fields of the cache, scheduler and model configs (block_size, num_blocks,
         cpu_kv_bytes, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
-        attention_backend, seed, ...) and vLLM's enforce_eager, tensor_parallel_size,
-        gpu_memory_utilization (config.flat_sections)."""
+        attention_backend, seed, tensor_parallel_size, ...) and vLLM's enforce_eager,
+        gpu_memory_utilization (config.flat_sections).
+
+        tensor_parallel_size=N splits the model over N processes: outside torchrun this one is
+        rank 0 and starts the others on this machine; under torchrun every rank constructs
+        the LLM, and ranks > 0 never return from here (they follow rank 0, then exit)."""
         config = config or EngineConfig()
         if speculative is not None and speculative_config is not None:
             raise TypeError("LLM() got both speculative and speculative_config: pass one")
@@ -60,6 +64,17 @@ class LLM:
         self.config = config.replace(**sections)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """End what the engine started outside this process (the other tensor-parallel ranks);
+        also done when the LLM is garbage-collected or the interpreter exits."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # -- generation -------------------------------------------------------------------------
 

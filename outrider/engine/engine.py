@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
 from outrider.engine.proposers import build_proposer
 from outrider.engine.scheduler import Scheduler
+from outrider.executor import tp_workers
+from outrider.executor.distributed import check_tp_size
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator
 from outrider.executor.spec_step import simple_greedy
@@ -54,7 +57,7 @@ class EngineCore:
         self.config = config
         self.checkpoint = checkpoint or open_checkpoint(config.model.model or env.default_model())
         self.tokenizer = self.checkpoint.tokenizer
-        self.runner = ModelRunner(config, self.checkpoint)
+        self.runner = self._start_runner(config)
         # Within the KV pool, so check_stop's context limit also keeps every request in it.
         self.max_model_len = self._fit_context_to_pool()
         self.block_manager = BlockManager(
@@ -76,6 +79,59 @@ class EngineCore:
         self.spec_stats = SpecStats()
         self.spec_k = 0  # drafts verified in the last decode step (0: plain)
         self.spec_steps_by_k: dict[int, int] = {}  # decode steps by drafts verified
+
+    def _start_runner(self, config: EngineConfig) -> ModelRunner:
+        """The model runner, on one rank or as rank 0 of a tensor-parallel group (the other
+        ranks started here, or by torchrun). Under torchrun a rank > 0 never returns: it
+        follows rank 0's steps, then ends its process when rank 0 stops (SystemExit 0)."""
+        size = config.parallel.tensor_parallel_size
+        if size == 1:
+            self._ranks = None
+            return ModelRunner(config, self.checkpoint)
+        check_tp_size(self.checkpoint.config, size)  # before any process starts
+        ranks = tp_workers.start_ranks(config, str(self.checkpoint.path))
+        if ranks.tp.rank > 0:
+            try:
+                tp_workers.run_worker(config, self.checkpoint, ranks.tp)
+            finally:
+                ranks.close()
+            raise SystemExit(0)
+        if ranks.procs and tp_workers.rank_device(config, 0).type == "cpu":
+            torch.set_num_threads(tp_workers.cpu_threads(size))
+        self._ranks = ranks
+        try:
+            runner = ModelRunner(config, self.checkpoint, tp=ranks.tp)
+        except Exception as e:
+            died = ranks.explain(e)
+            ranks.close()
+            if died is not None:
+                raise died from e
+            raise
+        # Closed when the engine is (shutdown(), garbage, interpreter exit): the other ranks
+        # leave their loop and torch.distributed ends, so another engine may start.
+        self._finalizer = weakref.finalize(self, ranks.close, runner)
+        # Steps that fail in a collective say which rank died (one rank keeps step() as is).
+        self.step = self._step_checked
+        return runner
+
+    def shutdown(self) -> None:
+        """Release what the engine holds outside this process: the other tensor-parallel
+        ranks (they exit). Nothing to do on one rank."""
+        if self._ranks is not None:
+            self._finalizer()
+
+    def _step_checked(self) -> list[RequestOutput]:
+        """step() under tensor parallelism: a collective that fails because a rank died raises
+        RankDied naming it, and the other ranks are ended."""
+        if self._ranks.failure is not None:
+            raise tp_workers.RankDied(self._ranks.failure)
+        try:
+            return EngineCore.step(self)
+        except RuntimeError as e:
+            died = None if isinstance(e, tp_workers.RankDied) else self._ranks.explain(e)
+            if died is not None:
+                raise died from e
+            raise
 
     def _fit_context_to_pool(self) -> int:
         """The context one request may use: the configured (or the model's) limit, capped by

@@ -44,7 +44,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
         help="serve an OpenAI-compatible API (chat, completions, models, health, metrics)",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health and "
         "/metrics. --config takes one YAML file with a `server:` section (ServerConfig) and "
-        "the engine's sections (model, cache, scheduler, speculative).",
+        "the engine's sections (model, cache, scheduler, speculative, parallel).",
     )
 
 

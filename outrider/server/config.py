@@ -1,7 +1,7 @@
 """ServerConfig: the HTTP side of `outrider serve`, frozen and validated like the engine's configs.
 
 One YAML file holds both: a `server:` section for this class and the engine's sections
-(`model`, `cache`, `scheduler`, `speculative`) for `EngineConfig`:
+(`model`, `cache`, `scheduler`, `speculative`, `parallel`) for `EngineConfig`:
 
     server: {host: 0.0.0.0, port: 8000, api_key_file: /etc/outrider/key, max_n: 4}
     model: {model: /srv/models/model.gguf, dtype: bfloat16}

@@ -91,7 +91,6 @@ def test_unknown_keys_name_their_close_matches():
 @pytest.mark.parametrize(
     "values,match",
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
         ({"speculative_config": "{not json"}, "not JSON"),
         ({"speculative_config": {"method": "medusa"}}, "not supported: use eagle3"),
         (

@@ -1,0 +1,241 @@
+"""Starting the ranks of a tensor-parallel engine, and noticing when one dies.
+
+Two ways in, one code path after them:
+- one machine, no launcher: rank 0 (the process that builds the engine) spawns ranks
+  1..N-1 with torch.multiprocessing, each opening the same checkpoint and joining over
+  127.0.0.1 (gloo on CPU, NCCL on CUDA, GPU i for rank i);
+- torchrun (`--nnodes`, `--node-rank`, `--nproc-per-node`): every rank runs the same command;
+  torch.distributed joins from torchrun's environment, and ranks > 0 never return from the
+  engine's constructor: they follow rank 0 (tp_channel.worker_loop) and exit when it stops.
+
+A rank that dies breaks its connections, and the collective rank 0 is in raises at once
+(gloo; NCCL after the collective timeout); the watchdog here also polls the processes rank 0
+spawned and, when one has ended, names it: the engine's next step raises `RankDied` with that
+rank and its exit code, and if rank 0 stays blocked in a collective that never returns (a
+rank gone without closing its connections) the watchdog ends the process after a grace period,
+so nothing hangs. Spawned ranks end themselves when rank 0's process goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from outrider import env
+from outrider.config import EngineConfig
+from outrider.executor.distributed import TPGroup, init_tensor_parallel, single
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often the watchdog looks at the spawned ranks
+GRACE_S = 10.0  # how long a dead rank's error may take to surface before the process ends
+
+
+class RankDied(RuntimeError):
+    """A tensor-parallel rank's process ended while the engine ran."""
+
+
+@dataclass
+class Ranks:
+    """This process's place in a tensor-parallel engine: its group, and on rank 0 of a job it
+    spawned, the other ranks' processes and their watchdog."""
+
+    tp: TPGroup
+    procs: list[Any] = field(default_factory=list)
+    failure: str | None = None
+    _closing: bool = False
+    _watchdog: threading.Thread | None = None
+
+    def start_watchdog(self) -> None:
+        if self.procs:
+            self._watchdog = threading.Thread(
+                target=self._watch, name="outrider-tp-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self._closing:
+            for rank, p in enumerate(self.procs, start=1):
+                if p.exitcode is not None and not self._closing:
+                    self.failure = (
+                        f"tensor-parallel rank {rank} (pid {p.pid}) died with exit code "
+                        f"{p.exitcode}: the engine cannot continue without it; see that "
+                        "rank's log above for the cause (out of memory, a crash, a kill), "
+                        "then restart"
+                    )
+                    log.error("%s", self.failure)
+                    deadline = time.monotonic() + GRACE_S
+                    while time.monotonic() < deadline and not self._closing:
+                        time.sleep(POLL_S)
+                    if not self._closing:  # rank 0 is stuck in a collective: end it
+                        print(f"outrider: {self.failure}", file=sys.stderr, flush=True)
+                        os._exit(1)
+                    return
+            time.sleep(POLL_S)
+
+    def explain(self, error: BaseException) -> RankDied | None:
+        """A step failed with `error` under tensor parallelism: the RankDied to raise, naming
+        the rank that died when it was one this process spawned (its exit may take a moment
+        to show), the collective's own error when a collective failed otherwise; the other
+        ranks are ended then. None when neither (an error of rank 0's own)."""
+        for p in self.procs:
+            p.join(timeout=2.0 / len(self.procs))
+        died = [(r, p) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+        if not died and self.failure is None and not _collective_error(error):
+            return None
+        if self.failure is None and died:
+            rank, p = died[0]
+            self.failure = (
+                f"tensor-parallel rank {rank} (pid {p.pid}) died with exit code {p.exitcode}: "
+                "the engine cannot continue without it; see that rank's log for the cause "
+                "(out of memory, a crash, a kill), then restart"
+            )
+        message = self.failure or (
+            f"a tensor-parallel collective failed ({error}): a rank has probably died or "
+            "lost its connection; check every rank's log (torchrun prints which one ended), "
+            "then restart"
+        )
+        self.failure = message
+        self.close()
+        return RankDied(message)
+
+    def close(self, runner=None) -> None:
+        """Stop the other ranks (rank 0 sends them STOP through `runner`; after a failure the
+        spawned ones are terminated), wait for spawned ones, end torch.distributed."""
+        if self._closing:
+            return
+        self._closing = True
+        if runner is not None and self.failure is None:
+            try:
+                runner.shutdown()
+            except Exception as e:  # a rank already gone: nothing left to stop
+                log.warning("tensor-parallel shutdown: %s", e)
+        for p in self.procs:
+            p.join(timeout=10 if self.failure is None else 0.1)
+            if p.exitcode is None:
+                p.terminate()
+                p.join(timeout=5)
+        self.tp.close()
+
+
+def start_ranks(config: EngineConfig, model_path: str | None) -> Ranks:
+    """This process's tensor-parallel group, starting the other ranks when no launcher did.
+    model_path: the checkpoint every rank opens (None: the default model)."""
+    size = config.parallel.tensor_parallel_size
+    timeout = config.parallel.collective_timeout_s
+    world = env.world_size()
+    if size > 1 and world > 1:
+        # torchrun (or a launcher like it) started every rank: join from its environment;
+        # init_tensor_parallel names the fix when the world size differs from `size`. (A
+        # one-rank engine under torchrun is some data-parallel job's own: it stays alone.)
+        device = rank_device(config, env.local_rank())
+        tp = init_tensor_parallel(size, device=device, timeout_s=timeout)
+        return Ranks(tp)
+    if size == 1:
+        return Ranks(single())
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_spawned_rank,
+            args=(rank, size, port, config, model_path, os.getpid()),
+            name=f"outrider-tp-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(1, size)
+    ]
+    for p in procs:
+        p.start()
+    ranks = Ranks(single(), procs)
+    ranks.start_watchdog()
+    try:
+        ranks.tp = init_tensor_parallel(
+            size, rank=0, world_size=size, master_addr="127.0.0.1", master_port=port,
+            device=rank_device(config, 0), timeout_s=timeout,
+        )  # fmt: skip
+    except Exception as e:
+        died = ranks.explain(e) if any(p.exitcode is not None for p in procs) else None
+        ranks.close()
+        if died is not None:
+            raise died from e
+        raise
+    return ranks
+
+
+def _collective_error(error: BaseException) -> bool:
+    """Whether `error` came out of torch.distributed (gloo and NCCL raise plain RuntimeErrors
+    that name their transport)."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection closed", "timed out"))
+
+
+def run_worker(config: EngineConfig, checkpoint, tp: TPGroup) -> None:
+    """A rank > 0: its shard of the model and its KV slice, following rank 0 until it stops."""
+    from outrider.executor.model_runner import ModelRunner
+    from outrider.executor.tp_channel import worker_loop
+
+    worker_loop(ModelRunner(config, checkpoint, tp=tp))
+
+
+def cpu_threads(size: int) -> int:
+    """Torch threads per rank when the ranks share this machine's CPU cores."""
+    if env.num_threads() > 0:
+        return env.num_threads()
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _spawned_rank(
+    rank: int, size: int, port: int, config: EngineConfig, model_path: str | None, parent: int
+) -> None:
+    from outrider.loaders.checkpoint import open_checkpoint
+
+    logging.basicConfig(level=env.log_level(), format=f"[rank {rank}] %(levelname)s %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    device = rank_device(config, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(size))
+    tp = init_tensor_parallel(
+        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port,
+        local_rank=rank, device=device, timeout_s=config.parallel.collective_timeout_s,
+    )  # fmt: skip
+    try:
+        run_worker(config, open_checkpoint(model_path), tp)
+    finally:
+        tp.close()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A spawned rank outlives nothing: when rank 0's process is gone, end this one."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    from outrider.executor.model_runner import resolve_device
+
+    device = resolve_device(config.model.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
