@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
-from outrider.executor.kv_cache import KVLayout, KVPool
+from outrider.executor.kv_cache import KVPool
 from outrider.loaders.hf_config import TransformerConfig
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
@@ -68,15 +68,10 @@ def outrider_model(
     model = model_class(cfg.architecture)(cfg, tp=tp).float().eval()
     torch.set_default_dtype(old)
     load_weights(model, state_dict.items())
-    kv_heads = model.attention_layers()[0].num_kv_heads
-    pool = KVPool(
-        KVLayout.multi_head(kv_heads, cfg.head_dim, torch.float32),
-        cfg.num_hidden_layers,
-        num_blocks,
-        block_size,
-        torch.device("cpu"),
-    )
-    for i, attn in enumerate(model.attention_layers()):
+    layers = model.attention_layers()
+    layout = model.kv_layout(torch.float32)  # this rank's KV heads
+    pool = KVPool(layout, len(layers), num_blocks, block_size, torch.device("cpu"))
+    for i, attn in enumerate(layers):
         attn.kv_cache = pool.layer(i)
     return model, pool
 

@@ -24,7 +24,7 @@ import torch
 from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.executor.cuda_graph import GraphRunner
 from outrider.executor.inputs import build_inputs, table_slots_no_sync
-from outrider.executor.kv_cache import KVLayout, KVPool
+from outrider.executor.kv_cache import KVPool
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
@@ -81,7 +81,7 @@ class Eagle3Drafter:
         self.aux_layers = tuple(cfg.aux_layers)
         # Whole on rank 0 under tensor parallelism: the drafter runs there alone.
         draft.bind_embedding(runner.embedding_for_drafter())
-        layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, runner.dtype)
+        layout = draft.kv_layout(runner.dtype)
         # Same block ids as the target's pool (+1 scratch block, as there).
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
         draft.attention_layers()[0].kv_cache = self.kv_pool.layer(0)

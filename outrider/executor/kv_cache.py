@@ -29,6 +29,10 @@ class KVLayout:
         return cls((("latent", (width,)),), dtype)
 
     @property
+    def is_latent(self) -> bool:
+        return [name for name, _ in self.components] == ["latent"]
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes in one layer."""
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -23,7 +23,7 @@ from outrider.core import (
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs, build_inputs
-from outrider.executor.kv_cache import KVLayout, KVPool, num_blocks_for_budget
+from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler, logprob_rows_no_sync, unpack_logprobs
 from outrider.executor.spec_step import SpecOutput, SpecStep, simple_greedy
 from outrider.executor.tp_channel import StepSender
@@ -91,23 +91,24 @@ class ModelRunner:
         load_weights(self.model, progress(checkpoint.iter_tensors(), "loading weights"))
         self.model.eval()
 
-        # This rank's KV heads (all of them on one rank); every rank's pool has as many blocks
-        # as the smallest one, since rank 0's block manager hands out ids for all of them.
-        kv_heads = self.model.attention_layers()[0].num_kv_heads
-        layout = KVLayout.multi_head(kv_heads, cfg.head_dim, self.dtype)
-        num_blocks = num_blocks_for_budget(layout, cfg.num_hidden_layers, config.cache, self.device)
+        # The model says what a token slot holds (this rank's multi-head K/V, or one MLA
+        # latent); every rank's pool has as many blocks as the smallest one, since rank 0's
+        # block manager hands out ids for all of them.
+        layout = self.model.kv_layout(self.dtype)
+        attention = self.model.attention_layers()
+        num_blocks = num_blocks_for_budget(layout, len(attention), config.cache, self.device)
         num_blocks = tp.agree_min(num_blocks)
         # Rank 0 of several: every target forward's inputs go to the other ranks first.
         self.tp_sender = StepSender(tp) if tp.size > 1 and tp.rank == 0 else None
         self._whole_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         # One block more than the block manager hands out: padded graph rows write there.
         self._num_blocks = num_blocks
-        self.kv_pool = KVPool(
-            layout, cfg.num_hidden_layers, num_blocks + 1, self.block_size, self.device
-        )
-        for i, attn in enumerate(self.model.attention_layers()):
+        self.kv_pool = KVPool(layout, len(attention), num_blocks + 1, self.block_size, self.device)
+        for i, attn in enumerate(attention):
             attn.kv_cache = self.kv_pool.layer(i)
-        self.backend = get_backend(config.model.attention_backend, self.device.type)
+        self.backend = get_backend(
+            config.model.attention_backend, self.device.type, latent=layout.is_latent
+        )
         # Layers whose input residual stream every forward returns (a drafter sets them).
         self.aux_layers: tuple[int, ...] = ()
         self.sampler = Sampler()
@@ -198,7 +199,13 @@ class ModelRunner:
 
     def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
         wanted = config.model.cuda_graphs
-        usable = self.device.type == "cuda" and ForwardMode.DECODE in self.backend.graph_modes
+        # A model whose forward reads the host (the reference MoE picks experts there) says so.
+        model_ok = getattr(self.model, "graph_safe", True)
+        usable = (
+            self.device.type == "cuda"
+            and ForwardMode.DECODE in self.backend.graph_modes
+            and model_ok
+        )
         if wanted is False or (wanted is None and (not usable or self.backend.name != "triton")):
             return None
         if self.tp.size > 1:
@@ -212,8 +219,9 @@ class ModelRunner:
             return None
         if not usable:
             raise ValueError(
-                f"cuda_graphs=True needs device cuda and a graph-safe attention backend; got "
-                f"device={self.device}, backend={self.backend.name}: set cuda_graphs=False"
+                f"cuda_graphs=True needs device cuda, a graph-safe attention backend and a "
+                f"graph-safe model; got device={self.device}, backend={self.backend.name}, "
+                f"{self.model_config.architecture} graph-safe: {model_ok}: set cuda_graphs=False"
             )
         sizes = self._graph_batch_sizes()
         tpq = (1,)

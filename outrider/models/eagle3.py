@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention
 from outrider.layers.linear import (
@@ -208,3 +209,8 @@ class Eagle3Draft(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """What one token slot of the draft's one layer holds: its K and V heads."""
+        layer = self.midlayer
+        return KVLayout.multi_head(layer.num_kv_heads, layer.head_dim, dtype)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from outrider.executor.distributed import TPGroup, check_tp_size, kv_heads_per_rank, single
+from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention
 from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -136,6 +137,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    config_class = TransformerConfig
     # checkpoint name -> (packed parameter name, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -170,3 +172,8 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """What one token slot of one attention layer holds: this rank's K and V heads."""
+        attn = self.model.layers[0].self_attn
+        return KVLayout.multi_head(attn.num_kv_heads, attn.head_dim, dtype)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
-from outrider.executor.kv_cache import KVLayout, KVPool
+from outrider.executor.kv_cache import KVPool
 
 
 @dataclass
@@ -116,14 +116,11 @@ class TargetCapture:
 
     @contextlib.contextmanager
     def _private_kv(self, num_blocks: int) -> Iterator[None]:
-        cfg = self.config
+        layers = self.model.attention_layers()
         if self._pool is None or self._pool.num_blocks < num_blocks:
             self._pool = None  # free the old one first
-            layout = KVLayout.multi_head(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-            self._pool = KVPool(
-                layout, cfg.num_hidden_layers, num_blocks, self.block_size, self.device
-            )
-        layers = self.model.attention_layers()
+            layout = self.model.kv_layout(self.dtype)  # the serving pool's layout
+            self._pool = KVPool(layout, len(layers), num_blocks, self.block_size, self.device)
         saved = [a.kv_cache for a in layers]
         try:
             for i, a in enumerate(layers):

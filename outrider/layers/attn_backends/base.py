@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -24,6 +25,8 @@ class AttentionBackend(ABC):
     # meta.seq_lens_cpu), so a CUDA graph captured once serves any context: DECODE graphs
     # need it, chain VERIFY graphs need it for multi-token queries too.
     graph_modes: frozenset = frozenset()
+    # Whether `forward_latent` is implemented (MLA models' latent KV cache).
+    supports_latent: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive per-step data once (into meta.backend_data) instead of once per layer.
@@ -42,6 +45,23 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
+    def forward_latent(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, qk_head_dim]: [nope | rope] per head
+        latent: torch.Tensor,  # [num_tokens, width]: this step's [compressed kv | roped k]
+        kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, width]
+        meta: AttentionMetadata,
+        scale: float,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+        """Multi-head latent attention (MLA): write this step's latents at meta.slot_mapping,
+        then attend as `forward` does, each key and value being `expand(latent)` ([n, width]
+        -> k [n, heads, qk_head_dim], v [n, heads, v_head_dim])."""
+        raise NotImplementedError(
+            f"the {self.name} attention backend has no latent (MLA) attention: use "
+            f"attention_backend='torch_ref'"
+        )
+
 
 _BACKENDS = {
     "torch_ref": "outrider.layers.attn_backends.torch_ref:TorchRefBackend",
@@ -49,12 +69,21 @@ _BACKENDS = {
 }
 
 
-def get_backend(name: str, device_type: str = "cpu") -> AttentionBackend:
+def get_backend(name: str, device_type: str = "cpu", latent: bool = False) -> AttentionBackend:
+    """latent: the model caches MLA latents; "auto" then picks a backend that attends over
+    them (torch_ref, on any device, until a kernel backend does)."""
     if name == "auto":
-        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch_ref"
+        cuda = device_type == "cuda" and not latent
+        name = "triton" if cuda and "triton" in _BACKENDS else "torch_ref"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}: use one of {', '.join(sorted(_BACKENDS))}"
         )
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)()
+    if latent and not backend.supports_latent:
+        raise ValueError(
+            f"the {name} attention backend has no latent (MLA) attention, which this model's "
+            f"KV cache needs: use attention_backend='torch_ref' or 'auto'"
+        )
+    return backend

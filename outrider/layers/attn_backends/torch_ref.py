@@ -17,6 +17,18 @@ class TorchRefBackend(AttentionBackend):
     # The decode path reads lengths from device tensors only (it attends over the whole padded
     # block table, which is correct but slow under graphs: the fast backends exist for that).
     graph_modes = frozenset({ForwardMode.DECODE})
+    supports_latent = True
+
+    def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
+        # MLA without weight absorption: every cached latent is expanded into its per-head key
+        # and value (expand = kv_b_proj) each step, then attention is ordinary multi-head
+        # attention. Costs heads x (nope + v) x kv_lora_rank FLOPs per cached token per layer;
+        # the latent-space form (absorbing kv_b_proj into q and the output) is the kernels' job.
+        cache = kv_cache["latent"]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
+        if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
+            return _latent_decode(q, cache, meta, scale, expand)
+        return _latent_per_sequence(q, cache, meta, scale, expand)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache["k"], kv_cache["v"]
@@ -72,6 +84,45 @@ def _per_sequence(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
             .permute(2, 0, 1, 3)
             .reshape(qlen, num_heads, head_dim)
         )
+    return out
+
+
+def _latent_decode(q, cache, meta: AttentionMetadata, scale: float, expand) -> torch.Tensor:
+    # As _decode: every sequence's blocks gathered into a padded [B, L] key range, padding
+    # masked; the latents expand to per-head keys and values (no grouping: MLA heads each
+    # have their own key).
+    batch, num_heads, qk_dim = q.shape
+    block_size, width = cache.shape[1], cache.shape[2]
+    length = meta.block_tables.shape[1] * block_size
+    mask = meta.backend_data.get("decode_mask")
+    if mask is None:
+        keys = torch.arange(length, device=q.device)
+        mask = (keys[None, :] < meta.seq_lens[:, None]).view(batch, 1, 1, length)
+        meta.backend_data["decode_mask"] = mask
+    latents = _gather(cache, meta.block_tables.long().flatten()).view(-1, width)
+    k, v = expand(latents)  # [B * L, heads, qk_dim], [B * L, heads, v_dim]
+    k = k.view(batch, length, num_heads, qk_dim).transpose(1, 2)
+    v = v.view(batch, length, num_heads, -1).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale)
+    return out.view(batch, num_heads, -1)  # [B, heads, v_dim]
+
+
+def _latent_per_sequence(q, cache, meta: AttentionMetadata, scale: float, expand) -> torch.Tensor:
+    block_size, width = cache.shape[1], cache.shape[2]
+    plan = meta.backend_data.get("per_sequence_latent")
+    if plan is None:
+        plan = _plan(meta, block_size, 1, q.device)
+        meta.backend_data["per_sequence_latent"] = plan
+    out = None
+    for start, end, ctx, blocks, mask in plan:
+        k, v = expand(_gather(cache, blocks).view(-1, width)[:ctx])  # [ctx, heads, *]
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale,
+        )  # [heads, qlen, v_dim]  # fmt: skip
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], o.shape[-1])
+        out[start:end] = o.transpose(0, 1)
     return out
 
 
