@@ -13,15 +13,23 @@ log = logging.getLogger(__name__)
 # Checkpoint entries that are derived at run time, not parameters.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
+# `map_weight_name`'s answer for a checkpoint tensor the model does not use.
+SKIP = ("skip", None)
+
 
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load every parameter of `model` or fail naming what is missing.
 
     Packed parameters (qkv_proj, gate_up_proj) receive their checkpoint shards one at a time via
-    the model's `packed_modules_mapping`; tied parameters (lm_head = embedding) load once.
+    the model's `packed_modules_mapping`; tied parameters (lm_head = embedding) load once. A
+    model whose checkpoint names need more than that (stacked experts, a name prefix, tensors
+    to skip) defines `map_weight_name(name)`, answering (parameter name, shard id), a new
+    checkpoint name (then mapped as usual), SKIP, or None (the usual mapping). A parameter
+    whose shards are not in the packed table lists them in `param.expected_shards`.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
+    remap = getattr(model, "map_weight_name", None)
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -30,8 +38,13 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy; the embedding is the source of truth
-        target, shard = name, None
-        for ckpt_name, (packed_name, shard_id) in packed.items():
+        mapped = remap(name) if remap is not None else None
+        if mapped is SKIP:
+            continue
+        if isinstance(mapped, str):  # renamed; the packed table still applies
+            name, mapped = mapped, None
+        target, shard = mapped or (name, None)
+        for ckpt_name, (packed_name, shard_id) in packed.items() if mapped is None else ():
             if f".{ckpt_name}." in name:
                 target, shard = name.replace(f".{ckpt_name}.", f".{packed_name}."), shard_id
                 break
@@ -61,11 +74,13 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     for name in params:
         if tied and name == "lm_head.weight":
             continue
-        shards = [
+        shards = getattr(params[name], "expected_shards", None) or [
             s
             for n, (p, s) in packed.items()
             if name.endswith(f".{p}.weight") or name.endswith(f".{p}.bias")
         ]
+        if f"{name}#None" in loaded:  # loaded whole (a checkpoint that stores it stacked)
+            continue
         need = [f"{name}#{s}" for s in shards] if shards else [f"{name}#None"]
         missing += [n for n in need if n not in loaded]
     if missing:

@@ -1,0 +1,131 @@
+"""Routed mixture of experts, DeepSeek-V3 style: a sigmoid router with group-limited top-k and a
+score-correction bias, and the experts' weights stacked into two tensors.
+
+Experts are stored stacked, [E, 2 * I, H] (gate rows then up rows, as HF's fused layout) and
+[E, H, I], so that a grouped GEMM over tokens sorted by expert can read them as they are;
+checkpoints that store one tensor per expert (`experts.M.gate_proj.weight`) load into their
+slice through `weight_loader` with shard id (M, "gate" | "up" | "down").
+
+The forward here is the reference path: a loop over the experts the step's tokens chose, in
+expert order (HF's order, so sums round the same way). Clarity first; it is what a fused GPU
+kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from outrider.layers.activation import SiluAndMul
+
+
+class GroupedTopkRouter(nn.Module):
+    """Which experts each token uses, with what weight (DeepSeek-V3's `noaux_tc` router).
+
+    1. scores = sigmoid(x W^T), in float32 (the router weight stays float32 in every dtype).
+    2. For choosing only, add the per-expert correction bias (load balancing without a loss);
+       the weights later come from the unbiased scores.
+    3. Split the experts into n_group equal groups, score each group by the sum of its best
+       two biased scores, keep the best topk_group groups.
+    4. Take the top_k biased scores among the kept groups' experts.
+    5. Weights: their unbiased scores, divided by their sum when norm_topk_prob (+1e-20 as the
+       reference), times routed_scaling_factor.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        f32 = dict(dtype=torch.float32)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, **f32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, **f32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, top_k] float32, expert ids [T, top_k] int64."""
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias
+        grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        keep = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+        biased = biased.masked_fill(~expert_mask, float("-inf"))
+        ids = biased.topk(self.top_k, dim=-1, sorted=False).indices  # [T, top_k]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class FusedExperts(nn.Module):
+    """E SwiGLU experts in two stacked tensors; forward(x, weights, ids) sums each token's
+    chosen experts' outputs times their weights."""
+
+    _ROWS = {"gate": 0, "up": 1}
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False
+        )  # [E, 2 * I, H]
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden, intermediate), requires_grad=False
+        )  # [E, H, I]
+        # Every expert's shards must arrive (models/weights.py checks `expected_shards`), or
+        # the whole stacked tensor at once (shard None).
+        for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
+            param.weight_loader = self.weight_loader
+            param.expected_shards = [(e, p) for e in range(num_experts) for p in parts]
+        self.act = SiluAndMul()
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
+    ) -> None:
+        if shard_id is None:
+            target = param.data
+        else:
+            expert, part = shard_id
+            if not 0 <= expert < self.num_experts:
+                raise ValueError(
+                    f"checkpoint expert {expert} is outside the config's n_routed_experts="
+                    f"{self.num_experts}: the checkpoint does not match its config.json"
+                )
+            target = param.data[expert]
+            if part in self._ROWS:
+                n = self.intermediate
+                target = target.narrow(0, self._ROWS[part] * n, n)
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"FusedExperts: checkpoint tensor {shard_id} of shape {tuple(loaded.shape)} does "
+                f"not fit {tuple(target.shape)}: the checkpoint does not match its config.json"
+            )
+        target.copy_(loaded)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, top_k] float32
+        ids: torch.Tensor,  # [T, top_k] int64
+    ) -> torch.Tensor:  # [T, H]
+        out = torch.zeros_like(x)
+        hit = torch.unique(ids).tolist()  # CPU-GPU sync point: which experts run
+        for e in hit:  # ascending, as the reference: each token's sum rounds the same way
+            token, slot = torch.where(ids == e)
+            h = self.act(F.linear(x[token], self.gate_up_proj[e]))
+            h = F.linear(h, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
