@@ -9,6 +9,11 @@ slice through `weight_loader` with shard id (M, "gate" | "up" | "down").
 The forward here is the reference path: a loop over the experts the step's tokens chose, in
 expert order (HF's order, so sums round the same way). Clarity first; it is what a fused GPU
 kernel is tested against.
+
+`Int4FusedExperts` holds INT4 weight-only experts (compressed-tensors "pack-quantized", see
+loaders/compressed_tensors.py) as they are stored: packed int32 [E, 2I, H/8] and [E, H, I/8]
+with per-group scales [E, 2I, H/g] and [E, H, I/g], a quarter of bf16's memory. Its reference
+forward dequantizes each chosen expert when it runs; a W4A16 kernel reads the packed form.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.layers.activation import SiluAndMul
+from outrider.loaders.compressed_tensors import PACK, dequantize_int4
 
 
 class GroupedTopkRouter(nn.Module):
@@ -110,10 +116,15 @@ class FusedExperts(nn.Module):
                 target = target.narrow(0, self._ROWS[part] * n, n)
         if target.shape != loaded.shape:
             raise ValueError(
-                f"FusedExperts: checkpoint tensor {shard_id} of shape {tuple(loaded.shape)} does "
-                f"not fit {tuple(target.shape)}: the checkpoint does not match its config.json"
+                f"{type(self).__name__}: checkpoint tensor {shard_id} of shape "
+                f"{tuple(loaded.shape)} does not fit {tuple(target.shape)}: the checkpoint does "
+                f"not match its config.json"
             )
         target.copy_(loaded)
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) in `dtype`."""
+        return self.gate_up_proj[e], self.down_proj[e]
 
     def forward(
         self,
@@ -125,7 +136,52 @@ class FusedExperts(nn.Module):
         hit = torch.unique(ids).tolist()  # CPU-GPU sync point: which experts run
         for e in hit:  # ascending, as the reference: each token's sum rounds the same way
             token, slot = torch.where(ids == e)
-            h = self.act(F.linear(x[token], self.gate_up_proj[e]))
-            h = F.linear(h, self.down_proj[e]) * weights[token, slot, None]
+            gate_up, down = self.expert_weights(e, x.dtype)
+            h = self.act(F.linear(x[token], gate_up))
+            h = F.linear(h, down) * weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
+
+
+class Int4FusedExperts(FusedExperts):
+    """FusedExperts whose weights stay INT4 in memory: `gate_up_proj_packed` int32
+    [E, 2I, ceil(H/8)] and `gate_up_proj_scale` [E, 2I, ceil(H/g)] (gate rows then up rows),
+    `down_proj_packed` int32 [E, H, ceil(I/8)] and `down_proj_scale` [E, H, ceil(I/g)]. Scales
+    take the model's dtype. Checkpoints' per-expert `weight_packed` / `weight_scale` load into
+    their slice with the same shard ids as FusedExperts'."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, group_size: int) -> None:
+        nn.Module.__init__(self)
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.hidden, self.group_size = hidden, group_size
+        e, i2 = num_experts, 2 * intermediate
+
+        def words(n: int) -> int:
+            return -(-n // PACK)
+
+        def groups(n: int) -> int:
+            return -(-n // group_size)
+
+        def param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.gate_up_proj_packed = param(e, i2, words(hidden), dtype=torch.int32)
+        self.gate_up_proj_scale = param(e, i2, groups(hidden))
+        self.down_proj_packed = param(e, hidden, words(intermediate), dtype=torch.int32)
+        self.down_proj_scale = param(e, hidden, groups(intermediate))
+        for name, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            for suffix in ("packed", "scale"):
+                p = getattr(self, f"{name}_{suffix}")
+                p.weight_loader = self.weight_loader
+                p.expected_shards = [(x, part) for x in range(num_experts) for part in parts]
+        self.act = SiluAndMul()
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.group_size
+        gate_up = dequantize_int4(
+            self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], self.hidden, g, dtype
+        )
+        down = dequantize_int4(
+            self.down_proj_packed[e], self.down_proj_scale[e], self.intermediate, g, dtype
+        )
+        return gate_up, down

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outrider.loaders.compressed_tensors import Int4Scheme, parse_quantization_config
+
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -148,6 +150,9 @@ class DeepseekV3Config:
     # Checkpoint names carry this prefix when the text model sits inside a multimodal one
     # (Kimi-K2.5: "language_model.model.layers...").
     weight_prefix: str = ""
+    # INT4 routed experts (compressed-tensors pack-quantized, Kimi-K2's release format); None
+    # when the checkpoint is unquantized. Everything else is always stored unquantized.
+    expert_quant: Int4Scheme | None = None
     sliding_window: int | None = None  # never set: the engine reads it for every model
 
     def __post_init__(self) -> None:
@@ -211,12 +216,10 @@ class DeepseekV3Config:
         else:
             text = d
         quant = d.get("quantization_config") or text.get("quantization_config")
-        if quant:
-            raise ValueError(
-                f"{arch} checkpoint quantized with {quant.get('quant_method', quant)!r}: "
-                f"quantized weights (FP8 blocks, compressed-tensors INT4) do not load yet; "
-                f"use a bf16 checkpoint of the model"
-            )
+        try:  # INT4 routed experts load; any other quantization is refused by name
+            expert_quant = parse_quantization_config(quant) if quant else None
+        except ValueError as e:
+            raise ValueError(f"{arch}: {e}") from None
         missing = [k for k in _DEEPSEEK_REQUIRED if k not in text]
         if missing:
             what = ", ".join(f"{k!r} ({_DEEPSEEK_REQUIRED[k]})" for k in missing)
@@ -254,6 +257,7 @@ class DeepseekV3Config:
             bos_token_id=text.get("bos_token_id"),
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
+            expert_quant=expert_quant,
         )
 
 

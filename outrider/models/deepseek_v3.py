@@ -12,6 +12,10 @@ MLA, per token (r = kv_lora_rank, d_n / d_r / d_v = qk_nope / qk_rope / v head d
 Rotary covers only the d_r dims, in DeepSeek's interleaved pair order ((2i, 2i + 1) rotate
 together; `rope_interleave`), which equals rotate-half on [evens | odds].
 
+Routed experts may be INT4 (compressed-tensors "pack-quantized", as Kimi-K2 and K2.5 ship
+them: `experts.M.{gate,up,down}_proj.weight_packed` / `weight_scale` / `weight_shape`); they
+stay packed in memory (`Int4FusedExperts`). Every other weight loads unquantized.
+
 One rank only for now: the MoE and MLA layers do not split over tensor-parallel ranks yet.
 """
 
@@ -33,7 +37,7 @@ from outrider.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from outrider.layers.moe import FusedExperts, GroupedTopkRouter
+from outrider.layers.moe import FusedExperts, GroupedTopkRouter, Int4FusedExperts
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import DeepseekV3Config
@@ -42,7 +46,11 @@ from outrider.models.weights import SKIP
 # The low-rank norms use the reference's fixed epsilon, not rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\."
+    r"(weight|weight_packed|weight_scale|weight_shape)$"
+)
+_QUANTIZED = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")
 
 
 def latent_kv_layout(cfg: DeepseekV3Config, dtype: torch.dtype) -> KVLayout:
@@ -133,9 +141,11 @@ class DeepseekV3MoE(nn.Module):
             cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
             cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )  # fmt: skip
-        self.experts = FusedExperts(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        )
+        sizes = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.expert_quant is None:
+            self.experts = FusedExperts(*sizes)
+        else:
+            self.experts = Int4FusedExperts(*sizes, cfg.expert_quant.group_size)
         self.shared_experts = DeepseekV3MLP(
             cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
         )
@@ -248,8 +258,25 @@ class DeepseekV3ForCausalLM(nn.Module):
         if layer and int(layer.group(1)) >= self.config.num_hidden_layers:
             return SKIP  # DeepSeek-V3's MTP module (layer 61), not served
         expert = _EXPERT.match(name)
+        quantized = self.config.expert_quant is not None
         if expert:
-            stacked, index, part = expert.groups()
+            stacked, index, part, kind = expert.groups()
+            if (kind != "weight") != quantized:
+                raise ValueError(
+                    f"checkpoint tensor {name} is {'un' if quantized else ''}quantized but "
+                    f"config.json's quantization_config says the routed experts are "
+                    f"{'INT4' if quantized else 'unquantized'}: the config does not match "
+                    f"the weights"
+                )
+            if kind == "weight_shape":
+                return SKIP  # (out, in): the packed and scale shapes are checked on load
             param = "down_proj" if part == "down" else "gate_up_proj"
-            return f"{stacked}.{param}", (int(index), part)
+            suffix = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[kind]
+            return f"{stacked}.{param}{suffix}", (int(index), part)
+        if name.endswith(_QUANTIZED):
+            raise ValueError(
+                f"checkpoint tensor {name} is quantized: outrider loads INT4 weights for the "
+                f"routed experts only (as Kimi-K2 ships them), with attention, shared experts, "
+                f"dense MLPs and lm_head unquantized (the quantization_config's ignore list)"
+            )
         return name
