@@ -1,0 +1,334 @@
+"""Synthetic acceptance: the speedup speculation buys at a chosen acceptance curve, measured in
+the engine for a model that has no trained drafter, beside the planner's prediction.
+
+    python benchmarks/synthetic_accept.py [--model llama-3.1-8b] [--curves 0.6,0.8,0.9] [--k 3]
+        [--concurrency 1 16 64] [--prompt-len 128] [--new-tokens 256] [--gpu PROFILE.json]
+    python benchmarks/synthetic_accept.py --smoke          # a tiny random model on the CPU
+
+--model: a built-in shape (`llama-3.1-8b`, `tiny`) built with random weights on the device,
+or a local model directory. A curve is one rate (the conditional acceptance at every draft
+position: 0.8 gives P(position i accepted) = 0.8^i) or one rate a position, '/' between them
+(0.9/0.8/0.6, the last repeating); --curves separates curves by commas.
+
+Per concurrency C:
+1. a plain greedy run (EOS ignored, --new-tokens each) gives every request's continuation and
+   the plain decode tok/s;
+2. per curve, a speculative run with k drafts a step: an EAGLE-3 draft layer of the target's
+   shape with random weights runs inside every speculative step as it serves (its cost is
+   real), and its drafts are replaced by the continuation corrupted so that position i is right
+   with probability a_i given the ones before (outrider/executor/synthetic_drafter.py,
+   outrider/speculative/synthetic.py). Decode tok/s, accept length and per-position acceptance
+   as the engine measured them; the output is compared with the plain run's (`lossless`).
+3. the planner (outrider/plan) for the same shape, dtype, batch, k and mean context: its
+   speedup at the target curve (`predicted_speedup`) and at the accept length the engine
+   measured (`predicted_speedup_at_measured`, the figure to compare: the curve is only a
+   target), and `ratio` = measured / predicted at measured.
+
+What differs from a trained drafter: the drafts are chosen on the host in Python per request (a
+few microseconds each) where a real drafter's come back in the step's one device read. In bf16
+a speculative run can leave the plain run's continuation where a batched verify flips a
+near-tie argmax; drafts past that point are mostly rejected, counted in `off_continuation`, and
+the measured accept length then falls below the target's.
+
+Writes benchmarks/results/synthetic_accept.json (--out-dir: another directory, or a .json path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+from gpu_decode import LLAMA_8B, _NullTokenizer  # noqa: E402
+
+TINY = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
+    intermediate_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+SHAPES = {"llama-3.1-8b": LLAMA_8B, "tiny": TINY}
+
+
+def random_checkpoint(hf_config: dict, device: str, dtype: torch.dtype, std: float = 0.02):
+    """Random weights of `hf_config`'s shape, made on `device` (norms 1, the rest N(0, std))."""
+    from outrider.loaders.checkpoint import Checkpoint
+    from outrider.loaders.hf_config import TransformerConfig
+
+    class _Random:
+        def iter_tensors(self):
+            import transformers
+
+            meta_cfg = transformers.AutoConfig.for_model(**hf_config)
+            with torch.device("meta"):
+                skeleton = transformers.LlamaForCausalLM(meta_cfg)
+            g = torch.Generator(device=device).manual_seed(0)
+            for name, p in skeleton.state_dict().items():
+                if "norm" in name:
+                    yield name, torch.ones(p.shape, device=device, dtype=dtype)
+                    continue
+                w = torch.randn(p.shape, device=device, dtype=dtype, generator=g)
+                yield name, w * std
+
+    cfg = TransformerConfig.from_hf_dict(hf_config)
+    return Checkpoint(Path("random"), "random", hf_config, cfg, _NullTokenizer(), _Random())
+
+
+def random_eagle3(runner, draft_vocab: int, seed: int = 0):
+    """An EAGLE-3 drafter of the target's shape with random weights (time does not depend on
+    them), draft ids mapped onto the first `draft_vocab` target ids."""
+    from outrider.executor.drafter import Eagle3Drafter
+    from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
+
+    target = runner.model_config
+    cfg = Eagle3Config.for_target(target, min(draft_vocab, target.vocab_size))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(runner.dtype)
+    try:
+        with torch.device(runner.device):
+            draft = Eagle3Draft(cfg, target.max_position_embeddings)
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator(device=runner.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.02)
+        draft.d2t.zero_()  # draft id i is target id i
+        draft.t2d.zero_()
+        draft.t2d[: cfg.draft_vocab_size] = True
+    return Eagle3Drafter(draft.eval(), runner)
+
+
+def decode_run(engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Decode tok/s after an untimed prefill, and every request's output."""
+    from outrider import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    while any(len(r.output_token_ids) == 0 for r in reqs):
+        engine.step()
+    _sync(engine)
+    t0, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    _sync(engine)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(r.output_token_ids) - 1 for r in reqs)
+    return {
+        "tok_per_s": tokens / dt,
+        "step_ms": dt / max(steps, 1) * 1e3,
+        "steps": steps,
+        "outputs": [list(r.output_token_ids) for r in reqs],
+    }
+
+
+def _sync(engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()  # CPU-GPU sync point: the timed region ends on the device
+
+
+def planner_setup(engine, hf_config: dict, gpu: str | None):
+    """The planner's view of what runs here: the shape in the engine's dtype, the GPU profile
+    (--gpu, else the built-in row the device's name matches; the CPU's generic profile)."""
+    from outrider.plan.calibrate import _host_memory_gb, cpu_profile
+    from outrider.plan.cli import _gpu_by_name
+    from outrider.plan.costmodel import Setup
+    from outrider.plan.hardware import load_gpu, load_link
+    from outrider.plan.models import from_hf_dict
+
+    runner = engine.runner
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[runner.dtype]
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    model = dataclasses.replace(
+        from_hf_dict(hf_config), weights=name, expert_weights=None, kv_bytes=elem
+    )
+    if gpu:
+        profile = load_gpu(gpu)
+    elif runner.device.type == "cuda":
+        profile = _gpu_by_name(torch.cuda.get_device_name(runner.device))
+    else:
+        profile = cpu_profile(torch.get_num_threads(), _host_memory_gb())
+    graphs = runner.graphs is not None
+    return Setup(model, profile, load_link("nvlink4"), 1, graphs, graphs)
+
+
+def build_engine(args):
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import EngineCore
+
+    device = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    max_c = max(args.concurrency)
+    model: dict = {"dtype": dtype, "device": device, "cuda_graph_max_batch": max_c,
+                   "max_model_len": args.prompt_len + args.new_tokens + 2 * args.k + 8}  # fmt: skip
+    cache: dict = {"enable_prefix_caching": False, "gpu_memory_utilization": 0.5}
+    if device == "cpu":
+        per_seq = -(-model["max_model_len"] // 16) + 1
+        cache["num_blocks"] = max_c * per_seq + 8
+    config = EngineConfig().replace(
+        model=model, cache=cache,
+        scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": max(2048, args.prompt_len)},
+        speculative={"num_draft_tokens": args.k, "controller": "fixed"},
+    )  # fmt: skip
+    key = args.model.strip().lower()
+    if key in SHAPES:
+        hf = dict(SHAPES[key])
+        engine = EngineCore(config, random_checkpoint(hf, device, getattr(torch, dtype)))
+        return engine, hf
+    if not Path(args.model).expanduser().is_dir():
+        raise SystemExit(
+            f"--model {args.model!r}: use a built-in shape ({', '.join(SHAPES)}) or a local "
+            "model directory"
+        )
+    config = config.replace(model={"model": str(Path(args.model).expanduser())})
+    engine = EngineCore(config)
+    return engine, dict(engine.checkpoint.hf_config)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--curves", default="0.6,0.8,0.9")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    ap.add_argument("--gpu", default=None, help="planner GPU: a built-in name or a profile JSON")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU, seconds")
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.device, args.dtype = "tiny", "cpu", "float32"
+        args.concurrency, args.prompt_len, args.new_tokens = [1, 4], 16, 24
+        args.curves = "1.0,0.5"
+        torch.set_num_threads(1)  # tiny shapes: a second thread only adds contention
+    if args.k < 1 or min(args.concurrency) < 1 or args.new_tokens < 2:
+        raise SystemExit(
+            f"--k {args.k}, --concurrency {args.concurrency}, --new-tokens {args.new_tokens}: "
+            "use k >= 1, concurrency >= 1, new tokens >= 2"
+        )
+
+    from outrider.executor.synthetic_drafter import SyntheticDrafter
+    from outrider.plan.planner import Drafter, plan_batch
+    from outrider.speculative.controller import expected_tokens
+    from outrider.speculative.stats import SpecStats
+    from outrider.speculative.synthetic import (
+        SyntheticProposer,
+        curve_at,
+        measured_curve,
+        parse_curve,
+    )
+
+    curves = [parse_curve(c) for c in args.curves.split(",")]
+    engine, hf = build_engine(args)
+    vocab = engine.vocab_size
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = {
+        c: [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(c)]
+        for c in args.concurrency
+    }
+    decode_run(engine, prompts[min(args.concurrency)][:1], 4)  # warm-up (lazy inits)
+    plain = {}
+    for c in args.concurrency:
+        plain[c] = decode_run(engine, prompts[c], args.new_tokens)
+        print(f"plain C={c}: {plain[c]['tok_per_s']:.1f} tok/s", flush=True)
+
+    drafter = random_eagle3(engine.runner, args.draft_vocab, args.seed)
+    wrapper = SyntheticDrafter(drafter, SyntheticProposer({}, [1.0], vocab))
+    engine.use_proposer(wrapper)  # captures the speculative step's graphs, drafter included
+    first = prompts[min(args.concurrency)][0]
+    wrapper.proposer = SyntheticProposer({tuple(first): plain[min(args.concurrency)]["outputs"][0]},
+                                         [1.0], vocab)  # fmt: skip
+    decode_run(engine, [first], 2 * args.k + 2)  # warm-up of the speculative step
+    setup = planner_setup(engine, hf, args.gpu)
+    plan_drafter = Drafter("eagle3", vocab_size=drafter.draft.config.draft_vocab_size)
+    context = args.prompt_len + args.new_tokens // 2
+    rows = []
+    for curve in curves:
+        for c in args.concurrency:
+            cont = {tuple(p): o for p, o in zip(prompts[c], plain[c]["outputs"])}
+            wrapper.proposer = SyntheticProposer(cont, curve, vocab, args.seed)
+            engine.spec_stats = SpecStats()
+            run = decode_run(engine, prompts[c], args.new_tokens)
+            stats, counts = engine.spec_stats, wrapper.proposer.counts
+            measured = stats.accept_length or 1.0
+            option = plan_batch(setup, plan_drafter, c, context, list(curve), args.k).chains[-1]
+            at_measured = measured * option.decode_ms / option.spec_ms
+            speedup = run["tok_per_s"] / plain[c]["tok_per_s"]
+            row = {
+                "curve": list(curve),
+                "concurrency": c,
+                "k": args.k,
+                "accept_length": round(measured, 4),
+                "target_accept_length": round(expected_tokens(curve_at(curve, args.k), args.k), 4),
+                "acceptance_per_position": [
+                    round(a, 4)
+                    for a in measured_curve(stats.accepted_per_position, stats.num_verify_steps)
+                ],
+                "num_verify_steps": stats.num_verify_steps,
+                "tok_per_s": round(run["tok_per_s"], 2),
+                "plain_tok_per_s": round(plain[c]["tok_per_s"], 2),
+                "step_ms": round(run["step_ms"], 4),
+                "plain_step_ms": round(plain[c]["step_ms"], 4),
+                "speedup": round(speedup, 4),
+                "predicted_speedup": round(option.speedup, 4),
+                "predicted_speedup_at_measured": round(at_measured, 4),
+                "ratio": round(speedup / at_measured, 4),
+                "predicted_ms": {
+                    "decode": round(option.decode_ms, 4),
+                    "verify": round(option.verify.ms, 4),
+                    "draft": round(option.draft.ms, 4),
+                    "break_even_accept_len": round(option.break_even, 4),
+                },
+                "lossless": run["outputs"] == plain[c]["outputs"],
+                "on_continuation": counts.on_continuation,
+                "off_continuation": counts.off_continuation,
+                "diverged_requests": len(counts.diverged_requests),
+            }
+            rows.append(row)
+            print(
+                f"curve {'/'.join(map(str, curve))} C={c}: L={row['accept_length']} "
+                f"(target {row['target_accept_length']}), speedup {row['speedup']} vs "
+                f"predicted {row['predicted_speedup_at_measured']} at L "
+                f"({row['predicted_speedup']} at the curve), ratio {row['ratio']}",
+                flush=True,
+            )
+    payload = {
+        "model": args.model,
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "planner_gpu": setup.gpu.name,
+        "graphs": setup.graphs,
+        "k": args.k,
+        "curves": [list(c) for c in curves],
+        "concurrency": args.concurrency,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "mean_context": context,
+        "draft_vocab": plan_drafter.vocab_size,
+        "rows": rows,
+    }
+    path = write_result("synthetic_accept", payload, args.out_dir)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
