@@ -50,6 +50,9 @@ def weight_format(name: str) -> WeightFormat:
     key = name.lower().replace("_", "-").replace("bfloat16", "bf16").replace("float16", "fp16")
     key = key.replace("float32", "fp32")
     key = {"int4-g32": "int4", "w4a16": "int4", "fp8-e4m3": "fp8"}.get(key, key)
+    group = key.removeprefix("int4-g")
+    if key not in WEIGHT_FORMATS and key.startswith("int4-g") and group.isdigit() and int(group):
+        return WeightFormat(key, 4, group=int(group), scale_bytes=2)  # any group size's scales
     if key not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {name!r}: use one of {', '.join(WEIGHT_FORMATS)}")
     return WEIGHT_FORMATS[key]
@@ -240,7 +243,8 @@ def _formats(q: Any) -> tuple[str, str | None]:
         for group in (q.get("config_groups") or {}).values():
             w = (group or {}).get("weights") or {}
             if w.get("num_bits") == 4:
-                return "bf16", "int4" if w.get("group_size", 32) == 32 else "int4-g128"
+                group = w.get("group_size") or 32
+                return "bf16", "int4" if group == 32 else f"int4-g{group}"
     return "bf16", None
 
 

@@ -115,6 +115,11 @@ def test_weight_formats_count_their_scales():
     int4 = decode_cost(kimi(), 1, 0).bytes
     full = decode_cost(Setup(bf16, kimi().gpu, kimi().link, tp=8), 1, 0).bytes
     assert full > int4  # the routed experts' bytes shrink by 2 / 0.5625
+    # Any int4 group size counts its own scales (a config's group_size 64 is not read as 128).
+    assert weight_format("int4-g64").bytes_per_element == 0.5 + 2 / 64
+    assert weight_format("int4-g128").bytes_per_element == 0.5 + 2 / 128
+    with pytest.raises(ValueError, match="int4-g0"):
+        weight_format("int4-g0")
 
 
 def test_unique_experts_matches_a_simulation():
@@ -211,6 +216,11 @@ def test_kimi_config_json_reads_like_the_builtin(tmp_path):
     fields = ("num_layers", "num_experts", "kv_lora_rank", "first_k_dense", "expert_weights")
     assert all(getattr(m, f) == getattr(builtin, f) for f in fields)
     assert m.head_dim == 7168 // 64 and m.mla and m.moe
+    quant["config_groups"]["g0"]["weights"]["group_size"] = 64
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": text, "quantization_config": quant})
+    )
+    assert load_model(str(tmp_path)).expert_weights == "int4-g64"
 
 
 # -- bad input ---------------------------------------------------------------------------------
