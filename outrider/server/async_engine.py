@@ -112,6 +112,12 @@ class EngineStats:
     # The adaptive controller: the draft length it chose last (0: plain) and steps per choice.
     spec_k: int = 0
     spec_steps_by_k: tuple[tuple[int, int], ...] = ()
+    # Tensor parallelism: the group's size, what rank 0's collectives moved as (mode, op,
+    # calls, bytes), and the target forwards sent to the other ranks as (mode, n). One rank
+    # runs no collective and sends no forward: both stay empty there.
+    tp_size: int = 1
+    collectives: tuple[tuple[str, str, int, int], ...] = ()
+    forwards: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -352,7 +358,27 @@ class AsyncEngine:
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             spec_k=self.core.spec_k,
             spec_steps_by_k=tuple(sorted(self.core.spec_steps_by_k.items())),
+            **_collective_stats(getattr(self.core, "runner", None)),
         )
+
+
+def _collective_stats(runner) -> dict:
+    """EngineStats' tensor-parallel fields from the runner's counts (a copy of a few small
+    dicts per step; all empty on one rank)."""
+    if runner is None:
+        return {}
+    collectives, forwards = [], []
+    for mode, ops in sorted(runner.collective_counts().items()):
+        for op, c in sorted(ops.items()):
+            if op == "forward":
+                forwards.append((mode, c["calls"]))
+            else:
+                collectives.append((mode, op, c["calls"], c["bytes"]))
+    return {
+        "tp_size": runner.tp.size,
+        "collectives": tuple(collectives),
+        "forwards": tuple(forwards),
+    }
 
 
 def _aborted(request_id: str) -> RequestOutput:

@@ -15,6 +15,17 @@ decoding) are read at scrape time from the engine thread's latest `EngineStats` 
     outrider:num_preemptions_total                      counter
     outrider:spec_decode_num_drafts_total / _num_draft_tokens_total / _num_accepted_tokens_total
     outrider:spec_decode_num_accepted_tokens_per_pos_total{position}
+    outrider:tensor_parallel_size                       gauge
+    outrider:collective_calls_total{mode, op} / collective_bytes_total{mode, op}   counter
+    outrider:forwards_total{mode}                       counter
+
+The collective series count rank 0's tensor-parallel collectives (op: all_reduce, all_gather,
+broadcast) by the forward mode they ran under (decode, verify, prefill, draft, or other: step
+headers and start-up), and forwards_total the target forwards rank 0 sent to the other ranks,
+so rate(collective_calls_total{op="all_reduce"}) / rate(forwards_total) is what one forward
+of that mode runs. Every rank runs the same collectives, so rank 0's counts are the group's
+per-rank counts. On one rank nothing is counted: these counters have no samples and
+tensor_parallel_size reads 1. CUDA graphs replay their collectives uncounted (distributed.py).
 """
 
 from __future__ import annotations
@@ -142,3 +153,28 @@ class _EngineCollector:
         for k, n in s.spec_steps_by_k:
             by_k.add_metric([self._model, str(k)], n)
         yield by_k
+        yield gauge("tensor_parallel_size", "Ranks the model is split over.", s.tp_size)
+        calls = CounterMetricFamily(
+            "outrider:collective_calls",
+            "Tensor-parallel collectives rank 0 ran, by forward mode and collective.",
+            labels=["model_name", "mode", "op"],
+        )
+        nbytes = CounterMetricFamily(
+            "outrider:collective_bytes",
+            "Bytes of those collectives, as the planner counts them (per rank; an all-gather "
+            "counts its gathered output).",
+            labels=["model_name", "mode", "op"],
+        )
+        for mode, op, n, b in s.collectives:
+            calls.add_metric([self._model, mode, op], n)
+            nbytes.add_metric([self._model, mode, op], b)
+        yield calls
+        yield nbytes
+        forwards = CounterMetricFamily(
+            "outrider:forwards",
+            "Target forwards sent to the other tensor-parallel ranks, by mode.",
+            labels=["model_name", "mode"],
+        )
+        for mode, n in s.forwards:
+            forwards.add_metric([self._model, mode], n)
+        yield forwards
