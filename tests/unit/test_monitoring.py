@@ -22,6 +22,8 @@ def _exported() -> set[str]:
         num_running=1, num_waiting=0, num_free_blocks=5, num_blocks=10, num_preemptions=1,
         spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
         spec_accepted_per_position=(2, 2, 1, 0), spec_k=4, spec_steps_by_k=((0, 1), (4, 2)),
+        tp_size=2, collectives=(("decode", "all_reduce", 9, 900), ("decode", "all_gather", 1, 64)),
+        forwards=(("decode", 1),),
     )  # fmt: skip
     m = ServerMetrics("m", lambda: stats)
     out = RequestOutput("r", None, [1], "a", [5, 6], True, "stop", {"num_prompt_tokens": 1})
@@ -39,6 +41,19 @@ def test_every_dashboard_query_reads_an_exported_series():
     assert len(used) >= 10
     missing = used - _exported()
     assert not missing, f"the dashboard reads series the server does not export: {missing}"
+
+
+def test_all_reduces_per_forward_panel_divides_by_forwards_per_mode():
+    dash = json.loads((DOCS / "grafana-outrider.json").read_text())
+    panel = next(p for p in dash["panels"] if "all-reduces per forward" in p["title"])
+    expr = panel["targets"][0]["expr"].replace(" ", "")
+    calls, forwards = expr.split("/")
+    assert calls.startswith("sumby(mode)(rate(outrider:collective_calls_total{")
+    assert 'op="all_reduce"' in calls
+    assert forwards.startswith("sumby(mode)(rate(outrider:forwards_total{")
+    assert "tensor_parallel_size" in panel["targets"][1]["expr"]
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
 
 
 def test_prometheus_example_scrapes_metrics():
