@@ -42,6 +42,8 @@ from outrider.bench.stats import (
     run_metadata,
     spec_counters,
     spec_delta,
+    tp_counters,
+    tp_delta,
 )
 
 if TYPE_CHECKING:
@@ -228,14 +230,15 @@ def _message(body: str) -> str:
 # -- server metrics ----------------------------------------------------------------------------
 
 
-async def scrape_spec(client: httpx.AsyncClient, root: str) -> dict[str, float] | None:
+async def scrape_metrics(client: httpx.AsyncClient, root: str) -> str:
+    """The server's /metrics text; "" when it has none."""
     import httpx
 
     try:
         r = await client.get(root + "/metrics")
     except httpx.HTTPError:
-        return None
-    return spec_counters(r.text) if r.status_code == 200 else None
+        return ""
+    return r.text if r.status_code == 200 else ""
 
 
 # -- a sweep point -----------------------------------------------------------------------------
@@ -307,7 +310,7 @@ async def run_point(
             tasks.append(asyncio.create_task(one(prompt)))
         await asyncio.gather(*tasks)
 
-    before = await scrape_spec(client, cfg.root)
+    before = await scrape_metrics(client, cfg.root)
     start = time.perf_counter()
     try:
         await asyncio.wait_for(issue_all(start), cfg.time_limit_s)
@@ -316,7 +319,8 @@ async def run_point(
         time_limited = True
     duration = time.perf_counter() - start
     bar.close()
-    spec = spec_delta(before, await scrape_spec(client, cfg.root))
+    after = await scrape_metrics(client, cfg.root)
+    spec = spec_delta(spec_counters(before), spec_counters(after))
     return {
         "max_concurrency": concurrency,
         "request_rate": _json_rate(cfg.request_rate),
@@ -326,6 +330,7 @@ async def run_point(
         **summarize(results, duration, cfg),
         "accept_length": spec["accept_length"] if spec else None,
         "spec_decode": spec,
+        "tensor_parallel": tp_delta(tp_counters(before), tp_counters(after)),
     }
 
 

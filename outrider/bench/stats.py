@@ -63,6 +63,52 @@ def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None
     return d
 
 
+_TP_SAMPLE = re.compile(
+    r"^outrider:(collective_calls|collective_bytes|forwards)_total\{(.*)\}\s+(\S+)"
+)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def tp_counters(text: str) -> dict[tuple[str, str, str], float]:
+    """outrider's tensor-parallel counters, summed over models: {(series, mode, op): value},
+    series "collective_calls", "collective_bytes" or "forwards" (op "" there). Empty on one
+    rank, and for a server that does not export them."""
+    totals: dict[tuple[str, str, str], float] = {}
+    for line in text.splitlines():
+        m = _TP_SAMPLE.match(line)
+        if m:
+            labels = dict(_LABEL.findall(m[2]))
+            key = (m[1], labels.get("mode", ""), labels.get("op", ""))
+            totals[key] = totals.get(key, 0.0) + float(m[3])
+    return totals
+
+
+def tp_delta(before: dict | None, after: dict | None) -> dict[str, dict[str, float]] | None:
+    """What a point's forwards moved, per forward of each mode that ran: {mode: {"forwards",
+    "all_reduce_per_forward", "all_gather_per_forward", "broadcast_per_forward",
+    "bytes_per_forward"}} — the measured side of the planner's all-reduces per forward. None
+    when the server counts no collectives (one rank) or ran no forward."""
+    if not before and not after:
+        return None
+    before, after = before or {}, after or {}
+
+    def d(key: tuple[str, str, str]) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    out: dict[str, dict[str, float]] = {}
+    for mode in sorted({k[1] for k in after if k[0] == "forwards"}):
+        n = d(("forwards", mode, ""))
+        if n <= 0:
+            continue
+        row = {"forwards": int(n)}
+        for op in ("all_reduce", "all_gather", "broadcast"):
+            row[f"{op}_per_forward"] = d(("collective_calls", mode, op)) / n
+        moved = sum(d(k) for k in after if k[0] == "collective_bytes" and k[1] == mode)
+        row["bytes_per_forward"] = moved / n
+        out[mode] = row
+    return out or None
+
+
 def percentile(sorted_values: list[float], p: float) -> float:
     """numpy's default (linear interpolation between closest ranks)."""
     k = (len(sorted_values) - 1) * p / 100

@@ -19,7 +19,14 @@ import pytest
 
 from outrider.bench.prompts import Prompt, arrival_times, file_prompts, load_prompts
 from outrider.bench.serve import BenchConfig, BenchError, RequestResult, run, summarize
-from outrider.bench.stats import parse_prometheus, percentile, spec_counters, spec_delta
+from outrider.bench.stats import (
+    parse_prometheus,
+    percentile,
+    spec_counters,
+    spec_delta,
+    tp_counters,
+    tp_delta,
+)
 from outrider.cli import main
 
 # Per request the fake server adds this to its speculative counters.
@@ -337,6 +344,32 @@ def test_prometheus_text_is_summed_over_label_sets():
     after = {"num_drafts": 25.0, "num_draft_tokens": 80.0, "num_accepted_tokens": 45.0}
     assert spec_delta(before, after)["accept_length"] == 3.0
     assert spec_delta(None, after) is None
+
+
+def test_tensor_parallel_counters_give_collectives_per_forward_over_a_point():
+    def text(decode: int, calls: int) -> str:
+        d = 'model_name="m",mode="decode"'
+        return (
+            'outrider:tensor_parallel_size{model_name="m"} 2.0\n'
+            f'outrider:collective_calls_total{{{d},op="all_reduce"}} {calls}\n'
+            f'outrider:collective_calls_total{{{d},op="all_gather"}} {decode}\n'
+            f'outrider:collective_bytes_total{{{d},op="all_reduce"}} {calls * 64}\n'
+            'outrider:collective_calls_total{model_name="m",mode="other",op="broadcast"} 7.0\n'
+            f"outrider:forwards_total{{{d}}} {decode}\n"
+        )  # fmt: skip
+
+    before, after = tp_counters(text(2, 18)), tp_counters(text(6, 54))
+    assert before[("collective_calls", "decode", "all_reduce")] == 18.0
+    assert before[("forwards", "decode", "")] == 2.0
+    assert tp_delta(before, after) == {
+        "decode": {
+            "forwards": 4, "all_reduce_per_forward": 9.0, "all_gather_per_forward": 1.0,
+            "broadcast_per_forward": 0.0, "bytes_per_forward": 9.0 * 64,
+        }
+    }  # fmt: skip
+    assert tp_delta(after, after) is None  # no forward ran during the point
+    one_rank = 'outrider:tensor_parallel_size{model_name="m"} 1.0\n'
+    assert tp_counters(one_rank) == {} and tp_delta({}, tp_counters(one_rank)) is None
 
 
 # -- the arithmetic, exactly ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from outrider import LLM
+from outrider.bench.stats import tp_counters, tp_delta
 from outrider.server.config import ServerConfig
 from outrider.server.server import ServerThread
 from tests.tiny import tiny_hf_config
@@ -17,7 +18,8 @@ BODY = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 8, "ignore_eos": True, "tempera
 
 
 def scrape(server) -> dict[str, dict[tuple, float]]:
-    """Sample name -> {label items other than model_name: value}, from a few requests' run."""
+    """Sample name -> {label items other than model_name: value}, from a few requests' run
+    (the raw text under "text")."""
     for _ in range(3):
         r = httpx.post(server.url + "/completions", json=BODY, timeout=120)
         assert r.status_code == 200, r.text
@@ -28,6 +30,7 @@ def scrape(server) -> dict[str, dict[tuple, float]]:
         for s in family.samples:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             samples.setdefault(s.name, {})[labels] = s.value
+    samples["text"] = text
     return samples
 
 
@@ -55,6 +58,10 @@ def test_tp2_server_metrics_count_each_decode_forwards_collectives(tiny_dir):  #
     assert calls[(("mode", "other"), ("op", "broadcast"))] > 0
     assert (("mode", "other"),) not in forwards
     assert {dict(k)["op"] for k in calls} <= {"all_reduce", "all_gather", "broadcast"}
+    # What `bench serve` records per point reads the same series.
+    measured = tp_delta({}, tp_counters(m["text"]))
+    assert measured["decode"]["all_reduce_per_forward"] == 2 * layers + 1
+    assert measured["decode"]["all_gather_per_forward"] == 1
 
 
 def test_tp1_server_reports_size_1_and_no_collectives(tiny_dir):  # noqa: F811
@@ -65,3 +72,4 @@ def test_tp1_server_reports_size_1_and_no_collectives(tiny_dir):  # noqa: F811
     assert m["outrider:generation_tokens_total"][()] == 3 * BODY["max_tokens"]
     for name in ("collective_calls_total", "collective_bytes_total", "forwards_total"):
         assert f"outrider:{name}" not in m, name
+    assert tp_delta({}, tp_counters(m["text"])) is None
