@@ -51,6 +51,19 @@ class TransformerConfig:
         n = self.num_hidden_layers
         return (2, n // 2, n - 3)
 
+    @property
+    def eagle3_draft_layer(self) -> dict[str, Any]:
+        """The EAGLE-3 draft layer's shape for this target (Eagle3Config fields): the target's
+        own heads, MLP width and rotary."""
+        return {
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+        }
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> TransformerConfig:
         from outrider.models.registry import resolve_architecture
@@ -198,8 +211,25 @@ class DeepseekV3Config:
 
     @property
     def aux_hidden_layers(self) -> tuple[int, int, int]:
+        """EAGLE-3's capture points, as TransformerConfig's: the residual stream entering
+        layers 2, L//2 and L-3 (HF hidden_states[i])."""
         n = self.num_hidden_layers
         return (2, n // 2, n - 3)
+
+    @property
+    def eagle3_draft_layer(self) -> dict[str, Any]:
+        """The EAGLE-3 draft layer's shape for this target (Eagle3Config fields). The draft
+        layer is Llama-style multi-head attention, not MLA, as in the published Kimi-K2
+        drafters (SpecForge's: 64 query and 64 KV heads of 128 = v_head_dim, the dense
+        layers' MLP width, no rope scaling): the target's heads with v_head_dim-wide heads."""
+        return {
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "head_dim": self.v_head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+        }
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> DeepseekV3Config:
@@ -270,3 +300,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         )
     with open(path) as f:
         return json.load(f)
+
+
+# What a model's `config_class` can be; the EAGLE-3 code reads only the fields both share.
+ModelConfig = TransformerConfig | DeepseekV3Config

@@ -37,7 +37,7 @@ from outrider.layers.linear import (
 )
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import ModelConfig
 from outrider.models.llama import LlamaForCausalLM
 
 # q, k, v: [T, heads, dim], [T, kv_heads, dim] x2 -> [T, heads * dim]
@@ -78,24 +78,19 @@ class Eagle3Config:
             raise ValueError(f"EAGLE-3 fuses 3 target layers, got aux_layers={self.aux_layers}")
 
     @classmethod
-    def for_target(
-        cls, target: TransformerConfig, draft_vocab_size: int | None = None
-    ) -> Eagle3Config:
-        """The usual drafter for a target: its width, heads and rotary; one decoder layer."""
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> Eagle3Config:
+        """The usual drafter for a target: one Llama-style decoder layer as wide as the target,
+        its heads, MLP width and rotary as the target's config says (`eagle3_draft_layer`; for
+        an MLA target, multi-head attention over v_head_dim-wide heads)."""
         return cls(
             hidden_size=target.hidden_size,
-            intermediate_size=target.intermediate_size,
-            num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.head_dim,
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size or min(32000, target.vocab_size),
             target_hidden_size=target.hidden_size,
             aux_layers=tuple(target.aux_hidden_layers),
             rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling,
             max_position_embeddings=target.max_position_embeddings,
+            **target.eagle3_draft_layer,
         )
 
 

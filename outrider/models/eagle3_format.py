@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import ModelConfig
 from outrider.models.eagle3 import Eagle3Config
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def explicit_aux_ids(config: dict[str, Any], layout: str) -> list[int] | None:
 
 
 def aux_layers_from_config(
-    config: dict[str, Any], layout: str, target: TransformerConfig
+    config: dict[str, Any], layout: str, target: ModelConfig
 ) -> tuple[int, ...]:
     """The drafter's aux layers in outrider's convention, checked against the target."""
     ids = explicit_aux_ids(config, layout)
@@ -146,9 +146,7 @@ def resolve_layout(config: dict[str, Any], layout: str | None = None) -> str:
     return "vllm" if config.get(AUX_KEY) and not nested else "sglang"
 
 
-def config_from_json(
-    config: dict[str, Any], target: TransformerConfig, layout: str
-) -> Eagle3Config:
+def config_from_json(config: dict[str, Any], target: ModelConfig, layout: str) -> Eagle3Config:
     """An Eagle3Config from config.json, checked against the target it will serve."""
     required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     if missing := [k for k in required if k not in config]:

@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import ModelConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
 
 # The config side lives in eagle3_format; its names are re-exported here for callers.
@@ -228,7 +228,7 @@ def save_drafter(
 
 def load_drafter(
     path: str | Path,
-    target: TransformerConfig,
+    target: ModelConfig,
     layout: str | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,  # None: the stored dtype

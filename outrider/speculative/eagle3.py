@@ -30,7 +30,7 @@ SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
 def shipped_drafter(target) -> Path:
-    """The drafter shipped in the package for `target` (a TransformerConfig): a folder under
+    """The drafter shipped in the package for `target` (its model config): a folder under
     outrider/data whose name contains 'eagle3' and whose config.json was written for a target of
     this shape (outrider.target: hidden size, layers, vocabulary)."""
     want = [target.hidden_size, target.num_hidden_layers, target.vocab_size]

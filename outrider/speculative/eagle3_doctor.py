@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import ModelConfig
 from outrider.loaders.tokenizer import Tokenizer
 from outrider.models.eagle3_io import (
     check_tensors,
@@ -117,7 +117,7 @@ def diagnose(
         if hasattr(target_checkpoint, "tokenizer")
         else open_checkpoint(target_checkpoint)
     )
-    cfg_t: TransformerConfig = target.config
+    cfg_t: ModelConfig = target.config
     report = Report(path, str(getattr(target, "path", cfg_t.architecture)))
     try:
         raw = read_config(path)
@@ -205,7 +205,7 @@ def live_check(
 # ---- static checks ---------------------------------------------------------------------
 
 
-def _hidden_check(raw: dict[str, Any], cfg_t: TransformerConfig) -> Check:
+def _hidden_check(raw: dict[str, Any], cfg_t: ModelConfig) -> Check:
     th = raw.get("target_hidden_size") or raw.get("hidden_size")
     if th == cfg_t.hidden_size:
         return Check("hidden", True, f"target_hidden_size {th} = the target's hidden_size")
@@ -217,7 +217,7 @@ def _hidden_check(raw: dict[str, Any], cfg_t: TransformerConfig) -> Check:
     )
 
 
-def _aux_check(raw: dict[str, Any], layout: str, cfg_t: TransformerConfig) -> Check:
+def _aux_check(raw: dict[str, Any], layout: str, cfg_t: ModelConfig) -> Check:
     n, default = cfg_t.num_hidden_layers, tuple(cfg_t.aux_hidden_layers)
     engine, other = _ENGINE[layout], _OTHER[layout]
     recorded = (raw.get("outrider") or {}).get("aux_layers")
@@ -271,7 +271,7 @@ def _aux_check(raw: dict[str, Any], layout: str, cfg_t: TransformerConfig) -> Ch
     )
 
 
-def _vocab_size_check(raw: dict[str, Any], cfg_t: TransformerConfig) -> Check:
+def _vocab_size_check(raw: dict[str, Any], cfg_t: ModelConfig) -> Check:
     v = raw.get("vocab_size")
     if v == cfg_t.vocab_size:
         return Check("vocab_size", True, f"vocab_size {v} = the target's")
@@ -287,7 +287,7 @@ def _vocab_size_check(raw: dict[str, Any], cfg_t: TransformerConfig) -> Check:
 def _weights_check(
     raw: dict[str, Any],
     layout: str,
-    cfg_t: TransformerConfig,
+    cfg_t: ModelConfig,
     tensors: dict[str, torch.Tensor],
     path: Path,
 ) -> Check:
@@ -300,7 +300,7 @@ def _weights_check(
 
 
 def _mapping_check(
-    raw: dict[str, Any], tensors: dict[str, torch.Tensor], cfg_t: TransformerConfig
+    raw: dict[str, Any], tensors: dict[str, torch.Tensor], cfg_t: ModelConfig
 ) -> Check:
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
     draft = raw.get("draft_vocab_size") or raw.get("vocab_size")
@@ -324,7 +324,7 @@ def _mapping_check(
 def _overlap_check(
     raw: dict[str, Any],
     tensors: dict[str, torch.Tensor],
-    cfg_t: TransformerConfig,
+    cfg_t: ModelConfig,
     target_tok: Tokenizer,
     draft_tok: Tokenizer | None,
     min_overlap: float,

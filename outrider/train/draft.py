@@ -7,12 +7,12 @@ import dataclasses
 
 import torch
 
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import ModelConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
 
 
 def new_draft(
-    target: TransformerConfig,
+    target: ModelConfig,
     d2t: torch.Tensor,  # [Vd] int64 offsets: target id = i + d2t[i]
     t2d: torch.Tensor,  # [vocab] bool
     *,
