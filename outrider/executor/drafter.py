@@ -430,16 +430,10 @@ def build_eagle3_drafter(config, runner, checkpoint=None) -> Eagle3Drafter:
     from pathlib import Path
 
     from outrider.loaders.checkpoint import hf_cache_snapshot, is_repo_id
-    from outrider.loaders.hf_config import TransformerConfig
     from outrider.models.eagle3_io import load_drafter
     from outrider.speculative.eagle3 import shipped_drafter
     from outrider.speculative.eagle3_doctor import require_fit
 
-    if not isinstance(runner.model_config, TransformerConfig):
-        raise ValueError(
-            f"EAGLE-3 drafters serve Llama-family targets for now, not "
-            f"{runner.model_config.architecture}: use speculative method 'ngram'"
-        )
     path = config.draft or shipped_drafter(runner.model_config)
     if not Path(path).expanduser().exists() and is_repo_id(str(path)):
         path = str(hf_cache_snapshot(str(path)))  # a published drafter's repo id, cached
