@@ -5,6 +5,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from outrider.core import ForwardMode
 from outrider.layers.forward_context import get_forward_context
 
 
@@ -32,8 +33,20 @@ class Attention(nn.Module):
 class LatentAttention(nn.Module):
     """Paged multi-head latent attention (MLA, DeepSeek-V2/V3) for one layer. Its cache holds
     one latent per token ({"latent": [num_blocks, block_size, kv_lora_rank + rope_dim]}: the
-    normalised compressed KV, then the roped shared key), not per-head K/V; the owner's
-    `expand` turns latents into per-head keys and values."""
+    normalised compressed KV, then the roped shared key), not per-head K/V.
+
+    Two equal forms, chosen by the step's mode:
+    - expanded (prefill chunks): the owner's `expand` turns each cached latent into per-head
+      keys and values, then attention is ordinary multi-head attention. Compute-bound chunks
+      amortise the expansion over many queries.
+    - absorbed (`absorb_modes`: DECODE, VERIFY): kv_b_proj is folded into the queries and
+      outputs (`absorbed` gives W_UK [heads, d_n, r], W_UV [heads, d_v, r]), so every head
+      attends to the cached latents themselves, one KV head of width r + d_r shared by all
+      heads. Few queries per sequence: the latents are read once instead of expanded per step.
+    """
+
+    # Modes attended in the latent space; an instance may narrow them (tests force expansion).
+    absorb_modes: frozenset = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
 
     def __init__(self, num_heads: int, v_head_dim: int, scale: float) -> None:
         super().__init__()
@@ -42,14 +55,30 @@ class LatentAttention(nn.Module):
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, heads, qk_head_dim]
-        latent: torch.Tensor,  # [T, kv_lora_rank + rope_dim]
+        q_nope: torch.Tensor,  # [T, heads, d_n]
+        q_pe: torch.Tensor,  # [T, heads, d_r], roped in the cached keys' order
+        latent: torch.Tensor,  # [T, r + d_r]
         expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        absorbed: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:  # [T, heads * v_head_dim]
         if not self.kv_cache:
             raise RuntimeError(
                 "attention has no KV cache bound: allocate the pool before a forward"
             )
         ctx = get_forward_context()
-        out = ctx.backend.forward_latent(q, latent, self.kv_cache, ctx.attn, self.scale, expand)
-        return out.reshape(q.shape[0], self.num_heads * self.v_head_dim)
+        t = q_nope.shape[0]
+        if ctx.attn.mode not in self.absorb_modes:
+            q = torch.cat([q_nope, q_pe], dim=-1)  # [T, heads, d_n + d_r], the keys' order
+            out = ctx.backend.forward_latent(q, latent, self.kv_cache, ctx.attn, self.scale, expand)
+            return out.reshape(t, self.num_heads * self.v_head_dim)
+        # q_nope . (W_UK c) == (q_nope W_UK) . c per head, and P (W_UV c) == W_UV (P c): the
+        # scores and the softmax (same scale) are the expanded form's, only the order of the
+        # products changes.
+        w_uk, w_uv = absorbed()  # [heads, d_n, r], [heads, d_v, r]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, heads, r + d_r], the latents' order
+        out_lat = ctx.backend.forward_latent_absorbed(
+            q, latent, self.kv_cache, ctx.attn, self.scale, w_uk.shape[-1]
+        )  # [T, heads, r]
+        out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
+        return out.reshape(t, self.num_heads * self.v_head_dim)

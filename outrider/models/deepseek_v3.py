@@ -9,6 +9,8 @@ MLA, per token (r = kv_lora_rank, d_n / d_r / d_v = qk_nope / qk_rope / v head d
     c, k_r  = kv_a_proj_with_mqa(x)                           [r], [d_r] (one key for all heads)
     latent  = [kv_a_layernorm(c) | rope(k_r)]                 [r + d_r]   <- the cache holds this
     k, v    = [kv_b_proj(c) nope part | k_r], kv_b_proj(c) v part   per head, from the latent
+Prefill chunks expand the latents so; decode and verify absorb kv_b_proj into the queries and
+outputs instead and attend over the latents themselves (`LatentAttention`).
 Rotary covers only the d_r dims, in DeepSeek's interleaved pair order ((2i, 2i + 1) rotate
 together; `rope_interleave`), which equals rotate-half on [evens | odds].
 
@@ -103,8 +105,7 @@ class DeepseekV3Attention(nn.Module):
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = RotaryEmbedding.apply(rope, q_pe, k_pe)
         latent = torch.cat([c_kv, k_pe.squeeze(1)], dim=-1)  # [T, r + d_r]
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, heads, d_n + d_r], keys' order
-        return self.o_proj(self.attn(q, latent, self.expand))
+        return self.o_proj(self.attn(q_nope, q_pe, latent, self.expand, self.absorbed))
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached latents [n, r + d_r] -> keys [n, heads, d_n + d_r], values [n, heads, d_v]."""
@@ -113,6 +114,16 @@ class DeepseekV3Attention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         return k, v
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight ([heads * (d_n + d_v), r]) split per head for attention in the
+        latent space: W_UK [heads, d_n, r] (q_nope @ W_UK is a latent-space query) and W_UV
+        [heads, d_v, r] (out_lat @ W_UV^T lifts an output back). Views: no copy, and they
+        always follow the loaded weight."""
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank
+        )
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

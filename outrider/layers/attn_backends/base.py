@@ -62,6 +62,23 @@ class AttentionBackend(ABC):
             f"attention_backend='torch_ref'"
         )
 
+    def forward_latent_absorbed(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, width]: [q_nope @ W_UK | q_pe] per head
+        latent: torch.Tensor,  # [num_tokens, width]: this step's [compressed kv | roped k]
+        kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, width]
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
+        """Weight-absorbed MLA: write this step's latents at meta.slot_mapping, then attend as
+        `forward` does with one KV head shared by every query head, each key the whole cached
+        latent and each value its first v_dim (kv_lora_rank) columns."""
+        raise NotImplementedError(
+            f"the {self.name} attention backend has no latent (MLA) attention: use "
+            f"attention_backend='torch_ref'"
+        )
+
 
 _BACKENDS = {
     "torch_ref": "outrider.layers.attn_backends.torch_ref:TorchRefBackend",

@@ -20,15 +20,29 @@ class TorchRefBackend(AttentionBackend):
     supports_latent = True
 
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
-        # MLA without weight absorption: every cached latent is expanded into its per-head key
-        # and value (expand = kv_b_proj) each step, then attention is ordinary multi-head
-        # attention. Costs heads x (nope + v) x kv_lora_rank FLOPs per cached token per layer;
-        # the latent-space form (absorbing kv_b_proj into q and the output) is the kernels' job.
+        # MLA without weight absorption (prefill chunks): every cached latent is expanded into
+        # its per-head key and value (expand = kv_b_proj), then attention is ordinary
+        # multi-head attention. Costs heads x (nope + v) x kv_lora_rank FLOPs per cached token
+        # per layer, amortised over a chunk's many queries.
         cache = kv_cache["latent"]
         cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
         if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
             return _latent_decode(q, cache, meta, scale, expand)
         return _latent_per_sequence(q, cache, meta, scale, expand)
+
+    def forward_latent_absorbed(self, q, latent, kv_cache, meta, scale, v_dim):
+        # The latent cache is multi-query attention as it stands: one KV head of width
+        # r + d_r, keys the whole latent, values its first r columns. Values are read as the
+        # whole latent and the roped columns dropped after (d_r / r extra, 1/8 at DeepSeek-V3's
+        # ranks), so the decode and per-sequence GQA paths serve unchanged, tree masks included.
+        cache = kv_cache["latent"]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
+        kv = cache.unsqueeze(2)  # [num_blocks, block_size, 1, width]
+        if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
+            out = _decode(q, kv, kv, meta, scale)
+        else:
+            out = _per_sequence(q, kv, kv, meta, scale)
+        return out[..., :v_dim]  # [T, heads, r]
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache["k"], kv_cache["v"]
@@ -66,9 +80,10 @@ def _per_sequence(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
-    plan = meta.backend_data.get("per_sequence")
+    key = ("per_sequence", group)  # the masks repeat per group: MHA and absorbed MLA differ
+    plan = meta.backend_data.get(key)
     if plan is None:
-        plan = meta.backend_data["per_sequence"] = _plan(meta, block_size, group, q.device)
+        plan = meta.backend_data[key] = _plan(meta, block_size, group, q.device)
     out = torch.empty_like(q)
     for start, end, ctx, blocks, mask in plan:
         qlen = end - start
