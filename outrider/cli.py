@@ -108,6 +108,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"({llm.engine.runner.device}, {str(llm.engine.runner.dtype).removeprefix('torch.')})",
         file=sys.stderr,
     )
+    # Stop the other tensor-parallel ranks now, not from interpreter teardown, where the order
+    # of finalizers (the process group's among them) is not ours to choose.
+    llm.shutdown()
     return 0
 
 
