@@ -43,6 +43,7 @@ from outrider.layers.moe import FusedExperts, GroupedTopkRouter, Int4FusedExpert
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import DeepseekV3Config
+from outrider.models.llama import run_layers
 from outrider.models.weights import SKIP
 
 # The low-rank norms use the reference's fixed epsilon, not rms_norm_eps.
@@ -205,17 +206,8 @@ class DeepseekV3Model(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int] = ()
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions)
-        residual = None
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                # The residual stream entering layer i == HF hidden_states[i].
-                captured[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(rope, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, [captured[i] for i in aux_layers]
+        return run_layers(self.layers, self.norm, self.embed_tokens(input_ids), rope, aux_layers)
 
 
 class DeepseekV3ForCausalLM(nn.Module):

@@ -123,17 +123,29 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, aux_layers: Sequence[int] = ()
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb.lookup(positions)
-        residual = None
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                # The residual stream entering layer i == HF hidden_states[i] (EAGLE-3 capture).
-                captured[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(rope, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden, [captured[i] for i in aux_layers]  # in the order asked, repeats kept
+        return run_layers(self.layers, self.norm, self.embed_tokens(input_ids), rope, aux_layers)
+
+
+def run_layers(
+    layers: Sequence[nn.Module],
+    norm: nn.Module,
+    hidden: torch.Tensor,
+    rope: Rope,
+    aux_layers: Sequence[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The decoder stack with the residual add fused into each next norm -> (final normed
+    hidden, the residual stream entering each of `aux_layers`, in the order asked, repeats
+    kept). Every model whose layers take (rope, hidden, residual) runs through here."""
+    residual = None
+    captured = {}
+    for i, layer in enumerate(layers):
+        if i in aux_layers:
+            # The residual stream entering layer i == HF hidden_states[i] (EAGLE-3 capture).
+            captured[i] = hidden if residual is None else hidden + residual
+        hidden, residual = layer(rope, hidden, residual)
+    hidden, _ = norm(hidden, residual)
+    return hidden, [captured[i] for i in aux_layers]
 
 
 class LlamaForCausalLM(nn.Module):
