@@ -19,27 +19,11 @@ from outrider.models.eagle3_io import load_drafter, save_drafter
 from outrider.train.capture import TargetCapture
 from outrider.train.config import TrainConfig
 from outrider.train.datagen import generate_dataset
-from outrider.train.seed_prompts import SEED_PROMPTS
 from outrider.train.trainer import train
 from tests.unit.test_deepseek_v3 import _hf_config, _hf_model
-from tests.unit.test_train_e2e import CHATML
+from tests.unit.test_train_e2e import save_chat_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-
-
-def _save_chat_tokenizer(path):
-    import tokenizers
-    from tokenizers import models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials)
-    tok.train_from_iterator(list(SEED_PROMPTS) * 2 + ["user assistant system"], trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML})
-    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +35,7 @@ def target(tmp_path_factory):
     with torch.no_grad():
         ref.lm_head.weight.mul_(8.0)  # a peaked target: something a drafter learns in a few steps
     ref.save_pretrained(path, safe_serialization=True)
-    _save_chat_tokenizer(path)
+    save_chat_tokenizer(path)
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=256, block_size=16)
     return path, ref, llm
 

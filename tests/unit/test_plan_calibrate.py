@@ -13,25 +13,7 @@ from outrider.cli import main
 from outrider.plan.calibrate import FITTED, Point, cpu_profile, fit, mean_abs_error, predict_ms
 from outrider.plan.hardware import load_gpu
 from outrider.plan.models import load_model
-from tests.tiny import hf_reference, tiny_hf_config
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    import tokenizers
-    from tokenizers import models, pre_tokenizers, trainers
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    hf_reference(tiny_hf_config("LlamaForCausalLM")).save_pretrained(path, safe_serialization=True)
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"])
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>"})
-    )
-    return path
+from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
 
 
 def test_fit_recovers_the_constants_that_made_the_points():
@@ -54,9 +36,9 @@ def test_fit_recovers_the_constants_that_made_the_points():
         fit(model, h200, [Point(1, 0, 0.0)], True)
 
 
-def test_calibrate_tiny_model_and_load_the_profile(tiny_dir, tmp_path, capsys):
+def test_calibrate_tiny_model_and_load_the_profile(tiny_dir, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "profile.json"
-    argv = ["plan", str(tiny_dir), "--calibrate", "--device", "cpu", "--calibrate-batch", "1",
+    argv = ["plan", str(tiny_dir[0]), "--calibrate", "--device", "cpu", "--calibrate-batch", "1",
             "2", "--calibrate-k", "0", "2", "--calibrate-reps", "2", "--calibrate-out",
             str(out)]  # fmt: skip
     assert main(argv) == 0

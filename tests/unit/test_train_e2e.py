@@ -25,9 +25,6 @@ CHATML = (
 
 
 def _tiny_target(path, seed: int = 0):
-    import tokenizers
-    from tokenizers import models, pre_tokenizers, trainers
-
     cfg = tiny_hf_config(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=8, eos_token_id=4,
@@ -36,15 +33,7 @@ def _tiny_target(path, seed: int = 0):
     with torch.no_grad():
         ref.lm_head.weight.mul_(8.0)  # a peaked target: something a drafter can learn fast
     ref.save_pretrained(path, safe_serialization=True)
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials)
-    tok.train_from_iterator(list(SEED_PROMPTS) * 2 + ["user assistant system"], trainer)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML})
-    )
+    save_chat_tokenizer(path)
     return path
 
 
@@ -588,3 +577,19 @@ def test_time_budget_stops_training_on_a_decayed_rate(target, dataset, tmp_path)
     assert lr_at(0, 10_000, config, time_frac=0.1) == pytest.approx(config.lr)
     assert lr_at(5, 10_000, config, time_frac=1.0) == pytest.approx(config.min_lr_ratio * config.lr)
     assert lr_at(5, 10_000, config) == pytest.approx(config.lr * 6 / 1000)  # steps alone
+
+
+def save_chat_tokenizer(path) -> None:
+    """A byte-level BPE over the seed prompts with ChatML's special tokens, beside a model."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=specials)
+    tok.train_from_iterator(list(SEED_PROMPTS) * 2 + ["user assistant system"], trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": CHATML})
+    )
