@@ -13,3 +13,48 @@ def to_device_no_sync(values, dtype: torch.dtype, device: torch.device) -> torch
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class StagedUpload:
+    """Many small int64 host arrays -> the device in one copy: packed into one pinned host
+    buffer, copied once, handed back as views of one device buffer. A step's inputs cost one
+    transfer instead of a pinned allocation and a copy each (~15 us of host time apiece).
+
+    The pinned buffer is rewritten only after the copy that last read it has run (an event):
+    callers need not sync. Buffers grow, never shrink."""
+
+    def __init__(self, device: torch.device, capacity: int = 4096) -> None:
+        self.device = device
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        cuda = self.device.type == "cuda"
+        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=cuda)
+        self._dev = torch.empty(capacity, dtype=torch.int64, device=self.device) if cuda else None
+
+    def send(self, parts) -> list[torch.Tensor]:
+        """parts: NumPy int arrays (any shape) -> int64 device tensors of the same shapes, views
+        of one buffer valid until the next send."""
+        sizes = [p.size for p in parts]
+        total = sum(sizes)
+        if self._done is not None:
+            self._done.synchronize()  # the last copy has read the host buffer
+        if total > self._host.numel():
+            self._alloc(max(total, 2 * self._host.numel()))
+        host = self._host.numpy()
+        off = 0
+        for p, n in zip(parts, sizes):
+            host[off : off + n] = p.reshape(-1)
+            off += n
+        if self._dev is None:  # the CPU: the host buffer is the device's
+            buf = self._host[:total]
+        else:
+            buf = self._dev[:total]
+            buf.copy_(self._host[:total], non_blocking=True)
+            self._done.record()
+        out, off = [], 0
+        for p, n in zip(parts, sizes):
+            out.append(buf[off : off + n].view(p.shape))
+            off += n
+        return out

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from outrider.config import CacheConfig
+from outrider.layers import fused
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ class KVPool:
         """`move` for slots already on the device (int64 [n]): graph-safe. Every source is read
         before any destination is written; a slot moved onto itself stays as it is."""
         for t in self.tensors.values():
-            flat = t.view(self.num_layers, self.num_blocks * self.block_size, *t.shape[3:])
-            flat.index_copy_(1, dst, flat.index_select(1, src))
+            rows = t.view(self.num_layers, self.num_blocks * self.block_size, -1)
+            if not fused.move_slots_(rows, src, dst):
+                rows.index_copy_(1, dst, rows.index_select(1, src))
 
     @property
     def nbytes(self) -> int:

@@ -46,10 +46,10 @@ from outrider.progress import progress
 from outrider.speculative.tree_batch import (
     TreeShape,
     accept_tree_greedy_no_sync,
-    ancestors_np,
+    ancestors_no_sync,
     tree_kv_moves_no_sync,
 )
-from outrider.transfer import to_device_no_sync
+from outrider.transfer import StagedUpload
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class SpecStep:
             self.parents = torch.full((max_b, n), -1, dtype=torch.int64, device=self.device)
             self.depth = torch.ones(max_b, n, dtype=torch.int64, device=self.device)
             self.anc = torch.zeros(max_b, 1 + n, 1 + n, dtype=torch.bool, device=self.device)
+        self.upload = StagedUpload(self.device)
         self.inputs.block_tables.fill_(scratch_block)
         self._dirty = 0  # table columns that may hold real blocks, from the widest load since
         self._w = 1  # the table width the last load wrote (eager forwards read only that)
@@ -186,33 +187,29 @@ class SpecStep:
             tables[i, : len(row)] = row
         ar = np.arange(t)
         pos = starts[:, None] + ar[None, :]  # [padded, t]; padding rows: 0 .. t - 1
-        rope = pos
-        if tree:  # a node's rotary position is root + depth; its slot stays root + 1 + index
-            anc, depth = ancestors_np(parents)
-            rope = starts[:, None] + np.concatenate([np.zeros((padded, 1), np.int64), depth], 1)
         real = (ar[None, :] <= ns[:, None]) & (pos // bs < ntab[:, None])
         col = np.minimum(pos // bs, w - 1)
         own = np.take_along_axis(tables, col, axis=1) * bs + pos % bs
         # Masked rows write inside the scratch block (a step may hold more tokens than a block:
         # trees of 16+ nodes, chains of k >= 16), where collisions are harmless.
         slots = np.where(real, own, scratch * bs + ar[None, :] % bs)
+        # Trees: every row's positions are its root's here; the verify adds each node's depth
+        # on the device (a node's rotary position is root + depth, its slot root + 1 + index).
+        rope = np.repeat(starts[:, None], t, axis=1) if tree else pos
+        parts = [ids, np.minimum(rope, self.max_positions - 1), slots, starts + t, tables, ns]
+        if tree:
+            parts.append(parents)
         n_tok = padded * t
         s = self.inputs
-        dev = self.device
-
-        def put(dst: torch.Tensor, values: np.ndarray, dtype: torch.dtype) -> None:
-            dst.copy_(to_device_no_sync(values, dtype, dev), non_blocking=True)
-
-        put(s.input_ids[:n_tok], ids.reshape(-1), torch.int64)
-        put(s.positions[:n_tok], np.minimum(rope, self.max_positions - 1).reshape(-1), torch.int64)
-        put(s.slot_mapping[:n_tok], slots.reshape(-1), torch.int64)
-        put(s.seq_lens[:padded], starts + t, torch.int32)
-        put(s.block_tables[:padded, :w], tables, torch.int32)
-        put(self.num_drafts[:padded], ns, torch.int64)
+        sent = self.upload.send(parts)  # one host->device copy
+        s.input_ids[:n_tok].copy_(sent[0].view(-1))
+        s.positions[:n_tok].copy_(sent[1].view(-1))
+        s.slot_mapping[:n_tok].copy_(sent[2].view(-1))
+        s.seq_lens[:padded].copy_(sent[3])
+        s.block_tables[:padded, :w].copy_(sent[4])
+        self.num_drafts[:padded].copy_(sent[5])
         if tree:
-            put(self.parents[:padded], parents, torch.int64)
-            put(self.depth[:padded], depth, torch.int64)
-            put(self.anc[:padded], anc, torch.bool)
+            self.parents[:padded].copy_(sent[6])
         if self._dirty > w:  # a wider batch wrote real blocks there earlier
             s.block_tables[:, w : self._dirty].fill_(scratch)
         self._dirty, self._w = w, w
@@ -254,11 +251,19 @@ class SpecStep:
         meta = self._metadata(padded, k, full_width)
         self._host_lengths(meta)
         ids = s.input_ids[: padded * t]
+        positions = s.positions[: padded * t]
+        if self.tree is not None:  # the trees' masks and depths, and the nodes' positions
+            anc, depth = ancestors_no_sync(self.parents[:padded], self.tree.num_steps)
+            self.anc[:padded].copy_(anc)
+            self.depth[:padded].copy_(depth)
+            zero = torch.zeros(padded, 1, dtype=depth.dtype, device=depth.device)
+            rope = positions.view(padded, t) + torch.cat([zero, depth], dim=1)
+            positions = rope.clamp_(max=self.max_positions - 1).view(-1)
         if self.sender is not None:  # the other ranks verify too, logits for every row
-            self.sender.forward(ids, s.positions[: padded * t], meta, ALL_ROWS)
+            self.sender.forward(ids, positions, meta, ALL_ROWS)
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
-            hidden, aux = self.model(ids, s.positions[: padded * t], self.aux_layers)
+            hidden, aux = self.model(ids, positions, self.aux_layers)
         logits = self.model.compute_logits(hidden)  # [padded * t, vocab]
         argmax = logits.argmax(dim=-1).view(padded, t)
         aux_cat = torch.cat(aux, dim=-1) if aux else None

@@ -88,6 +88,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+MOVE_MAX_SLOTS = 1024  # moves one launch of move_slots_ takes (a tree step: B x depth)
+
+
+def move_slots_(
+    pool: torch.Tensor,  # [L, S, E] contiguous: every layer's S slots of E values
+    src: torch.Tensor,  # [M] int64 slots
+    dst: torch.Tensor,  # [M] int64 slots
+) -> bool:
+    """pool[:, dst] = pool[:, src] in one launch, every source read before any destination is
+    written; False (nothing done) where the fused path does not serve: the caller's torch ops
+    then do it. torch's index_select / index_copy_ over a pool past 2^31 values split into one
+    kernel per 32-bit-indexable piece (16 launches a tree step on the H200)."""
+    moves = src.numel()
+    if not use_fused(pool) or not pool.is_contiguous() or not 0 < moves <= MOVE_MAX_SLOTS:
+        return False
+    k = _kernels()
+    layers, _, width = pool.shape
+    m_pad = k.next_pow2(moves)
+    block_e = max(16, min(k.next_pow2(width), 8192 // m_pad))
+    grid = (layers, -(-width // block_e))
+    k.move_slots_kernel[grid](
+        pool, src, dst, moves, pool.stride(0), width, M_PAD=m_pad, BLOCK_E=block_e,
+        num_warps=8 if m_pad * block_e > 4096 else 4,
+    )  # fmt: skip
+    return True
+
+
 TOP_CHUNK = 4096  # vocabulary entries one program of top_logprobs reads
 
 

@@ -121,3 +121,24 @@ def top_logprobs_merge_kernel(
         tl.store(out_v_ptr + row * T + j, best - lse)
         tl.store(out_i_ptr + row * T + j, i.to(tl.int64))
         v = tl.where(ids == i, float("-inf"), v)
+
+
+@triton.jit
+def move_slots_kernel(
+    pool_ptr, src_ptr, dst_ptr, moves, stride_layer, width,
+    M_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    # One program per (layer, column chunk) moves every slot's chunk: all sources are loaded,
+    # the block waits, then all destinations are written, so a destination that is also a
+    # source is read first. Programs touch disjoint (layer, column) regions.
+    layer = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    m = tl.arange(0, M_PAD)
+    ok_m = m < moves
+    src = tl.load(src_ptr + m, mask=ok_m, other=0).to(tl.int64)
+    dst = tl.load(dst_ptr + m, mask=ok_m, other=0).to(tl.int64)
+    ok = ok_m[:, None] & (cols < width)[None, :]
+    base = pool_ptr + layer * stride_layer
+    vals = tl.load(base + src[:, None] * width + cols[None, :], mask=ok)
+    tl.debug_barrier()
+    tl.store(base + dst[:, None] * width + cols[None, :], vals, mask=ok)

@@ -44,6 +44,28 @@ def ancestors_np(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return anc, depth[:, 1:]
 
 
+def ancestors_no_sync(
+    parents: torch.Tensor,  # [B, N] int64, -1 = the root
+    max_depth: int,  # no node is deeper (a tree grown over S steps: S)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ancestors_np on the device, graph-safe: (anc [B, 1 + N, 1 + N] bool, depth [B, N]).
+
+    Row q starts seeing itself and its parent; squaring that relation (a batched matmul of
+    0/1 matrices, exact in float32) doubles the generations it covers, so ceil(log2(max_depth))
+    squarings reach the root from any node. Depth is the count of ancestors, root included,
+    minus one."""
+    b, n = parents.shape
+    dev = parents.device
+    par = torch.cat([torch.zeros(b, 1, dtype=parents.dtype, device=dev), parents + 1], dim=1)
+    rows = torch.arange(1 + n, device=dev)
+    rel = (rows[None, None, :] == par[:, :, None]) | (rows[:, None] == rows[None, :])[None]
+    rel = rel.float()
+    for _ in range(max(1, max_depth - 1).bit_length()):
+        rel = torch.bmm(rel, rel).clamp_(max=1.0)
+    anc = rel > 0
+    return anc, anc.sum(dim=-1)[:, 1:] - 1
+
+
 def accept_tree_greedy_no_sync(
     argmax: torch.Tensor,  # [B, 1 + N] the target's argmax at each verify row
     drafts: torch.Tensor,  # [B, N] node tokens

@@ -96,3 +96,19 @@ def test_top_logprobs_matches_reference(dtype, rows, vocab, t):
     ref_values, ref_ids = fused.top_logprobs_reference(x, t)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(values, ref_values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layers,slots,width", [(30, 4096, 192), (2, (1 << 20) + 5, 1024)])
+def test_move_slots_matches_index_copy(layers, slots, width):
+    """One launch equals index_select + index_copy_, also over a pool past 2^31 values (the
+    second case: 64-bit offsets), with chained moves (a destination that is another source)."""
+    torch.manual_seed(0)
+    pool = torch.randn(layers, slots, width, device="cuda", dtype=torch.bfloat16)
+    src = torch.tensor([slots - 1, 7, 9, 3, 100, 5], device="cuda")
+    dst = torch.tensor([7, 6, 9, slots - 2, 3, 1], device="cuda")
+    others = torch.tensor([0, 2, 4, 8, slots - 1], device="cuda")  # no move writes these
+    moved = pool.index_select(1, src)  # what each destination must hold after
+    kept = pool.index_select(1, others)
+    assert fused.move_slots_(pool, src, dst)
+    assert torch.equal(pool.index_select(1, dst), moved)
+    assert torch.equal(pool.index_select(1, others), kept)

@@ -97,6 +97,16 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         ref_values, ref_ids = fused.top_logprobs_reference(x, t)
         report(f"top-values-{name}", values, ref_values)
         report(f"top-ids-{name}", ids, ref_ids)
+
+    # Slot moves across layers: a destination that is another move's source is read first
+    # (slot 5 -> 2 while 2 -> 1), a move onto itself, widths past one column chunk.
+    for width, moves in ((12, ([5, 2, 7, 9], [2, 1, 7, 3])), (300, ([4, 6], [6, 0]))):
+        pool = torch.randn(3, 10, width)
+        src, dst = (torch.tensor(m) for m in moves)
+        ref = pool.clone()
+        ref.index_copy_(1, dst, ref.index_select(1, src))
+        assert fused.move_slots_(pool, src, dst)
+        report(f"move-slots-{width}", pool, ref)
     fused.use_fused = real
 
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
@@ -171,6 +181,11 @@ def test_llama_forward_with_fused_kernels_matches_plain(results):
 def test_top_logprobs_kernel_matches_reference(results, case):
     assert results[f"top-ids-{case}"]["same"] == 1.0, results[f"top-ids-{case}"]
     assert results[f"top-values-{case}"]["diff"] <= 1e-5, results[f"top-values-{case}"]
+
+
+@pytest.mark.parametrize("width", [12, 300])
+def test_move_slots_reads_every_source_before_writing(results, width):
+    assert results[f"move-slots-{width}"]["same"] == 1.0, results[f"move-slots-{width}"]
 
 
 def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():

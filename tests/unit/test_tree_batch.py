@@ -12,6 +12,7 @@ from outrider.speculative.eagle3_tree import _select
 from outrider.speculative.tree import TreeTopology, accepted_kv_moves
 from outrider.speculative.tree_batch import (
     accept_tree_greedy_no_sync,
+    ancestors_no_sync,
     ancestors_np,
     select_tree_no_sync,
     tree_kv_moves_no_sync,
@@ -118,6 +119,22 @@ def test_ancestors_np_matches_tree_topology_per_row(n: int) -> None:
         topo = TreeTopology(parents[r].tolist())
         np.testing.assert_array_equal(anc[r], topo.ancestor_mask().numpy(), err_msg=f"row {r}")
         assert tuple(depth[r].tolist()) == topo.depths, f"row {r}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 40])
+def test_ancestors_no_sync_equals_ancestors_np(n: int) -> None:
+    """The device version (squaring the parent relation) against the NumPy one, given only the
+    deepest depth: chains (depth n, the most squarings), stars, random trees."""
+    rng = np.random.default_rng(100 + n)
+    b = 6
+    parents = np.array([random_parents(rng, n) for _ in range(b)], dtype=np.int64)
+    parents[0] = np.arange(-1, n - 1)  # a chain: depth n
+    parents[1] = -1  # a star: depth 1
+    anc, depth = ancestors_np(parents)
+    got_anc, got_depth = ancestors_no_sync(torch.from_numpy(parents), int(depth.max()))
+    assert got_anc.dtype == torch.bool and got_depth.dtype == torch.int64
+    np.testing.assert_array_equal(got_anc.numpy(), anc)
+    np.testing.assert_array_equal(got_depth.numpy(), depth)
 
 
 # 2. accept_tree_greedy_no_sync
