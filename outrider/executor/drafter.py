@@ -281,43 +281,59 @@ class Eagle3Drafter:
         bs, width = self.block_size, block_tables.shape[1]
         top = self.draft.rotary_emb.cos.shape[0] - 1
 
-        def metadata(pos, q: int, seq_lens, tree_mask=None) -> AttentionMetadata:
+        def metadata(slots, q: int, seq_lens, qsl, tree_mask=None) -> AttentionMetadata:
             # Graph-safe backends read lengths on the device; the reference backend (the CPU,
             # where reading them costs nothing) plans from the host's.
             host = seq_lens.tolist() if dev.type == "cpu" else [width * bs] * b
             return AttentionMetadata(
-                ForwardMode.VERIFY, table_slots_no_sync(block_tables, pos, bs).reshape(-1),
-                torch.arange(0, (b + 1) * q, q, dtype=torch.int32, device=dev),
-                seq_lens.to(torch.int32), block_tables, [q] * b, host, tree_mask=tree_mask,
+                ForwardMode.VERIFY, slots, qsl, seq_lens, block_tables, [q] * b, host,
+                tree_mask=tree_mask,
             )  # fmt: skip
 
         def run(meta, ids, pos, hidden):
             backend.prepare(meta)
             with forward_context(ForwardContext(meta, backend)):
-                return self.draft(ids, pos.clamp(max=top), hidden)
+                return self.draft(ids, pos, hidden)
 
         # 1. Extend over the path; the first candidates come from row num_accepted.
         pos = starts[:, None] + torch.arange(rows, device=dev)[None, :]  # [B, 1 + S]
-        meta = metadata(pos, rows, starts + rows)
-        normed, summed = run(meta, path_ids.reshape(-1), pos.reshape(-1), path_aux)
+        qsl = torch.arange(0, (b + 1) * rows, rows, dtype=torch.int32, device=dev)
+        slots = table_slots_no_sync(block_tables, pos, bs).reshape(-1)
+        meta = metadata(slots, rows, (starts + rows).to(torch.int32), qsl)
+        normed, summed = run(meta, path_ids.reshape(-1), pos.reshape(-1).clamp(max=top), path_aux)
         last = torch.arange(b, device=dev) * rows + num_accepted
         scores, cand = top_logprobs(self.draft.compute_logits(normed[last]), t)  # [B, t]
         tokens = self.draft.to_target_ids(cand)
         hidden = summed[last][:, None, :].expand(-1, t, -1)  # [B, t, H]
         all_tokens, all_scores = [tokens], [scores]
         all_parents = [torch.full_like(tokens, -1)]
-        # 2. Grow: anc[b, i, r] says frontier node i of row b sees tree slot C + r.
+        # 2. Grow: anc[b, i, r] says frontier node i of row b sees tree slot C + r. Every grow
+        # step's slots, lengths and rotary positions are computed here at once ([G, B, t]
+        # and [G, B], G = S - 1 steps); each step takes its slice (a view, no kernel).
+        grow = shape.num_steps - 1
         c = starts + num_accepted + 1
+        step_ix = torch.arange(grow, device=dev)[:, None, None]  # [G, 1, 1]
+        node_pos = c[None, :, None] + step_ix * t + torch.arange(t, device=dev)  # [G, B, t]
+        step_slots = (
+            table_slots_no_sync(block_tables, node_pos.permute(1, 0, 2).reshape(b, grow * t), bs)
+            .view(b, grow, t)
+            .permute(1, 0, 2)
+            .contiguous()
+        )  # [G, B, t]
+        step_lens = (c[None, :] + (step_ix[:, :, 0] + 1) * t).to(torch.int32)  # [G, B]
+        step_rope = (c[None, :, None] + step_ix).clamp(max=top).expand(-1, -1, t).contiguous()
+        qsl = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev)
         anc = torch.zeros(b, t, 0, dtype=torch.bool, device=dev)
         own = torch.eye(t, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
-        for d in range(2, shape.num_steps + 1):
-            anc = torch.cat([anc, own], dim=-1)  # [B, t, (d - 1) * t]
-            first = (d - 2) * t
-            node_pos = c[:, None] + first + torch.arange(t, device=dev)[None, :]
-            meta = metadata(node_pos, t, c + first + t, anc.reshape(b * t, -1))
-            rope = (c + d - 2)[:, None].expand(-1, t).reshape(-1)
-            h = hidden.shape[-1]
-            normed, summed = run(meta, tokens.reshape(-1), rope, hidden.reshape(b * t, h))
+        h = hidden.shape[-1]
+        for j in range(grow):
+            anc = torch.cat([anc, own], dim=-1)  # [B, t, (j + 1) * t]
+            meta = metadata(
+                step_slots[j].view(-1), t, step_lens[j], qsl, anc.reshape(b * t, -1)
+            )  # fmt: skip
+            normed, summed = run(
+                meta, tokens.reshape(-1), step_rope[j].view(-1), hidden.reshape(b * t, h)
+            )
             child_logp, child = top_logprobs(self.draft.compute_logits(normed), t)  # [B*t, t]
             cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
             scores, pick = cum.topk(t, dim=-1)  # [B, t]
