@@ -40,6 +40,7 @@ from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
 from outrider.executor.cuda_graph import StaticInputs
 from outrider.executor.inputs import table_slots_no_sync
 from outrider.executor.tp_channel import ALL_ROWS
+from outrider.layers import fused
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.progress import progress
@@ -279,19 +280,26 @@ class SpecStep:
         outputs gathered along the path (so the drafter extends over a chain)."""
         padded, t = argmax.shape
         steps = self.tree.num_steps
-        path_rows, accepted = accept_tree_greedy_no_sync(
-            argmax, drafts, self.parents[:padded], self.anc[:padded], self.depth[:padded],
-            self.num_drafts[:padded], steps,
-        )  # fmt: skip
         starts = self.inputs.positions[: padded * t].view(padded, t)[:, 0]
-        src, dst = tree_kv_moves_no_sync(path_rows, accepted, starts)
         tables, bs = meta.block_tables, self.block_size
-        src = table_slots_no_sync(tables, src, bs).reshape(-1)
-        dst = table_slots_no_sync(tables, dst, bs).reshape(-1)
+        tree = (self.parents[:padded], self.anc[:padded], self.depth[:padded])
+        fused_out = fused.accept_tree(
+            argmax, drafts, *tree, self.num_drafts[:padded], starts, tables, bs, steps
+        )
+        if fused_out is not None:  # one launch on the GPU
+            path_rows, accepted, tokens, src, dst = fused_out
+        else:
+            path_rows, accepted = accept_tree_greedy_no_sync(
+                argmax, drafts, *tree, self.num_drafts[:padded], steps
+            )
+            tokens = argmax.gather(1, path_rows)  # [padded, 1 + S]
+            src, dst = tree_kv_moves_no_sync(path_rows, accepted, starts)
+            src = table_slots_no_sync(tables, src, bs)
+            dst = table_slots_no_sync(tables, dst, bs)
+        src, dst = src.reshape(-1), dst.reshape(-1)
         if self.sender is not None:  # every rank moves its own KV heads' entries
             self.sender.move_kv(src, dst)
         self.kv_pool.move_no_sync(src, dst)
-        tokens = argmax.gather(1, path_rows)  # [padded, 1 + S]
         if aux is not None:
             rows = (torch.arange(padded, device=aux.device)[:, None] * t + path_rows).reshape(-1)
             aux = aux.index_select(0, rows)

@@ -115,6 +115,44 @@ def move_slots_(
     return True
 
 
+def accept_tree(
+    argmax: torch.Tensor,  # [B, 1 + N] int64 the target's argmax at each verify row
+    drafts: torch.Tensor,  # [B, N] int64
+    parents: torch.Tensor,  # [B, N] int64, -1 = the root
+    anc: torch.Tensor,  # [B, 1 + N, 1 + N] bool
+    depth: torch.Tensor,  # [B, N] int64
+    num_nodes: torch.Tensor,  # [B] int64
+    starts: torch.Tensor,  # [B] int64 root positions
+    tables: torch.Tensor,  # [B, W] int32 block tables
+    block_size: int,
+    max_depth: int,
+) -> tuple[torch.Tensor, ...] | None:
+    """Greedy tree acceptance and the accepted path's KV moves in one launch -> (path_rows
+    [B, 1 + D], num_accepted [B], tokens [B, 1 + D], src slots [B, D], dst slots [B, D]), as
+    tree_batch.accept_tree_greedy_no_sync, argmax.gather(1, path_rows), tree_kv_moves_no_sync and
+    the table lookup give them; None where the fused path does not serve (the caller runs
+    those)."""
+    b, n = drafts.shape
+    if not use_fused(argmax) or b == 0 or n + 1 > 256:
+        return None
+    k = _kernels()
+    dev = argmax.device
+    d = max_depth
+    path = torch.empty(b, d + 1, dtype=torch.int64, device=dev)
+    num_acc = torch.empty(b, dtype=torch.int64, device=dev)
+    tokens = torch.empty(b, d + 1, dtype=torch.int64, device=dev)
+    src = torch.empty(b, d, dtype=torch.int64, device=dev)
+    dst = torch.empty(b, d, dtype=torch.int64, device=dev)
+    k.accept_tree_kernel[(b,)](
+        argmax.contiguous(), drafts.contiguous(), parents.contiguous(),
+        anc.contiguous().view(torch.uint8), depth.contiguous(), num_nodes.contiguous(),
+        starts.contiguous(), tables.contiguous(), path, num_acc, tokens, src, dst,
+        n, tables.shape[1], block_size,
+        D=d, R_PAD=k.next_pow2(n + 1), D_PAD=k.next_pow2(d + 1), num_warps=4,
+    )  # fmt: skip
+    return path, num_acc, tokens, src, dst
+
+
 TOP_CHUNK = 4096  # vocabulary entries one program of top_logprobs reads
 
 

@@ -142,3 +142,65 @@ def move_slots_kernel(
     vals = tl.load(base + src[:, None] * width + cols[None, :], mask=ok)
     tl.debug_barrier()
     tl.store(base + dst[:, None] * width + cols[None, :], vals, mask=ok)
+
+
+@triton.jit
+def accept_tree_kernel(
+    argmax_ptr, drafts_ptr, parents_ptr, anc_ptr, depth_ptr, num_nodes_ptr, starts_ptr,
+    tables_ptr, path_ptr, num_acc_ptr, tokens_ptr, src_ptr, dst_ptr,
+    n, table_width, block_size,
+    D: tl.constexpr, R_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    # One program per batch row; verify rows r = 0 (the root) .. n (node r - 1). What
+    # speculative/tree_batch.py's accept_tree_greedy_no_sync and tree_kv_moves_no_sync compute
+    # in ~40 small kernels, with each path position's KV slot looked up in the block table.
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    node = r - 1
+    in_tree = r <= n
+    real = (r >= 1) & in_tree & (node < tl.load(num_nodes_ptr + b))
+    tok = tl.load(drafts_ptr + b * n + node, mask=real, other=-1)
+    par = tl.load(parents_ptr + b * n + node, mask=real, other=-1)
+    said = tl.load(argmax_ptr + b * (n + 1) + par + 1, mask=real, other=-2)
+    ok = (r == 0) | (real & (tok == said))  # the node's token is the argmax at its parent
+    dep = tl.load(depth_ptr + b * n + node, mask=(r >= 1) & in_tree, other=0)
+    dep = tl.where(r == 0, 0, dep)
+    anc_row = anc_ptr + b * (n + 1) * (n + 1)
+    q = r[:, None]
+    j = r[None, :]
+    both = (q <= n) & (j <= n)
+    anc = tl.load(anc_row + q * (n + 1) + j, mask=both, other=0) != 0
+    bad = tl.sum((anc & (ok[None, :] == 0)).to(tl.int32), axis=1)  # an ancestor unmatched
+    score = tl.where((bad == 0) & in_tree, dep, -1)
+    best = tl.argmax(score, axis=0)  # the deepest accepted node (the root: depth 0)
+    num_acc = tl.max(score, axis=0)
+    on_path = tl.load(anc_row + best * (n + 1) + r, mask=in_tree, other=0) != 0
+    lv = tl.arange(0, D_PAD)
+    hit = (on_path[None, :] & (dep[None, :] == lv[:, None]) & in_tree[None, :]).to(tl.int32)
+    rows = tl.argmax(hit, axis=1)  # the path's row at each depth (0 where none)
+    rows = tl.where(lv <= num_acc, rows, best).to(tl.int64)
+    live = lv <= D
+    tl.store(path_ptr + b * (D + 1) + lv, rows, mask=live)
+    tl.store(num_acc_ptr + b, num_acc.to(tl.int64))
+    tl.store(
+        tokens_ptr + b * (D + 1) + lv,
+        tl.load(argmax_ptr + b * (n + 1) + rows, mask=live),
+        mask=live,
+    )
+    # KV: the node at depth l (1..D) moves from root + its row to root + l; past the accepted
+    # depth it stays (src == dst).
+    start = tl.load(starts_ptr + b)
+    move = live & (lv >= 1)
+    dst_pos = start + lv
+    src_pos = tl.where(lv <= num_acc, start + rows, dst_pos)
+    tables = tables_ptr + b * table_width
+    dcol = tl.minimum(dst_pos // block_size, table_width - 1)
+    scol = tl.minimum(src_pos // block_size, table_width - 1)
+    dst = (
+        tl.load(tables + dcol, mask=move, other=0).to(tl.int64) * block_size + dst_pos % block_size
+    )
+    src = (
+        tl.load(tables + scol, mask=move, other=0).to(tl.int64) * block_size + src_pos % block_size
+    )
+    tl.store(dst_ptr + b * D + lv - 1, dst, mask=move)
+    tl.store(src_ptr + b * D + lv - 1, src, mask=move)

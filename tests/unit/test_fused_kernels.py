@@ -107,6 +107,47 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         ref.index_copy_(1, dst, ref.index_select(1, src))
         assert fused.move_slots_(pool, src, dst)
         report(f"move-slots-{width}", pool, ref)
+
+    # Tree acceptance in one launch against tree_batch's ops: random trees (siblings carry
+    # distinct tokens), padding nodes, argmax over a small vocabulary so that paths run deep.
+    from outrider.executor.inputs import table_slots_no_sync
+    from outrider.speculative.tree_batch import (
+        accept_tree_greedy_no_sync,
+        ancestors_np,
+        tree_kv_moves_no_sync,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    for b, n, steps in ((5, 6, 3), (4, 16, 5), (12, 1, 1)):
+        parents = torch.full((b, n), -1, dtype=torch.int64)
+        drafts = torch.zeros(b, n, dtype=torch.int64)
+        for row in range(b):
+            depth = [0] * n
+            kids: dict[int, int] = {}
+            for i in range(n):
+                options = [-1] + [j for j in range(i) if depth[j] < steps]
+                p = options[int(torch.randint(len(options), (1,), generator=gen))]
+                parents[row, i] = p
+                depth[i] = 1 if p < 0 else depth[p] + 1
+                drafts[row, i] = kids.get(p, 0)  # distinct among siblings
+                kids[p] = kids.get(p, 0) + 1
+        anc_np, depth_np = ancestors_np(parents.numpy())
+        anc, depth = torch.from_numpy(anc_np), torch.from_numpy(depth_np)
+        argmax = torch.randint(0, 3, (b, 1 + n), generator=gen)
+        num_nodes = torch.randint(0, n + 1, (b,), generator=gen)
+        starts = torch.randint(0, 40, (b,), generator=gen)
+        tables = torch.randint(0, 50, (b, 9), generator=gen, dtype=torch.int32)
+        tree = (argmax, drafts, parents, anc, depth, num_nodes)
+        got = fused.accept_tree(*tree, starts, tables, 4, steps)
+        path, acc = accept_tree_greedy_no_sync(*tree, steps)
+        src, dst = tree_kv_moves_no_sync(path, acc, starts)
+        want = (
+            path, acc, argmax.gather(1, path),
+            table_slots_no_sync(tables, src, 4), table_slots_no_sync(tables, dst, 4),
+        )  # fmt: skip
+        for part, g, w in zip(("path", "accepted", "tokens", "src", "dst"), got, want):
+            report(f"tree-{part}-{n}", g, w)
+        report(f"tree-deep-{n}", acc.max().clamp(max=1).float(), torch.tensor(1.0))
     fused.use_fused = real
 
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
@@ -186,6 +227,13 @@ def test_top_logprobs_kernel_matches_reference(results, case):
 @pytest.mark.parametrize("width", [12, 300])
 def test_move_slots_reads_every_source_before_writing(results, width):
     assert results[f"move-slots-{width}"]["same"] == 1.0, results[f"move-slots-{width}"]
+
+
+@pytest.mark.parametrize("n", [6, 16, 1])
+def test_tree_acceptance_in_one_launch_matches_the_torch_ops(results, n):
+    for part in ("path", "accepted", "tokens", "src", "dst"):
+        assert results[f"tree-{part}-{n}"]["same"] == 1.0, (part, results[f"tree-{part}-{n}"])
+    assert results[f"tree-deep-{n}"]["same"] == 1.0  # some row accepted a draft
 
 
 def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():
