@@ -26,6 +26,7 @@ from outrider.executor.cuda_graph import GraphRunner
 from outrider.executor.inputs import build_inputs, table_slots_no_sync
 from outrider.executor.kv_cache import KVPool
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
+from outrider.layers import fused
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
 from outrider.models.eagle3 import Eagle3Draft
@@ -323,11 +324,10 @@ class Eagle3Drafter:
         step_lens = (c[None, :] + (step_ix[:, :, 0] + 1) * t).to(torch.int32)  # [G, B]
         step_rope = (c[None, :, None] + step_ix).clamp(max=top).expand(-1, -1, t).contiguous()
         qsl = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev)
-        anc = torch.zeros(b, t, 0, dtype=torch.bool, device=dev)
         own = torch.eye(t, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
+        anc = own.contiguous()  # [B, t, (j + 1) * t] at step j
         h = hidden.shape[-1]
         for j in range(grow):
-            anc = torch.cat([anc, own], dim=-1)  # [B, t, (j + 1) * t]
             meta = metadata(
                 step_slots[j].view(-1), t, step_lens[j], qsl, anc.reshape(b * t, -1)
             )  # fmt: skip
@@ -335,12 +335,17 @@ class Eagle3Drafter:
                 meta, tokens.reshape(-1), step_rope[j].view(-1), hidden.reshape(b * t, h)
             )
             child_logp, child = top_logprobs(self.draft.compute_logits(normed), t)  # [B*t, t]
-            cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
-            scores, pick = cum.topk(t, dim=-1)  # [B, t]
-            parent = pick // t
-            tokens = self.draft.to_target_ids(child.view(b, t * t).gather(1, pick))
-            hidden = summed.view(b, t, h).gather(1, parent[..., None].expand(-1, -1, h))
-            anc = anc.gather(1, parent[..., None].expand(-1, -1, anc.shape[-1]))
+            picked = fused.grow_select(scores, child_logp, child, self.draft.d2t, summed, anc)
+            if picked is not None:  # the GPU: the selection below in one launch
+                scores, parent, tokens, hidden, anc = picked
+            else:
+                cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
+                scores, pick = cum.topk(t, dim=-1)  # [B, t]
+                parent = pick // t
+                tokens = self.draft.to_target_ids(child.view(b, t * t).gather(1, pick))
+                hidden = summed.view(b, t, h).gather(1, parent[..., None].expand(-1, -1, h))
+                anc = anc.gather(1, parent[..., None].expand(-1, -1, anc.shape[-1]))
+                anc = torch.cat([anc, own], dim=-1)
             all_tokens.append(tokens)
             all_scores.append(scores)
             all_parents.append(parent)

@@ -153,6 +153,41 @@ def accept_tree(
     return path, num_acc, tokens, src, dst
 
 
+def grow_select(
+    scores: torch.Tensor,  # [B, t] float32 cumulative log-probabilities of the frontier
+    child_logp: torch.Tensor,  # [B * t, t] float32 each frontier node's best children
+    child: torch.Tensor,  # [B * t, t] int64 their draft ids
+    d2t: torch.Tensor,  # [draft_vocab] int64 draft id -> target id offset
+    summed: torch.Tensor,  # [B * t, H] the frontier's hidden rows
+    anc: torch.Tensor,  # [B, t, M] bool the frontier's ancestor rows
+) -> tuple[torch.Tensor, ...] | None:
+    """One step of growing draft trees in one launch -> (scores [B, t], parent [B, t], target
+    ids [B, t], hidden [B, t, H], anc [B, t, M + t]): the best t of the t x t children, ties to
+    the lower (parent, child), with their parents' hidden and ancestor rows and their own new
+    column, what the torch ops in executor/drafter.py's tree loop give. None where the fused
+    path does not serve."""
+    b, t = scores.shape
+    if not use_fused(scores) or b == 0 or t > 16 or summed.stride(-1) != 1:
+        return None
+    k = _kernels()
+    dev = scores.device
+    m = anc.shape[-1]
+    h = summed.shape[-1]
+    out_scores = torch.empty(b, t, dtype=torch.float32, device=dev)
+    parent = torch.empty(b, t, dtype=torch.int64, device=dev)
+    tokens = torch.empty(b, t, dtype=torch.int64, device=dev)
+    hidden = torch.empty(b, t, h, dtype=summed.dtype, device=dev)
+    out_anc = torch.empty(b, t, m + t, dtype=torch.bool, device=dev)
+    k.grow_select_kernel[(b,)](
+        scores.contiguous(), child_logp.contiguous(), child.contiguous(), d2t, summed,
+        anc.contiguous().view(torch.uint8), out_scores, parent, tokens, hidden,
+        out_anc.view(torch.uint8), m, summed.stride(0),
+        T=t, T_PAD=k.next_pow2(t), M_PAD=k.next_pow2(max(m, 1)), HIDDEN=h,
+        BLOCK_H=min(1024, k.next_pow2(h)), num_warps=4,
+    )  # fmt: skip
+    return out_scores, parent, tokens, hidden, out_anc
+
+
 TOP_CHUNK = 4096  # vocabulary entries one program of top_logprobs reads
 
 

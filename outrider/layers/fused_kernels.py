@@ -204,3 +204,45 @@ def accept_tree_kernel(
     )
     tl.store(dst_ptr + b * D + lv - 1, dst, mask=move)
     tl.store(src_ptr + b * D + lv - 1, src, mask=move)
+
+
+@triton.jit
+def grow_select_kernel(
+    scores_ptr, logp_ptr, child_ptr, d2t_ptr, summed_ptr, anc_ptr,
+    out_scores_ptr, out_parent_ptr, out_tokens_ptr, out_hidden_ptr, out_anc_ptr,
+    m_cols, stride_summed,
+    T: tl.constexpr, T_PAD: tl.constexpr, M_PAD: tl.constexpr, HIDDEN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    # One program per batch row: of the T x T children (parent i's candidate c scores
+    # scores[i] + logp[i, c]) keep the best T, ties to the lower (i, c); each kept child's
+    # target id, its parent's hidden row and ancestor row, plus its own column.
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, T_PAD)[:, None]
+    c = tl.arange(0, T_PAD)[None, :]
+    ok = (i < T) & (c < T)
+    parent_score = tl.load(scores_ptr + b * T + i, mask=i < T, other=0.0)
+    logp = tl.load(logp_ptr + (b * T + i) * T + c, mask=ok, other=0.0)
+    cum = tl.where(ok, parent_score + logp, float("-inf"))
+    flat_ix = tl.reshape(i * T_PAD + c, [T_PAD * T_PAD])
+    cum = tl.reshape(cum, [T_PAD * T_PAD])
+    cols = tl.arange(0, M_PAD)
+    for s in tl.static_range(T):
+        best = tl.max(cum, axis=0)
+        pick = tl.min(tl.where(cum == best, flat_ix, T_PAD * T_PAD), axis=0)
+        cum = tl.where(flat_ix == pick, float("-inf"), cum)
+        parent = pick // T_PAD
+        child = tl.load(child_ptr + (b * T + parent) * T + pick % T_PAD)
+        tl.store(out_scores_ptr + b * T + s, best)
+        tl.store(out_parent_ptr + b * T + s, parent.to(tl.int64))
+        tl.store(out_tokens_ptr + b * T + s, child + tl.load(d2t_ptr + child))
+        src = summed_ptr + (b * T + parent) * stride_summed
+        dst = out_hidden_ptr + (b * T + s) * HIDDEN
+        for h0 in tl.static_range(0, HIDDEN, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(dst + h, tl.load(src + h, mask=h < HIDDEN), mask=h < HIDDEN)
+        row = tl.load(anc_ptr + (b * T + parent) * m_cols + cols, mask=cols < m_cols, other=0)
+        out_row = out_anc_ptr + (b * T + s) * (m_cols + T)
+        tl.store(out_row + cols, row, mask=cols < m_cols)
+        own = tl.arange(0, T_PAD)
+        tl.store(out_row + m_cols + own, (own == s).to(tl.uint8), mask=own < T)

@@ -148,6 +148,27 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         for part, g, w in zip(("path", "accepted", "tokens", "src", "dst"), got, want):
             report(f"tree-{part}-{n}", g, w)
         report(f"tree-deep-{n}", acc.max().clamp(max=1).float(), torch.tensor(1.0))
+
+    # One step of growing trees in one launch against the torch ops it replaces (distinct
+    # random scores: no ties), t = 3 (padded to 4) and 4, a hidden row past one block.
+    for b, t, m, h in ((3, 3, 6, 40), (2, 4, 12, 1100)):
+        scores = torch.randn(b, t)
+        child_logp = -torch.rand(b * t, t)
+        child = torch.randint(0, 50, (b * t, t), generator=gen)
+        d2t = torch.randint(0, 9, (50,), generator=gen)
+        summed = torch.randn(b * t, h)
+        anc = torch.rand(b, t, m, generator=gen) < 0.5
+        got = fused.grow_select(scores, child_logp, child, d2t, summed, anc)
+        cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
+        want_scores, pick = cum.topk(t, dim=-1)
+        parent = pick // t
+        tok = child.view(b, t * t).gather(1, pick)
+        want_hidden = summed.view(b, t, h).gather(1, parent[..., None].expand(-1, -1, h))
+        want_anc = anc.gather(1, parent[..., None].expand(-1, -1, m))
+        own = torch.eye(t, dtype=torch.bool)[None].expand(b, -1, -1)
+        want = (want_scores, parent, tok + d2t[tok], want_hidden, torch.cat([want_anc, own], -1))
+        for part, g, w in zip(("scores", "parent", "tokens", "hidden", "anc"), got, want):
+            report(f"grow-{part}-{t}", g, w)
     fused.use_fused = real
 
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
@@ -234,6 +255,12 @@ def test_tree_acceptance_in_one_launch_matches_the_torch_ops(results, n):
     for part in ("path", "accepted", "tokens", "src", "dst"):
         assert results[f"tree-{part}-{n}"]["same"] == 1.0, (part, results[f"tree-{part}-{n}"])
     assert results[f"tree-deep-{n}"]["same"] == 1.0  # some row accepted a draft
+
+
+@pytest.mark.parametrize("t", [3, 4])
+def test_tree_growth_step_in_one_launch_matches_the_torch_ops(results, t):
+    for part in ("scores", "parent", "tokens", "hidden", "anc"):
+        assert results[f"grow-{part}-{t}"]["same"] == 1.0, (part, results[f"grow-{part}-{t}"])
 
 
 def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():
