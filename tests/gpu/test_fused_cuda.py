@@ -112,3 +112,73 @@ def test_move_slots_matches_index_copy(layers, slots, width):
     assert fused.move_slots_(pool, src, dst)
     assert torch.equal(pool.index_select(1, dst), moved)
     assert torch.equal(pool.index_select(1, others), kept)
+
+
+@pytest.mark.parametrize("t,h", [(4, 576), (8, 4096)])
+def test_grow_select_matches_the_torch_ops(t, h):
+    """A tree growth step in one launch equals the ops it replaces (distinct scores: no ties)."""
+    torch.manual_seed(1)
+    b, m = 16, 3 * t
+    dev = "cuda"
+    scores = torch.randn(b, t, device=dev)
+    child_logp = -torch.rand(b * t, t, device=dev)
+    child = torch.randint(0, 1000, (b * t, t), device=dev)
+    d2t = torch.randint(0, 50, (1000,), device=dev)
+    summed = torch.randn(b * t, h, device=dev, dtype=torch.bfloat16)
+    anc = torch.rand(b, t, m, device=dev) < 0.5
+    got = fused.grow_select(scores, child_logp, child, d2t, summed, anc)
+    assert got is not None
+    want_scores, pick = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, -1).topk(t)
+    parent = pick // t
+    tok = child.view(b, t * t).gather(1, pick)
+    want_hidden = summed.view(b, t, h).gather(1, parent[..., None].expand(-1, -1, h))
+    want_anc = torch.cat(
+        [
+            anc.gather(1, parent[..., None].expand(-1, -1, m)),
+            torch.eye(t, device=dev, dtype=torch.bool)[None].expand(b, -1, -1),
+        ],
+        -1,
+    )
+    for g, w in zip(got, (want_scores, parent, tok + d2t[tok], want_hidden, want_anc)):
+        assert torch.equal(g, w)
+
+
+def test_accept_tree_matches_the_torch_ops():
+    """Tree acceptance in one launch equals tree_batch's ops on random trees (distinct
+    sibling tokens, padding nodes, a small vocabulary so paths run deep)."""
+    from outrider.executor.inputs import table_slots_no_sync
+    from outrider.speculative.tree_batch import (
+        accept_tree_greedy_no_sync,
+        ancestors_no_sync,
+        tree_kv_moves_no_sync,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    b, n, steps = 32, 16, 5
+    parents = torch.full((b, n), -1, dtype=torch.int64)
+    drafts = torch.zeros(b, n, dtype=torch.int64)
+    for row in range(b):
+        depth, kids = [0] * n, {}
+        for i in range(n):
+            options = [-1] + [j for j in range(i) if depth[j] < steps]
+            p = options[int(torch.randint(len(options), (1,), generator=g))]
+            parents[row, i], depth[i] = p, 1 if p < 0 else depth[p] + 1
+            drafts[row, i] = kids.get(p, 0)
+            kids[p] = kids.get(p, 0) + 1
+    parents, drafts = parents.cuda(), drafts.cuda()
+    anc, depth = ancestors_no_sync(parents, steps)
+    argmax = torch.randint(0, 3, (b, 1 + n), generator=g).cuda()
+    num_nodes = torch.randint(0, n + 1, (b,), generator=g).cuda()
+    starts = torch.randint(0, 400, (b,), generator=g).cuda()
+    tables = torch.randint(0, 5000, (b, 40), generator=g, dtype=torch.int32).cuda()
+    tree = (argmax, drafts, parents, anc, depth, num_nodes)
+    got = fused.accept_tree(*tree, starts, tables, 16, steps)
+    path, acc = accept_tree_greedy_no_sync(*tree, steps)
+    src, dst = tree_kv_moves_no_sync(path, acc, starts)
+    want = (
+        path, acc, argmax.gather(1, path),
+        table_slots_no_sync(tables, src, 16), table_slots_no_sync(tables, dst, 16),
+    )  # fmt: skip
+    assert acc.max() >= 2  # paths ran deep enough to test the walk
+    for got_part, want_part in zip(got, want):
+        assert torch.equal(got_part, want_part)
