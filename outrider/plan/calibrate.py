@@ -220,18 +220,35 @@ def measure(
 ) -> Measurement:
     """Load the model into a ModelRunner as the engine would and time its decode and
     speculative steps (ModelRunner.profile_steps) at every batch size and k (0: decode)."""
+    from outrider.loaders.checkpoint import open_checkpoint
+
+    return measure_checkpoint(open_checkpoint(model_path), device, dtype, batch_sizes, ks, reps)
+
+
+def measure_checkpoint(
+    checkpoint,  # loaders.checkpoint.Checkpoint: an opened model, or random weights of a shape
+    device: str,
+    dtype: str,
+    batch_sizes: tuple[int, ...],
+    ks: tuple[int, ...],
+    reps: int | None,
+    gpu_memory_utilization: float | None = None,
+) -> Measurement:
+    """`measure` for a checkpoint already open (benchmarks time random weights of a shape)."""
     import torch
 
     from outrider.config import EngineConfig
     from outrider.executor.model_runner import ModelRunner
-    from outrider.loaders.checkpoint import open_checkpoint
     from outrider.plan.models import from_hf_dict
 
-    checkpoint = open_checkpoint(model_path)
     spec_ks = tuple(sorted({k for k in ks if k > 0}))
+    cache = {} if gpu_memory_utilization is None else {
+        "gpu_memory_utilization": gpu_memory_utilization
+    }  # fmt: skip
     config = EngineConfig.from_dict({
         "model": {"model": str(checkpoint.path), "device": device, "dtype": dtype},
         "speculative": {"method": "ngram", "num_draft_tokens": max(spec_ks, default=1)},
+        **({"cache": cache} if cache else {}),
     })  # fmt: skip
     runner = ModelRunner(config, checkpoint)
     runner.set_speculation(None, spec_ks or (1,))

@@ -1,0 +1,109 @@
+"""How well `outrider plan` predicts this GPU's step times, calibrated on one model and checked
+on another.
+
+    python benchmarks/plan_accuracy.py [--ks 0 1 3 7 15] [--batches 1 16 64] [--reps 10]
+
+Measures the engine's decode (k = 0) and speculative verify step times at every batch size and
+k (ModelRunner.profile_steps through plan/calibrate.py: CUDA graphs, the host read included,
+dummy rows at short contexts) for the embedded default model and the Llama-3.1-8B shape (random
+bf16 weights; time does not depend on them). The planner's machine constants are fitted to each
+model's points (what `outrider plan --calibrate` does) and each fitted profile predicts both
+models. Per point: measured ms; predicted by the datasheet profile (`datasheet`), by the profile
+fitted on the same model (`self`), and by the one fitted on the other model (`cross`), each with
+its error. Goal: |cross error| <= 20% at every point.
+
+Writes benchmarks/results/plan_accuracy.json (--out: another path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3, 7, 15])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None, help="result path (default: results/plan_accuracy.json)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("plan_accuracy measures a GPU: run it where CUDA is available")
+
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.plan import calibrate
+    from outrider.plan.cli import _gpu_by_name
+
+    shape = (tuple(args.batches), tuple(sorted(set(args.ks))), args.reps)
+    measured = {}
+    for name, open_it in (
+        ("smollm2-135m", lambda: open_checkpoint(None)),
+        ("llama-3.1-8b", lambda: random_checkpoint(LLAMA_8B)),
+    ):
+        m = calibrate.measure_checkpoint(
+            open_it(), "cuda", "bfloat16", *shape, gpu_memory_utilization=0.3
+        )
+        measured[name] = dataclasses.replace(m, model=dataclasses.replace(m.model, name=name))
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"measured {name}: {len(m.points)} points", flush=True)
+    prior = _gpu_by_name(torch.cuda.get_device_name())
+    fitted = {
+        name: calibrate.fit(m.model, prior, m.points, m.graphs) for name, m in measured.items()
+    }
+    names = list(measured)
+    rows, worst = [], 0.0
+    for name, m in measured.items():
+        other = names[1 - names.index(name)]
+        for p in m.points:
+            row = {
+                "model": name,
+                "batch": p.batch,
+                "k": p.k,
+                "measured_ms": round(p.measured_ms, 4),
+            }
+            for label, gpu in (
+                ("datasheet", prior),
+                ("self", fitted[name]),
+                ("cross", fitted[other]),
+            ):
+                ms = calibrate.predict_ms(m.model, gpu, p, m.graphs)
+                row[f"{label}_ms"] = round(ms, 4)
+                row[f"{label}_error"] = round(ms / p.measured_ms - 1, 4)
+            worst = max(worst, abs(row["cross_error"]))
+            rows.append(row)
+            print(
+                f"{name:13s} B={p.batch:3d} k={p.k:2d} measured {p.measured_ms:7.3f} ms  "
+                f"datasheet {row['datasheet_error']:+6.1%}  self {row['self_error']:+6.1%}  "
+                f"cross {row['cross_error']:+6.1%}",
+                flush=True,
+            )
+    constants = {
+        name: {f: round(getattr(gpu, f), 5) for f in calibrate.FITTED}
+        for name, gpu in fitted.items()
+    }
+    result = {
+        "gpu_profile": prior.name,
+        "fitted_on": constants,
+        "rows": rows,
+        "worst_cross_error": round(worst, 4),
+        "goal": "|cross_error| <= 0.20 at every point",
+        "holds": worst <= 0.20,
+    }
+    path = write_result("plan_accuracy", result, args.out)
+    print(f"worst cross error {worst:.1%}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
