@@ -127,18 +127,30 @@ class QKVParallelLinear(_Linear):
 
 class RowParallelLinear(_Linear):
     """y = x W^T with W's columns (inputs) split across ranks: each rank multiplies its slice
-    of x and the partial sums are all-reduced here, so every rank returns the whole y."""
+    of x and the partial sums are all-reduced here, so every rank returns the whole y.
+
+    reduce=False returns this rank's partial sum instead (the bias on rank 0 only), for a
+    caller that adds several partial sums and reduces them once (the MoE block: routed and
+    shared experts, one all-reduce rather than two)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+        reduce: bool = True,
     ):
         tp = tp or single()
         _divisible(in_features, tp.size, "input features")
         super().__init__(in_features // tp.size, out_features, bias, tp)
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
+        if not self.reduce:  # the sum over ranks holds the bias once
+            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias  # added once, after the sum
 

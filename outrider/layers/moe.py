@@ -6,6 +6,12 @@ Experts are stored stacked, [E, 2 * I, H] (gate rows then up rows, as HF's fused
 checkpoints that store one tensor per expert (`experts.M.gate_proj.weight`) load into their
 slice through `weight_loader` with shard id (M, "gate" | "up" | "down").
 
+Tensor parallelism splits every expert rather than the set of experts: each rank holds all E
+with I/tp of their intermediate width (I below is a rank's), so the router, whole on every
+rank, sends each token to the same experts everywhere and a rank's output is a partial sum.
+The caller all-reduces it (DeepSeek-V3's MoE block adds the shared experts' partial sum first:
+one all-reduce per layer for both).
+
 The forward here is the reference path: a loop over the experts the step's tokens chose, in
 expert order (HF's order, so sums round the same way). Clarity first; it is what a fused GPU
 kernel is tested against.
@@ -22,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outrider.executor.distributed import TPGroup, single
 from outrider.layers.activation import SiluAndMul
-from outrider.loaders.compressed_tensors import PACK, dequantize_int4
+from outrider.loaders.compressed_tensors import PACK, dequantize_int4, split_unit
 
 
 class GroupedTopkRouter(nn.Module):
@@ -78,49 +85,89 @@ class GroupedTopkRouter(nn.Module):
 
 class FusedExperts(nn.Module):
     """E SwiGLU experts in two stacked tensors; forward(x, weights, ids) sums each token's
-    chosen experts' outputs times their weights."""
+    chosen experts' outputs times their weights.
+
+    Under tensor parallelism every rank holds every expert with its intermediate dimension
+    split: rank r keeps rows [r I/tp, (r + 1) I/tp) of each expert's gate and of its up
+    projection, and the same columns of its down projection, so the forward returns this
+    rank's partial sum, which the caller all-reduces (once, with the shared experts')."""
 
     _ROWS = {"gate": 0, "up": 1}
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup | None = None
+    ) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self._init_split(num_experts, intermediate, tp)
+        i = self.intermediate
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False
-        )  # [E, 2 * I, H]
+            torch.empty(num_experts, 2 * i, hidden), requires_grad=False
+        )  # [E, 2 * I/tp, H]
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden, intermediate), requires_grad=False
-        )  # [E, H, I]
+            torch.empty(num_experts, hidden, i), requires_grad=False
+        )  # [E, H, I/tp]
+        self._register_loaders(("gate_up_proj",), ("down_proj",))
+        self.act = SiluAndMul()
+
+    def _init_split(self, num_experts: int, intermediate: int, tp: TPGroup | None) -> None:
+        tp = tp or single()
+        if intermediate % tp.size:
+            raise ValueError(
+                f"moe_intermediate_size {intermediate} does not split over tensor-parallel "
+                f"size {tp.size}: pick a tensor-parallel size that divides {intermediate}"
+            )
+        self.num_experts, self.tp_rank, self.tp_size = num_experts, tp.rank, tp.size
+        self.intermediate = intermediate // tp.size  # this rank's
+
+    def _register_loaders(self, gate_up: tuple[str, ...], down: tuple[str, ...]) -> None:
         # Every expert's shards must arrive (models/weights.py checks `expected_shards`), or
         # the whole stacked tensor at once (shard None).
-        for param, parts in ((self.gate_up_proj, ("gate", "up")), (self.down_proj, ("down",))):
-            param.weight_loader = self.weight_loader
-            param.expected_shards = [(e, p) for e in range(num_experts) for p in parts]
-        self.act = SiluAndMul()
+        for names, parts in ((gate_up, ("gate", "up")), (down, ("down",))):
+            for name in names:
+                param = getattr(self, name)
+                param.weight_loader = self.weight_loader
+                param.expert_parts = parts
+                param.expected_shards = [(e, p) for e in range(self.num_experts) for p in parts]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
     ) -> None:
-        if shard_id is None:
-            target = param.data
-        else:
-            expert, part = shard_id
-            if not 0 <= expert < self.num_experts:
+        if shard_id is None:  # the whole stack: [E, gate rows then up rows, ...] or [E, ...]
+            if loaded.shape[0] != self.num_experts:
                 raise ValueError(
-                    f"checkpoint expert {expert} is outside the config's n_routed_experts="
+                    f"{type(self).__name__}: checkpoint stack of shape {tuple(loaded.shape)} "
+                    f"holds {loaded.shape[0]} experts, not the config's n_routed_experts="
                     f"{self.num_experts}: the checkpoint does not match its config.json"
                 )
-            target = param.data[expert]
-            if part in self._ROWS:
-                n = self.intermediate
-                target = target.narrow(0, self._ROWS[part] * n, n)
-        if target.shape != loaded.shape:
+            parts = param.expert_parts
+            for e in range(self.num_experts):
+                for i, part in enumerate(parts):
+                    rows = loaded.shape[1] // len(parts)
+                    self.weight_loader(param, loaded[e].narrow(0, i * rows, rows), (e, part))
+            return
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(
+                f"checkpoint expert {expert} is outside the config's n_routed_experts="
+                f"{self.num_experts}: the checkpoint does not match its config.json"
+            )
+        # This rank's slice of the expert: rows of gate and of up, columns of down (in the
+        # parameter's units: values, packed words or scale groups alike).
+        target = param.data[expert]
+        if part in self._ROWS:  # [2 I/tp, ...]: this part's half
+            dim, n = 0, target.shape[0] // 2
+            target = target.narrow(0, self._ROWS[part] * n, n)
+        else:  # [H, I/tp]
+            dim, n = 1, target.shape[1]
+        whole = list(target.shape)
+        whole[dim] *= self.tp_size
+        if list(loaded.shape) != whole:
             raise ValueError(
                 f"{type(self).__name__}: checkpoint tensor {shard_id} of shape "
-                f"{tuple(loaded.shape)} does not fit {tuple(target.shape)}: the checkpoint does "
+                f"{tuple(loaded.shape)} does not fit {tuple(whole)}: the checkpoint does "
                 f"not match its config.json"
             )
-        target.copy_(loaded)
+        target.copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) in `dtype`."""
@@ -148,13 +195,32 @@ class Int4FusedExperts(FusedExperts):
     [E, 2I, ceil(H/8)] and `gate_up_proj_scale` [E, 2I, ceil(H/g)] (gate rows then up rows),
     `down_proj_packed` int32 [E, H, ceil(I/8)] and `down_proj_scale` [E, H, ceil(I/g)]. Scales
     take the model's dtype. Checkpoints' per-expert `weight_packed` / `weight_scale` load into
-    their slice with the same shard ids as FusedExperts'."""
+    their slice with the same shard ids as FusedExperts'.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, group_size: int) -> None:
+    Split over ranks as FusedExperts, I being I/tp: gate and up by rows, down by packed words
+    and scale groups, which is why I/tp must hold whole ones (`split_unit`)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        group_size: int,
+        tp: TPGroup | None = None,
+    ) -> None:
         nn.Module.__init__(self)
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self._init_split(num_experts, intermediate, tp)
+        local, unit = self.intermediate, split_unit(group_size)
+        if self.tp_size > 1 and local % unit:
+            fits = [t for t in range(2, intermediate + 1) if intermediate % (t * unit) == 0]
+            raise ValueError(
+                f"INT4 experts' moe_intermediate_size {intermediate} over tensor-parallel size "
+                f"{self.tp_size} leaves {local} down-projection inputs per rank, not a multiple "
+                f"of {unit} (whole scale groups of {group_size} and packed words of {PACK}): "
+                f"use tensor_parallel_size in {[1, *fits]}"
+            )
         self.hidden, self.group_size = hidden, group_size
-        e, i2 = num_experts, 2 * intermediate
+        e, i2 = num_experts, 2 * local
 
         def words(n: int) -> int:
             return -(-n // PACK)
@@ -167,13 +233,11 @@ class Int4FusedExperts(FusedExperts):
 
         self.gate_up_proj_packed = param(e, i2, words(hidden), dtype=torch.int32)
         self.gate_up_proj_scale = param(e, i2, groups(hidden))
-        self.down_proj_packed = param(e, hidden, words(intermediate), dtype=torch.int32)
-        self.down_proj_scale = param(e, hidden, groups(intermediate))
-        for name, parts in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
-            for suffix in ("packed", "scale"):
-                p = getattr(self, f"{name}_{suffix}")
-                p.weight_loader = self.weight_loader
-                p.expected_shards = [(x, part) for x in range(num_experts) for part in parts]
+        self.down_proj_packed = param(e, hidden, words(local), dtype=torch.int32)
+        self.down_proj_scale = param(e, hidden, groups(local))
+        self._register_loaders(
+            ("gate_up_proj_packed", "gate_up_proj_scale"), ("down_proj_packed", "down_proj_scale")
+        )
         self.act = SiluAndMul()
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

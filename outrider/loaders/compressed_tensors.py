@@ -31,6 +31,7 @@ training leaves q = -8 unused; the format allows it and so does this module.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,12 @@ def parse_quantization_config(q: Any) -> Int4Scheme:
             f"config groups with different group sizes {sorted(s.group_size for s in schemes)}"
         )
     return schemes.pop()
+
+
+def split_unit(group_size: int) -> int:
+    """A packed weight's inputs split over ranks only in multiples of this: each rank's slice
+    must start on a packed word and on a scale group (Kimi's group 32: 32 inputs)."""
+    return math.lcm(group_size, PACK)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,14 @@ Routed experts may be INT4 (compressed-tensors "pack-quantized", as Kimi-K2 and 
 them: `experts.M.{gate,up,down}_proj.weight_packed` / `weight_scale` / `weight_shape`); they
 stay packed in memory (`Int4FusedExperts`). Every other weight loads unquantized.
 
-One rank only for now: the MoE and MLA layers do not split over tensor-parallel ranks yet.
+One file for every tensor-parallel size, as llama.py: the model takes its `TPGroup` once and
+hands it to each parallel layer. A rank holds heads / tp query heads (q_b_proj or q_proj and
+kv_b_proj split by heads, o_proj reducing over them); q_a_proj, kv_a_proj_with_mqa and their
+norms are whole on every rank, so every rank computes and caches the same latent (the latent
+cache is replicated, not split: 576 values per token per layer on each rank for Kimi-K2). The
+dense MLPs, the shared experts and every routed expert split their intermediate width; the
+router is whole, so every rank routes alike. Two all-reduces per layer: o_proj's, and one
+after the MLP or the MoE block (routed and shared experts' partial sums added first).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, single
+from outrider.executor.distributed import TPGroup, check_tp_size, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import LatentAttention
@@ -63,30 +70,33 @@ def latent_kv_layout(cfg: DeepseekV3Config, dtype: torch.dtype) -> KVLayout:
 
 
 class DeepseekV3Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, tp: TPGroup) -> None:
         super().__init__()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads = heads
+        self.num_heads = heads // tp.size  # this rank's
         self.kv_lora_rank, self.v_head_dim = cfg.kv_lora_rank, cfg.v_head_dim
         self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.qk_head_dim = cfg.qk_head_dim
         self.interleaved = cfg.rope_interleave
         self.q_lora = cfg.q_lora_rank is not None
+        # q_a_proj, kv_a_proj_with_mqa and their norms take no tp: whole on every rank, so
+        # each rank computes (and caches) the same latent.
         if self.q_lora:
             self.q_a_proj = ColumnParallelLinear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_head_dim)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_head_dim, tp=tp)
         else:
-            self.q_proj = ColumnParallelLinear(h, heads * self.qk_head_dim)
+            self.q_proj = ColumnParallelLinear(h, heads * self.qk_head_dim, tp=tp)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(
             h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LORA_NORM_EPS)
+        # Outputs heads-major ([heads, d_n + d_v]): an even split of the rows is one by heads.
         self.kv_b_proj = ColumnParallelLinear(
-            cfg.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim)
+            cfg.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim), tp=tp
         )
-        self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=cfg.attention_bias)
-        self.attn = LatentAttention(heads, self.v_head_dim, cfg.softmax_scale)
+        self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=cfg.attention_bias, tp=tp)
+        self.attn = LatentAttention(self.num_heads, self.v_head_dim, cfg.softmax_scale)
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -117,10 +127,10 @@ class DeepseekV3Attention(nn.Module):
         return k, v
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's weight ([heads * (d_n + d_v), r]) split per head for attention in the
-        latent space: W_UK [heads, d_n, r] (q_nope @ W_UK is a latent-space query) and W_UV
-        [heads, d_v, r] (out_lat @ W_UV^T lifts an output back). Views: no copy, and they
-        always follow the loaded weight."""
+        """kv_b_proj's weight ([heads * (d_n + d_v), r], this rank's heads) split per head for
+        attention in the latent space: W_UK [heads, d_n, r] (q_nope @ W_UK is a latent-space
+        query) and W_UV [heads, d_v, r] (out_lat @ W_UV^T lifts an output back). Views: no
+        copy, and they always follow the loaded weight."""
         w = self.kv_b_proj.weight.view(
             self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank
         )
@@ -134,12 +144,13 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekV3MLP(nn.Module):
-    """SwiGLU MLP: the dense layers' and the shared experts'."""
+    """SwiGLU MLP: the dense layers' and the shared experts' (reduce=False: this rank's
+    partial sum, which the MoE block reduces with the routed experts')."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
-        self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, tp=tp, reduce=reduce)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,34 +158,36 @@ class DeepseekV3MLP(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.gate = GroupedTopkRouter(
             cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
             cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )  # fmt: skip
         sizes = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         if cfg.expert_quant is None:
-            self.experts = FusedExperts(*sizes)
+            self.experts = FusedExperts(*sizes, tp=tp)
         else:
-            self.experts = Int4FusedExperts(*sizes, cfg.expert_quant.group_size)
+            self.experts = Int4FusedExperts(*sizes, cfg.expert_quant.group_size, tp=tp)
         self.shared_experts = DeepseekV3MLP(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, tp, reduce=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [T, top_k] each
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        weights, ids = self.gate(x)  # [T, top_k] each, the same on every rank
+        # Both partial sums over this rank's slice of the intermediate width; one all-reduce.
+        return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+    def __init__(self, cfg: DeepseekV3Config, index: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = DeepseekV3Attention(cfg)
+        self.self_attn = DeepseekV3Attention(cfg, tp)
         if index < cfg.first_k_dense_replace:
-            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = DeepseekV3MLP(cfg.hidden_size, cfg.intermediate_size, tp)
         else:
-            self.mlp = DeepseekV3MoE(cfg)
+            self.mlp = DeepseekV3MoE(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -192,11 +205,11 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, max_positions: int) -> None:
+    def __init__(self, cfg: DeepseekV3Config, max_positions: int, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+            DeepseekV3DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers)
         )
         self.rotary_emb = RotaryEmbedding(
             cfg.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
@@ -219,16 +232,13 @@ class DeepseekV3ForCausalLM(nn.Module):
     def __init__(
         self, cfg: DeepseekV3Config, max_positions: int | None = None, tp: TPGroup | None = None
     ) -> None:
+        """tp: the tensor-parallel group this model is split over (None: one rank)."""
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or single()
-        if tp.size != 1:
-            raise ValueError(
-                f"{cfg.architecture} runs on one rank for now (tensor-parallel size {tp.size}): "
-                f"its MLA and MoE layers do not split yet; use tensor_parallel_size=1"
-            )
-        self.model = DeepseekV3Model(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        check_tp_size(cfg, tp.size)
+        self.model = DeepseekV3Model(cfg, max_positions or cfg.max_position_embeddings, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
@@ -240,12 +250,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, aux_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+        return self.lm_head(hidden)  # [N, vocab], whole on every rank
 
     def attention_layers(self) -> list[LatentAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def kv_layout(self, dtype: torch.dtype) -> KVLayout:
+        """The whole latent on every rank, whatever the tensor-parallel size."""
         return latent_kv_layout(self.config, dtype)
 
     def map_weight_name(self, name: str):

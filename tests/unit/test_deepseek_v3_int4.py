@@ -107,10 +107,16 @@ def int4_ds(tmp_path_factory):
     """(INT4 checkpoint dir, transformers model holding the same weights dequantized, the
     unquantized transformers model). moe_intermediate_size 40: down_proj's rows are 5 words
     and two groups, the second partial."""
+    return int4_checkpoint(tmp_path_factory, _hf_config(q_lora_rank=48, moe_intermediate_size=40))
+
+
+def int4_checkpoint(tmp_path_factory, config):
+    """The transformers DeepseekV3 `config` with seeded random weights, its routed experts
+    quantized as Kimi ships them: (checkpoint dir, transformers model on the dequantized
+    weights, the unquantized transformers model)."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3ForCausalLM as HFModel
 
-    config = _hf_config(q_lora_rank=48, moe_intermediate_size=40)
     original = _hf_model(config)
     float_dir = tmp_path_factory.mktemp("ds3-dequantized")
     original.save_pretrained(float_dir, safe_serialization=True)
