@@ -3,7 +3,8 @@ decoding in one run: n-gram and EAGLE-3 (chain, tree), fixed and adaptive contro
 concurrency sweep, on the held-out and the input-grounded prompt sets.
 
     python benchmarks/spec_gpu.py [--configs ngram eagle3_chain] [--sets heldout grounded]
-        [--concurrency 1 2 4 ...] [--new-tokens 256] [--k 4] [--rounds 3] [--draft DIR] [--device cpu]
+        [--concurrency 1 2 4 ...] [--new-tokens 256] [--k 4] [--rounds 3] [--min-batches 2]
+        [--draft DIR] [--device cpu]
         [--out NAME] [--out-dir DIR] [--plot PATH]
 
 Each (config, set, C) runs the set's prompts as one-turn chats in batches of C requests (the
@@ -50,10 +51,11 @@ def spec_configs(
     }  # fmt: skip
 
 
-def batches(items: list, c: int) -> list[list]:
-    """Batches of exactly c, cycling `items` so the last (or only, when c > len) one is full:
-    5 items, c=2 -> [0 1] [2 3] [4 0]; 2 items, c=5 -> [0 1 0 1 0]."""
-    total = -(-len(items) // c) * c
+def batches(items: list, c: int, min_batches: int = 1) -> list[list]:
+    """Batches of exactly c, cycling `items` so the last (or only, when c > len) one is full,
+    and at least min_batches of them: 5 items, c=2 -> [0 1] [2 3] [4 0]; 2 items, c=5 ->
+    [0 1 0 1 0]; 2 items, c=2, min_batches=2 -> [0 1] [0 1]."""
+    total = max(-(-len(items) // c), min_batches) * c
     cycled = [items[i % len(items)] for i in range(total)]
     return [cycled[i : i + c] for i in range(0, total, c)]
 
@@ -149,8 +151,9 @@ def _json_safe(x):
     return json.loads(json.dumps(x, default=str))
 
 
-def timed_run(llm, convs: list, c: int, new_tokens: int, device: str) -> dict:
-    """All of `convs` in batches of c; tok/s over the timed part, accept length, step split."""
+def timed_run(llm, convs: list, c: int, new_tokens: int, device: str, min_batches: int = 1) -> dict:
+    """All of `convs` in batches of c (at least min_batches); tok/s over the timed part,
+    accept length, step split."""
     from outrider import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
@@ -158,7 +161,7 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str) -> dict:
     before = _clock(engine)
     _sync(device)
     outs, t0 = [], time.perf_counter()
-    for batch in batches(convs, c):
+    for batch in batches(convs, c, min_batches):
         outs += llm.chat(batch, params)
     _sync(device)
     seconds = time.perf_counter() - t0
@@ -268,6 +271,12 @@ def main() -> None:
         "(default GPU 3: one batch of 64 takes ~0.5 s there, and two plain runs in a row "
         "differed by up to 13%%; CPU 1)",
     )  # fmt: skip
+    ap.add_argument(
+        "--min-batches", type=int, default=None,
+        help="batches of C each timed run serves at least, prompts cycled (default GPU 2: at "
+        "C=32 and 64 the 30 prompts are one batch, a 0.5 s run, and plain runs of one slot "
+        "varied 20%%; CPU 1)",
+    )  # fmt: skip
     ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
     ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--dtype", default="auto")
@@ -286,6 +295,10 @@ def main() -> None:
     args.rounds = args.rounds or (3 if cuda else 1)
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: use 1 or more")
+    args.min_batches = args.min_batches or (2 if cuda else 1)
+    if args.min_batches < 1:
+        ap.error(f"--min-batches {args.min_batches}: use 1 or more")
+    mb = args.min_batches
     name = args.out or ("spec_gpu" if cuda else "spec_cpu_sweep")
     prompt_sets = {"heldout": HELDOUT, "grounded": GROUNDED}
     convs = {s: [[{"role": "user", "content": p}] for p in prompt_sets[s][: args.num_prompts]]
@@ -321,14 +334,14 @@ def main() -> None:
     for set_name, set_convs in convs.items():
         for c in concurrency:
             key = f"{set_name}_c{c}"
-            plains = [timed_run(llms["plain"], set_convs, c, new_tokens, args.device)]
+            plains = [timed_run(llms["plain"], set_convs, c, new_tokens, args.device, mb)]
             tries: dict[str, list[dict]] = {cfg: [] for cfg in others}
             for r in range(args.rounds):
                 for cfg in others[r % len(others) :] + others[: r % len(others)]:
-                    row = timed_run(llms[cfg], set_convs, c, new_tokens, args.device)
+                    row = timed_run(llms[cfg], set_convs, c, new_tokens, args.device, mb)
                     row["plain_around"] = [plains[-1]]  # and the plain run after: below
                     tries[cfg].append(row)
-                plains.append(timed_run(llms["plain"], set_convs, c, new_tokens, args.device))
+                plains.append(timed_run(llms["plain"], set_convs, c, new_tokens, args.device, mb))
                 for cfg in others:
                     tries[cfg][-1]["plain_around"].append(plains[-1])
             plain_ids[key] = plains[0]["ids"]
@@ -361,6 +374,8 @@ def main() -> None:
         "k": args.k,
         "tree": args.tree,
         "num_prompts": {s: len(v) for s, v in convs.items()},
+        "rounds": args.rounds,
+        "min_batches": mb,
         "configs": specs,
         "errors": errors,
         "runs": runs,

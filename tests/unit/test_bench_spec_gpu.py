@@ -34,6 +34,13 @@ def test_batches_are_full_and_cycle_the_prompts(bench):
     assert bench.batches(["a", "b"], 5) == [["a", "b", "a", "b", "a"]]
     assert [len(b) for b in bench.batches(list(range(16)), 64)] == [64]
     assert bench.batches([7], 1) == [[7]]
+    # At least min_batches: a set that fills one batch of C is served twice, cycled.
+    assert bench.batches([0, 1, 2], 2, min_batches=3) == [[0, 1], [2, 0], [1, 2]]
+    assert bench.batches(list(range(10)), 4, min_batches=2) == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 0, 1],
+    ]
 
 
 def test_first_divergence(bench):
