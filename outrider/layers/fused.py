@@ -88,6 +88,54 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+MOE_BLOCK_N, MOE_BLOCK_K = 64, 128  # one program's output columns, and its K tile
+
+
+def moe_gemm(
+    a: torch.Tensor,  # [R / rows_per_a, K]: row r of the product reads a[r // rows_per_a]
+    ids: torch.Tensor,  # [R] int: the expert each row uses
+    weight: torch.Tensor,  # [E, N, K] values, or INT4 packed [E, N, ceil(K / 8)] int32
+    rows_per_a: int = 1,
+    scale: torch.Tensor | None = None,  # INT4: [E, N, ceil(K / group_size)]
+    group_size: int = 0,
+) -> torch.Tensor | None:  # [R, N] in a's dtype
+    """Row r of the result is a[r // rows_per_a] @ weight[ids[r]]^T, in one launch with no host
+    read (graph-safe): rows_per_a = top_k lets a token's top_k rows share its activation row.
+    With `scale`, `weight` is compressed-tensors INT4 (loaders/compressed_tensors.py) and is
+    dequantized in registers as q * scale in fp32: the reference rounds that product to the
+    model dtype before its matmul, this kernel does not (it is the more exact of the two).
+    Accumulates in fp32. None where the fused path does not serve.
+
+    A GEMV per row on CUDA cores: each row reads its expert's whole weight, so it suits decode
+    and verify steps (few rows); rows sharing an expert share it through the cache only."""
+    if not use_fused(a):
+        return None
+    k = _kernels()
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    ids = ids.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    int4 = scale is not None
+    width = a.shape[1]
+    if not int4 and weight.shape[-1] != width:
+        raise ValueError(f"moe_gemm: activations of width {width} against weights {weight.shape}")
+    if int4:
+        scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    else:
+        scale = weight  # unread
+    rows, n = ids.numel(), weight.shape[1]
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    if rows:
+        grid = (rows, -(-n // MOE_BLOCK_N))
+        k.moe_gemm_kernel[grid](
+            a, weight, scale, ids, out, n,
+            a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
+            out.stride(0),
+            K=width, ROWS_PER_A=rows_per_a, INT4=int4, GROUP=max(group_size, 1),
+            BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 MOVE_MAX_SLOTS = 1024  # moves one launch of move_slots_ takes (a tree step: B x depth)
 
 

@@ -246,3 +246,42 @@ def grow_select_kernel(
         tl.store(out_row + cols, row, mask=cols < m_cols)
         own = tl.arange(0, T_PAD)
         tl.store(out_row + m_cols + own, (own == s).to(tl.uint8), mask=own < T)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, n,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    K: tl.constexpr, ROWS_PER_A: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (r, j): out[r, j-th BLOCK_N columns] = a[r // ROWS_PER_A] . W[ids[r]][cols]^T,
+    # K in BLOCK_K tiles, fp32 accumulation. W is [E, N, K] values (INT4 False), or INT4
+    # packed [E, N, ceil(K / 8)] int32 words (element 8w + i in bits 4i..4i+3, nibble q + 8)
+    # with scales [E, N, ceil(K / GROUP)]: dequantized here as q * scale in fp32. Each word
+    # is loaded once per nibble it holds (8 lanes read the same address: one cache line).
+    # K is a constexpr: a model has two (hidden, intermediate), so two compilations; a runtime
+    # loop bound also trips the CPU interpreter under numpy 2.
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < n
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    a_row = a_ptr + (r // ROWS_PER_A) * stride_a
+    w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    s_rows = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        ok = n_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if INT4:
+            words = tl.load(w_rows + (ks // 8)[None, :], mask=ok, other=0)
+            # Arithmetic shift of a negative word drags the sign in; the mask drops it.
+            q = ((words >> ((ks % 8) * 4)[None, :]) & 0xF) - 8
+            scale = tl.load(s_rows + (ks // GROUP)[None, :], mask=ok, other=0.0)
+            w = q.to(tl.float32) * scale.to(tl.float32)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+    tl.store(out_ptr + r * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

@@ -12,14 +12,26 @@ rank, sends each token to the same experts everywhere and a rank's output is a p
 The caller all-reduces it (DeepSeek-V3's MoE block adds the shared experts' partial sum first:
 one all-reduce per layer for both).
 
-The forward here is the reference path: a loop over the experts the step's tokens chose, in
-expert order (HF's order, so sums round the same way). Clarity first; it is what a fused GPU
-kernel is tested against.
+Two forwards. The reference: a loop over the experts the step's tokens chose, in expert order
+(HF's order, so sums round the same way), which reads the chosen experts on the host; it serves
+the CPU and is what the fused path is tested against. The fused path (CUDA, fused.use_fused):
+every (token, choice) pair is a row, R = T x top_k, and two `fused.moe_gemm` launches multiply
+each row by its own expert's weights, so nothing is read on the host and the forward can be
+captured in a CUDA graph:
+
+    x [T, H] --moe_gemm (row r reads token r // top_k)--> gate_up [R, 2I] --silu*up--> [R, I]
+      --moe_gemm (row r)--> down [R, H] --view [T, top_k, H], x router weights, sum--> [T, H]
+
+It rounds differently from the reference: each token's top_k outputs are summed once in fp32
+(the reference adds them to the output in x's dtype, one expert at a time), and INT4 weights
+are not rounded to x's dtype before the multiply. Being a GEMV per row, it serves steps of at
+most FUSED_MAX_TOKENS tokens; longer prefill chunks keep the loop's per-expert GEMMs.
 
 `Int4FusedExperts` holds INT4 weight-only experts (compressed-tensors "pack-quantized", see
 loaders/compressed_tensors.py) as they are stored: packed int32 [E, 2I, H/8] and [E, H, I/8]
 with per-group scales [E, 2I, H/g] and [E, H, I/g], a quarter of bf16's memory. Its reference
-forward dequantizes each chosen expert when it runs; a W4A16 kernel reads the packed form.
+forward dequantizes each chosen expert when it runs; the fused path's W4A16 kernel reads the
+packed form.
 """
 
 from __future__ import annotations
@@ -29,8 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.executor.distributed import TPGroup, single
+from outrider.layers import fused
 from outrider.layers.activation import SiluAndMul
 from outrider.loaders.compressed_tensors import PACK, dequantize_int4, split_unit
+
+# Steps up to this many tokens take the fused path on CUDA. Decode and verify steps sit below
+# it (the default graphs' largest step: 64 sequences x (1 + 4 drafts) = 320 tokens; a graph
+# captured above it would meet the loop's host read); above it a step is a prefill chunk,
+# where re-reading an expert's weights per row costs more than the loop's host read and
+# per-expert GEMMs.
+FUSED_MAX_TOKENS = 1024
 
 
 class GroupedTopkRouter(nn.Module):
@@ -179,6 +199,39 @@ class FusedExperts(nn.Module):
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k] int64
     ) -> torch.Tensor:  # [T, H]
+        if x.shape[0] <= FUSED_MAX_TOKENS:
+            out = self.forward_fused(x, weights, ids)
+            if out is not None:
+                return out
+        return self.forward_reference(x, weights, ids)
+
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, top_k] float32
+        ids: torch.Tensor,  # [T, top_k] int64
+    ) -> torch.Tensor | None:  # [T, H]; None where the fused kernels do not serve x
+        """No host reads: graph-safe."""
+        t, top_k = ids.shape
+        rows = ids.reshape(-1)  # [R]: row r is token r // top_k's choice r % top_k
+        gate_up = self._moe_gemm(x, rows, top_k, down=False)  # [R, 2I]
+        if gate_up is None:
+            return None
+        h = self.act(gate_up)  # [R, I]
+        down = self._moe_gemm(h, rows, 1, down=True)  # [R, H]
+        return (down.view(t, top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
+
+    def _moe_gemm(
+        self, a: torch.Tensor, rows: torch.Tensor, rows_per_a: int, down: bool
+    ) -> torch.Tensor | None:
+        return fused.moe_gemm(a, rows, self.down_proj if down else self.gate_up_proj, rows_per_a)
+
+    def forward_reference(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, top_k] float32
+        ids: torch.Tensor,  # [T, top_k] int64
+    ) -> torch.Tensor:  # [T, H]
         out = torch.zeros_like(x)
         hit = torch.unique(ids).tolist()  # CPU-GPU sync point: which experts run
         for e in hit:  # ascending, as the reference: each token's sum rounds the same way
@@ -249,3 +302,10 @@ class Int4FusedExperts(FusedExperts):
             self.down_proj_packed[e], self.down_proj_scale[e], self.intermediate, g, dtype
         )
         return gate_up, down
+
+    def _moe_gemm(
+        self, a: torch.Tensor, rows: torch.Tensor, rows_per_a: int, down: bool
+    ) -> torch.Tensor | None:
+        name = "down_proj" if down else "gate_up_proj"
+        packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
+        return fused.moe_gemm(a, rows, packed, rows_per_a, scale, self.group_size)

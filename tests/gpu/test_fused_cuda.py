@@ -182,3 +182,75 @@ def test_accept_tree_matches_the_torch_ops():
     assert acc.max() >= 2  # paths ran deep enough to test the walk
     for got_part, want_part in zip(got, want):
         assert torch.equal(got_part, want_part)
+
+
+def _kimi_like_experts(int4: bool, hidden: int = 1024, inter: int = 256, num: int = 16):
+    """Random experts at Kimi-K2's ratios shrunk (H 7168 -> 1024, I 2048 -> 256, 384 -> 16
+    experts), bf16, INT4 packed with group 32 as Kimi ships them (or plain bf16)."""
+    from outrider.layers.moe import FusedExperts, Int4FusedExperts
+    from outrider.loaders.compressed_tensors import quantize_int4
+
+    torch.manual_seed(0)
+    shapes = {"gate_up_proj": (num, 2 * inter, hidden), "down_proj": (num, hidden, inter)}
+    if not int4:
+        experts = FusedExperts(num, hidden, inter)
+        for name, shape in shapes.items():
+            getattr(experts, name).data = torch.randn(shape) / shape[-1] ** 0.5
+        return experts.cuda().to(torch.bfloat16)
+    experts = Int4FusedExperts(num, hidden, inter, 32)
+    for name, shape in shapes.items():
+        packed, scale = quantize_int4(torch.randn(shape) / shape[-1] ** 0.5, 32, torch.bfloat16)
+        getattr(experts, f"{name}_packed").data = packed
+        getattr(experts, f"{name}_scale").data = scale
+    return experts.cuda()
+
+
+def _routing(tokens: int, num: int = 16, top_k: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(tokens, num, device="cuda").topk(top_k, dim=-1).indices  # distinct
+    weights = torch.rand(tokens, top_k, device="cuda") / top_k * 2.5
+    return weights, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_w4a16_moe_forward_matches_dequantize_then_bf16(tokens):
+    """The fused W4A16 forward against the reference loop (dequantize each expert to bf16, bf16
+    GEMMs, outputs added in bf16 one expert at a time), both measured against the fp32 truth
+    (the same packed weights dequantized to fp32, fp32 activations). The fused path keeps the
+    dequantized weights and the top_k sum in fp32, so it should be about as far from the truth
+    as the bf16 reference (both round gate_up, silu * up and down to bf16); three times the
+    reference's largest error (or 2^-7 of the output's scale, for an unluckily small reference
+    error) leaves room for which of those roundings land where: under the CPU interpreter,
+    whose bf16 casts truncate, the ratio was 2.2 at T=1 and 1.6 at T=8. A wrong nibble, scale
+    group, expert or row is an error of the output's own size (~1 here, against ~0.01)."""
+    experts = _kimi_like_experts(int4=True)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(tokens)
+    assert fused.use_fused(x)
+    out = experts(x, weights, ids)
+    ref = experts.forward_reference(x, weights, ids)
+    truth = experts.forward_reference(x.float(), weights, ids)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    err = (out.float() - truth).abs().max().item()
+    ref_err = (ref.float() - truth).abs().max().item()
+    assert err <= max(3 * ref_err, 2**-7 * truth.abs().max().item()), (err, ref_err)
+    assert truth.abs().max() > 0.1  # the outputs are not vanishingly small
+
+
+@pytest.mark.parametrize("int4", [True, False])
+def test_fused_moe_forward_replays_in_a_cuda_graph(int4):
+    """The fused forward reads nothing on the host, so it captures in a CUDA graph (a host read
+    raises during capture), and a replay on new routing equals the eager forward."""
+    experts = _kimi_like_experts(int4=int4)
+    x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(16)
+    experts(x, weights, ids)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = experts(x, weights, ids)
+    new_x = torch.randn_like(x)
+    new_weights, new_ids = _routing(16)
+    x.copy_(new_x)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    assert torch.equal(out, experts(new_x, new_weights, new_ids))

@@ -171,6 +171,42 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
             report(f"grow-{part}-{t}", g, w)
     fused.use_fused = real
 
+    # The MoE forward in two moe_gemm launches against the reference loop over experts: T 3,
+    # top_k 2, E 5; bf16-shaped experts with odd widths (K not a multiple of MOE_BLOCK_K), INT4
+    # ones with K a multiple of 8 and of the group (as Kimi's), past one K tile. fp32 scales:
+    # the reference's dequantized fp32 weight is then exactly the kernel's q * scale.
+    from outrider.layers.moe import FusedExperts, Int4FusedExperts
+    from outrider.loaders.compressed_tensors import quantize_int4
+
+    def moe_inputs(hidden: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(3, hidden)
+        ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(3)])
+        weights = torch.rand(3, 2, generator=gen) + 0.5
+        return x, weights, ids
+
+    hidden, inter = 203, 45
+    plain = FusedExperts(5, hidden, inter)
+    plain.gate_up_proj.data = torch.randn(5, 2 * inter, hidden) / hidden**0.5
+    plain.down_proj.data = torch.randn(5, hidden, inter) / inter**0.5
+    moe_cases = [("bf16-layout-f32", plain, moe_inputs(hidden))]
+    hidden, inter, group = 160, 96, 32
+    int4 = Int4FusedExperts(5, hidden, inter, group)
+    for name, shape in (
+        ("gate_up_proj", (5, 2 * inter, hidden)),
+        ("down_proj", (5, hidden, inter)),
+    ):
+        w = torch.randn(shape) / shape[-1] ** 0.5
+        packed, scale = quantize_int4(w, group, torch.float32)
+        getattr(int4, f"{name}_packed").data = packed
+        getattr(int4, f"{name}_scale").data = scale
+    moe_cases.append(("int4-f32", int4, moe_inputs(hidden)))
+    for name, experts, (x, weights, ids) in moe_cases:
+        ref = experts.forward_reference(x, weights, ids)
+        fused.use_fused = lambda x: True
+        report(f"moe-{name}", experts(x, weights, ids), ref)
+        fused.use_fused = real
+        report(f"moe-{name}-nonzero", ref.abs().max().clamp(max=1), torch.tensor(1.0))
+
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
     sys.path.insert(0, str(ROOT))
     from tests.tiny import hf_reference, outrider_model, prefill_batch, run_forward, tiny_hf_config
@@ -261,6 +297,14 @@ def test_tree_acceptance_in_one_launch_matches_the_torch_ops(results, n):
 def test_tree_growth_step_in_one_launch_matches_the_torch_ops(results, t):
     for part in ("scores", "parent", "tokens", "hidden", "anc"):
         assert results[f"grow-{part}-{t}"]["same"] == 1.0, (part, results[f"grow-{part}-{t}"])
+
+
+@pytest.mark.parametrize("case", ["bf16-layout-f32", "int4-f32"])
+def test_fused_moe_forward_matches_the_reference_loop(results, case):
+    # fp32 throughout: only the order of the sums differs (the kernel's K tiles, the top_k
+    # outputs summed once rather than added to the output one expert at a time).
+    assert results[f"moe-{case}"]["scaled"] <= 1e-5, results[f"moe-{case}"]
+    assert results[f"moe-{case}-nonzero"]["same"] == 1.0  # the reference output is not ~0
 
 
 def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():
