@@ -119,7 +119,9 @@ class Ranks:
             except Exception as e:  # a rank already gone: nothing left to stop
                 log.warning("tensor-parallel shutdown: %s", e)
         for p in self.procs:
-            p.join(timeout=10 if self.failure is None else 0.1)
+            # A stopped rank exits promptly; a loaded machine (tests sharing two cores) can slow
+            # its teardown, and a rank terminated here would read as one that failed.
+            p.join(timeout=30 if self.failure is None else 0.1)
             if p.exitcode is None:
                 p.terminate()
                 p.join(timeout=5)
