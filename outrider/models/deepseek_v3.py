@@ -70,8 +70,10 @@ def latent_kv_layout(cfg: DeepseekV3Config, dtype: torch.dtype) -> KVLayout:
 
 
 class DeepseekV3Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, tp: TPGroup) -> None:
+    def __init__(self, cfg: DeepseekV3Config, tp: TPGroup | None = None) -> None:
+        """tp: the group the heads split over (None: one rank)."""
         super().__init__()
+        tp = tp or single()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = heads // tp.size  # this rank's
         self.kv_lora_rank, self.v_head_dim = cfg.kv_lora_rank, cfg.v_head_dim
