@@ -50,7 +50,7 @@ from outrider.layers.moe import FusedExperts, GroupedTopkRouter, Int4FusedExpert
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import DeepseekV3Config
-from outrider.models.llama import run_layers
+from outrider.models.llama import PrenormDecoderLayer, run_layers
 from outrider.models.weights import SKIP
 
 # The low-rank norms use the reference's fixed epsilon, not rms_norm_eps.
@@ -182,7 +182,7 @@ class DeepseekV3MoE(nn.Module):
         return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
 
 
-class DeepseekV3DecoderLayer(nn.Module):
+class DeepseekV3DecoderLayer(PrenormDecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, index: int, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = DeepseekV3Attention(cfg, tp)
@@ -192,18 +192,6 @@ class DeepseekV3DecoderLayer(nn.Module):
             self.mlp = DeepseekV3MoE(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # As in llama.py: (hidden, residual) carry the residual stream, added in the next norm.
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class DeepseekV3Model(nn.Module):

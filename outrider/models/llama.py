@@ -82,13 +82,10 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, tp: TPGroup) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp)
-        self.mlp = LlamaMLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class PrenormDecoderLayer(nn.Module):
+    """norm -> self_attn -> norm -> mlp, each sublayer's output added to the residual stream;
+    subclasses build `self_attn`, `mlp`, `input_layernorm` and `post_attention_layernorm`
+    (Llama's layer, DeepSeek-V3's)."""
 
     def forward(
         self,
@@ -105,6 +102,15 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PrenormDecoderLayer):
+    def __init__(self, cfg: TransformerConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):
