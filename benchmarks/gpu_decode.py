@@ -58,7 +58,16 @@ def copy_bandwidth_gbs() -> float:
     return 2 * x.numel() / dt / 1e9  # bytes read + written
 
 
-def random_checkpoint(hf_config: dict):
+def random_checkpoint(
+    hf_config: dict,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    std: float = 0.02,
+    residual_write_scale: float = 1.0,
+):
+    """Random weights of `hf_config`'s Llama shape, made on `device` (time does not depend on
+    the values): norms 1, the rest N(0, std), the layers' writes into the residual stream
+    (o_proj, down_proj) `residual_write_scale` times that."""
     from outrider.loaders.checkpoint import Checkpoint
     from outrider.loaders.hf_config import TransformerConfig
 
@@ -66,18 +75,22 @@ def random_checkpoint(hf_config: dict):
 
     class _Random:
         def iter_tensors(self):
-            # Shapes from an HF model skeleton on the meta device; values random, on the GPU.
+            # Shapes from an HF model skeleton on the meta device.
             import transformers
 
             meta_cfg = transformers.AutoConfig.for_model(**hf_config)
             with torch.device("meta"):
                 skeleton = transformers.LlamaForCausalLM(meta_cfg)
-            g = torch.Generator(device="cuda").manual_seed(0)
+            g = torch.Generator(device=device).manual_seed(0)
             for name, p in skeleton.state_dict().items():
-                yield (
-                    name,
-                    torch.randn(p.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02,
-                )
+                if "norm" in name:
+                    yield name, torch.ones(p.shape, device=device, dtype=dtype)
+                    continue
+                scale = std
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    scale *= residual_write_scale
+                w = torch.randn(p.shape, device=device, dtype=dtype, generator=g)
+                yield name, w * scale
 
     return Checkpoint(Path("random"), "random", hf_config, cfg, _NullTokenizer(), _Random())
 

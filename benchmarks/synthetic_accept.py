@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from gpu_decode import LLAMA_8B, _NullTokenizer  # noqa: E402
+from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
 
 TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
@@ -64,34 +64,6 @@ SHAPES = {"llama-3.1-8b": LLAMA_8B, "tiny": TINY}
 # token then follows from the current one's embedding through the LM head, the same in decode
 # and verify, while every GEMM still runs at full size (time does not depend on the values).
 RESIDUAL_WRITE_SCALE = 1e-3
-
-
-def random_checkpoint(hf_config: dict, device: str, dtype: torch.dtype, std: float = 0.02):
-    """Random weights of `hf_config`'s shape, made on `device` (norms 1, the rest N(0, std),
-    the layers' residual writes RESIDUAL_WRITE_SCALE times smaller)."""
-    from outrider.loaders.checkpoint import Checkpoint
-    from outrider.loaders.hf_config import TransformerConfig
-
-    class _Random:
-        def iter_tensors(self):
-            import transformers
-
-            meta_cfg = transformers.AutoConfig.for_model(**hf_config)
-            with torch.device("meta"):
-                skeleton = transformers.LlamaForCausalLM(meta_cfg)
-            g = torch.Generator(device=device).manual_seed(0)
-            for name, p in skeleton.state_dict().items():
-                if "norm" in name:
-                    yield name, torch.ones(p.shape, device=device, dtype=dtype)
-                    continue
-                scale = std
-                if name.endswith(("o_proj.weight", "down_proj.weight")):
-                    scale *= RESIDUAL_WRITE_SCALE
-                w = torch.randn(p.shape, device=device, dtype=dtype, generator=g)
-                yield name, w * scale
-
-    cfg = TransformerConfig.from_hf_dict(hf_config)
-    return Checkpoint(Path("random"), "random", hf_config, cfg, _NullTokenizer(), _Random())
 
 
 def random_eagle3(runner, draft_vocab: int, seed: int = 0):
@@ -199,7 +171,10 @@ def build_engine(args):
     key = args.model.strip().lower()
     if key in SHAPES:
         hf = dict(SHAPES[key])
-        engine = EngineCore(config, random_checkpoint(hf, device, getattr(torch, dtype)))
+        checkpoint = random_checkpoint(
+            hf, device, getattr(torch, dtype), residual_write_scale=RESIDUAL_WRITE_SCALE
+        )
+        engine = EngineCore(config, checkpoint)
         return engine, hf
     if not Path(args.model).expanduser().is_dir():
         raise SystemExit(
