@@ -112,6 +112,19 @@ def _hf_logits(ref, ids):
         return ref(torch.tensor([ids])).logits[0]
 
 
+def _hf_greedy(ref, prompts, max_new_tokens):
+    """transformers' greedy continuation of each prompt (ids), one at a time."""
+    want = []
+    for ids in prompts:
+        with torch.inference_mode():
+            out = ref.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens, do_sample=False,
+            )  # fmt: skip
+        want.append(out[0, len(ids) :].tolist())
+    return want
+
+
 def test_chunked_prefill_decode_and_verify_match_hf(tiny_ds):
     path, ref = tiny_ds
     model, _ = _outrider(path)
@@ -159,14 +172,7 @@ def test_greedy_generation_and_ngram_speculation_equal_hf(tiny_ds):
     # Repeating prompts give n-gram lookup something to draft.
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 17)]
     prompts.append(prompts[1] * 3)
-    want = []
-    for ids in prompts:
-        with torch.inference_mode():
-            out = ref.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=12, do_sample=False,
-            )  # fmt: skip
-        want.append(out[0, len(ids) :].tolist())
+    want = _hf_greedy(ref, prompts, 12)
     plain = LLM(str(path), dtype="float32", device="cpu", num_blocks=64)
     assert [o.token_ids for o in plain.generate(prompts, GREEDY)] == want
     spec = LLM(

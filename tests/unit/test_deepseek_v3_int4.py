@@ -25,6 +25,7 @@ from outrider.models.weights import SKIP
 from tests.unit.test_deepseek_v3 import (
     VOCAB,
     _hf_config,
+    _hf_greedy,
     _hf_logits,
     _hf_model,
     _logits,
@@ -169,14 +170,7 @@ def test_int4_greedy_generation_equals_hf(int4_ds):
     path, ref, _ = int4_ds
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 13)]
-    want = []
-    for ids in prompts:
-        with torch.inference_mode():
-            out = ref.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=10, do_sample=False,
-            )  # fmt: skip
-        want.append(out[0, len(ids) :].tolist())
+    want = _hf_greedy(ref, prompts, 10)
     llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=32)
     params = SamplingParams(temperature=0, max_tokens=10)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
