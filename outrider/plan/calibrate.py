@@ -242,14 +242,13 @@ def measure_checkpoint(
     from outrider.plan.models import from_hf_dict
 
     spec_ks = tuple(sorted({k for k in ks if k > 0}))
-    cache = {} if gpu_memory_utilization is None else {
-        "gpu_memory_utilization": gpu_memory_utilization
-    }  # fmt: skip
-    config = EngineConfig.from_dict({
+    settings = {
         "model": {"model": str(checkpoint.path), "device": device, "dtype": dtype},
         "speculative": {"method": "ngram", "num_draft_tokens": max(spec_ks, default=1)},
-        **({"cache": cache} if cache else {}),
-    })  # fmt: skip
+    }
+    if gpu_memory_utilization is not None:
+        settings["cache"] = {"gpu_memory_utilization": gpu_memory_utilization}
+    config = EngineConfig.from_dict(settings)
     runner = ModelRunner(config, checkpoint)
     runner.set_speculation(None, spec_ks or (1,))
     runner.capture_graphs()
