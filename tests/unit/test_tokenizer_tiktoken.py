@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import regex
 
-from outrider.loaders.tokenizer import KIMI_SPLIT, NUM_RESERVED_SPECIAL, Tokenizer
+from outrider.loaders.tiktoken_vocab import KIMI_SPLIT, NUM_RESERVED_SPECIAL
+from outrider.loaders.tokenizer import Tokenizer
 
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. It's the dog's day; they'll see. "
