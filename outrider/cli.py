@@ -109,8 +109,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     # Stop the other tensor-parallel ranks now, not from interpreter teardown, where the order
-    # of finalizers (the process group's among them) is not ours to choose.
+    # of finalizers (the process group's among them) is not ours to choose; then leave without
+    # that teardown at all, which aborted a finished rank 0 once in a while.
     llm.shutdown()
+    if config.parallel.tensor_parallel_size > 1:
+        from outrider.executor.tp_workers import leave_process
+
+        leave_process(0)
     return 0
 
 

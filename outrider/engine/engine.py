@@ -83,7 +83,8 @@ class EngineCore:
     def _start_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner, on one rank or as rank 0 of a tensor-parallel group (the other
         ranks started here, or by torchrun). Under torchrun a rank > 0 never returns: it
-        follows rank 0's steps, then ends its process when rank 0 stops (SystemExit 0)."""
+        follows rank 0's steps, then ends its process when rank 0 stops (exit code 0, through
+        tp_workers.leave_process)."""
         size = config.parallel.tensor_parallel_size
         if size == 1:
             self._ranks = None
@@ -95,7 +96,7 @@ class EngineCore:
                 tp_workers.run_worker(config, self.checkpoint, ranks.tp)
             finally:
                 ranks.close()
-            raise SystemExit(0)
+            tp_workers.leave_process(0)
         if ranks.procs and tp_workers.rank_device(config, 0).type == "cpu":
             torch.set_num_threads(tp_workers.cpu_threads(size))
         self._ranks = ranks
