@@ -4,6 +4,8 @@ per layer rather than one per sequence, which is what keeps CPU decoding usable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -20,15 +22,7 @@ class TorchRefBackend(AttentionBackend):
     supports_latent = True
 
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
-        # MLA without weight absorption (prefill chunks): every cached latent is expanded into
-        # its per-head key and value (expand = kv_b_proj), then attention is ordinary
-        # multi-head attention. Costs heads x (nope + v) x kv_lora_rank FLOPs per cached token
-        # per layer, amortised over a chunk's many queries.
-        cache = kv_cache["latent"]
-        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
-        if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
-            return _latent_decode(q, cache, meta, scale, expand)
-        return _latent_per_sequence(q, cache, meta, scale, expand)
+        return latent_expanded(q, latent, kv_cache, meta, scale, expand)
 
     def forward_latent_absorbed(self, q, latent, kv_cache, meta, scale, v_dim):
         # The latent cache is multi-query attention as it stands: one KV head of width
@@ -52,6 +46,26 @@ class TorchRefBackend(AttentionBackend):
         if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
             return _decode(q, k_cache, v_cache, meta, scale)
         return _per_sequence(q, k_cache, v_cache, meta, scale)
+
+
+def latent_expanded(
+    q: torch.Tensor,  # [num_tokens, num_heads, qk_head_dim]: [nope | rope] per head
+    latent: torch.Tensor,  # [num_tokens, width]
+    kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, width]
+    meta: AttentionMetadata,
+    scale: float,
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:  # [num_tokens, num_heads, v_head_dim]
+    """MLA without weight absorption (prefill chunks): every cached latent is expanded into
+    its per-head key and value (expand = kv_b_proj), then attention is ordinary multi-head
+    attention. Costs heads x (nope + v) x kv_lora_rank FLOPs per cached token per layer,
+    amortised over a chunk's many queries. Plans from host lengths (not graph-safe); the
+    Triton backend serves prefill chunks with it too."""
+    cache = kv_cache["latent"]
+    cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
+    if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
+        return _latent_decode(q, cache, meta, scale, expand)
+    return _latent_per_sequence(q, cache, meta, scale, expand)
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
