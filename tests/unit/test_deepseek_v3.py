@@ -325,10 +325,10 @@ def test_a_checkpoint_that_is_no_drafter_is_refused_by_the_doctor(tiny_ds):
             speculative={"method": "eagle3", "draft": str(tiny_ds[0])})  # fmt: skip
 
 
-def test_kernel_backend_refuses_the_latent_cache():
+def test_auto_backend_serves_the_latent_cache():
     pytest.importorskip("triton")
     from outrider.layers.attn_backends.base import get_backend
 
-    assert get_backend("auto", "cuda", latent=True).name == "torch_ref"
-    with pytest.raises(ValueError, match="latent .MLA. attention.*torch_ref"):
-        get_backend("triton", "cuda", latent=True)
+    assert get_backend("auto", "cuda", latent=True).name == "triton"
+    assert get_backend("triton", "cuda", latent=True).supports_latent
+    assert get_backend("auto", "cpu", latent=True).name == "torch_ref"

@@ -25,7 +25,8 @@ class AttentionBackend(ABC):
     # meta.seq_lens_cpu), so a CUDA graph captured once serves any context: DECODE graphs
     # need it, chain VERIFY graphs need it for multi-token queries too.
     graph_modes: frozenset = frozenset()
-    # Whether `forward_latent` is implemented (MLA models' latent KV cache).
+    # Whether `forward_latent` and `forward_latent_absorbed` are implemented (MLA models'
+    # latent KV cache).
     supports_latent: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -87,11 +88,10 @@ _BACKENDS = {
 
 
 def get_backend(name: str, device_type: str = "cpu", latent: bool = False) -> AttentionBackend:
-    """latent: the model caches MLA latents; "auto" then picks a backend that attends over
-    them (torch_ref, on any device, until a kernel backend does)."""
+    """latent: the model caches MLA latents; the backend must attend over them (both
+    registered backends do: "auto" picks triton on CUDA, torch_ref elsewhere, either way)."""
     if name == "auto":
-        cuda = device_type == "cuda" and not latent
-        name = "triton" if cuda and "triton" in _BACKENDS else "torch_ref"
+        name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch_ref"
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}: use one of {', '.join(sorted(_BACKENDS))}"

@@ -7,6 +7,12 @@ so padded rows may point nowhere), then runs one of two kernels:
     otherwise (prefill chunk, VERIFY)   -> triton_prefill.prefill_attention
 Both read every length from device tensors, and a tree mask's shape follows the query lengths
 alone, so CUDA graphs captured once serve any context: DECODE and chain VERIFY graphs both work.
+
+MLA models (a latent cache, {"latent": [num_blocks, block_size, r + d_r]}) take the same route
+in their absorbed form (DECODE, VERIFY): one small kernel writes the step's latents, then
+triton_mla.latent_attention attends over them, one kernel for one- and multi-token queries
+alike, causal or under a tree mask, split along the context as decode is. Their expanded form
+(prefill chunks) runs the reference's PyTorch code (see forward_latent).
 What only depends on host data (which kernel, grid sizes, how many splits, the fp32 split
 workspace) is derived once per step and kept in meta.backend_data, not re-derived per layer.
 """
@@ -20,6 +26,7 @@ import torch
 
 from outrider.core import ForwardMode
 from outrider.layers.attn_backends.base import AttentionBackend
+from outrider.layers.attn_backends.torch_ref import latent_expanded
 from outrider.layers.forward_context import AttentionMetadata
 
 try:
@@ -35,6 +42,11 @@ from outrider.layers.attn_backends.triton_decode import (  # noqa: E402
     SplitWorkspace,
     choose_num_splits,
     decode_attention,
+)
+from outrider.layers.attn_backends.triton_mla import (  # noqa: E402
+    head_tiles,
+    latent_attention,
+    write_latent_cache,
 )
 from outrider.layers.attn_backends.triton_prefill import (  # noqa: E402
     MAX_SPLIT_QUERY_LEN,
@@ -56,15 +68,17 @@ class _StepPlan:
     max_seq_len: int
     max_query_len: int
     fixed_splits: int | None  # set by the caller (e.g. one value per CUDA graph bucket)
-    # Per (kv_heads, group): num_splits, filled by the first layer that asks; and the split
-    # workspaces, shared by all layers of the step (they run one after another).
-    splits: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Per (kv_heads, group), or ("latent", heads) for MLA: num_splits, filled by the first
+    # layer that asks; and the split workspaces, shared by all layers of the step (they run
+    # one after another).
+    splits: dict[tuple, int] = field(default_factory=dict)
     workspaces: dict[tuple, SplitWorkspace] = field(default_factory=dict)
 
 
 class TritonBackend(AttentionBackend):
     name = "triton"
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
+    supports_latent = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         """num_splits: force this many context splits in every step (tuning, debugging);
@@ -100,24 +114,14 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         k_cache, v_cache = kv_cache["k"], kv_cache["v"]
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if _PLAN_KEY not in meta.backend_data:
-            self.prepare(meta)
-        plan: _StepPlan = meta.backend_data[_PLAN_KEY]
+        plan = self._plan(meta)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
         group = num_heads // max(kv_heads, 1)
         splits = plan.splits.get((kv_heads, group))
         if splits is None:
             splits = plan.splits[(kv_heads, group)] = self._choose_splits(plan, kv_heads, group, q)
-        workspace = None
-        if splits > 1:
-            key = (num_tokens, num_heads, splits, head_dim, q.device)
-            workspace = plan.workspaces.get(key)
-            if workspace is None:
-                workspace = SplitWorkspace.allocate(
-                    num_tokens, num_heads, splits, head_dim, q.device
-                )
-                plan.workspaces[key] = workspace
+        workspace = _workspace(plan, num_tokens, num_heads, splits, head_dim, q.device)
         if plan.decode:
             return decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits, workspace
@@ -126,6 +130,51 @@ class TritonBackend(AttentionBackend):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             plan.max_query_len, scale, splits, meta.tree_mask, workspace,
         )  # fmt: skip
+
+    def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
+        # The expanded form serves prefill chunks only, which are compute-bound and never
+        # captured in a graph: the reference's PyTorch code (plans from host lengths) serves
+        # them until a prefill kernel over latents exists.
+        return latent_expanded(q, latent, kv_cache, meta, scale, expand)
+
+    def forward_latent_absorbed(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, r + d_r]: [q_nope @ W_UK | q_pe] per head
+        latent: torch.Tensor,  # [num_tokens, r + d_r]: this step's [compressed kv | roped k]
+        kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, r + d_r]
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
+        cache = kv_cache["latent"]
+        write_latent_cache(latent, cache, meta.slot_mapping)
+        plan = self._plan(meta)
+        num_tokens, num_heads, _ = q.shape
+        key = ("latent", num_heads)
+        splits = plan.splits.get(key)
+        if splits is None:
+            splits = plan.splits[key] = self._choose_latent_splits(plan, num_heads, q.device)
+        workspace = _workspace(plan, num_tokens, num_heads, splits, v_dim, q.device)
+        return latent_attention(
+            q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            plan.max_query_len, scale, v_dim, splits, meta.tree_mask, workspace,
+        )  # fmt: skip
+
+    def _plan(self, meta: AttentionMetadata) -> _StepPlan:
+        if _PLAN_KEY not in meta.backend_data:
+            self.prepare(meta)
+        return meta.backend_data[_PLAN_KEY]
+
+    @staticmethod
+    def _choose_latent_splits(plan: _StepPlan, num_heads: int, device: torch.device) -> int:
+        # One program per (sequence, query token, tile of heads): at 128 heads a decode batch
+        # of 16 already runs 128 programs before splitting.
+        if plan.fixed_splits is not None:
+            return plan.fixed_splits
+        if plan.max_query_len > MAX_SPLIT_QUERY_LEN:
+            return 1  # a long query has programs enough to fill the GPU
+        programs = plan.batch * max(plan.max_query_len, 1) * head_tiles(num_heads)
+        return choose_num_splits(programs, plan.max_seq_len, _num_sms(device))
 
     @staticmethod
     def _choose_splits(plan: _StepPlan, kv_heads: int, group: int, q: torch.Tensor) -> int:
@@ -139,6 +188,22 @@ class TritonBackend(AttentionBackend):
             block_q, _ = query_tile(plan.max_query_len, group, block_m)
             programs *= triton.cdiv(plan.max_query_len, block_q)
         return choose_num_splits(programs, plan.max_seq_len, _num_sms(q.device))
+
+
+def _workspace(
+    plan: _StepPlan, rows: int, num_heads: int, splits: int, dim: int, device: torch.device
+) -> SplitWorkspace | None:
+    """The step's split workspace of this shape (None when nothing is split), allocated by the
+    first layer that needs it."""
+    if splits == 1:
+        return None
+    key = (rows, num_heads, splits, dim, device)
+    workspace = plan.workspaces.get(key)
+    if workspace is None:
+        workspace = plan.workspaces[key] = SplitWorkspace.allocate(
+            rows, num_heads, splits, dim, device
+        )
+    return workspace
 
 
 @functools.lru_cache(maxsize=16)
