@@ -199,8 +199,18 @@ class ModelRunner:
 
     def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
         wanted = config.model.cuda_graphs
-        # A model whose forward reads the host (the reference MoE picks experts there) says so.
+        # A model whose forward reads the host (the reference MoE picks experts there) says so,
+        # and one that reads none only up to a step size (the fused MoE) says which: the
+        # largest graph, every batch size's top times its tokens per sequence, must fit.
         model_ok = getattr(self.model, "graph_safe", True)
+        limit = getattr(self.model, "graph_max_tokens", None)
+        tokens_per_seq = 1
+        if config.speculative.enabled:  # chain verifies 1 + k rows a sequence, trees 1 + nodes
+            tokens_per_seq += max((config.speculative.num_draft_tokens, *self.spec_ks))
+        most = self._graph_batch_sizes()[-1] * tokens_per_seq
+        if model_ok and limit is not None and most > limit:
+            log.info("CUDA graphs off: steps of %d tokens pass the model's %d", most, limit)
+            model_ok = False
         usable = (
             self.device.type == "cuda"
             and ForwardMode.DECODE in self.backend.graph_modes
@@ -221,7 +231,9 @@ class ModelRunner:
             raise ValueError(
                 f"cuda_graphs=True needs device cuda, a graph-safe attention backend and a "
                 f"graph-safe model; got device={self.device}, backend={self.backend.name}, "
-                f"{self.model_config.architecture} graph-safe: {model_ok}: set cuda_graphs=False"
+                f"{self.model_config.architecture} graph-safe: {model_ok} (graph steps of up "
+                f"to {most} tokens, the model's limit {limit}): set cuda_graphs=False, or "
+                f"lower cuda_graph_max_batch or num_draft_tokens"
             )
         sizes = self._graph_batch_sizes()
         tpq = (1,)

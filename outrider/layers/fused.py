@@ -35,6 +35,17 @@ def use_fused(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.is_grad_enabled() and env.fused_kernels() and _triton_ok()
 
 
+# Activation dtypes moe_gemm takes (it computes in fp32 and rounds its output to a's dtype).
+MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def moe_gemm_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether moe_gemm returns a result (not None) for activations of `dtype` on `device`
+    when serving (autograd off): known before any forward, so a model can say whether its
+    MoE reads the host (graph_safe)."""
+    return device.type == "cuda" and dtype in MOE_DTYPES and env.fused_kernels() and _triton_ok()
+
+
 def rms_norm(
     x: torch.Tensor,  # [T, N], rows contiguous
     weight: torch.Tensor,  # [N], x's dtype
@@ -108,7 +119,7 @@ def moe_gemm(
 
     A GEMV per row on CUDA cores: each row reads its expert's whole weight, so it suits decode
     and verify steps (few rows); rows sharing an expert share it through the cache only."""
-    if not use_fused(a):
+    if not use_fused(a) or a.dtype not in MOE_DTYPES:
         return None
     k = _kernels()
     a = a if a.stride(-1) == 1 else a.contiguous()

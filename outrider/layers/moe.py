@@ -205,6 +205,12 @@ class FusedExperts(nn.Module):
                 return out
         return self.forward_reference(x, weights, ids)
 
+    def fused_serves(self, dtype: torch.dtype) -> bool:
+        """Whether forwards of at most FUSED_MAX_TOKENS tokens in `dtype` take the fused path
+        (no host read, so CUDA graphs may capture them) when serving: on CUDA, with the fused
+        kernels on, for INT4 and unquantized experts alike."""
+        return fused.moe_gemm_serves(next(self.parameters()).device, dtype)
+
     def forward_fused(
         self,
         x: torch.Tensor,  # [T, H]

@@ -46,7 +46,12 @@ from outrider.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from outrider.layers.moe import FusedExperts, GroupedTopkRouter, Int4FusedExperts
+from outrider.layers.moe import (
+    FUSED_MAX_TOKENS,
+    FusedExperts,
+    GroupedTopkRouter,
+    Int4FusedExperts,
+)
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import DeepseekV3Config
@@ -215,8 +220,8 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     config_class = DeepseekV3Config
-    # The reference MoE reads which experts were hit on the host: no CUDA graphs.
-    graph_safe = False
+    # CUDA graphs capture steps of at most this many tokens (what the fused MoE serves).
+    graph_max_tokens = FUSED_MAX_TOKENS
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(
@@ -241,6 +246,19 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab], whole on every rank
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether decode and verify forwards read nothing on the host, as CUDA graphs need:
+        attention and the router never do; the MoE's reference loop reads which experts were
+        hit (CPU, or dtypes the fused kernel does not take), its fused path (CUDA, steps of at
+        most graph_max_tokens) does not. True iff every MoE layer takes the fused path."""
+        dtype = self.model.embed_tokens.weight.dtype  # the activations'
+        return all(
+            layer.mlp.experts.fused_serves(dtype)
+            for layer in self.model.layers
+            if isinstance(layer.mlp, DeepseekV3MoE)
+        )
 
     def attention_layers(self) -> list[LatentAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

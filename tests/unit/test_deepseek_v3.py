@@ -332,3 +332,60 @@ def test_auto_backend_serves_the_latent_cache():
     assert get_backend("auto", "cuda", latent=True).name == "triton"
     assert get_backend("triton", "cuda", latent=True).supports_latent
     assert get_backend("auto", "cpu", latent=True).name == "torch_ref"
+
+
+def test_graph_safe_iff_every_moe_layer_takes_the_fused_path(tiny_ds, monkeypatch):
+    from outrider.layers import fused
+
+    model, _ = _outrider(tiny_ds[0])
+    assert not model.graph_safe  # CPU: the experts' reference loop reads the host
+    seen = []
+
+    def serves(device, dtype):
+        seen.append((device.type, dtype))
+        return True
+
+    monkeypatch.setattr(fused, "moe_gemm_serves", serves)
+    assert model.graph_safe
+    assert seen == [("cpu", torch.float32)] * 2  # layers 1 and 2 (layer 0 is dense)
+    monkeypatch.setattr(fused, "moe_gemm_serves", lambda device, dtype: dtype != torch.float32)
+    assert not model.graph_safe
+
+
+def test_moe_gemm_serves_cuda_in_model_dtypes(monkeypatch):
+    pytest.importorskip("triton")
+    from outrider.layers import fused
+
+    cuda = torch.device("cuda")
+    assert all(fused.moe_gemm_serves(cuda, d) for d in (torch.bfloat16, torch.float16))
+    assert fused.moe_gemm_serves(cuda, torch.float32)
+    assert not fused.moe_gemm_serves(torch.device("cpu"), torch.bfloat16)
+    assert not fused.moe_gemm_serves(cuda, torch.float8_e4m3fn)
+    monkeypatch.setenv("OUTRIDER_FUSED_KERNELS", "0")
+    assert not fused.moe_gemm_serves(cuda, torch.bfloat16)
+
+
+def test_graphs_refused_past_the_models_step_limit():
+    """Graph steps past graph_max_tokens would meet the MoE's host read while capturing: off
+    when graphs are automatic, a clear error when asked for."""
+    from types import SimpleNamespace
+
+    from outrider.config import EngineConfig, ModelConfig, SpecConfig
+    from outrider.executor.model_runner import ModelRunner
+
+    runner = SimpleNamespace(
+        model=SimpleNamespace(graph_safe=True, graph_max_tokens=1024),
+        spec_ks=(16,), device=torch.device("cuda"), tp=SimpleNamespace(size=1),
+        backend=SimpleNamespace(
+            name="triton", graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
+        ),
+        model_config=SimpleNamespace(architecture="DeepseekV3ForCausalLM"),
+        _graph_batch_sizes=lambda: (1, 2, 4, 64),
+    )  # fmt: skip
+    spec = SpecConfig(method="ngram", num_draft_tokens=16)  # 64 x 17 = 1088 tokens
+    auto = EngineConfig(model=ModelConfig(cuda_graphs=None), speculative=spec)
+    assert ModelRunner._capture_graphs(runner, auto) is None
+    wanted = EngineConfig(model=ModelConfig(cuda_graphs=True), speculative=spec)
+    limit = "graph steps of up to 1088 tokens, the model's limit 1024"
+    with pytest.raises(ValueError, match=limit):
+        ModelRunner._capture_graphs(runner, wanted)
