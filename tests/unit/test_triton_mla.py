@@ -329,7 +329,6 @@ def test_bad_ranks_raise(interpreter):
     assert "qk_rope_head_dim 12 " in errors["d_r"], errors
 
 
-@pytest.mark.slow
 def test_real_ranks(interpreter):
     # r 512, d_r 64 (the 576-wide latent), a chain verify beside a decode.
     case = _case([40, 17], [3, 1], heads=16, r=512, d_r=64)
