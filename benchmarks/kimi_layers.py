@@ -38,9 +38,9 @@ for a layer, and the difference carries it exactly as the measurement does. Erro
 predicted / measured - 1.
 
 Writes benchmarks/results/kimi_layers.json (--smoke: kimi_layers_smoke.json; --out-dir: another
-folder) with whether CUDA graphs were used, per model and step kind. DeepseekV3ForCausalLM is
-not graph-safe today, so every step runs eagerly and the prediction is the eager one; the day
-it is, the same command measures graph replays.
+folder) with whether CUDA graphs were used, per model and step kind: on CUDA, DeepSeek-V3
+models replay graphs where their MoE takes the fused path (steps of at most 1024 tokens) and the
+prediction is then the graphed one; elsewhere every step runs eagerly and is priced so.
 """
 
 from __future__ import annotations
