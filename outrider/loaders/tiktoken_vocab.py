@@ -9,7 +9,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from outrider.loaders.tokenizer import _byte_alphabet, _read_json, _token_content
+from outrider.loaders.vocab_common import byte_alphabet, read_json, token_content
 
 TIKTOKEN_FILE = "tiktoken.model"
 # Kimi's pre-tokenizer (its tokenization_kimi.py): Han runs, cased words with their
@@ -78,7 +78,7 @@ def tiktoken_backend(path: Path) -> tokenizers.Tokenizer:
     tokenizer_config.json's added_tokens_decoder, the rest `<|reserved_token_i|>`."""
     tokens = read_tiktoken_ranks(path / TIKTOKEN_FILE)
     ranks = {t: i for i, t in enumerate(tokens)}
-    spelling = _byte_alphabet()
+    spelling = byte_alphabet()
 
     def spell(b: bytes) -> str:
         return "".join(spelling[x] for x in b)
@@ -102,8 +102,8 @@ def tiktoken_backend(path: Path) -> tokenizers.Tokenizer:
     )
     backend.decoder = decoders.ByteLevel()
     named = {
-        int(i): _token_content(t)
-        for i, t in _read_json(path / "tokenizer_config.json")
+        int(i): token_content(t)
+        for i, t in read_json(path / "tokenizer_config.json")
         .get("added_tokens_decoder", {})
         .items()
     }

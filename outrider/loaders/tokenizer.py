@@ -18,6 +18,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from outrider.loaders.vocab_common import byte_alphabet, read_json, token_content
+
 logger = logging.getLogger(__name__)
 
 # GGUF token types (gguf.TokenType): CONTROL tokens are special (matched whole, skipped on
@@ -98,7 +100,7 @@ class Tokenizer:
 
     @classmethod
     def _from_dir(cls, path: Path, backend: tokenizers.Tokenizer) -> Tokenizer:
-        tok_cfg = _read_json(path / "tokenizer_config.json")
+        tok_cfg = read_json(path / "tokenizer_config.json")
         template = tok_cfg.get("chat_template")
         # Several named templates: [{"name": "default", "template": ...}, {"name": "tool_use"...}]
         if isinstance(template, list):
@@ -107,19 +109,19 @@ class Tokenizer:
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         specials = {
-            name: _token_content(tok_cfg[name])
+            name: token_content(tok_cfg[name])
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
             if tok_cfg.get(name) is not None
         }
         eos: list[int] = []
-        for cfg in (_read_json(path / "generation_config.json"), _read_json(path / "config.json")):
+        for cfg in (read_json(path / "generation_config.json"), read_json(path / "config.json")):
             value = cfg.get("eos_token_id")
             eos += value if isinstance(value, list) else [] if value is None else [value]
         if (eos_id := backend.token_to_id(specials.get("eos_token", ""))) is not None:
             eos.append(eos_id)
         bos_id = backend.token_to_id(specials.get("bos_token", ""))
         if bos_id is None:
-            bos_id = _read_json(path / "config.json").get("bos_token_id")
+            bos_id = read_json(path / "config.json").get("bos_token_id")
         return cls(
             backend,
             chat_template=template,
@@ -239,22 +241,8 @@ class Tokenizer:
 # ---- GGUF vocabularies -------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, the spelling of byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
-    spelling = _byte_alphabet()
+    spelling = byte_alphabet()
     alphabet = set(spelling.values())
     # Normal tokens are stored in the byte alphabet already; respell any stored as raw text.
     vocab = {
@@ -373,14 +361,3 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def _token_content(value: str | dict[str, Any]) -> str:
-    return value["content"] if isinstance(value, dict) else value
