@@ -27,8 +27,9 @@ Per concurrency C:
 What differs from a trained drafter: the drafts are chosen on the host in Python per request (a
 few microseconds each) where a real drafter's come back in the step's one device read. In bf16
 a speculative run can leave the plain run's continuation where a batched verify flips a
-near-tie argmax; drafts past that point are mostly rejected, counted in `off_continuation`, and
-the measured accept length then falls below the target's.
+near-tie argmax; past that point the proposer drafts from the plain runs' token transitions
+(counted in `off_continuation`, speculative/synthetic.py), which predict these barely-writing
+random layers as well as the continuation did.
 
 Writes benchmarks/results/synthetic_accept.json (--out-dir: another directory, or a .json path).
 """

@@ -84,6 +84,25 @@ def test_proposer_draws_follow_the_curve():
     ]
 
 
+def test_a_diverged_request_drafts_from_the_transition_table():
+    # Plain runs whose next token follows from the current one: 7 -> 8 -> 9 -> 7 ..., and a
+    # second prompt whose run passes 5 -> 6. The request's output flips to 8 where its
+    # continuation said 9: drafts then follow the table from 8, not the stale continuation.
+    cont = [8, 9, 7, 8, 9, 7, 8, 9]
+    prop = SyntheticProposer({(1, 7): cont, (3, 5): [6, 7, 8]}, [1.0], vocab_size=512)
+    req = Request(prompt_token_ids=[1, 7], params=PARAMS)
+    assert prop.propose([req], 3)[0].token_ids == [8, 9, 7]  # on its continuation
+    req.output_token_ids.extend([8, 8])  # the second token left it (9 expected)
+    assert prop.propose([req], 3)[0].token_ids == [9, 7, 8]
+    assert prop.counts.diverged_requests == [req.request_id]
+    assert prop.counts.off_continuation == 3 and prop.counts.on_continuation == 3
+    # A token no plain run went past ends the chain there.
+    lone = SyntheticProposer({(1, 2): [3, 4]}, [1.0], vocab_size=512)
+    req = Request(prompt_token_ids=[1, 2], params=PARAMS)
+    req.output_token_ids.extend([3, 3])
+    assert lone.propose([req], 3)[0].token_ids == [4]
+
+
 def test_curve_parsing_and_measured_curve():
     assert parse_curve("0.8") == (0.8,) and parse_curve("0.9/0.7") == (0.9, 0.7)
     for bad in ("1.5", "x", "0.9/"):
