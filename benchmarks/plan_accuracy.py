@@ -13,6 +13,12 @@ fitted on the same model (`self`), and by the one fitted on the other model (`cr
 its error. Goal: |cross error| <= 20% at every point.
 
 Writes benchmarks/results/plan_accuracy.json (--out: another path).
+
+    python benchmarks/plan_accuracy.py --from benchmarks/results/plan_accuracy.json [--out F]
+
+re-fits and re-predicts a earlier run's measured points with the cost model as it is now (the
+built-in shapes of both models; no GPU needed), so a change to the model can be checked against
+real measurements on any machine. Printed; written only with --out.
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None, help="result path (default: results/plan_accuracy.json)")
+    ap.add_argument("--from", dest="source", default=None, help="an earlier result to re-fit")
     args = ap.parse_args()
+    if args.source:
+        return refit(Path(args.source), args.out)
     if not torch.cuda.is_available():
         raise SystemExit("plan_accuracy measures a GPU: run it where CUDA is available")
 
@@ -58,14 +67,28 @@ def main() -> int:
         torch.cuda.empty_cache()
         print(f"measured {name}: {len(m.points)} points", flush=True)
     prior = _gpu_by_name(torch.cuda.get_device_name())
-    fitted = {
-        name: calibrate.fit(m.model, prior, m.points, m.graphs) for name, m in measured.items()
-    }
-    names = list(measured)
+    graphs = {m.graphs for m in measured.values()}
+    if len(graphs) != 1:
+        raise SystemExit(f"one model replayed CUDA graphs and the other did not: {measured}")
+    models = {name: m.model for name, m in measured.items()}
+    points = {name: m.points for name, m in measured.items()}
+    result = compare(models, points, prior, graphs.pop())
+    path = write_result("plan_accuracy", result, args.out)
+    print(f"worst cross error {result['worst_cross_error']:.1%}; wrote {path}")
+    return 0
+
+
+def compare(models: dict, points: dict, prior, graphs: bool) -> dict:
+    """Fit the machine constants to each model's points; predict every point with the
+    datasheet profile, its own model's fit (`self`) and the other model's (`cross`)."""
+    from outrider.plan import calibrate
+
+    fitted = {name: calibrate.fit(models[name], prior, points[name], graphs) for name in models}
+    names = list(models)
     rows, worst = [], 0.0
-    for name, m in measured.items():
+    for name in names:
         other = names[1 - names.index(name)]
-        for p in m.points:
+        for p in points[name]:
             row = {
                 "model": name,
                 "batch": p.batch,
@@ -77,7 +100,7 @@ def main() -> int:
                 ("self", fitted[name]),
                 ("cross", fitted[other]),
             ):
-                ms = calibrate.predict_ms(m.model, gpu, p, m.graphs)
+                ms = calibrate.predict_ms(models[name], gpu, p, graphs)
                 row[f"{label}_ms"] = round(ms, 4)
                 row[f"{label}_error"] = round(ms / p.measured_ms - 1, 4)
             worst = max(worst, abs(row["cross_error"]))
@@ -88,20 +111,44 @@ def main() -> int:
                 f"cross {row['cross_error']:+6.1%}",
                 flush=True,
             )
-    constants = {
-        name: {f: round(getattr(gpu, f), 5) for f in calibrate.FITTED}
-        for name, gpu in fitted.items()
-    }
-    result = {
+    return {
         "gpu_profile": prior.name,
-        "fitted_on": constants,
+        "graphs": graphs,
+        "fitted_on": {
+            name: {f: round(getattr(gpu, f), 5) for f in calibrate.FITTED}
+            for name, gpu in fitted.items()
+        },
         "rows": rows,
         "worst_cross_error": round(worst, 4),
         "goal": "|cross_error| <= 0.20 at every point",
         "holds": worst <= 0.20,
     }
-    path = write_result("plan_accuracy", result, args.out)
-    print(f"worst cross error {worst:.1%}; wrote {path}")
+
+
+def refit(source: Path, out: str | None) -> int:
+    """compare() over an earlier result's measured points, the models' built-in shapes in
+    bf16 (what the measuring run built from their checkpoints)."""
+    import json
+
+    from outrider.plan import calibrate
+    from outrider.plan.hardware import load_gpu
+    from outrider.plan.models import load_model
+
+    old = json.loads(source.read_text())
+    points: dict = {}
+    for row in old["rows"]:
+        point = calibrate.Point(row["batch"], row["k"], row["measured_ms"])
+        points.setdefault(row["model"], []).append(point)
+    models = {
+        name: dataclasses.replace(load_model(name), weights="bf16", expert_weights=None, kv_bytes=2)
+        for name in points
+    }
+    # Runs before the field was written measured with graphs (the engine's default on CUDA).
+    result = compare(models, points, load_gpu(old["gpu_profile"]), old.get("graphs", True))
+    result["refit_of"] = {"path": str(source), "commit": old.get("commit")}
+    print(f"worst cross error {result['worst_cross_error']:.1%}")
+    if out:
+        print(f"wrote {write_result('plan_accuracy', result, out)}")
     return 0
 
 
