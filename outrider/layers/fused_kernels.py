@@ -250,38 +250,68 @@ def grow_select_kernel(
 
 @triton.jit
 def moe_gemm_kernel(
-    a_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, n,
+    a_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, out_ptr, n,
     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     K: tl.constexpr, ROWS_PER_A: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    # Program (r, j): out[r, j-th BLOCK_N columns] = a[r // ROWS_PER_A] . W[ids[r]][cols]^T,
-    # K in BLOCK_K tiles, fp32 accumulation. W is [E, N, K] values (INT4 False), or INT4
-    # packed [E, N, ceil(K / 8)] int32 words (element 8w + i in bits 4i..4i+3, nibble q + 8)
-    # with scales [E, N, ceil(K / GROUP)]: dequantized here as q * scale in fp32. Each word
-    # is loaded once per nibble it holds (8 lanes read the same address: one cache line).
+    # Program (b, j): block b of the expert-sorted layout (BLOCK_M row ids, all one expert's,
+    # padded with -1; see fused.moe_layout_no_sync) times that expert's j-th BLOCK_N output
+    # columns. Each weight tile is read once per block and multiplied with tl.dot against the
+    # block's gathered activation rows (row r reads a[r // ROWS_PER_A]); fp32 accumulation.
+    # W is [E, N, K] values (INT4 False), or INT4 packed [E, N, ceil(K / 8)] int32 words
+    # (element 8w + i in bits 4i..4i+3, nibble q + 8) with scales [E, N, ceil(K / GROUP)]:
+    # each word is loaded once and unpacked in registers, q * scale in fp32, then rounded to
+    # a's dtype for the dot (as the reference rounds its dequantized weight). DOT_F32: the dot
+    # takes fp32 operands with full fp32 products (fp32 activations: not TF32's 10-bit
+    # mantissa; the CPU interpreter: its dot reads bf16 as raw integers). Products of values
+    # already rounded to a's dtype are exact in fp32, so only the order of the sums changes.
     # K is a constexpr: a model has two (hidden, intermediate), so two compilations; a runtime
     # loop bound also trips the CPU interpreter under numpy 2.
-    r = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0)
+    first = tl.load(rows_ptr + b * BLOCK_M)
+    if first < 0:  # past the step's real blocks (the grid is sized for the worst routing)
+        return
+    e = tl.load(ids_ptr + first).to(tl.int64)
+    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = rows >= 0
+    rows = tl.where(m_ok, rows, 0).to(tl.int64)
+    a_rows = a_ptr + (rows // ROWS_PER_A) * stride_a  # [BLOCK_M]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < n
-    e = tl.load(ids_ptr + r).to(tl.int64)
-    a_row = a_ptr + (r // ROWS_PER_A) * stride_a
-    w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    s_rows = s_ptr + e * stride_se + cols[:, None].to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_cols = w_ptr + e * stride_we + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
+    s_cols = s_ptr + e * stride_se + cols.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        ok = n_ok[:, None] & k_ok[None, :]
-        a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if INT4:
-            words = tl.load(w_rows + (ks // 8)[None, :], mask=ok, other=0)
+            # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K,
+            # BLOCK_N] in row-major order, so row 8w + i is word w's nibble i. Past K the
+            # activations are 0, so whatever the padding nibbles or masked scales hold adds 0.
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            ok = (kw < (K + 7) // 8)[:, None] & n_ok[None, :]
+            words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)
             # Arithmetic shift of a negative word drags the sign in; the mask drops it.
-            q = ((words >> ((ks % 8) * 4)[None, :]) & 0xF) - 8
-            scale = tl.load(s_rows + (ks // GROUP)[None, :], mask=ok, other=0.0)
-            w = q.to(tl.float32) * scale.to(tl.float32)
+            q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            q = tl.reshape(q, [BLOCK_K, BLOCK_N]) - 8
+            if BLOCK_K % GROUP == 0:  # whole groups per tile: one scale load per group
+                kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                ok = (kg < (K + GROUP - 1) // GROUP)[:, None] & n_ok[None, :]
+                scale = tl.load(s_cols[None, :] + kg[:, None], mask=ok, other=0.0)
+                scale = tl.broadcast_to(scale[:, None, :], [BLOCK_K // GROUP, GROUP, BLOCK_N])
+                scale = tl.reshape(scale, [BLOCK_K, BLOCK_N])
+            else:
+                ok = k_ok[:, None] & n_ok[None, :]
+                scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
+            w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
         else:
-            w = tl.load(w_rows + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w * a[None, :], axis=1)
-    tl.store(out_ptr + r * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+            ok = k_ok[:, None] & n_ok[None, :]
+            w = tl.load(w_cols[None, :] + ks[:, None], mask=ok, other=0.0).to(a.dtype)
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

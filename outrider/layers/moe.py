@@ -15,17 +15,20 @@ one all-reduce per layer for both).
 Two forwards. The reference: a loop over the experts the step's tokens chose, in expert order
 (HF's order, so sums round the same way), which reads the chosen experts on the host; it serves
 the CPU and is what the fused path is tested against. The fused path (CUDA, fused.use_fused):
-every (token, choice) pair is a row, R = T x top_k, and two `fused.moe_gemm` launches multiply
-each row by its own expert's weights, so nothing is read on the host and the forward can be
-captured in a CUDA graph:
+every (token, choice) pair is a row, R = T x top_k. The rows are sorted by expert on the device
+into blocks of fused.MOE_BLOCK_M rows of one expert (`fused.moe_layout_no_sync`, once per
+layer), and two `fused.moe_gemm` launches, grouped GEMMs over those blocks, multiply each block
+by its expert's weights, read once per block; nothing is read on the host and the forward can
+be captured in a CUDA graph:
 
+    ids [T, top_k] --sort by expert--> layout [blocks x MOE_BLOCK_M] row ids, -1 padding
     x [T, H] --moe_gemm (row r reads token r // top_k)--> gate_up [R, 2I] --silu*up--> [R, I]
       --moe_gemm (row r)--> down [R, H] --view [T, top_k, H], x router weights, sum--> [T, H]
 
 It rounds differently from the reference: each token's top_k outputs are summed once in fp32
-(the reference adds them to the output in x's dtype, one expert at a time), and INT4 weights
-are not rounded to x's dtype before the multiply. Being a GEMV per row, it serves steps of at
-most FUSED_MAX_TOKENS tokens; longer prefill chunks keep the loop's per-expert GEMMs.
+(the reference adds them to the output in x's dtype, one expert at a time), and the GEMMs sum
+in another order. It serves steps of at most FUSED_MAX_TOKENS tokens; longer prefill chunks
+keep the loop's per-expert GEMMs.
 
 `Int4FusedExperts` holds INT4 weight-only experts (compressed-tensors "pack-quantized", see
 loaders/compressed_tensors.py) as they are stored: packed int32 [E, 2I, H/8] and [E, H, I/8]
@@ -48,8 +51,8 @@ from outrider.loaders.compressed_tensors import PACK, dequantize_int4, split_uni
 # Steps up to this many tokens take the fused path on CUDA. Decode and verify steps sit below
 # it (the default graphs' largest step: 64 sequences x (1 + 4 drafts) = 320 tokens; a graph
 # captured above it would meet the loop's host read); above it a step is a prefill chunk,
-# where re-reading an expert's weights per row costs more than the loop's host read and
-# per-expert GEMMs.
+# where the loop's host read is cheap beside its per-expert GEMMs, and the grouped kernel's
+# small fixed tiles (fused.MOE_BLOCK_M 16 rows) are not tuned for long ones.
 FUSED_MAX_TOKENS = 1024
 
 
@@ -220,17 +223,25 @@ class FusedExperts(nn.Module):
         """No host reads: graph-safe."""
         t, top_k = ids.shape
         rows = ids.reshape(-1)  # [R]: row r is token r // top_k's choice r % top_k
-        gate_up = self._moe_gemm(x, rows, top_k, down=False)  # [R, 2I]
+        # The rows sorted by expert once, for both GEMMs (they route the same rows).
+        layout = fused.moe_layout_no_sync(rows, self.num_experts) if fused.use_fused(x) else None
+        gate_up = self._moe_gemm(x, rows, top_k, False, layout)  # [R, 2I]
         if gate_up is None:
             return None
         h = self.act(gate_up)  # [R, I]
-        down = self._moe_gemm(h, rows, 1, down=True)  # [R, H]
+        down = self._moe_gemm(h, rows, 1, True, layout)  # [R, H]
         return (down.view(t, top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
 
     def _moe_gemm(
-        self, a: torch.Tensor, rows: torch.Tensor, rows_per_a: int, down: bool
+        self,
+        a: torch.Tensor,
+        rows: torch.Tensor,
+        rows_per_a: int,
+        down: bool,
+        layout: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        return fused.moe_gemm(a, rows, self.down_proj if down else self.gate_up_proj, rows_per_a)
+        weight = self.down_proj if down else self.gate_up_proj
+        return fused.moe_gemm(a, rows, weight, rows_per_a, layout=layout)
 
     def forward_reference(
         self,
@@ -310,8 +321,13 @@ class Int4FusedExperts(FusedExperts):
         return gate_up, down
 
     def _moe_gemm(
-        self, a: torch.Tensor, rows: torch.Tensor, rows_per_a: int, down: bool
+        self,
+        a: torch.Tensor,
+        rows: torch.Tensor,
+        rows_per_a: int,
+        down: bool,
+        layout: torch.Tensor | None,
     ) -> torch.Tensor | None:
         name = "down_proj" if down else "gate_up_proj"
         packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
-        return fused.moe_gemm(a, rows, packed, rows_per_a, scale, self.group_size)
+        return fused.moe_gemm(a, rows, packed, rows_per_a, scale, self.group_size, layout)

@@ -215,9 +215,10 @@ def _routing(tokens: int, num: int = 16, top_k: int = 8) -> tuple[torch.Tensor, 
 def test_w4a16_moe_forward_matches_dequantize_then_bf16(tokens):
     """The fused W4A16 forward against the reference loop (dequantize each expert to bf16, bf16
     GEMMs, outputs added in bf16 one expert at a time), both measured against the fp32 truth
-    (the same packed weights dequantized to fp32, fp32 activations). The fused path keeps the
-    dequantized weights and the top_k sum in fp32, so it should be about as far from the truth
-    as the bf16 reference (both round gate_up, silu * up and down to bf16); three times the
+    (the same packed weights dequantized to fp32, fp32 activations). The fused path rounds the
+    dequantized weights to bf16 as the reference does and keeps the top_k sum in fp32, so it
+    should be about as far from the truth as the bf16 reference (both round the weights,
+    gate_up, silu * up and down to bf16); three times the
     reference's largest error (or 2^-7 of the output's scale, for an unluckily small reference
     error) leaves room for which of those roundings land where: under the CPU interpreter,
     whose bf16 casts truncate, the ratio was 2.2 at T=1 and 1.6 at T=8. A wrong nibble, scale
@@ -254,3 +255,37 @@ def test_fused_moe_forward_replays_in_a_cuda_graph(int4):
     ids.copy_(new_ids)
     graph.replay()
     assert torch.equal(out, experts(new_x, new_weights, new_ids))
+
+
+@pytest.mark.parametrize("n, k", [(4096, 7168), (7168, 2048)])  # gate_up, down
+def test_w4a16_moe_gemm_at_kimi_dims_matches_dequantize_then_bf16(n, k):
+    """One moe_gemm at Kimi-K2.5's real sizes (384 experts, top 8 of them for 16 tokens, INT4
+    group 32; gate_up's 7168 -> 4096 with a token's 8 rows sharing its activation row, down's
+    2048 -> 7168) against each row through F.linear on the expert dequantized to bf16, both
+    measured against fp32 products of the same bf16 weights. Random packed words (every nibble
+    in use) made on the device: 5.6 GB for gate_up, none of it through host memory."""
+    from outrider.loaders.compressed_tensors import dequantize_int4
+
+    torch.manual_seed(0)
+    experts, tokens, top_k, group = 384, 16, 8, 32
+    words = torch.randint(-(2**31), 2**31, (experts, n, k // 8), dtype=torch.int32, device="cuda")
+    scale = torch.rand(experts, n, k // group, device="cuda") + 0.5
+    scale = (scale / (21 * k) ** 0.5).to(torch.bfloat16)  # outputs of about unit size
+    rows_per_a = top_k if k == 7168 else 1
+    _, ids = _routing(tokens, num=experts, top_k=top_k)
+    rows = ids.reshape(-1)
+    a = torch.randn(rows.numel() // rows_per_a, k, device="cuda", dtype=torch.bfloat16)
+    out = fused.moe_gemm(a, rows, words, rows_per_a, scale, group)
+    ref = torch.empty_like(out)
+    truth = torch.empty(out.shape, device="cuda")
+    for e in rows.unique().tolist():  # CPU-GPU sync point: the test's reference only
+        w = dequantize_int4(words[e], scale[e], k, group, torch.bfloat16)  # [n, k]
+        hit = (rows == e).nonzero().squeeze(1)
+        x = a[hit // rows_per_a]
+        ref[hit] = torch.nn.functional.linear(x, w)
+        truth[hit] = x.float() @ w.float().T
+    assert out.shape == (rows.numel(), n) and out.dtype == torch.bfloat16
+    err = (out.float() - truth).abs().max().item()
+    ref_err = (ref.float() - truth).abs().max().item()
+    assert err <= max(2 * ref_err, 2**-7 * truth.abs().max().item()), (err, ref_err)
+    assert truth.abs().max() > 0.5

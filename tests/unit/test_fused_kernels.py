@@ -13,6 +13,7 @@ the checks run in one subprocess that prints a JSON line per check.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import subprocess
@@ -207,6 +208,41 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         fused.use_fused = real
         report(f"moe-{name}-nonzero", ref.abs().max().clamp(max=1), torch.tensor(1.0))
 
+    # moe_gemm alone against a row-by-row product: rows crowding two of five experts (three
+    # with none, R = 37 not a multiple of MOE_BLOCK_M, an expert past one block), rows sharing
+    # activation rows (rows_per_a 2), one row; INT4 with K past one K tile and not a multiple
+    # of it (160), not a multiple of 8 (203), groups that do not divide the K tile (48) or span
+    # several (256); unquantized fp32, bf16 (interpreter: within bf16 steps) and odd K.
+    from outrider.loaders.compressed_tensors import dequantize_int4
+
+    def rowwise(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, rpa: int) -> torch.Tensor:
+        return torch.stack([a[r // rpa].float() @ w[e].float().T for r, e in enumerate(ids)])
+
+    fused.use_fused = lambda x: True
+    e, n = 5, 70
+    crowded = torch.randint(0, 2, (37,), generator=gen)
+    routings = {"crowded": crowded, "one": torch.tensor([3]), "spread": torch.arange(10) % 5}
+    for (route, ids), rpa in itertools.product(routings.items(), (1, 2)):
+        a = torch.randn(-(-ids.numel() // rpa), 203)
+        w = torch.randn(e, n, 203) / 203**0.5
+        report(
+            f"moe-gemm-f32-{route}-{rpa}", fused.moe_gemm(a, ids, w, rpa), rowwise(a, ids, w, rpa)
+        )
+    for k_in, group in ((160, 32), (203, 32), (192, 48), (512, 256)):
+        w = torch.randn(e, n, k_in) / k_in**0.5
+        packed, scale = quantize_int4(w, group, torch.float32)
+        deq = torch.stack([dequantize_int4(packed[i], scale[i], k_in, group, torch.float32)
+                           for i in range(e)])  # fmt: skip
+        a = torch.randn(19, k_in)
+        got = fused.moe_gemm(a, crowded, packed, 2, scale, group)
+        report(f"moe-gemm-int4-{k_in}-{group}", got, rowwise(a, crowded, deq, 2))
+    a, w = torch.randn(37, 100, dtype=torch.bfloat16), torch.randn(e, n, 100, dtype=torch.bfloat16)
+    report("moe-gemm-bf16", fused.moe_gemm(a, crowded, w), rowwise(a, crowded, w, 1))
+    layout = fused.moe_layout_no_sync(crowded, e)
+    report("moe-gemm-layout-reused", fused.moe_gemm(a, crowded, w, layout=layout),
+           fused.moe_gemm(a, crowded, w))  # fmt: skip
+    fused.use_fused = real
+
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
     sys.path.insert(0, str(ROOT))
     from tests.tiny import hf_reference, outrider_model, prefill_batch, run_forward, tiny_hf_config
@@ -305,6 +341,56 @@ def test_fused_moe_forward_matches_the_reference_loop(results, case):
     # outputs summed once rather than added to the output one expert at a time).
     assert results[f"moe-{case}"]["scaled"] <= 1e-5, results[f"moe-{case}"]
     assert results[f"moe-{case}-nonzero"]["same"] == 1.0  # the reference output is not ~0
+
+
+@pytest.mark.parametrize("route", ["crowded", "one", "spread"])
+@pytest.mark.parametrize("rows_per_a", [1, 2])
+def test_moe_gemm_matches_the_row_by_row_product(results, route, rows_per_a):
+    r = results[f"moe-gemm-f32-{route}-{rows_per_a}"]
+    assert r["scaled"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("case", ["160-32", "203-32", "192-48", "512-256"])
+def test_moe_gemm_int4_matches_the_dequantized_product(results, case):
+    assert results[f"moe-gemm-int4-{case}"]["scaled"] <= 1e-5, results[f"moe-gemm-int4-{case}"]
+
+
+def test_moe_gemm_bf16_and_a_shared_layout(results):
+    assert results["moe-gemm-bf16"]["scaled"] <= BF16_STEPS, results["moe-gemm-bf16"]
+    assert results["moe-gemm-layout-reused"]["same"] == 1.0
+
+
+def test_moe_layout_groups_rows_by_expert_in_padded_blocks():
+    from outrider.layers.fused import MOE_BLOCK_M, moe_layout_no_sync, moe_layout_slots
+
+    # The docstring's example at the real block size: expert 0's rows, expert 1 has none,
+    # expert 2's rows, then a padding block (the bound for 6 rows over 3 experts is 3 blocks).
+    layout = moe_layout_no_sync(torch.tensor([2, 0, 2, 2, 2, 0]), 3).view(-1, MOE_BLOCK_M)
+    assert layout.shape == (3, MOE_BLOCK_M) and layout.dtype == torch.int32
+    pad = [-1] * MOE_BLOCK_M
+    assert layout.tolist() == [[1, 5, *pad[2:]], [0, 2, 3, 4, *pad[4:]], pad]
+    # Any routing fits the static bound, every row appears once, blocks hold one expert.
+    gen = torch.Generator().manual_seed(0)
+    for rows, experts in ((8, 384), (40, 3), (100, 7), (1, 1)):
+        ids = torch.randint(0, experts, (rows,), generator=gen)
+        ids[: rows // 2] = 0  # one crowded expert
+        layout = moe_layout_no_sync(ids, experts)
+        assert layout.numel() == moe_layout_slots(rows, experts)
+        real = layout[layout >= 0].long()
+        assert sorted(real.tolist()) == list(range(rows))
+        for block in layout.view(-1, MOE_BLOCK_M):
+            if block[0] >= 0:
+                assert ids[block[block >= 0].long()].unique().numel() == 1
+    assert moe_layout_slots(8, 384) == 8 * MOE_BLOCK_M  # one token: its 8 rows' blocks only
+
+
+def test_moe_gemm_refuses_a_layout_built_for_other_shapes(monkeypatch):
+    from outrider.layers import fused
+
+    monkeypatch.setattr(fused, "use_fused", lambda x: True)
+    ids = torch.tensor([0, 1, 1])
+    with pytest.raises(ValueError, match="moe_layout_no_sync"):
+        fused.moe_gemm(torch.randn(3, 8), ids, torch.randn(2, 4, 8), layout=torch.zeros(16))
 
 
 def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():
