@@ -64,10 +64,12 @@ def random_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     std: float = 0.02,
     residual_write_scale: float = 1.0,
+    tied_head: bool = False,
 ):
     """Random weights of `hf_config`'s Llama shape, made on `device` (time does not depend on
     the values): norms 1, the rest N(0, std), the layers' writes into the residual stream
-    (o_proj, down_proj) `residual_write_scale` times that."""
+    (o_proj, down_proj) `residual_write_scale` times that; `tied_head`: the LM head's rows are
+    the embedding's (its own tensor still, read at full size)."""
     from outrider.loaders.checkpoint import Checkpoint
     from outrider.loaders.hf_config import TransformerConfig
 
@@ -82,15 +84,21 @@ def random_checkpoint(
             with torch.device("meta"):
                 skeleton = transformers.LlamaForCausalLM(meta_cfg)
             g = torch.Generator(device=device).manual_seed(0)
+            embedding = None
             for name, p in skeleton.state_dict().items():
                 if "norm" in name:
                     yield name, torch.ones(p.shape, device=device, dtype=dtype)
                     continue
+                if name == "lm_head.weight" and tied_head:
+                    yield name, embedding
+                    continue
                 scale = std
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     scale *= residual_write_scale
-                w = torch.randn(p.shape, device=device, dtype=dtype, generator=g)
-                yield name, w * scale
+                w = torch.randn(p.shape, device=device, dtype=dtype, generator=g) * scale
+                if name == "model.embed_tokens.weight":
+                    embedding = w
+                yield name, w
 
     return Checkpoint(Path("random"), "random", hf_config, cfg, _NullTokenizer(), _Random())
 
