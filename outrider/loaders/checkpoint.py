@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from outrider import env
+from outrider.loaders.fp8_blocks import dequantize_fp8
 from outrider.loaders.hf_config import DeepseekV3Config, TransformerConfig, read_hf_config
 from outrider.loaders.tokenizer import Tokenizer
 from outrider.models.registry import config_from_hf, resolve_architecture
@@ -45,8 +46,10 @@ class Checkpoint:
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, CPU tensor), one at a time: GGUF tensors dequantized to float32
-        and in HF layout (q/k rows un-permuted), safetensors in their stored dtype."""
-        return self._source.iter_tensors()
+        and in HF layout (q/k rows un-permuted), safetensors in their stored dtype except FP8
+        block-quantized weights, dequantized to float32 with their weight_scale_inv consumed
+        (config.fp8_blocks; an FP8 tensor under any other config is an error)."""
+        return dequantize_fp8(self._source.iter_tensors(), self.config.fp8_blocks)
 
 
 def default_model_path() -> Path:

@@ -69,7 +69,10 @@ def parse_quantization_config(q: Any) -> Int4Scheme:
         raise refuse(f"quantization_config is {q!r}, not an object")
     method = q.get("quant_method")
     if method != "compressed-tensors":
-        raise refuse(f"quant_method {method!r} (FP8 blocks, GPTQ, AWQ... do not load yet)")
+        raise refuse(
+            f"quant_method {method!r} (GPTQ, AWQ... do not load; FP8 blocks load as "
+            f"quant_method 'fp8' with a weight_block_size)"
+        )
     fmt = q.get("format")
     if fmt != "pack-quantized":
         raise refuse(f"compressed-tensors format {fmt!r}")

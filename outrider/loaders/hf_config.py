@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from outrider.loaders.compressed_tensors import Int4Scheme, parse_quantization_config
+from outrider.loaders.fp8_blocks import Fp8BlockScheme, is_fp8, parse_fp8_config
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class TransformerConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+    # FP8 block-quantized weights (quantization_config quant_method "fp8"), dequantized as
+    # they load (Checkpoint.iter_tensors); None when stored unquantized.
+    fp8_blocks: Fp8BlockScheme | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -78,6 +82,11 @@ class TransformerConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+        quant = d.get("quantization_config")
+        try:  # FP8 blocks load; other quantization is not read here (GGUF's is dequantized)
+            fp8_blocks = parse_fp8_config(quant) if is_fp8(quant) else None
+        except ValueError as e:
+            raise ValueError(f"{arch}: {e}") from None
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -98,6 +107,7 @@ class TransformerConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=sliding,
+            fp8_blocks=fp8_blocks,
         )
 
 
@@ -166,6 +176,9 @@ class DeepseekV3Config:
     # INT4 routed experts (compressed-tensors pack-quantized, Kimi-K2's release format); None
     # when the checkpoint is unquantized. Everything else is always stored unquantized.
     expert_quant: Int4Scheme | None = None
+    # FP8 block-quantized weights (DeepSeek-V3's release format), dequantized as they load
+    # (Checkpoint.iter_tensors). Never together with expert_quant: one quantization_config.
+    fp8_blocks: Fp8BlockScheme | None = None
     sliding_window: int | None = None  # never set: the engine reads it for every model
 
     def __post_init__(self) -> None:
@@ -246,8 +259,9 @@ class DeepseekV3Config:
         else:
             text = d
         quant = d.get("quantization_config") or text.get("quantization_config")
-        try:  # INT4 routed experts load; any other quantization is refused by name
-            expert_quant = parse_quantization_config(quant) if quant else None
+        try:  # FP8 blocks and INT4 routed experts load; other quantization is refused by name
+            fp8_blocks = parse_fp8_config(quant) if is_fp8(quant) else None
+            expert_quant = parse_quantization_config(quant) if quant and not fp8_blocks else None
         except ValueError as e:
             raise ValueError(f"{arch}: {e}") from None
         missing = [k for k in _DEEPSEEK_REQUIRED if k not in text]
@@ -288,6 +302,7 @@ class DeepseekV3Config:
             eos_token_ids=eos_ids,
             weight_prefix=prefix,
             expert_quant=expert_quant,
+            fp8_blocks=fp8_blocks,
         )
 
 

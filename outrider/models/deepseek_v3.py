@@ -16,7 +16,10 @@ together; `rope_interleave`), which equals rotate-half on [evens | odds].
 
 Routed experts may be INT4 (compressed-tensors "pack-quantized", as Kimi-K2 and K2.5 ship
 them: `experts.M.{gate,up,down}_proj.weight_packed` / `weight_scale` / `weight_shape`); they
-stay packed in memory (`Int4FusedExperts`). Every other weight loads unquantized.
+stay packed in memory (`Int4FusedExperts`). Every other weight loads unquantized. DeepSeek-V3's
+own release is FP8 blocks instead (`weight` float8_e4m3fn + `weight_scale_inv`, quant_method
+"fp8"): those weights are dequantized as they stream in (loaders/fp8_blocks.py), before any
+name reaches `map_weight_name`, so the model holds them as plain weights in its dtype.
 
 One file for every tensor-parallel size, as llama.py: the model takes its `TPGroup` once and
 hands it to each parallel layer. A rank holds heads / tp query heads (q_b_proj or q_proj and
@@ -297,8 +300,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             return f"{stacked}.{param}{suffix}", (int(index), part)
         if name.endswith(_QUANTIZED):
             raise ValueError(
-                f"checkpoint tensor {name} is quantized: outrider loads INT4 weights for the "
+                f"checkpoint tensor {name} is INT4-packed: outrider loads INT4 weights for the "
                 f"routed experts only (as Kimi-K2 ships them), with attention, shared experts, "
-                f"dense MLPs and lm_head unquantized (the quantization_config's ignore list)"
+                f"dense MLPs and lm_head unquantized (the quantization_config's ignore list), "
+                f"and never beside FP8 blocks"
             )
         return name
