@@ -256,10 +256,11 @@ def measure_checkpoint(
     points = [Point(b, k, table[b][k]) for b in batch_sizes for k in sorted({0, *ks})]
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[runner.dtype]
     elem = torch.tensor([], dtype=runner.dtype).element_size()
-    model = dataclasses.replace(
-        from_hf_dict(checkpoint.hf_config, name=checkpoint.path.name),
-        weights=name, expert_weights=None, kv_bytes=elem,
-    )  # fmt: skip
+    spec = from_hf_dict(checkpoint.hf_config, name=checkpoint.path.name)
+    # Weights run in the engine's dtype (GGUF and FP8 blocks are dequantized as they load),
+    # except INT4 experts, which stay packed (layers/moe.py Int4FusedExperts).
+    experts = spec.expert_weights if (spec.expert_weights or "").startswith("int4") else None
+    model = dataclasses.replace(spec, weights=name, expert_weights=experts, kv_bytes=elem)
     cuda = runner.device.type == "cuda"
     memory_gb = (
         torch.cuda.get_device_properties(runner.device).total_memory / 1e9

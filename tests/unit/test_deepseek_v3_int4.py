@@ -176,6 +176,19 @@ def test_int4_greedy_generation_equals_hf(int4_ds):
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
 
 
+def test_calibration_prices_the_experts_as_they_run_packed(int4_ds):
+    """`outrider plan --calibrate` measures the engine: INT4 experts stay packed there, so the
+    measured model reads them as int4 (the rest in the engine's dtype), not as bf16."""
+    from outrider.loaders.checkpoint import open_checkpoint
+    from outrider.plan import calibrate
+
+    m = calibrate.measure_checkpoint(
+        open_checkpoint(str(int4_ds[0])), "cpu", "float32", (1,), (0,), 1
+    )
+    assert (m.model.weights, m.model.expert_weights) == ("fp32", "int4")
+    assert [p.batch for p in m.points] == [1] and m.points[0].measured_ms > 0
+
+
 def test_config_mismatched_with_weights_is_refused(int4_ds, tmp_path):
     path, _, _ = int4_ds
     cfg = DeepseekV3Config.from_hf_dict(json.loads((path / "config.json").read_text()))
