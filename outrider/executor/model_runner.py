@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -419,16 +420,22 @@ class ModelRunner:
         if reps is None:
             reps = 10 if graphs else 4
         params = SamplingParams(temperature=0, max_tokens=None)
+        # Tokens spread over the vocabulary, not one token everywhere: an MoE model routes
+        # each row to its own experts as a real batch does (token 0 in every row read the same
+        # 8 of Kimi-K2.5's 384 experts where 64 real tokens read ~284).
+        vocab = self.model_config.vocab_size
+        rng = random.Random(0)
         table: dict[int, dict[int, float]] = {}
         for b in progress(batch_sizes, "measuring speculative steps"):
             table[b] = {}
             for k in sorted({0, *ks}):
+                rows = [[rng.randrange(vocab) for _ in range(1 + k)] for _ in range(b)]
                 seqs = [
                     ScheduledSeq(
-                        Request(prompt_token_ids=[0], params=params), [0] * (1 + k), 0,
-                        [self._num_blocks], True, SeqDrafts.chain([0] * k) if k else None,
+                        Request(prompt_token_ids=[0], params=params), row, 0,
+                        [self._num_blocks], True, SeqDrafts.chain(row[1:]) if k else None,
                     )
-                    for _ in range(b)
+                    for row in rows
                 ]  # fmt: skip
                 mode = ForwardMode.VERIFY if k else ForwardMode.DECODE
                 batch = ScheduledBatch(mode, seqs)

@@ -246,6 +246,25 @@ def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F81
     assert all(t > 0 for row in profile.ms.values() for t in row.values())
 
 
+def test_profiled_steps_spread_their_tokens_over_the_vocabulary(tiny_dir):  # noqa: F811
+    """An MoE model routes by token: rows all holding one token would all read the same
+    experts, where a real batch reads many."""
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 3})
+    runner, seen = llm.engine.runner, []
+    run_spec = runner.run_spec
+
+    def spy(batch, k, k_draft):
+        seen.extend(t for s in batch.seqs for t in s.token_ids)
+        return run_spec(batch, k, k_draft)
+
+    runner.run_spec = spy
+    runner.profile_steps((3,), batch_sizes=(4,), reps=1)
+    assert len(seen) == 2 * 4 * (1 + 3)  # warm-up and one timed step, 4 rows of 1 + 3
+    step = seen[: 4 * (1 + 3)]
+    assert len(set(step)) > len(step) // 2
+    assert all(0 <= t < llm.engine.vocab_size for t in seen)
+
+
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 @pytest.mark.parametrize("num_blocks", [14, 64])
 def test_speculative_step_lossless_under_chunking_preemption_prefix_hits(
