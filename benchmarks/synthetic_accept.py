@@ -4,6 +4,8 @@ the engine for a model that has no trained drafter, beside the planner's predict
     python benchmarks/synthetic_accept.py [--model llama-3.1-8b] [--curves 0.6,0.8,0.9] [--k 3]
         [--concurrency 1 16 64] [--prompt-len 128] [--new-tokens 256] [--gpu PROFILE.json]
     python benchmarks/synthetic_accept.py --smoke          # a tiny random model on the CPU
+    torchrun --standalone --nproc-per-node N benchmarks/synthetic_accept.py \
+        --tensor-parallel-size N [--link pcie5-nop2p] ...  # the model over N GPUs
 
 --model: a built-in shape (`llama-3.1-8b`, `tiny`) built with random weights on the device,
 or a local model directory. A curve is one rate (the conditional acceptance at every draft
@@ -30,6 +32,12 @@ a speculative run can leave the plain run's continuation where a batched verify 
 near-tie argmax; past that point the proposer drafts from the plain runs' token transitions
 (counted in `off_continuation`, speculative/synthetic.py), which predict these barely-writing
 random layers as well as the continuation did.
+
+Tensor parallelism: the random weights are built by every rank from the same seed, so a
+built-in shape needs torchrun (ranks the engine spawns open a checkpoint directory); every rank
+then runs eagerly and the planner is asked for tp N over --link. `measured_break_even` is the
+accept length at which the speculative step would pay for itself as measured (speculative step
+ms / plain step ms), beside the planner's `break_even_accept_len`.
 
 Writes benchmarks/results/synthetic_accept.json (--out-dir: another directory, or a .json path).
 """
@@ -131,9 +139,10 @@ def _sync(engine) -> None:
         torch.cuda.synchronize()  # CPU-GPU sync point: the timed region ends on the device
 
 
-def planner_setup(engine, hf_config: dict, gpu: str | None):
+def planner_setup(engine, hf_config: dict, gpu: str | None, link: str = "nvlink4"):
     """The planner's view of what runs here: the shape in the engine's dtype, the GPU profile
-    (--gpu, else the built-in row the device's name matches; the CPU's generic profile)."""
+    (--gpu, else the built-in row the device's name matches; the CPU's generic profile), the
+    engine's tensor-parallel size over `link`."""
     from outrider.plan.calibrate import _host_memory_gb, cpu_profile
     from outrider.plan.cli import _gpu_by_name
     from outrider.plan.costmodel import Setup
@@ -153,10 +162,11 @@ def planner_setup(engine, hf_config: dict, gpu: str | None):
     else:
         profile = cpu_profile(torch.get_num_threads(), _host_memory_gb())
     graphs = runner.graphs is not None
-    return Setup(model, profile, load_link("nvlink4"), 1, graphs, graphs)
+    return Setup(model, profile, load_link(link), runner.tp.size, graphs, graphs)
 
 
 def build_engine(args):
+    from outrider import env
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
 
@@ -171,12 +181,20 @@ def build_engine(args):
     if device == "cpu":
         per_seq = -(-model["max_model_len"] // 16) + 1
         cache["num_blocks"] = max_c * per_seq + 8
+    tp = getattr(args, "tensor_parallel_size", 1)
     config = EngineConfig().replace(
         model=model, cache=cache,
         scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": max(2048, args.prompt_len)},
         speculative={"num_draft_tokens": args.k, "controller": "fixed"},
+        parallel={"tensor_parallel_size": tp},
     )  # fmt: skip
     key = args.model.strip().lower()
+    if key in SHAPES and tp > 1 and env.world_size() == 1:
+        raise SystemExit(
+            f"--model {args.model} --tensor-parallel-size {tp}: random weights cannot be opened "
+            f"by ranks the engine spawns; launch with torchrun --standalone --nproc-per-node "
+            f"{tp} (every rank builds the same weights), or pass a model directory"
+        )
     if key in SHAPES:
         hf = dict(SHAPES[key])
         checkpoint = random_checkpoint(
@@ -210,9 +228,24 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--gpu", default=None, help="planner GPU: a built-in name or a profile JSON")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--link", default="nvlink4", help="planner link at tensor parallelism > 1")
     ap.add_argument("--out-dir", default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny random model on the CPU, seconds")
     args = ap.parse_args()
+    payload = run(args)
+    if payload is not None:  # rank 0 (the other ranks of a torchrun job return None)
+        path = write_result("synthetic_accept", payload, args.out_dir)
+        print(f"wrote {path}")
+    if args.tensor_parallel_size > 1:
+        from outrider.executor.tp_workers import leave_process
+
+        leave_process(0)
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """The measurement main() describes, on the engine `args` build; the payload, on rank 0.
+    Under torchrun ranks > 0 follow rank 0 inside build_engine and end their process there."""
     if args.smoke:
         args.model, args.device, args.dtype = "tiny", "cpu", "float32"
         args.concurrency, args.prompt_len, args.new_tokens = [1, 4], 16, 24
@@ -256,7 +289,7 @@ def main() -> None:
     wrapper.proposer = SyntheticProposer({tuple(first): plain[min(args.concurrency)]["outputs"][0]},
                                          [1.0], vocab)  # fmt: skip
     decode_run(engine, [first], 2 * args.k + 2)  # warm-up of the speculative step
-    setup = planner_setup(engine, hf, args.gpu)
+    setup = planner_setup(engine, hf, args.gpu, getattr(args, "link", "nvlink4"))
     plan_drafter = Drafter("eagle3", vocab_size=drafter.draft.config.draft_vocab_size)
     context = args.prompt_len + args.new_tokens // 2
     rows = []
@@ -265,12 +298,12 @@ def main() -> None:
             cont = {tuple(p): o for p, o in zip(prompts[c], plain[c]["outputs"])}
             wrapper.proposer = SyntheticProposer(cont, curve, vocab, args.seed)
             engine.spec_stats = SpecStats()
-            run = decode_run(engine, prompts[c], args.new_tokens)
+            spec = decode_run(engine, prompts[c], args.new_tokens)
             stats, counts = engine.spec_stats, wrapper.proposer.counts
             measured = stats.accept_length or 1.0
             option = plan_batch(setup, plan_drafter, c, context, list(curve), args.k).chains[-1]
             at_measured = measured * option.decode_ms / option.spec_ms
-            speedup = run["tok_per_s"] / plain[c]["tok_per_s"]
+            speedup = spec["tok_per_s"] / plain[c]["tok_per_s"]
             row = {
                 "curve": list(curve),
                 "concurrency": c,
@@ -282,9 +315,9 @@ def main() -> None:
                     for a in measured_curve(stats.accepted_per_position, stats.num_verify_steps)
                 ],
                 "num_verify_steps": stats.num_verify_steps,
-                "tok_per_s": round(run["tok_per_s"], 2),
+                "tok_per_s": round(spec["tok_per_s"], 2),
                 "plain_tok_per_s": round(plain[c]["tok_per_s"], 2),
-                "step_ms": round(run["step_ms"], 4),
+                "step_ms": round(spec["step_ms"], 4),
                 "plain_step_ms": round(plain[c]["step_ms"], 4),
                 "speedup": round(speedup, 4),
                 "predicted_speedup": round(option.speedup, 4),
@@ -296,7 +329,8 @@ def main() -> None:
                     "draft": round(option.draft.ms, 4),
                     "break_even_accept_len": round(option.break_even, 4),
                 },
-                "lossless": run["outputs"] == plain[c]["outputs"],
+                "measured_break_even": round(spec["step_ms"] / plain[c]["step_ms"], 4),
+                "lossless": spec["outputs"] == plain[c]["outputs"],
                 "on_continuation": counts.on_continuation,
                 "off_continuation": counts.off_continuation,
                 "diverged_requests": len(counts.diverged_requests),
@@ -309,11 +343,14 @@ def main() -> None:
                 f"({row['predicted_speedup']} at the curve), ratio {row['ratio']}",
                 flush=True,
             )
-    payload = {
+    engine.shutdown()  # the other tensor-parallel ranks stop (nothing on one rank)
+    return {
         "model": args.model,
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "planner_gpu": setup.gpu.name,
+        "tensor_parallel_size": setup.tp,
+        "planner_link": setup.link.name,
         "graphs": setup.graphs,
         "k": args.k,
         "curves": [list(c) for c in curves],
@@ -324,8 +361,6 @@ def main() -> None:
         "draft_vocab": plan_drafter.vocab_size,
         "rows": rows,
     }
-    path = write_result("synthetic_accept", payload, args.out_dir)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

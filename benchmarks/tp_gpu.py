@@ -1,0 +1,529 @@
+"""Tensor parallelism on one host's GPUs, measured the way it is run: output equality with one
+rank, step times beside the planner's, the collectives' cost, and speculation's break-even.
+
+    python benchmarks/tp_gpu.py --gpus 2 --out-dir $OUT          # 2 GPUs, about 8 minutes
+    python benchmarks/tp_gpu.py --gpus 8 --out-dir $OUT          # 8 GPUs (8B: 32 heads, 8 KV)
+    python benchmarks/tp_gpu.py --gpus 2 --quick --out-dir $OUT  # fewer points, a few minutes
+    python benchmarks/tp_gpu.py --smoke --out-dir /tmp/tp        # CPU, gloo, 2 ranks, ~1 min
+    python benchmarks/tp_gpu.py --gpus 2 --parts equality timings --out-dir $OUT
+
+Parts (--parts picks; each writes into one JSON, tp_gpu.json or tp_gpu_smoke.json in --out-dir,
+rewritten after every part, so a run cut short keeps what finished):
+
+1. equality: a random Llama-shape model (8 heads, 4 KV heads, 4 layers, vocab 4096, fp32)
+   written with safetensors to a temporary directory, served by LLM(dir) and by
+   LLM(dir, tensor_parallel_size=N), which spawns ranks 1..N-1 that open the same directory
+   (random weights held in memory cannot reach them). Greedy, EOS ignored: TP=N plain, with
+   n-gram drafts, and with an EAGLE-3 drafter on rank 0 (random, untrained: acceptance is
+   near zero, so this checks losslessness and the drafter's place, not its speedup) must each
+   give the TP=1 plain output token for token.
+2. timings: the Llama-3.1-8B shape with random bf16 weights, through the engine's own step
+   timing (ModelRunner.profile_steps: a decode step and the verify step of 1 + k tokens on
+   dummy rows, median of reps) at TP=1 and TP=N, C sequences a step. TP=N runs under torchrun,
+   where every rank builds the same seeded weights on its own GPU and ranks > 0 follow rank 0's
+   steps (tp_channel); at TP > 1 CUDA graphs are off and every rank runs eagerly
+   (`cuda_graphs` in each setting says which ran). TP=N runs twice, each in its own processes
+   since NCCL reads its environment once: as the machine is (NVLink) and with
+   NCCL_P2P_DISABLE=1 (through host memory: a stand-in for PCIe without P2P). Beside each
+   point: all-reduces, all-gathers and bytes per forward as the engine counted them, the
+   planner's count, and its predicted ms on the built-in link (nvlink4, pcie5-nop2p) and on the
+   link `bench comm` measured here, with the error.
+3. synthetic: benchmarks/synthetic_accept.py at TP=N with NCCL_P2P_DISABLE=1 on the 8B shape
+   (a random EAGLE-3 drafter on rank 0 whose drafts are replaced by a chosen acceptance
+   curve): accept length and speedup measured, the measured break-even accept length
+   (speculative step / plain step) beside the planner's for tp N over pcie5-nop2p.
+4. comm: `outrider bench comm` over the N GPUs, each NCCL candidate in its own processes
+   (--quick: four of them); over gloo with --smoke.
+
+--budget-s (default 480) bounds the whole run: a part that would start past it is skipped and
+says so, and comm's candidates share what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from common import write_result  # noqa: E402
+from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
+from synthetic_accept import TINY  # noqa: E402
+from tp_gpu_tables import TABLES  # noqa: E402
+
+# Heads, KV heads, vocabulary and MLP divide by 2, 4 and 8 (KV heads replicate at 8).
+EQUALITY_SHAPE = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=256,
+    intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+    rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+NGRAM = {"method": "ngram", "num_draft_tokens": 4, "controller": "fixed"}
+P2P_OFF = {"NCCL_P2P_DISABLE": "1"}
+QUICK_CANDIDATES = ("default", "p2p-off", "proto-LL", "proto-Simple")
+EAGER_NOTE = (
+    "tensor_parallel_size > 1: CUDA graphs are off and every rank runs each forward eagerly "
+    "(ModelRunner._capture_graphs); TP=1 replays graphs where the engine captures them"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What one run measures: smoke (CPU), quick or full."""
+
+    hf: dict
+    device: str
+    dtype: str
+    batch_sizes: tuple[int, ...]
+    ks: tuple[int, ...]
+    reps: int
+    new_tokens: int  # equality
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Sizes:
+        if args.smoke:
+            return cls(TINY, "cpu", "float32", (1, 4), (0, 1, 3), 2, 12)
+        if args.quick:
+            return cls(LLAMA_8B, "cuda", "bfloat16", (1, 32), (0, 3, 15), 5, 24)
+        return cls(LLAMA_8B, "cuda", "bfloat16", (1, 8, 32, 64), (0, 1, 3, 7, 15), 10, 32)
+
+
+# -- 1. equality -------------------------------------------------------------------------------
+
+
+def write_random_model(hf: dict, directory: Path) -> Path:
+    """random_checkpoint's seeded weights of `hf` (std 0.05: logits far from ties) as an HF
+    directory: config.json, model.safetensors, and a word-level tokenizer naming every id."""
+    import tokenizers
+    from safetensors.torch import save_file
+
+    ckpt = random_checkpoint(hf, "cpu", torch.float32, std=0.05)
+    save_file({n: t.contiguous() for n, t in ckpt.iter_tensors()}, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({**hf, "torch_dtype": "float32"}))
+    vocab = {f"t{i}": i for i in range(hf["vocab_size"])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
+    return directory
+
+
+def equality(n: int, sizes: Sizes) -> dict:
+    """TP=N greedy output against TP=1's, plain, n-gram and EAGLE-3 (see the module's doc)."""
+    import gc
+
+    from synthetic_accept import random_eagle3
+
+    from outrider import LLM, SamplingParams
+
+    hf = EQUALITY_SHAPE
+    device = "cuda" if sizes.device == "cuda" else "cpu"
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, hf["vocab_size"], (m,), generator=g).tolist() for m in (5, 33, 60)]
+    prompts.append([7, 8, 9, 10] * 6)  # repeats: n-gram drafts from the first step
+    params = SamplingParams(temperature=0, max_tokens=sizes.new_tokens, ignore_eos=True)
+    opts = dict(dtype="float32", device=device, num_blocks=256, max_model_len=512)
+    cases = []
+
+    def case(name: str, llm, want: list | None) -> list:
+        engine = llm.engine
+        engine.runner.reset_collective_counts()
+        verifies = engine.spec_stats.num_verify_steps
+        t0 = time.perf_counter()
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        row = {"case": name, "seconds": round(time.perf_counter() - t0, 2),
+               "verify_steps": engine.spec_stats.num_verify_steps - verifies,
+               "per_forward": per_forward(engine.runner.collective_counts())}  # fmt: skip
+        if want is not None:
+            row["equal"] = outs == want
+            row["first_difference"] = first_difference(want, outs)
+        cases.append(row)
+        return outs
+
+    with tempfile.TemporaryDirectory(prefix="outrider-tp-eq-") as tmp:
+        path = str(write_random_model(hf, Path(tmp)))
+        with LLM(path, **opts, speculative=NGRAM) as one:
+            ngram = one.engine.proposer
+            one.engine.use_proposer(None)
+            want = case("tp1 plain", one, None)
+            one.engine.use_proposer(ngram)
+            case("tp1 ngram", one, want)
+        del one
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        with LLM(path, **opts, speculative=NGRAM, tensor_parallel_size=n) as llm:
+            case(f"tp{n} ngram", llm, want)
+            llm.engine.use_proposer(random_eagle3(llm.engine.runner, 1024))
+            case(f"tp{n} eagle3 (random drafter on rank 0)", llm, want)
+            llm.engine.use_proposer(None)
+            case(f"tp{n} plain", llm, want)
+            graphs = llm.engine.runner.graphs is not None
+    return {
+        "settings": {"shape": hf, "dtype": "float32", "device": device, "tp": n,
+                     "prompt_lens": [len(p) for p in prompts], "new_tokens": sizes.new_tokens,
+                     "ranks_started_by": "LLM(tensor_parallel_size=N): spawned, opening the "
+                     "model directory", "tp_cuda_graphs": graphs,
+                     "eagle3": "random untrained drafter (synthetic_accept.random_eagle3): "
+                     "checks losslessness, not acceptance"},
+        "cases": cases,
+        "all_equal": all(c.get("equal", True) for c in cases),
+    }  # fmt: skip
+
+
+def first_difference(want: list[list[int]], got: list[list[int]]) -> dict | None:
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return {"prompt": i, "token": j}
+    return None
+
+
+def per_forward(counts: dict) -> dict:
+    """{mode: {collective: {"calls", "bytes"} per forward}} from the runner's counts."""
+    out = {}
+    for mode, ops in counts.items():
+        n = ops.get("forward", {}).get("calls", 0)
+        if n:
+            out[mode] = {op: {"calls": round(v["calls"] / n, 3), "bytes": round(v["bytes"] / n)}
+                         for op, v in ops.items() if op != "forward"} | {"forwards": n}  # fmt: skip
+    return out
+
+
+# -- 2. step timings (run in a child: torchrun at TP > 1) --------------------------------------
+
+
+def timings_child(tp: int, sizes: Sizes) -> dict | None:
+    """Rank 0's profile_steps table at every (C, k) and the collectives a forward ran; None on
+    ranks > 0 (under torchrun they follow rank 0 inside EngineCore and end their process there)."""
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import EngineCore
+
+    cuda = sizes.device == "cuda"
+    top = max(sizes.batch_sizes)
+    cache = {"enable_prefix_caching": False}
+    cache |= {"gpu_memory_utilization": 0.5} if cuda else {"num_blocks": 64}
+    config = EngineConfig().replace(
+        model={"device": sizes.device, "dtype": sizes.dtype, "max_model_len": 1024,
+               "cuda_graph_max_batch": top},
+        cache=cache, scheduler={"max_num_seqs": top},
+        parallel={"tensor_parallel_size": tp},
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    engine = EngineCore(
+        config, random_checkpoint(sizes.hf, sizes.device, getattr(torch, sizes.dtype))
+    )
+    runner = engine.runner
+    spec_ks = tuple(k for k in sizes.ks if k > 0)
+    runner.set_speculation(None, spec_ks)  # host drafts: the verify step alone, as n-gram runs
+    runner.capture_graphs()
+    start_s = time.perf_counter() - t0
+    points = []
+    for b in sizes.batch_sizes:
+        for k in sizes.ks:
+            # One k a call: the counts then hold this verify shape alone (a call also times a
+            # decode step, under its own mode).
+            runner.reset_collective_counts()
+            table = runner.profile_steps([k] if k else [], [b], sizes.reps)
+            mode = "verify" if k else "decode"
+            counts = per_forward(runner.collective_counts()).get(mode)
+            points.append({"batch": b, "k": k, "measured_ms": round(table[b][k], 4),
+                           "collectives": counts})  # fmt: skip
+            print(f"[timings tp={tp}] C={b} k={k}: {table[b][k]:.3f} ms", flush=True)
+    engine.shutdown()
+    return {
+        "tp": tp,
+        "device_name": torch.cuda.get_device_name(runner.device) if cuda else "cpu",
+        "threads": torch.get_num_threads(),
+        "dtype": sizes.dtype,
+        "cuda_graphs": runner.graphs is not None,
+        "backend": "nccl" if cuda and tp > 1 else ("gloo" if tp > 1 else None),
+        "attention_backend": runner.backend.name,
+        "engine_start_s": round(start_s, 1),
+        "reps": sizes.reps,
+        "points": points,
+    }
+
+
+def planner_model(hf: dict, dtype: str):
+    from outrider.plan.models import from_hf_dict
+
+    name, elem = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}[dtype]
+    return dataclasses.replace(from_hf_dict(hf), weights=name, expert_weights=None, kv_bytes=elem)
+
+
+def planner_gpu(device_name: str, threads: int):
+    from outrider.plan.calibrate import _host_memory_gb, cpu_profile
+    from outrider.plan.cli import _gpu_by_name
+
+    if device_name == "cpu":
+        return cpu_profile(threads, _host_memory_gb())
+    return _gpu_by_name(device_name)
+
+
+def predict(model, gpu, link, tp: int, graphs: bool, batch: int, k: int) -> dict:
+    """The planner's ms for profile_steps' step (rows of 1 + k tokens at context 0) and the
+    collectives it counts for one forward of it."""
+    from outrider.plan.calibrate import Point, predict_ms
+    from outrider.plan.costmodel import Setup, decode_cost, forward_kernels, verify_cost
+
+    _, collectives, _ = forward_kernels(model, tp, batch, 1 + k, 0)
+    count = {c.kind: sum(1 for x in collectives if x.kind == c.kind) for c in collectives}
+    moved = {kind: sum(x.bytes for x in collectives if x.kind == kind) for kind in count}
+    if tp == 1:
+        ms = predict_ms(model, gpu, Point(batch, k, 1.0), graphs)
+    else:
+        setup = Setup(model, gpu, link, tp, graphs, graphs)
+        ms = (verify_cost(setup, batch, 1 + k, 0) if k else decode_cost(setup, batch, 0)).ms
+    return {"ms": ms, "calls": count, "bytes": moved}
+
+
+def add_predictions(setting: dict, hf: dict, links: dict) -> None:
+    """Each point's planner figures over every link in `links` ({label: Link})."""
+    model = planner_model(hf, setting["dtype"])
+    gpu = planner_gpu(setting["device_name"], setting["threads"])
+    setting["planner_gpu"] = gpu.name
+    for p in setting["points"]:
+        p["predicted"] = {}
+        for label, link in links.items():
+            got = predict(
+                model, gpu, link, setting["tp"], setting["cuda_graphs"], p["batch"], p["k"]
+            )
+            p["predicted"][label] = {
+                "ms": round(got["ms"], 4),
+                "error": round(got["ms"] / p["measured_ms"] - 1, 4),
+            }
+        p["planner_collectives"] = {"calls": got["calls"], "bytes": got["bytes"]}
+
+
+def measured_link(comm: dict | None, candidate: str):
+    """The Link `bench comm` measured for `candidate` (None when it did not run or failed)."""
+    from outrider.plan.hardware import Link
+
+    if not comm or "candidates" not in comm:
+        return None
+    for c in comm["candidates"]:
+        if c["name"] == candidate and not c["error"]:
+            tables = {
+                kind: tuple((r["bytes"], r["us"]) for r in c[kind])
+                for kind in ("all_reduce", "all_gather")
+            }
+            return Link(f"measured-{candidate}", measured=tables, world_size=comm["world_size"])
+    return None
+
+
+# -- 3. synthetic acceptance (a torchrun child) ------------------------------------------------
+
+
+def synthetic_child(tp: int, args: argparse.Namespace) -> dict | None:
+    """synthetic_accept.run at TP=tp over the planner's pcie5-nop2p link (the orchestrator sets
+    NCCL_P2P_DISABLE=1 in this child's environment)."""
+    from synthetic_accept import run
+
+    full = not (args.smoke or args.quick)
+    ns = argparse.Namespace(
+        model="llama-3.1-8b", curves="0.6,0.8,0.9" if full else "0.8", k=3,
+        concurrency=[1, 16, 64] if full else [1, 16], prompt_len=128,
+        new_tokens=256 if full else 128, draft_vocab=32000, device="cuda", dtype="bfloat16",
+        gpu=None, seed=0, smoke=args.smoke, tensor_parallel_size=tp, link="pcie5-nop2p",
+        out_dir=None,
+    )  # fmt: skip
+    return run(ns)
+
+
+# -- running parts in children -----------------------------------------------------------------
+
+
+def run_child(part: str, tp: int, settings: dict[str, str], args, timeout_s: float) -> dict:
+    """This script as `--child part` in fresh processes (torchrun for tp > 1) with `settings` in
+    their environment; rank 0's result."""
+    from outrider import env
+
+    with tempfile.TemporaryDirectory(prefix="outrider-tp-") as tmp:
+        out = Path(tmp) / "part.json"
+        cmd = [sys.executable]
+        if tp > 1:
+            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
+        cmd += [__file__, "--child", part, "--tp", str(tp), "--child-out", str(out)]
+        cmd += ["--smoke"] * args.smoke + ["--quick"] * args.quick
+        extra = {"PYTHONPATH": ":".join(filter(None, [str(HERE.parent), _env_path()]))}
+        if args.smoke:
+            extra["OUTRIDER_NUM_THREADS"] = "1"  # tiny shapes on shared cores
+        # A session of its own: past the timeout torchrun and every rank it started end together
+        # (ranks left behind would hold their GPUs through the next part).
+        proc = subprocess.Popen(
+            cmd, env=env.child_environment({**extra, **settings}), start_new_session=True
+        )
+        try:
+            proc.wait(timeout=max(timeout_s, 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        if proc.returncode or not out.is_file():
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode} (its log is above)")
+        return json.loads(out.read_text())
+
+
+def _env_path() -> str:
+    return os.environ.get("PYTHONPATH", "")
+
+
+def timings(n: int, sizes: Sizes, args, deadline: float) -> dict:
+    settings = {}
+    for name, tp, extra in (("tp1", 1, {}), (f"tp{n}", n, {}), (f"tp{n}-p2p-off", n, P2P_OFF)):
+        if time.monotonic() > deadline - 30:
+            settings[name] = {"skipped": "the run's --budget-s was spent"}
+            continue
+        try:
+            settings[name] = run_child("timings", tp, extra, args, deadline - time.monotonic())
+            settings[name]["env"] = extra
+        except Exception as e:
+            settings[name] = {"error": f"{type(e).__name__}: {e}"[:500], "env": extra}
+    return {
+        "settings": {"shape": "llama-3.1-8b" if sizes.hf is LLAMA_8B else "tiny",
+                     "dtype": sizes.dtype, "batch_sizes": sizes.batch_sizes, "ks": sizes.ks,
+                     "reps": sizes.reps, "step": "ModelRunner.profile_steps on rank 0",
+                     "ranks_started_by": "torchrun --standalone (weights seeded per rank)",
+                     "eager": EAGER_NOTE},
+        "by_setting": settings,
+    }  # fmt: skip
+
+
+def link_predictions(result: dict, hf: dict) -> None:
+    """Planner figures beside every timing point: the built-in link of each setting, and the
+    link `bench comm` measured for it once comm has run (its default candidate as is, its
+    p2p-off one with P2P off; over gloo the one it has)."""
+    from outrider.plan.hardware import load_link
+
+    comm = result["parts"].get("comm")
+    nccl = bool(comm) and comm.get("backend") == "nccl"
+    for setting in result["parts"]["timings"].get("by_setting", {}).values():
+        if "points" not in setting:
+            continue
+        off = setting.get("env") == P2P_OFF
+        builtin = "pcie5-nop2p" if off else "nvlink4"
+        label = builtin if setting["tp"] > 1 else "planner"  # one rank: no link
+        links = {label: load_link(builtin)}
+        measured = measured_link(comm, "p2p-off" if off and nccl else "default")
+        if measured is not None and setting["tp"] > 1:
+            links["measured"] = measured
+        add_predictions(setting, hf, links)
+
+
+def comm_part(n: int, sizes: Sizes, args, deadline: float) -> dict:
+    from outrider.bench.comm import NCCL_CANDIDATES, CommConfig, bench_comm
+
+    elem = 4 if sizes.dtype == "float32" else 2
+    names = QUICK_CANDIDATES if args.quick else tuple(NCCL_CANDIDATES)
+    left = max(20.0, (deadline - time.monotonic()) / len(names))
+    if args.smoke:  # the tiny shape's sizes (no planner model has its width)
+        tokens = {b * (1 + k) for b in sizes.batch_sizes for k in sizes.ks}
+        width = (sizes.hf["hidden_size"], sizes.hf["vocab_size"])
+        cfg = CommConfig(
+            world_size=n,
+            device="cpu",
+            dtype="fp32",
+            warmup=2,
+            iters=5,
+            trials=1,
+            sizes=tuple(sorted({w * t * elem for w in width for t in tokens})),
+        )
+    else:
+        cfg = CommConfig(world_size=n, device="cuda", model="llama-3.1-8b", dtype="bf16",
+                         batch_sizes=sizes.batch_sizes, ks=sizes.ks, candidates=names,
+                         timeout_s=left)  # fmt: skip
+    result = bench_comm(cfg)
+    result["settings"] = {k: v for k, v in dataclasses.asdict(cfg).items()}
+    return result
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--gpus", type=int, default=None, help="tensor-parallel size N (default: all)")
+    ap.add_argument("--parts", nargs="+", default=["equality", "timings", "synthetic", "comm"],
+                    choices=["equality", "timings", "synthetic", "comm"])  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help="fewer points: a few minutes")
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")
+    ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--child", choices=["timings", "synthetic"], help=argparse.SUPPRESS)
+    ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = Sizes.of(args)
+    if args.child:
+        if args.smoke:
+            torch.set_num_threads(1)
+        fn = timings_child if args.child == "timings" else synthetic_child
+        result = fn(args.tp, sizes if args.child == "timings" else args)
+        if result is not None:  # rank 0
+            Path(args.child_out).write_text(json.dumps(result))
+        if args.tp > 1:
+            from outrider.executor.tp_workers import leave_process
+
+            leave_process(0)
+        return
+
+    n = 2 if args.smoke else (args.gpus or torch.cuda.device_count())
+    if not args.smoke and (n < 2 or torch.cuda.device_count() < n):
+        raise SystemExit(
+            f"--gpus {n} with {torch.cuda.device_count()} GPUs here: tensor parallelism needs "
+            "2 or more GPUs of this host; pass --gpus N <= the count, or --smoke (the CPU)"
+        )
+    deadline = time.monotonic() + args.budget_s
+    name = "tp_gpu_smoke" if args.smoke else "tp_gpu"
+    result = {"gpus": n, "smoke": args.smoke, "quick": args.quick, "budget_s": args.budget_s,
+              "backend": "gloo" if args.smoke else "nccl", "parts": {}}  # fmt: skip
+    parts = {
+        "equality": lambda: equality(n, sizes),
+        "timings": lambda: timings(n, sizes, args, deadline),
+        "synthetic": lambda: run_child("synthetic", n, P2P_OFF, args, deadline - time.monotonic()),
+        "comm": lambda: comm_part(n, sizes, args, deadline),
+    }
+    path = None
+    for part in args.parts:
+        print(f"\n== {part} ==", flush=True)
+        if time.monotonic() > deadline - 20:
+            result["parts"][part] = {"skipped": f"--budget-s {args.budget_s:g} was spent"}
+            continue
+        t0 = time.perf_counter()
+        try:
+            result["parts"][part] = parts[part]()
+        except Exception as e:  # report, keep the other parts
+            traceback.print_exc()
+            result["parts"][part] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+        result["parts"][part]["seconds"] = round(time.perf_counter() - t0, 1)
+        if part == "synthetic" and "rows" in result["parts"][part]:
+            result["parts"][part]["env"] = P2P_OFF
+        if "timings" in result["parts"]:
+            link_predictions(result, sizes.hf)
+        path = write_result(name, result, args.out_dir)
+    for part, data in result["parts"].items():
+        print(f"\n== {part} ({data.get('seconds', 0):g} s) ==")
+        if "error" in data or "skipped" in data:
+            print(data.get("error") or data.get("skipped"))
+        else:
+            TABLES[part](data)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
