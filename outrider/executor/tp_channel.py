@@ -16,9 +16,12 @@ group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
 
     op FORWARD  mode, tokens T, batch B, table width W, tree-mask width M (0: causal),
                 logits rows L (-1: every row, 0: none, n: the rows in logits_indices)
-                -> input_ids [T] int64, positions [T] int64, slot_mapping [T] int64,
-                   query_start_loc [B + 1] int32, seq_lens [B] int32, block_tables [B, W] int32,
-                   tree_mask [T, M] uint8 (M > 0), logits_indices [L] int64 (L > 0)
+                -> one uint8 payload (a single broadcast: on PCIe each collective costs tens
+                   of microseconds whatever its size), holding in this order
+                   input_ids [T], positions [T], slot_mapping [T], logits_indices [L > 0]
+                   as int64, query_start_loc [B + 1], seq_lens [B], block_tables [B, W] as
+                   int32, tree_mask [T, M > 0] as uint8 (each part starts aligned to its
+                   element size: the int64 parts come first)
     op MOVE_KV  n -> src [n] int64, dst [n] int64 flat slots (KVPool.move_no_sync)
     op GATHER_EMBEDDING   every rank all-gathers its shard of the vocabulary embedding (a
                 drafter on rank 0 embeds with the whole table)
@@ -30,6 +33,7 @@ With one rank nothing here runs: the runner holds no sender and never checks mor
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -87,17 +91,16 @@ class StepSender:
             0 if tree is None else tree.shape[1],
             n_logits,
         )
-        send = self._send(mode)
-        send(input_ids, torch.int64)
-        send(positions, torch.int64)
-        send(attn.slot_mapping, torch.int64)
-        send(attn.query_start_loc, torch.int32)
-        send(attn.seq_lens, torch.int32)
-        send(tables, torch.int32)
-        if tree is not None:
-            send(tree, torch.uint8)
+        parts = [(input_ids, torch.int64), (positions, torch.int64),
+                 (attn.slot_mapping, torch.int64)]  # fmt: skip
         if n_logits > 0:
-            send(logits_rows, torch.int64)
+            parts.append((logits_rows, torch.int64))
+        parts += [(attn.query_start_loc, torch.int32), (attn.seq_lens, torch.int32),
+                  (tables, torch.int32)]  # fmt: skip
+        if tree is not None:
+            parts.append((tree, torch.uint8))
+        payload = torch.cat([_bytes(x, dtype) for x, dtype in parts])
+        self.tp.broadcast(payload, mode=mode)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rank 0 moved KV entries src -> dst (flat slots [n] int64): every rank does."""
@@ -123,6 +126,23 @@ class StepSender:
             self.tp.broadcast(x, mode=mode)
 
         return send
+
+
+def _bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as `dtype`, flat, viewed as bytes (a speculative step's block tables are a column
+    slice, a tree mask is bool)."""
+    x = x.view(torch.uint8) if x.dtype == torch.bool else x.to(dtype)
+    return x.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _unpack(payload: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]):
+    """The parts `layout` describes (shape, dtype each), in order, as views of `payload`."""
+    out, at = [], 0
+    for shape, dtype in layout:
+        n = dtype.itemsize * math.prod(shape)
+        out.append(payload[at : at + n].view(dtype).view(shape))
+        at += n
+    return out
 
 
 def worker_loop(runner) -> None:
@@ -155,14 +175,18 @@ def worker_loop(runner) -> None:
 
 
 def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int) -> None:
-    ids = recv((t,), torch.int64)
-    positions = recv((t,), torch.int64)
-    slots = recv((t,), torch.int64)
-    qsl = recv((b + 1,), torch.int32)
-    seq_lens = recv((b,), torch.int32)
-    tables = recv((b, w), torch.int32)
-    tree = recv((t, m), torch.uint8).view(torch.bool) if m else None
-    rows = recv((n_logits,), torch.int64) if n_logits > 0 else None
+    layout = [((t,), torch.int64)] * 3
+    if n_logits > 0:
+        layout.append(((n_logits,), torch.int64))
+    layout += [((b + 1,), torch.int32), ((b,), torch.int32), ((b, w), torch.int32)]
+    if m:
+        layout.append(((t, m), torch.uint8))
+    size = sum(dtype.itemsize * math.prod(shape) for shape, dtype in layout)
+    parts = _unpack(recv((size,), torch.uint8), layout)
+    ids, positions, slots = parts[:3]
+    rows = parts[3] if n_logits > 0 else None
+    qsl, seq_lens, tables = parts[3 + (n_logits > 0) : 6 + (n_logits > 0)]
+    tree = parts[-1].view(torch.bool) if m else None
     starts = qsl.tolist()  # CPU-GPU sync point (the reference backend plans from host lengths)
     meta = AttentionMetadata(
         mode=_MODES[mode],

@@ -99,6 +99,9 @@ def test_tp2_equals_tp1_plain_ngram_eagle3_under_preemption_and_chunking(
         engine.use_proposer(Eagle3Drafter(random_drafter(target), engine.runner, 2, 2))
         counts = run("eagle3 tree")
         assert counts["other"]["broadcast"]["calls"] > 0  # headers, and the KV moves
+        # A forward's inputs (tree masks included) reach the other ranks in one broadcast.
+        for mode in ("prefill", "verify"):
+            assert counts[mode]["broadcast"]["calls"] == counts[mode]["forward"]["calls"]
         engine.use_proposer(None)
         counts = run("plain")
         assert _per_forward(counts, "decode") == (2 * layers + 1, 1)
