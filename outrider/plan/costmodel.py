@@ -22,9 +22,12 @@ which is why large batches read most of the experts and a verify of 1 + k tokens
 reads several times the expert bytes of a decode step. Real routing is skewed, so U(N) is an
 upper estimate.
 
-Collectives per forward at tp > 1: two all-reduces per layer (after attention's output
-projection and after the MLP or MoE, shared experts summed in before it), one for the
-vocabulary-parallel embedding, and an all-gather of the vocabulary-parallel LM head's logits.
+Collectives per forward at tp > 1: rank 0's broadcast of the step's inputs (ids, positions,
+slots, lengths, block tables, logits rows: one packed buffer, executor/tp_channel.py), two
+all-reduces per layer (after attention's output projection and after the MLP or MoE, shared
+experts summed in before it), one for the vocabulary-parallel embedding, and an all-gather of
+the vocabulary-parallel LM head's logits. A ring broadcast of S bytes costs what an all-gather
+with S x n / (n - 1) bytes out does: the same hops, S through each link.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from outrider.plan.hardware import Gpu, Link
 from outrider.plan.models import ModelSpec, weight_format
 
 ACT_BYTES = 2  # activations and logits in bf16
+INPUT_BLOCK = 16  # the KV block size the engine's block tables count in (its default)
 
 
 @dataclass(frozen=True)
@@ -46,8 +50,8 @@ class Kernel:
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str  # "all_reduce" | "all_gather"
-    bytes: float  # all-reduce: each rank's buffer; all-gather: the gathered output
+    kind: str  # "all_reduce" | "all_gather" | "broadcast"
+    bytes: float  # all-reduce: each rank's buffer; all-gather: the gathered output; broadcast: the buffer
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,10 @@ def forward_kernels(
     def small(name: str, width: float) -> Kernel:  # elementwise: read and write activations
         return Kernel(name, 2 * n * width * act, 4.0 * n * width)
 
+    if tp > 1:  # the step's inputs, from rank 0 (int64 ids, positions, slots, logits rows;
+        # int32 query starts, lengths and block tables of 16-token blocks)
+        table = -(-kv_len // INPUT_BLOCK)
+        cs.append(Collective("broadcast", 32 * n + 4 * (2 * seqs + 1) + 4 * seqs * table))
     ks.append(small("embedding", h))
     if tp > 1:
         cs.append(reduce)
@@ -259,6 +267,8 @@ def time_step(
     for c in collectives:
         if c.kind == "all_reduce":
             comm += link.all_reduce_us(c.bytes, setup.tp, setup.algo)
+        elif c.kind == "broadcast":
+            comm += link.all_gather_us(c.bytes * setup.tp / (setup.tp - 1), setup.tp)
         else:
             comm += link.all_gather_us(c.bytes, setup.tp)
         counts[c.kind] = counts.get(c.kind, 0) + 1
