@@ -96,12 +96,16 @@ def test_planner_reads_the_measured_link(measured):
     setup = Setup(load_model("llama-3.1-8b"), load_gpu("h200"), link, tp=2)
     nvlink = Setup(load_model("llama-3.1-8b"), load_gpu("h200"), load_link("nvlink4"), tp=2)
     # Decode at one sequence sends exactly the measured sizes: 2 x 32 + 1 all-reduces of
-    # 8 KB and the LM head's 256 KB gather.
+    # 8 KB and the LM head's 256 KB gather; and rank 0's 48-byte broadcast of the step's
+    # inputs (one token: ids, positions, slots, logits row, 4 int32 lengths and table
+    # entries), priced as an all-gather with twice its bytes out at 2 ranks.
     want = (2 * LAYERS + 1) * table["all_reduce"][HIDDEN * 2] + table["all_gather"][VOCAB * 2]
+    want += link.all_gather_us(2 * 48, 2)
     assert decode_cost(setup, 1, 0).comm_ms == pytest.approx(want / 1e3, rel=1e-6)
     assert decode_cost(setup, 1, 0).comm_ms != pytest.approx(decode_cost(nvlink, 1, 0).comm_ms)
     verify = verify_cost(setup, 2, 4, 0).comm_ms  # 8 tokens: the largest size measured
     want = (2 * LAYERS + 1) * table["all_reduce"][HIDDEN * 16] + table["all_gather"][VOCAB * 16]
+    want += link.all_gather_us(2 * (32 * 8 + 4 * 5 + 4 * 2), 2)  # the inputs: 8 tokens, 2 rows
     assert verify == pytest.approx(want / 1e3, rel=1e-6)
     with pytest.raises(ValueError, match="measured at 2 ranks, not 4"):
         decode_cost(Setup(load_model("llama-3.1-8b"), load_gpu("h200"), link, tp=4), 1, 0)
