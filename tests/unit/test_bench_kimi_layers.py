@@ -4,25 +4,15 @@ models are timed and the per-layer rows carry measured and predicted times."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kimi_layers", BENCH / "kimi_layers.py")
-    module = importlib.util.module_from_spec(spec)
-    path_before = list(sys.path)
-    try:
-        spec.loader.exec_module(module)  # inserts benchmarks/ for `common`
-    finally:
-        sys.path[:] = path_before
-    return module
+    return load_benchmark("kimi_layers.py")
 
 
 def test_the_config_is_the_planners_kimi_row(bench):

@@ -4,27 +4,17 @@ No model runs here; the benchmark itself is smoke-run by hand (its docstring say
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_spec_gpu", BENCH / "spec_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    path_before = list(sys.path)
-    try:
-        spec.loader.exec_module(module)  # inserts benchmarks/ for `common`
-    finally:
-        sys.path[:] = path_before
-    return module
+    return load_benchmark("spec_gpu.py")
 
 
 def test_batches_are_full_and_cycle_the_prompts(bench):

@@ -6,13 +6,13 @@ soak itself is `make soak`."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from tests.benchmarks import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 KEY = "sk-unit-test"
@@ -20,28 +20,12 @@ KEY = "sk-unit-test"
 
 @pytest.fixture(scope="module")
 def pure():
-    spec = importlib.util.spec_from_file_location("bench_soak_corpus", BENCH / "soak_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_benchmark("soak_corpus.py")
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("bench_soak", BENCH / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    path_before = list(sys.path)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    try:
-        spec.loader.exec_module(module)  # inserts benchmarks/ for `common`
-    finally:
-        sys.path[:] = path_before
-        del sys.modules[spec.name]
-    return module
+    return load_benchmark("soak.py")
 
 
 @pytest.fixture(scope="module")
