@@ -84,6 +84,24 @@ class SplitWorkspace:
         return tuple(self.out.shape) == (rows, num_heads, num_splits, head_dim)
 
 
+def split_targets(
+    out: torch.Tensor,  # [rows, num_heads, dim]: the final output
+    workspace: SplitWorkspace | None,
+    num_splits: int,
+) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor, tuple[int, ...], SplitWorkspace | None]:
+    """Where a split kernel writes: with one slice `out` itself (split stride 0, no lse), else
+    the fp32 partials of `workspace` (reused when it fits, allocated when not), which
+    merge_splits then reduces into `out`. Returns (dst, dst_strides, lse, lse_strides,
+    workspace)."""
+    if num_splits == 1:
+        return out, (*out.stride()[:2], 0), out, (0, 0), None
+    rows, num_heads, dim = out.shape
+    if workspace is None or not workspace.fits(rows, num_heads, num_splits, dim):
+        workspace = SplitWorkspace.allocate(rows, num_heads, num_splits, dim, out.device)
+    out_strides, lse_strides = workspace.out.stride()[:3], workspace.lse.stride()[:2]
+    return workspace.out, out_strides, workspace.lse, lse_strides, workspace
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs would get TF32 tensor cores by default (~1e-3 relative error); the fp32 path
     is the exactness reference, so it pays for IEEE products. bf16/fp16 are unaffected."""
@@ -144,14 +162,7 @@ def decode_attention(
         return out
     block_h = max(16, triton.next_power_of_2(group))
     block_n, num_warps, num_stages = decode_config(head_dim, q.dtype)
-    if num_splits == 1:
-        # One slice: stage 1 writes the final output itself (split stride 0, no lse).
-        dst, dst_strides, lse, lse_strides = out, (*out.stride()[:2], 0), out, (0, 0)
-    else:
-        if workspace is None or not workspace.fits(batch, num_heads, num_splits, head_dim):
-            workspace = SplitWorkspace.allocate(batch, num_heads, num_splits, head_dim, q.device)
-        dst, dst_strides = workspace.out, workspace.out.stride()[:3]
-        lse, lse_strides = workspace.lse, workspace.lse.stride()[:2]
+    dst, dst_strides, lse, lse_strides, workspace = split_targets(out, workspace, num_splits)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, dst, lse,
         scale * LOG2E,

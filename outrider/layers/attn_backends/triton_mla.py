@@ -42,8 +42,9 @@ from outrider.layers.attn_backends.triton_decode import (
     SplitWorkspace,
     dot_precision,
     merge_splits,
+    split_targets,
 )
-from outrider.layers.attn_backends.triton_prefill import check_tree_mask
+from outrider.layers.attn_backends.triton_prefill import check_ragged_inputs
 
 # Query heads a program takes: tl.dot's minimum M, and what keeps the fp32 accumulator
 # [BLOCK_H, 512] at 64 registers a thread over 4 warps.
@@ -116,33 +117,17 @@ def latent_attention(
         raise ValueError("the latent cache and block table need a contiguous last dimension")
     if block_tables.dtype != torch.int32:
         raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
-    if query_start_loc.shape[0] != batch + 1 or seq_lens.shape[0] != batch:
-        raise ValueError(
-            f"batch mismatch: block_tables has {batch} rows, seq_lens {seq_lens.shape[0]}, "
-            f"query_start_loc {query_start_loc.shape[0]} (wants batch + 1)"
-        )
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if tree_mask is not None:
-        check_tree_mask(tree_mask, num_tokens)
-        tree_mask = tree_mask.view(torch.uint8)  # same bytes; Triton loads u8 plainly
-        if tree_mask.stride(-1) != 1:
-            tree_mask = tree_mask.contiguous()
+    tree_mask = check_ragged_inputs(
+        query_start_loc, seq_lens, batch, num_splits, tree_mask, num_tokens
+    )
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(num_tokens, num_heads, r, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0:
         return out
-    if num_splits == 1:
-        # One slice: the kernel writes the final output itself (split stride 0, no lse).
-        dst, dst_strides, lse, lse_strides = out, (*out.stride()[:2], 0), out, (0, 0)
-    else:
-        if workspace is None or not workspace.fits(num_tokens, num_heads, num_splits, r):
-            workspace = SplitWorkspace.allocate(num_tokens, num_heads, num_splits, r, q.device)
-        # Every (token, head, split) partial gets written, an empty one too (lse -inf), as
-        # long as query_start_loc covers the tokens and max_query_len bounds its gaps.
-        dst, dst_strides = workspace.out, workspace.out.stride()[:3]
-        lse, lse_strides = workspace.lse, workspace.lse.stride()[:2]
+    # Every (token, head, split) partial gets written, an empty one too (lse -inf), as long as
+    # query_start_loc covers the tokens and max_query_len bounds its gaps.
+    dst, dst_strides, lse, lse_strides, workspace = split_targets(out, workspace, num_splits)
     block_n, num_warps, num_stages = mla_config(q.dtype)
     has_mask = tree_mask is not None
     mask = tree_mask if has_mask else seq_lens  # any pointer; unused if causal

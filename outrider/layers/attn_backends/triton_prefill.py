@@ -38,6 +38,7 @@ from outrider.layers.attn_backends.triton_decode import (
     dot_precision,
     load_paged_tile,
     merge_splits,
+    split_targets,
 )
 
 # Query lengths up to this count as VERIFY-sized: few q tiles, worth splitting the key range.
@@ -65,6 +66,31 @@ def query_tile(max_query_len: int, group: int, target_block_m: int) -> tuple[int
     block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
     block_q = max(block_q, 16 // min(group_pad, 16))
     return block_q, group_pad
+
+
+def check_ragged_inputs(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    batch: int,
+    num_splits: int,
+    tree_mask: torch.Tensor | None,
+    num_tokens: int,
+) -> torch.Tensor | None:
+    """Host checks shared by the kernels over ragged queries (prefill and verify, GQA and
+    latent); returns the tree mask as they read it (the same bytes as uint8, rows contiguous),
+    or None."""
+    if query_start_loc.shape[0] != batch + 1 or seq_lens.shape[0] != batch:
+        raise ValueError(
+            f"batch mismatch: block_tables has {batch} rows, seq_lens {seq_lens.shape[0]}, "
+            f"query_start_loc {query_start_loc.shape[0]} (wants batch + 1)"
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if tree_mask is None:
+        return None
+    check_tree_mask(tree_mask, num_tokens)
+    tree_mask = tree_mask.view(torch.uint8)  # same bytes; Triton loads u8 plainly
+    return tree_mask if tree_mask.stride(-1) == 1 else tree_mask.contiguous()
 
 
 def check_tree_mask(tree_mask: torch.Tensor, num_tokens: int) -> None:
@@ -97,18 +123,9 @@ def prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, group = check_paged_inputs(q, k_cache, v_cache, block_tables)
     batch = block_tables.shape[0]
-    if query_start_loc.shape[0] != batch + 1 or seq_lens.shape[0] != batch:
-        raise ValueError(
-            f"batch mismatch: block_tables has {batch} rows, seq_lens {seq_lens.shape[0]}, "
-            f"query_start_loc {query_start_loc.shape[0]} (wants batch + 1)"
-        )
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    if tree_mask is not None:
-        check_tree_mask(tree_mask, num_tokens)
-        tree_mask = tree_mask.view(torch.uint8)  # same bytes; Triton loads u8 plainly
-        if tree_mask.stride(-1) != 1:
-            tree_mask = tree_mask.contiguous()
+    tree_mask = check_ragged_inputs(
+        query_start_loc, seq_lens, batch, num_splits, tree_mask, num_tokens
+    )
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -117,17 +134,9 @@ def prefill_attention(
     block_m, block_n, num_warps, num_stages = prefill_config(head_dim, q.dtype)
     block_q, group_pad = query_tile(max_query_len, group, block_m)
     q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
-    if num_splits == 1:
-        dst, dst_strides, lse, lse_strides = out, (*out.stride()[:2], 0), out, (0, 0)
-    else:
-        if workspace is None or not workspace.fits(num_tokens, num_heads, num_splits, head_dim):
-            workspace = SplitWorkspace.allocate(
-                num_tokens, num_heads, num_splits, head_dim, q.device
-            )
-        dst, dst_strides = workspace.out, workspace.out.stride()[:3]
-        # Every (token, head, split) partial gets written, even an empty one (lse -inf), as
-        # long as query_start_loc covers the tokens and max_query_len bounds its gaps.
-        lse, lse_strides = workspace.lse, workspace.lse.stride()[:2]
+    # Every (token, head, split) partial gets written, even an empty one (lse -inf), as long
+    # as query_start_loc covers the tokens and max_query_len bounds its gaps.
+    dst, dst_strides, lse, lse_strides, workspace = split_targets(out, workspace, num_splits)
     has_mask = tree_mask is not None
     mask = tree_mask if has_mask else seq_lens  # any pointer; unused if causal
     _prefill_kernel[(batch, kv_heads, q_tiles * num_splits)](
