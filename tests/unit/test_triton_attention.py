@@ -32,7 +32,7 @@ from outrider.layers.forward_context import AttentionMetadata
 from outrider.speculative.tree import TreeTopology, verify_mask
 
 ROOT = Path(__file__).resolve().parents[2]
-_RESULT = "@@triton-attention-result "
+_RESULT = "@@triton-interpreter-result "
 TOL = 1e-4  # float32
 
 
@@ -302,27 +302,29 @@ def _patch_interpreter_index() -> None:
     interp._patch_lang_tensor = patched
 
 
-def _serve() -> None:
-    """Worker loop: one JSON request a line in, one marked JSON result a line out."""
+def serve(checks: dict) -> None:
+    """Worker loop, in a process under TRITON_INTERPRET=1: one JSON request a line in (its
+    "check" names one of `checks`), one marked JSON result a line out."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _patch_interpreter_index()
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            result = _CHECKS[request.pop("check")](**request)
+            result = checks[request.pop("check")](**request)
         except Exception:
             result = {"error": traceback.format_exc()}
         print(_RESULT + json.dumps(result), flush=True)
 
 
-@pytest.fixture(scope="module")
-def interpreter():
+def interpreter_worker(module: str):
+    """A generator for a module-scoped fixture: starts `module`'s _serve() in a worker process
+    under the interpreter and yields run(check, **kwargs) -> its result; stops it after."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: pip install 'triton==3.6.*'")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from tests.unit.test_triton_attention import _serve; _serve()"],
+        [sys.executable, "-c", f"from {module} import _serve; _serve()"],
         cwd=ROOT,
         env=env,
         stdin=subprocess.PIPE,
@@ -345,6 +347,15 @@ def interpreter():
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
+
+
+def _serve() -> None:
+    serve(_CHECKS)
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    yield from interpreter_worker("tests.unit.test_triton_attention")
 
 
 def _case(seq_lens, query_lens=None, heads=(4, 2), head_dim=64, block_size=16, **kw) -> dict:

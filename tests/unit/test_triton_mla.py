@@ -10,12 +10,6 @@ reuses `build_mla_case` and `compare_mla` on CUDA at the real ranks.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +18,14 @@ import torch
 
 from outrider.layers.attn_backends.torch_ref import TorchRefBackend
 from outrider.layers.forward_context import AttentionMetadata
-from tests.unit.test_triton_attention import Case, _starts, build_case
+from tests.unit.test_triton_attention import (
+    Case,
+    _starts,
+    build_case,
+    interpreter_worker,
+    serve,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-_RESULT = "@@triton-mla-result "
 TOL = 1e-4  # float32
 
 
@@ -202,50 +200,12 @@ _CHECKS = {"compare": _check_compare, "bad_dims": _check_bad_dims, "model": _che
 
 
 def _serve() -> None:
-    """Worker loop: one JSON request a line in, one marked JSON result a line out."""
-    from tests.unit.test_triton_attention import _patch_interpreter_index
-
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter_index()
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            result = _CHECKS[request.pop("check")](**request)
-        except Exception:
-            result = {"error": traceback.format_exc()}
-        print(_RESULT + json.dumps(result), flush=True)
+    serve(_CHECKS)
 
 
 @pytest.fixture(scope="module")
 def interpreter():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: pip install 'triton==3.6.*'")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from tests.unit.test_triton_mla import _serve; _serve()"],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-    def run(check: str, **kwargs) -> dict:
-        proc.stdin.write(json.dumps({"check": check, **kwargs}) + "\n")
-        proc.stdin.flush()
-        for line in proc.stdout:
-            if line.startswith(_RESULT):
-                result = json.loads(line[len(_RESULT) :])
-                assert "error" not in result, result["error"]
-                return result
-        raise RuntimeError(f"the interpreter worker exited (code {proc.wait()}); see stderr")
-
-    try:
-        yield run
-    finally:
-        proc.stdin.close()
-        proc.wait(timeout=60)
+    yield from interpreter_worker("tests.unit.test_triton_mla")
 
 
 def _case(seq_lens, query_lens=None, heads=4, r=32, d_r=16, block_size=16, **kw) -> dict:
