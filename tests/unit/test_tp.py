@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
 from outrider.executor.distributed import TPGroup, check_tp_size, init_tensor_parallel, single
+from outrider.executor.tp_workers import leave_process
 from outrider.layers.linear import RowParallelLinear
 from outrider.loaders.hf_config import TransformerConfig
 from outrider.models.llama import LlamaForCausalLM
@@ -155,11 +156,19 @@ def spawn_ranks(fn, size: int, *args) -> None:
     port (any other failure is raised)."""
     for attempt in range(3):
         try:
-            mp.spawn(fn, args=(size, _free_port(), *args), nprocs=size, join=True)
+            mp.spawn(_rank, args=(fn, size, _free_port(), *args), nprocs=size, join=True)
             return
         except mp.ProcessRaisedException as e:
             if "address already in use" not in str(e).lower() or attempt == 2:
                 raise
+
+
+def _rank(rank: int, fn, *args) -> None:
+    """One spawned rank: `fn`, then the engine's ranks' own exit (tp_workers.leave_process),
+    not the interpreter's teardown, which aborted a rank that had finished its work. A raised
+    error still reaches mp.spawn: leave_process runs only after `fn` returned."""
+    fn(rank, *args)
+    leave_process(0)
 
 
 def _worker(rank: int, size: int, port: int, names: tuple[str, ...], out_dir: str) -> None:
