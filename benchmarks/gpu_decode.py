@@ -27,6 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
+# The embedded default model's shape (SmolLM2-135M-Instruct): random weights of it time as its
+# own do, with no 98 MB checkpoint to carry to a GPU.
+SMOLLM2_135M = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+    intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
 LLAMA_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -241,7 +249,8 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        from outrider.bench.step_profile import kernel_times, step_breakdown
+        from outrider.bench.step_profile import step_breakdown
+        from outrider.executor.step_timing import kernel_times
 
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
         row = run_outrider(engine, 1, args.prompt_len, 17, during=prof)

@@ -23,18 +23,6 @@ def kind(name: str) -> str:
     return "other"
 
 
-def kernel_times(prof) -> list[tuple[str, float]]:
-    """(name, microseconds) of every GPU kernel a torch.profiler run recorded (kernels replayed
-    inside CUDA graphs included)."""
-    from torch.autograd import DeviceType
-
-    return [
-        (e.name, e.time_range.elapsed_us())
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-    ]
-
-
 def step_breakdown(
     kernels: Iterable[tuple[str, float]], steps: int, step_ms: float, roofline_ms: float
 ) -> dict:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -15,12 +13,11 @@ import torch.nn.functional as F
 from outrider.config import EngineConfig
 from outrider.core import (
     ForwardMode,
-    Request,
-    SamplingParams,
     ScheduledBatch,
     ScheduledSeq,
     StepOutput,
 )
+from outrider.executor import step_timing
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs, build_inputs
@@ -405,52 +402,9 @@ class ModelRunner:
     def profile_steps(
         self, ks: Sequence[int], batch_sizes: Sequence[int] | None = None, reps: int | None = None
     ) -> dict[int, dict[int, float]]:
-        """Milliseconds of one step as the engine runs it (inputs built, graphs replayed where
-        captured, the host read) at each batch size and k: 0 is a plain decode step, k >= 1
-        the speculative step with k drafts (and a drafter's k next drafts). Rows are dummies
-        in the scratch block, so no request's KV is touched. Median of `reps` after a warm-up.
-
-        Defaults: with graphs, every captured batch size, 10 each (replays are ~2 ms: ~1 s in
-        all, and one slow outlier stays out of the median; 3 once let a 26 ms plain step at
-        B=64 through); eagerly (the CPU: 40-200 ms steps that vary +-20% run to run) batch 1
-        and 4, 4 each, past which the controller extrapolates."""
-        graphs = self.graphs is not None
-        if batch_sizes is None:
-            batch_sizes = self.spec_step.batch_sizes if graphs else (1, 4)
-        if reps is None:
-            reps = 10 if graphs else 4
-        params = SamplingParams(temperature=0, max_tokens=None)
-        # Tokens spread over the vocabulary, not one token everywhere: an MoE model routes
-        # each row to its own experts as a real batch does (token 0 in every row read the same
-        # 8 of Kimi-K2.5's 384 experts where 64 real tokens read ~284).
-        vocab = self.model_config.vocab_size
-        rng = random.Random(0)
-        table: dict[int, dict[int, float]] = {}
-        for b in progress(batch_sizes, "measuring speculative steps"):
-            table[b] = {}
-            for k in sorted({0, *ks}):
-                rows = [[rng.randrange(vocab) for _ in range(1 + k)] for _ in range(b)]
-                seqs = [
-                    ScheduledSeq(
-                        Request(prompt_token_ids=[0], params=params), row, 0,
-                        [self._num_blocks], True, SeqDrafts.chain(row[1:]) if k else None,
-                    )
-                    for row in rows
-                ]  # fmt: skip
-                mode = ForwardMode.VERIFY if k else ForwardMode.DECODE
-                batch = ScheduledBatch(mode, seqs)
-                k_draft = k if self.drafter is not None else 0
-                times = []
-                for i in range(reps + 1):
-                    t0 = time.perf_counter()
-                    if k:
-                        self.run_spec(batch, k, k_draft)
-                    else:
-                        self.run(batch)
-                    if i:  # the first one warms up
-                        times.append((time.perf_counter() - t0) * 1e3)
-                table[b][k] = sorted(times)[len(times) // 2]
-        return table
+        """Milliseconds of one step as the engine runs it at each batch size and k (0: plain
+        decode): executor/step_timing.py."""
+        return step_timing.profile_steps(self, ks, batch_sizes, reps)[0]
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:

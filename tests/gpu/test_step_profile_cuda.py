@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.bench.step_profile import kernel_times, step_breakdown
+from outrider.bench.step_profile import step_breakdown
+from outrider.executor.step_timing import kernel_times
 
 pytestmark = pytest.mark.gpu
 
@@ -34,3 +35,31 @@ def test_kernel_times_sees_gemms_inside_a_cuda_graph():
     out = step_breakdown(times, steps=4, step_ms=1.0, roofline_ms=0.01)
     assert out["gemm_ms"] > 0 and out["other_kernels_ms"] > 0, out
     assert out["kernels_per_step"] >= 2
+
+
+def test_profile_steps_measures_the_device_share_of_each_step():
+    """The engine's own steps on the default model's shape (random weights): each step's
+    kernels take less than the step (the host builds inputs and reads the result back), and
+    more where the step verifies more tokens."""
+    from outrider.config import EngineConfig
+    from outrider.executor.model_runner import ModelRunner
+    from outrider.executor.step_timing import profile_steps
+    from tests.benchmarks import load_benchmark
+
+    gpu_decode = load_benchmark("gpu_decode.py")
+    checkpoint = gpu_decode.random_checkpoint(gpu_decode.SMOLLM2_135M, tied_head=True)
+    config = EngineConfig.from_dict({
+        "model": {"model": str(checkpoint.path), "device": "cuda", "dtype": "bfloat16"},
+        "speculative": {"method": "ngram", "num_draft_tokens": 7},
+        "cache": {"gpu_memory_utilization": 0.1},
+    })  # fmt: skip
+    runner = ModelRunner(config, checkpoint)
+    runner.set_speculation(None, (7,))
+    runner.capture_graphs()
+    steps, device = profile_steps(runner, (7,), (1, 16), reps=5, device_time=True)
+    for b in (1, 16):
+        for k in (0, 7):
+            assert 0 < device[b][k] < steps[b][k], (b, k, device[b][k], steps[b][k])
+    assert device[16][7] > device[1][0]
+    _, none = profile_steps(runner, (7,), (1,), reps=1)
+    assert none is None
