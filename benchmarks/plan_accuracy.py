@@ -4,9 +4,9 @@ on another.
     python benchmarks/plan_accuracy.py [--ks 0 1 3 7 15] [--batches 1 16 64] [--reps 10]
 
 Measures the engine's decode (k = 0) and speculative verify step times at every batch size and
-k (ModelRunner.profile_steps through plan/calibrate.py: CUDA graphs, the host read included,
-dummy rows at short contexts) for the embedded default model and the Llama-3.1-8B shape (random
-bf16 weights; time does not depend on them). The planner's machine constants are fitted to each
+k, and each step's device time (executor/step_timing.py through plan/calibrate.py: CUDA graphs,
+the host read included, dummy rows at short contexts) for the embedded default model's shape
+and the Llama-3.1-8B shape (random bf16 weights; time does not depend on them). The planner's machine constants are fitted to each
 model's points (what `outrider plan --calibrate` does) and each fitted profile predicts both
 models. Per point: measured ms; predicted by the datasheet profile (`datasheet`), by the profile
 fitted on the same model (`self`), and by the one fitted on the other model (`cross`), each with
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
+from gpu_decode import LLAMA_8B, SMOLLM2_135M, random_checkpoint  # noqa: E402
 
 
 def main() -> int:
@@ -43,20 +43,23 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None, help="result path (default: results/plan_accuracy.json)")
     ap.add_argument("--from", dest="source", default=None, help="an earlier result to re-fit")
+    ap.add_argument(
+        "--profiles-dir", default=None,
+        help="also write each model's fitted profile here (what `outrider plan --gpu` reads)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.source:
         return refit(Path(args.source), args.out)
     if not torch.cuda.is_available():
         raise SystemExit("plan_accuracy measures a GPU: run it where CUDA is available")
 
-    from outrider.loaders.checkpoint import open_checkpoint
     from outrider.plan import calibrate
     from outrider.plan.cli import _gpu_by_name
 
     shape = (tuple(args.batches), tuple(sorted(set(args.ks))), args.reps)
     measured = {}
     for name, open_it in (
-        ("smollm2-135m", lambda: open_checkpoint(None)),
+        ("smollm2-135m", lambda: random_checkpoint(SMOLLM2_135M, tied_head=True)),
         ("llama-3.1-8b", lambda: random_checkpoint(LLAMA_8B)),
     ):
         m = calibrate.measure_checkpoint(
@@ -75,6 +78,14 @@ def main() -> int:
     result = compare(models, points, prior, graphs.pop())
     path = write_result("plan_accuracy", result, args.out)
     print(f"worst cross error {result['worst_cross_error']:.1%}; wrote {path}")
+    if args.profiles_dir:
+        import json
+
+        for name, m in measured.items():
+            fitted = dataclasses.replace(prior, **result["fitted_on"][name])
+            out = Path(args.profiles_dir) / f"plan_profile_{name}.json"
+            out.write_text(json.dumps(calibrate.profile_json(m, prior, fitted), indent=1) + "\n")
+            print(f"wrote {out}")
     return 0
 
 
@@ -94,6 +105,7 @@ def compare(models: dict, points: dict, prior, graphs: bool) -> dict:
                 "batch": p.batch,
                 "k": p.k,
                 "measured_ms": round(p.measured_ms, 4),
+                "device_ms": None if p.device_ms is None else round(p.device_ms, 4),
             }
             for label, gpu in (
                 ("datasheet", prior),
@@ -137,7 +149,7 @@ def refit(source: Path, out: str | None) -> int:
     old = json.loads(source.read_text())
     points: dict = {}
     for row in old["rows"]:
-        point = calibrate.Point(row["batch"], row["k"], row["measured_ms"])
+        point = calibrate.Point(row["batch"], row["k"], row["measured_ms"], row.get("device_ms"))
         points.setdefault(row["model"], []).append(point)
     models = {
         name: dataclasses.replace(load_model(name), weights="bf16", expert_weights=None, kv_bytes=2)

@@ -1,28 +1,34 @@
 """`outrider plan --calibrate`: the cost model's machine constants fitted to this machine's own
 step times, written as a GPU profile that `outrider plan --gpu FILE` reads.
 
-What is measured: the engine's step timings (ModelRunner.profile_steps, the adaptive
-controller's start-up profile): a plain decode step and the speculative verify step at each
-batch size and k, on dummy rows in the scratch block, CUDA graphs where the engine captures
-them, the host read included. One rank (tp 1): collectives are `outrider bench comm`'s.
+What is measured: the engine's step timings (executor/step_timing.py, the adaptive controller's
+start-up profile): a plain decode step and the speculative verify step at each batch size and
+k, on dummy rows in the scratch block, CUDA graphs where the engine captures them, the host read
+included; on CUDA also each step's device time, its kernels' durations summed (CUPTI). One rank
+(tp 1): collectives are `outrider bench comm`'s.
 
 What is fitted, and why these. The cost model prices a kernel at max(bytes / (bandwidth x
-mem_efficiency), flops / (peak x compute_efficiency), kernel_floor_us) and an eager step at
-no less than launches x eager_host_us. The peaks come from datasheets and stay: only a peak
-times its efficiency reaches the prediction, so fitting both would be fitting one number
-twice. The four constants are the ones no datasheet gives and the ones that decide small
-steps: what fraction of the bandwidth weight streaming reaches (decode), of the FLOP/s a GEMM
-reaches (large verifies), the least time a kernel takes inside a graph, and the host's time per
-eager launch. A constant the measured shapes do not exercise (the floor in eager steps, the
-host in graphed ones, compute where every kernel is memory-bound) keeps its prior: a weak pull
-toward it decides a flat direction.
+mem_efficiency), flops / (peak x compute_efficiency)) plus its overhead (gemm_overhead_us for
+a GEMM, kernel_overhead_us for any other), an eager step at no less than launches x
+eager_host_us, and every engine step at step_host_us more for the host's own work. The peaks
+come from datasheets and stay: only a peak times its efficiency reaches the prediction, so
+fitting both would be fitting one number twice. The constants fitted are the ones no datasheet
+gives and the ones that decide small steps.
 
-The fit: least squares on log(predicted / measured) over the points (relative error, so a
-40 ms step weighs as much as a 2 ms one), by coordinate descent in log space, each constant a
-grid search within its bounds refined by golden section, a few sweeps, then a Nelder-Mead
-simplex from there for the valleys along which constants trade off. The model is a sum of max()es, so this
-finds a good local minimum rather than a certified global one; with a handful of points
-that is what there is to find.
+Why the device time. Within one model every step launches the same kernels, so a per-kernel
+overhead and a per-step host cost move every point alike: fitted to step times alone, one
+model's points cannot tell them apart, and the split they pick is what another model's
+prediction depends on (a model of 400 kernels of 1 us and one of 400 kernels of 50 us share
+the host's 0.3 ms, not the overheads' share of it). The measured device time pins the split:
+the device constants are fitted to it, the host's to the rest. A constant the measured shapes
+do not exercise (the host's per launch in graphed steps, compute where every kernel is
+memory-bound) keeps its prior: a weak pull toward it decides a flat direction.
+
+The fit: least squares on log(predicted / measured) over the points, step and device time each
+(relative error, so a 40 ms step weighs as much as a 2 ms one), by coordinate descent in log
+space, each constant a grid search within its bounds refined by golden section, a few sweeps,
+then a Nelder-Mead simplex from there for the valleys along which constants trade off. With a
+handful of points this finds a good local minimum rather than a certified global one.
 """
 
 from __future__ import annotations
@@ -33,33 +39,44 @@ import math
 import time
 from dataclasses import dataclass
 
-from outrider.plan.costmodel import Setup, accept_kernels, forward_kernels, time_step
+from outrider.plan.costmodel import (
+    Setup,
+    StepCost,
+    accept_kernels,
+    forward_kernels,
+    step_host,
+    time_step,
+)
 from outrider.plan.hardware import LINKS, Gpu
 from outrider.plan.models import ModelSpec
 
 # constant -> (lower bound, upper bound). Efficiencies may pass 1 where the base profile's
 # peak is a guess (the CPU's) or caches serve what the model counts as memory reads.
 FITTED: dict[str, tuple[float, float]] = {
-    "mem_efficiency": (0.005, 2.0),
-    "compute_efficiency": (0.005, 2.0),
-    "kernel_floor_us": (0.1, 500.0),
+    "mem_efficiency": (0.2, 1.0),
+    "compute_efficiency": (0.05, 1.0),
+    "gemm_overhead_us": (0.05, 500.0),
+    "kernel_overhead_us": (0.05, 500.0),
+    "step_host_us": (1.0, 1e6),
     "eager_host_us": (0.1, 2000.0),
 }
-PRIOR_WEIGHT = 1e-6  # per constant, on log(value / prior)^2: decides only flat directions
+PRIOR_WEIGHT = 0.05  # per constant, on log(value / prior)^2: see the module docstring
 SWEEPS = 4
 
 
 @dataclass(frozen=True)
 class Point:
-    """One measured step: `batch` sequences, k drafts each (0: plain decode)."""
+    """One measured step: `batch` sequences, k drafts each (0: plain decode); `device_ms`, its
+    kernels' time where it was measured (None: the step's time alone)."""
 
     batch: int
     k: int
     measured_ms: float
+    device_ms: float | None = None
 
 
-def predict_ms(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> float:
-    """The cost model's time for the step the engine measured: its rows hold 1 + k tokens in
+def predict(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> StepCost:
+    """The cost model's step for the one the engine measured: its rows hold 1 + k tokens in
     an empty cache (context 0), one rank. The same sums as costmodel.decode_cost and
     verify_cost, over kernel lists built once per shape (the fit prices them thousands of
     times)."""
@@ -71,7 +88,11 @@ def predict_ms(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> float:
     if point.k:
         step = step + time_step(kind, accept_kernels(point.batch, 1 + point.k), [], setup,
                                 graphs, 0)  # fmt: skip
-    return step.ms
+    return step + step_host(setup, kind)
+
+
+def predict_ms(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> float:
+    return predict(model, gpu, point, graphs).ms
 
 
 @functools.lru_cache(maxsize=64)
@@ -80,9 +101,16 @@ def _kernels(model: ModelSpec, batch: int, k: int) -> tuple[tuple, tuple, float]
     return tuple(ks), tuple(cs), experts
 
 
-def _loss(model: ModelSpec, gpu: Gpu, prior: Gpu, points: list[Point], graphs: bool) -> float:
-    fit = sum(math.log(predict_ms(model, gpu, p, graphs) / p.measured_ms) ** 2 for p in points)
-    pull = sum(math.log(getattr(gpu, f) / getattr(prior, f)) ** 2 for f in FITTED)
+def _loss(
+    model: ModelSpec, gpu: Gpu, prior: Gpu, points: list[Point], graphs: bool, pulled: tuple
+) -> float:
+    fit = 0.0
+    for p in points:
+        step = predict(model, gpu, p, graphs)
+        fit += math.log(step.ms / p.measured_ms) ** 2
+        if p.device_ms is not None:
+            fit += math.log((step.ms - step.host_ms) / p.device_ms) ** 2
+    pull = sum(math.log(getattr(gpu, f) / getattr(prior, f)) ** 2 for f in pulled)
     return fit / len(points) + PRIOR_WEIGHT * pull
 
 
@@ -90,32 +118,43 @@ def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
     """`prior` with FITTED's constants fitted to `points` (see the module's docstring)."""
     if not points:
         raise ValueError("calibration needs at least one measured step")
-    bad = [p for p in points if not p.measured_ms > 0]
+    bad = [p for p in points if not p.measured_ms > 0 or not (p.device_ms or 1) > 0]
     if bad:
         raise ValueError(f"measured times must be > 0 ms, got {bad}")
-    gpu = dataclasses.replace(
+    # Constants pull toward a prior inside their bounds; one outside (a datasheet profile's
+    # step_host_us is 0: its engine hides the host) is no prior, and only starts the search.
+    pulled = tuple(f for f, (lo, hi) in FITTED.items() if lo <= getattr(prior, f) <= hi)
+    prior = dataclasses.replace(
         prior, **{f: min(max(getattr(prior, f), lo), hi) for f, (lo, hi) in FITTED.items()}
     )
+    fitted = dict(FITTED)
+    if all(p.device_ms is not None for p in points):
+        # The host's share is measured: the median of step - device time over the points.
+        lo, hi = fitted.pop("step_host_us")
+        host = sorted((p.measured_ms - p.device_ms) * 1e3 for p in points)[len(points) // 2]
+        prior = dataclasses.replace(prior, step_host_us=min(max(host, lo), hi))
+        pulled = tuple(f for f in pulled if f != "step_host_us")
+    gpu = prior
     for _ in range(SWEEPS):
-        for name, (lo, hi) in FITTED.items():
+        for name, (lo, hi) in fitted.items():
 
             def f(x: float, name: str = name, gpu: Gpu = gpu) -> float:
                 trial = dataclasses.replace(gpu, **{name: math.exp(x)})
-                return _loss(model, trial, prior, points, graphs)
+                return _loss(model, trial, prior, points, graphs, pulled)
 
             x = _search(f, math.log(lo), math.log(hi), math.log(getattr(gpu, name)))
             gpu = dataclasses.replace(gpu, **{name: math.exp(x)})
     # Constants trade off along diagonal valleys (a lower bandwidth efficiency against a
     # higher floor) that one-at-a-time steps crawl along: a simplex walks them.
-    names = list(FITTED)
-    bounds = [(math.log(lo), math.log(hi)) for lo, hi in FITTED.values()]
+    names = list(fitted)
+    bounds = [(math.log(lo), math.log(hi)) for lo, hi in fitted.values()]
 
     def at(xs: list[float]) -> Gpu:
         clamped = [min(max(x, lo), hi) for x, (lo, hi) in zip(xs, bounds)]
         return dataclasses.replace(gpu, **{n: math.exp(x) for n, x in zip(names, clamped)})
 
     xs = _nelder_mead(
-        lambda xs: _loss(model, at(xs), prior, points, graphs),
+        lambda xs: _loss(model, at(xs), prior, points, graphs, pulled),
         [math.log(getattr(gpu, n)) for n in names],
     )
     return at(xs)
@@ -219,7 +258,7 @@ def measure(
     reps: int | None,
 ) -> Measurement:
     """Load the model into a ModelRunner as the engine would and time its decode and
-    speculative steps (ModelRunner.profile_steps) at every batch size and k (0: decode)."""
+    speculative steps (executor/step_timing.py) at every batch size and k (0: decode)."""
     from outrider.loaders.checkpoint import open_checkpoint
 
     return measure_checkpoint(open_checkpoint(model_path), device, dtype, batch_sizes, ks, reps)
@@ -239,6 +278,7 @@ def measure_checkpoint(
 
     from outrider.config import EngineConfig
     from outrider.executor.model_runner import ModelRunner
+    from outrider.executor.step_timing import profile_steps
     from outrider.plan.models import from_hf_dict
 
     spec_ks = tuple(sorted({k for k in ks if k > 0}))
@@ -252,8 +292,12 @@ def measure_checkpoint(
     runner = ModelRunner(config, checkpoint)
     runner.set_speculation(None, spec_ks or (1,))
     runner.capture_graphs()
-    table = runner.profile_steps(spec_ks, batch_sizes, reps)
-    points = [Point(b, k, table[b][k]) for b in batch_sizes for k in sorted({0, *ks})]
+    table, device = profile_steps(runner, spec_ks, batch_sizes, reps, device_time=True)
+    points = [
+        Point(b, k, table[b][k], device[b][k] if device else None)
+        for b in batch_sizes
+        for k in sorted({0, *ks})
+    ]
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[runner.dtype]
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     spec = from_hf_dict(checkpoint.hf_config, name=checkpoint.path.name)
@@ -286,8 +330,11 @@ def profile_json(m: Measurement, prior: Gpu, fitted: Gpu) -> dict:
     what it was fitted to."""
     rows = [
         {"batch": p.batch, "k": p.k, "measured_ms": round(p.measured_ms, 4),
+         "device_ms": None if p.device_ms is None else round(p.device_ms, 4),
          "predicted_before_ms": round(predict_ms(m.model, prior, p, m.graphs), 4),
-         "predicted_after_ms": round(predict_ms(m.model, fitted, p, m.graphs), 4)}
+         "predicted_after_ms": round(predict_ms(m.model, fitted, p, m.graphs), 4),
+         "predicted_device_ms": round(predict_ms(m.model, fitted, p, m.graphs)
+                                      - predict(m.model, fitted, p, m.graphs).host_ms, 4)}
         for p in m.points
     ]  # fmt: skip
     return {

@@ -4,12 +4,22 @@ collectives between them, and the time they take on a GPU and link. Plain data i
 Per rank at tensor-parallel size tp, for N = batch x tokens-per-sequence tokens over contexts of
 C tokens, each kernel takes
 
-    t = max(bytes / (bandwidth x mem_efficiency), flops / (peak x compute_efficiency), floor)
+    t = max(bytes / (bandwidth x mem_efficiency), flops / (peak x compute_efficiency)) + overhead
 
-and the step is the sum of its kernels and collectives (nothing overlaps inside a forward). A
-kernel's time goes to `memory` or `compute` by which bound it hit, and what the floor adds to
-`launch`. Eager steps (no CUDA graph) also pay host dispatch per launch: the step is the larger
-of the device's time and the host's, the difference going to `launch`.
+where the overhead is what a kernel costs beyond moving its bytes or doing its FLOPs (its
+start, the ramp to full bandwidth, the tail, the gap to the next kernel in a graph): a GEMM's
+(`gemm_overhead_us`: a cuBLAS GEMV of Llama-3.1-8B's gate/up projection takes 57.6 us of bytes
+at 85% of the H200's bandwidth plus ~3 us, and one of the default model's 0.6 MB projections
+~3.8 us) or any other kernel's (`kernel_overhead_us`: norms, rotary, activations, ~1.1-1.7 us).
+Added, not a floor under max(): the H200's profile of both models' decode graphs
+(benchmarks/results/plan_accuracy.json) shows the large GEMMs paying it too.
+
+The step is the sum of its kernels and collectives (nothing overlaps inside a forward). A
+kernel's time goes to `memory` or `compute` by which bound it hit, its overhead to `launch`.
+Eager steps (no CUDA graph) also pay host dispatch per launch: the step is the larger of the
+device's time and the host's, the difference going to `launch`. A step of the engine's also pays
+its host's own work once (`step_host_us`: building inputs, launching the graph, reading the
+result back; `host`), which an engine that overlaps its host work with the device hides.
 
 Weights read per step are what the N tokens touch: every dense weight once, and for MoE
 layers the experts routed to. With E routed experts, k chosen per token, routing uniform and
@@ -32,6 +42,8 @@ with S x n / (n - 1) bytes out does: the same hops, S through each link.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from outrider.plan.hardware import Gpu, Link
@@ -46,6 +58,34 @@ class Kernel:
     name: str
     bytes: float
     flops: float
+    gemm: bool = False  # a GEMM (or attention): pays gemm_overhead_us, else kernel_overhead_us
+    # A dense GEMM's (rows, inputs, outputs): its FLOPs are done in whole tiles and whole waves
+    # of tiles over the SMs (`padded_flops`). None: the FLOPs as counted.
+    shape: tuple[int, float, float] | None = None
+
+
+SPLIT_K_MIN = 512  # the least of the input dimension one split of a split-K GEMM takes
+
+
+def padded_flops(k: Kernel, sms: int) -> float:
+    """A GEMM's FLOPs as the GPU does them: rows in tiles of 16-128 (the power of two that
+    holds them: skinny decode GEMMs take narrow tiles), outputs in tiles of 128, the input
+    dimension split in parts of at least SPLIT_K_MIN where too few tiles would fill the SMs
+    (split-K), and tiles in whole waves over `sms` SMs. At 1024 rows the default model's
+    [576 -> 3072] gate/up projection is 192 tiles, two waves of 132, and its input too short to
+    split: 1.4x its FLOPs. Llama-3.1-8B's [14336 -> 4096] down projection at 256 rows is 64
+    tiles, each split 2 ways: one wave, 0.97 of it busy."""
+    if k.shape is None or sms <= 0:
+        return k.flops
+    rows, k_in, k_out = k.shape
+    tile_m = min(128, max(16, 1 << max(0, math.ceil(math.log2(max(rows, 1))))))
+    best = math.inf
+    for tile_n in (64, 128):
+        tiles = math.ceil(rows / tile_m) * math.ceil(k_out / tile_n)
+        splits = max(1, min(sms // tiles, int(k_in // SPLIT_K_MIN)))
+        waves = math.ceil(tiles * splits / sms)
+        best = min(best, waves * sms * tile_m * tile_n * 2.0 * k_in / splits)
+    return max(k.flops, best)
 
 
 @dataclass(frozen=True)
@@ -88,11 +128,12 @@ class StepCost:
     comm_ms: float
     launch_ms: float
     experts_touched: float = 0.0
+    host_ms: float = 0.0
     parts: tuple[StepCost, ...] = field(default=(), repr=False)
 
     @property
     def ms(self) -> float:
-        return self.compute_ms + self.memory_ms + self.comm_ms + self.launch_ms
+        return self.compute_ms + self.memory_ms + self.comm_ms + self.launch_ms + self.host_ms
 
     def __add__(self, other: StepCost) -> StepCost:
         def merged(a: dict, b: dict) -> dict:
@@ -110,6 +151,7 @@ class StepCost:
             memory_ms=self.memory_ms + other.memory_ms,
             comm_ms=self.comm_ms + other.comm_ms,
             launch_ms=self.launch_ms + other.launch_ms,
+            host_ms=self.host_ms + other.host_ms,
             experts_touched=max(self.experts_touched, other.experts_touched),
             parts=(*(self.parts or (self,)), *(other.parts or (other,))),
         )
@@ -123,6 +165,7 @@ class StepCost:
             "memory_ms": round(self.memory_ms, 4),
             "comm_ms": round(self.comm_ms, 4),
             "launch_ms": round(self.launch_ms, 4),
+            "host_ms": round(self.host_ms, 4),
             "bytes": self.bytes,
             "flops": self.flops,
             "launches": self.launches,
@@ -155,7 +198,7 @@ def forward_kernels(
 
     def gemm(name: str, k_in: float, k_out: float, wbytes: float = w, rows: int = n) -> Kernel:
         return Kernel(name, k_in * k_out * wbytes + rows * (k_in + k_out) * act,
-                      2.0 * rows * k_in * k_out)  # fmt: skip
+                      2.0 * rows * k_in * k_out, gemm=True, shape=(rows, k_in, k_out))  # fmt: skip
 
     def small(name: str, width: float) -> Kernel:  # elementwise: read and write activations
         return Kernel(name, 2 * n * width * act, 4.0 * n * width)
@@ -191,16 +234,18 @@ def forward_kernels(
             ks.append(gemm("q_absorb", nope, heads * lora))
             ks.append(small("rotary_kv_write", heads * (nope + rope)))
             latent = seqs * kv_len * (lora + rope) * m.kv_bytes
-            ks.append(Kernel("attention", latent, 2.0 * n * heads * (2 * lora + rope) * kv_len))
+            attn_flops = 2.0 * n * heads * (2 * lora + rope) * kv_len
+            ks.append(Kernel("attention", latent, attn_flops, gemm=True))
             ks.append(gemm("v_absorb", lora, heads * v))
             ks.append(gemm("o_proj", heads * v, h))
         else:
             kv = max(1, m.num_kv_heads // tp)  # KV heads replicate when tp exceeds them
             d = m.head_dim
             ks.append(gemm("qkv_proj", h, (heads + 2 * kv) * d))
-            ks.append(small("rotary_kv_write", (heads + 2 * kv) * d))
+            ks += [small("rotary", (heads + kv) * d), small("kv_write", 2 * kv * d)]
             cache = seqs * kv_len * 2 * kv * d * m.kv_bytes
-            ks.append(Kernel("attention", cache, 4.0 * n * heads * d * kv_len))
+            ks.append(Kernel("attention", cache, 4.0 * n * heads * d * kv_len, gemm=True))
+            ks.append(small("attention_merge", heads * d))  # split-K partials -> the output
             ks.append(gemm("o_proj", heads * d, h))
         if tp > 1:
             cs.append(reduce)
@@ -217,11 +262,13 @@ def forward_kernels(
                     "experts_gate_up",
                     touched * h * 2 * inter * we + routed * (h + 2 * inter) * act,
                     2.0 * routed * h * 2 * inter,
+                    gemm=True,
                 )
             )
             ks.append(Kernel("experts_act", 2 * routed * 2 * inter * act, 4.0 * routed * inter))
             ks.append(Kernel("experts_down", touched * inter * h * we
-                             + routed * (inter + h) * act, 2.0 * routed * inter * h))  # fmt: skip
+                             + routed * (inter + h) * act, 2.0 * routed * inter * h,
+                             gemm=True))  # fmt: skip
             if m.num_shared_experts:
                 shared = m.num_shared_experts * inter
                 ks += [gemm("shared_gate_up", h, 2 * shared), small("shared_act", 2 * shared)]
@@ -255,12 +302,13 @@ def time_step(
     compute_flops_per_us = gpu.bf16_tflops * 1e6 * gpu.compute_efficiency
     compute = memory = launch = 0.0
     for k in kernels:
-        t_mem, t_cmp = k.bytes / mem_bytes_per_us, k.flops / compute_flops_per_us
+        t_mem = k.bytes / mem_bytes_per_us
+        t_cmp = padded_flops(k, gpu.sms) / compute_flops_per_us
         if t_cmp > t_mem:
             compute += t_cmp
         else:
             memory += t_mem
-        launch += max(0.0, gpu.kernel_floor_us - max(t_mem, t_cmp))
+        launch += gpu.gemm_overhead_us if k.gemm else gpu.kernel_overhead_us
     comm = 0.0
     counts: dict[str, int] = {}
     moved: dict[str, float] = {}
@@ -301,17 +349,30 @@ def forward_cost(
     return time_step(kind, kernels, collectives, setup, graphed, seqs * tokens_per_seq, experts)
 
 
+def step_host(setup: Setup, kind: str) -> StepCost:
+    """The host's own work once per engine step (gpu.step_host_us): a step of no kernels."""
+    return dataclasses.replace(time_step(kind, [], [], setup, True, 0),
+                               host_ms=setup.gpu.step_host_us / 1e3)  # fmt: skip
+
+
 def decode_cost(setup: Setup, batch: int, context: int) -> StepCost:
-    """A plain decode step: one token per sequence."""
-    return forward_cost(setup, "decode", batch, 1, context, setup.graphs)
+    """A plain decode step: one token per sequence, and the step's host work."""
+    return forward_cost(setup, "decode", batch, 1, context, setup.graphs) + step_host(
+        setup, "decode"
+    )
 
 
 def verify_cost(setup: Setup, batch: int, tokens_per_seq: int, context: int) -> StepCost:
     """The target's verify forward over 1 + k chain tokens or 1 + N tree nodes per sequence,
-    plus acceptance (argmax, compare, the accepted run: three small kernels)."""
+    plus acceptance (argmax, compare, the accepted run: three small kernels) and the step's host
+    work (once for the speculative step: the drafter's forwards run in the same step)."""
     step = forward_cost(setup, "verify", batch, tokens_per_seq, context, setup.verify_graphs)
     accept = accept_kernels(batch, tokens_per_seq)
-    return step + time_step("verify", accept, [], setup, setup.verify_graphs, 0)
+    return (
+        step
+        + time_step("verify", accept, [], setup, setup.verify_graphs, 0)
+        + step_host(setup, "verify")
+    )
 
 
 def accept_kernels(batch: int, tokens_per_seq: int) -> list[Kernel]:

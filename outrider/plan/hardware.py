@@ -36,6 +36,7 @@ class Gpu:
     bf16_tflops: float  # dense
     fp8_tflops: float  # dense; 0: no fp8 tensor cores (fp8 weights compute in bf16)
     memory_gb: float
+    sms: int = 0  # streaming multiprocessors: GEMM tiles run in waves of this many (0: no waves)
     # Fraction of peak bandwidth a weight-streaming GEMV or MoE kernel reaches: 80-90% on
     # HBM parts (Llama-3.1-8B decode on the H200 measures 77% of peak for the whole step,
     # launches included: benchmarks/results/verify_cost.json).
@@ -43,10 +44,18 @@ class Gpu:
     # Fraction of dense peak a bf16 GEMM reaches at the shapes of decode and verify (tens to
     # thousands of rows): 60-75% (cuBLAS at large shapes reaches ~75-80%).
     compute_efficiency: float = 0.65
-    # The least time one kernel takes inside a CUDA graph (start, ramp, tail): the default
-    # model's decode on the H200 is ~1.3 ms for ~13 kernels x 30 layers, ~3.3 us each, with
-    # 0.07 ms of weights to read.
-    kernel_floor_us: float = 3.3
+    # What a kernel costs beyond its bytes or FLOPs, added to them (plan/costmodel.py): a GEMM's
+    # and any other kernel's. The H200's decode graphs, profiled per kernel: cuBLAS GEMVs take
+    # their bytes at ~85% of the bandwidth plus ~3.3 us (Llama-3.1-8B's gate/up projection
+    # 60.4 us for 235 MB, the default model's 0.6 MB projections 3.7-3.9 us); norms, rotary,
+    # the KV write and activations 1.1-2.5 us (benchmarks/results/plan_accuracy.json).
+    gemm_overhead_us: float = 3.3
+    kernel_overhead_us: float = 1.5
+    # The host's own work in one engine step (inputs, the graph launch, the read back), paid
+    # once a step where nothing overlaps it. 0: an engine that prepares step N + 1 while step N
+    # runs hides it (the published figures' engines); outrider's synchronous speculative step
+    # pays ~0.2-0.4 ms on the H200's host, which `outrider plan --calibrate` measures.
+    step_host_us: float = 0.0
     # Host time to dispatch one kernel in an eager forward (Python, the dispatcher, the launch):
     # HF transformers' eager Llama-3.1-8B decode on this project's H200 host takes ~25 ms for
     # ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json). A property of the
@@ -63,14 +72,15 @@ class Gpu:
 # fp8. B200 (HGX): 8 TB/s HBM3e, 2.25 PFLOP/s bf16 dense, 4.5 fp8, 180 GB. RTX PRO 6000
 # Blackwell: 96 GB GDDR7 at 1.792 TB/s, 4 PFLOP/s fp4 with sparsity -> ~504 bf16 dense, 1008
 # fp8. L40S: 48 GB GDDR6 at 864 GB/s, 362 bf16 dense, 733 fp8. A100 SXM 80 GB: 2.04 TB/s
-# HBM2e, 312 bf16, no fp8.
+# HBM2e, 312 bf16, no fp8. SMs: H100/H200 SXM 132, B200 148 (per die pair as one device), RTX
+# PRO 6000 Blackwell 188, L40S 142, A100 108.
 GPUS = {
-    "h200": Gpu("H200", 4800, 989, 1979, 141),
-    "h100": Gpu("H100", 3350, 989, 1979, 80),
-    "b200": Gpu("B200", 8000, 2250, 4500, 180),
-    "rtx-pro-6000": Gpu("RTX PRO 6000", 1792, 504, 1008, 96),
-    "l40s": Gpu("L40S", 864, 362, 733, 48),
-    "a100": Gpu("A100", 2039, 312, 0, 80),
+    "h200": Gpu("H200", 4800, 989, 1979, 141, 132),
+    "h100": Gpu("H100", 3350, 989, 1979, 80, 132),
+    "b200": Gpu("B200", 8000, 2250, 4500, 180, 148),
+    "rtx-pro-6000": Gpu("RTX PRO 6000", 1792, 504, 1008, 96, 188),
+    "l40s": Gpu("L40S", 864, 362, 733, 48, 142),
+    "a100": Gpu("A100", 2039, 312, 0, 80, 108),
 }
 GPU_ALIASES = {"rtxpro6000": "rtx-pro-6000", "rtx6000": "rtx-pro-6000", "pro6000": "rtx-pro-6000"}
 
