@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 from pathlib import Path
 
@@ -53,22 +52,20 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("plan_accuracy measures a GPU: run it where CUDA is available")
 
+    import multiprocessing
+
     from outrider.plan import calibrate
     from outrider.plan.cli import _gpu_by_name
 
     shape = (tuple(args.batches), tuple(sorted(set(args.ks))), args.reps)
     measured = {}
-    for name, open_it in (
-        ("smollm2-135m", lambda: random_checkpoint(SMOLLM2_135M, tied_head=True)),
-        ("llama-3.1-8b", lambda: random_checkpoint(LLAMA_8B)),
-    ):
-        m = calibrate.measure_checkpoint(
-            open_it(), "cuda", "bfloat16", *shape, gpu_memory_utilization=0.3
-        )
-        measured[name] = dataclasses.replace(m, model=dataclasses.replace(m.model, name=name))
-        gc.collect()
-        torch.cuda.empty_cache()
-        print(f"measured {name}: {len(m.points)} points", flush=True)
+    # Each model in a process of its own: once CUPTI has traced the first model's steps
+    # (their device times), every launch in that process is slower, the next model's too.
+    spawn = multiprocessing.get_context("spawn")
+    for name in SHAPES:
+        with spawn.Pool(1) as pool:
+            measured[name] = pool.apply(measure_shape, (name, shape))
+        print(f"measured {name}: {len(measured[name].points)} points", flush=True)
     prior = _gpu_by_name(torch.cuda.get_device_name())
     graphs = {m.graphs for m in measured.values()}
     if len(graphs) != 1:
@@ -87,6 +84,24 @@ def main() -> int:
             out.write_text(json.dumps(calibrate.profile_json(m, prior, fitted), indent=1) + "\n")
             print(f"wrote {out}")
     return 0
+
+
+SHAPES = {  # name -> (HF config, LM head tied to the embedding)
+    "smollm2-135m": (SMOLLM2_135M, True),
+    "llama-3.1-8b": (LLAMA_8B, False),
+}
+
+
+def measure_shape(name: str, shape: tuple):
+    """calibrate.measure_checkpoint over random weights of SHAPES[name]."""
+    from outrider.plan import calibrate
+
+    hf, tied = SHAPES[name]
+    m = calibrate.measure_checkpoint(
+        random_checkpoint(hf, tied_head=tied), "cuda", "bfloat16", *shape,
+        gpu_memory_utilization=0.3,
+    )  # fmt: skip
+    return dataclasses.replace(m, model=dataclasses.replace(m.model, name=name))
 
 
 def compare(models: dict, points: dict, prior, graphs: bool) -> dict:

@@ -33,8 +33,7 @@ def profile_steps(
     """({batch: {k: ms of one step}}, the same of the device's kernel time or None) at each
     batch size and k: 0 is a plain decode step, k >= 1 the speculative step with k drafts (and
     a drafter's k next drafts). Median of `reps` after a warm-up. The device's table is
-    measured only on CUDA with `device_time`, in steps of their own after the timed ones (the
-    profiler slows the host).
+    measured only on CUDA with `device_time`, in steps of their own after all the timed ones.
 
     Defaults: with graphs, every captured batch size, 10 each (replays are ~2 ms: ~1 s in
     all, and one slow outlier stays out of the median; 3 once let a 26 ms plain step at
@@ -51,11 +50,11 @@ def profile_steps(
     # 8 of Kimi-K2.5's 384 experts where 64 real tokens read ~284).
     rng = random.Random(0)
     table: dict[int, dict[int, float]] = {}
-    device: dict[int, dict[int, float]] = {}
+    steps = {}
     for b in progress(batch_sizes, "measuring speculative steps"):
-        table[b], device[b] = {}, {}
+        table[b] = {}
         for k in sorted({0, *ks}):
-            step = _step(runner, _dummy_batch(runner, rng, b, k), k)
+            steps[b, k] = step = _step(runner, _dummy_batch(runner, rng, b, k), k)
             times = []
             for i in range(reps + 1):
                 t0 = time.perf_counter()
@@ -63,9 +62,14 @@ def profile_steps(
                 if i:  # the first one warms up
                     times.append((time.perf_counter() - t0) * 1e3)
             table[b][k] = sorted(times)[len(times) // 2]
-            if device_time:
-                device[b][k] = _kernel_ms(step)
-    return table, (device if device_time else None)
+    if not device_time:
+        return table, None
+    # Profiled after every timed step: once CUPTI has traced a step, launches stay slower in
+    # this process (the default model's steps by ~0.5 ms on the H200).
+    device: dict[int, dict[int, float]] = {b: {} for b in table}
+    for (b, k), step in steps.items():
+        device[b][k] = _kernel_ms(step)
+    return table, device
 
 
 def _dummy_batch(runner, rng: random.Random, b: int, k: int) -> ScheduledBatch:
