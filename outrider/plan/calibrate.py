@@ -58,6 +58,7 @@ FITTED: dict[str, tuple[float, float]] = {
     "gemm_overhead_us": (0.05, 500.0),
     "kernel_overhead_us": (0.05, 500.0),
     "step_host_us": (1.0, 1e6),
+    "token_host_us": (1e-3, 1e3),
     "eager_host_us": (0.1, 2000.0),
 }
 PRIOR_WEIGHT = 0.05  # per constant, on log(value / prior)^2: see the module docstring
@@ -88,7 +89,7 @@ def predict(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> StepCost:
     if point.k:
         step = step + time_step(kind, accept_kernels(point.batch, 1 + point.k), [], setup,
                                 graphs, 0)  # fmt: skip
-    return step + step_host(setup, kind)
+    return step + step_host(setup, kind, tokens)
 
 
 def predict_ms(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> float:
@@ -129,11 +130,12 @@ def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
     )
     fitted = dict(FITTED)
     if all(p.device_ms is not None for p in points):
-        # The host's share is measured: the median of step - device time over the points.
-        lo, hi = fitted.pop("step_host_us")
-        host = sorted((p.measured_ms - p.device_ms) * 1e3 for p in points)[len(points) // 2]
-        prior = dataclasses.replace(prior, step_host_us=min(max(host, lo), hi))
-        pulled = tuple(f for f in pulled if f != "step_host_us")
+        # The host's share is measured: step - device time, a line in the step's tokens.
+        host = _host_line(points)
+        for f in host:
+            fitted.pop(f)
+        prior = dataclasses.replace(prior, **host)
+        pulled = tuple(f for f in pulled if f not in host)
     gpu = prior
     for _ in range(SWEEPS):
         for name, (lo, hi) in fitted.items():
@@ -158,6 +160,19 @@ def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
         [math.log(getattr(gpu, n)) for n in names],
     )
     return at(xs)
+
+
+def _host_line(points: list[Point]) -> dict[str, float]:
+    """step_host_us and token_host_us: least squares of step - device time (us) on the step's
+    tokens, the slope no less than its lower bound, each inside its bounds."""
+    xs = [p.batch * (1 + p.k) for p in points]
+    ys = [(p.measured_ms - p.device_ms) * 1e3 for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    (slo, shi), (tlo, thi) = FITTED["step_host_us"], FITTED["token_host_us"]
+    slope = min(max(slope, tlo), thi)
+    return {"step_host_us": min(max(my - slope * mx, slo), shi), "token_host_us": slope}
 
 
 def _nelder_mead(f, x0: list[float], step: float = 0.1, iters: int = 300) -> list[float]:

@@ -56,6 +56,7 @@ class Gpu:
     # runs hides it (the published figures' engines); outrider's synchronous speculative step
     # pays ~0.2-0.4 ms on the H200's host, which `outrider plan --calibrate` measures.
     step_host_us: float = 0.0
+    token_host_us: float = 0.0  # and a token's share of it (its row's positions, slots, ids)
     # Host time to dispatch one kernel in an eager forward (Python, the dispatcher, the launch):
     # HF transformers' eager Llama-3.1-8B decode on this project's H200 host takes ~25 ms for
     # ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json). A property of the

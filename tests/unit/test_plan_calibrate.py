@@ -25,12 +25,12 @@ from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
 
 def test_fit_recovers_the_constants_that_made_the_points():
     """Points the cost model itself predicts for a GPU with other constants and a host that
-    takes 0.3 ms a step: the fit from the datasheet profile predicts them again within 3%,
+    takes 0.3 ms a step and 0.5 us a token: the fit from the datasheet profile predicts them again within 3%,
     decode and large verifies alike, the host's share taken from the device times."""
     model = load_model("llama-3.1-8b")
     h200 = load_gpu("h200")
     truth = dataclasses.replace(h200, mem_efficiency=0.6, compute_efficiency=0.4,
-                                step_host_us=300.0)  # fmt: skip
+                                step_host_us=300.0, token_host_us=0.5)  # fmt: skip
     shapes = [(1, 0), (16, 0), (64, 0), (1, 7), (16, 7), (64, 15)]
 
     def point(b: int, k: int) -> Point:
@@ -44,6 +44,7 @@ def test_fit_recovers_the_constants_that_made_the_points():
     assert mean_abs_error(model, fitted, points, True) < 0.03
     assert fitted.mem_efficiency == pytest.approx(0.6, rel=0.05)
     assert fitted.step_host_us == pytest.approx(300.0, rel=1e-6)
+    assert fitted.token_host_us == pytest.approx(0.5, rel=1e-6)
     # Graphed steps say nothing of the eager host cost: it keeps its prior.
     assert fitted.eager_host_us == pytest.approx(h200.eager_host_us, rel=1e-6)
     # Step times alone: the host is fitted with the rest and still predicts the steps.
