@@ -3,7 +3,7 @@ what `outrider plan --calibrate` fits the cost model to.
 
 A step is timed as the engine runs it (inputs built, graphs replayed where captured, the host
 read at the end), on rows in the scratch block, so no request's KV is touched. On CUDA the
-device's share can be measured too: the span of the step's kernels (torch.profiler, CUPTI).
+device's share can be measured too: its kernels' durations (torch.profiler, CUPTI), summed.
 The rest of the step's wall time is the host's (Python, input copies, the graph launch, the
 read back); the cost model prices the two apart.
 """
@@ -95,27 +95,19 @@ def _step(runner, batch: ScheduledBatch, k: int):
 
 
 def _kernel_ms(step) -> float:
-    """The device's time in one step: from its first kernel's start to its last one's end
-    (the gaps between kernels inside a graph included, the input copies before the first and
-    the host's work before the launch not), the median over DEVICE_REPS steps profiled one at
-    a time. The kernels' durations summed fall short of it on large steps: on the H200 the
-    Llama-3.1-8B verify of 64 x 16 tokens sums to 21.7 ms in a 25.3 ms step."""
-    from torch.autograd import DeviceType
+    """The device's busy time in one step: its kernels', copies' and fills' durations summed,
+    averaged over DEVICE_REPS steps (each ends in the host read, so none overlaps the next).
+    Not the span from the first kernel to the last: under the profiler the gaps between a
+    graph's kernels grow, and the default model's spans on the H200 came out longer than its
+    unprofiled steps. What the sum leaves out (the gaps, the host) the calibration reads as
+    the host's (plan/calibrate.py)."""
     from torch.profiler import ProfilerActivity, profile
 
-    spans = []
-    for _ in range(DEVICE_REPS):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(DEVICE_REPS):
             step()
-            torch.cuda.synchronize()
-        ranges = [
-            e.time_range
-            for e in prof.events()
-            if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
-        ]
-        if ranges:
-            spans.append(max(r.end for r in ranges) - min(r.start for r in ranges))
-    return sorted(spans)[len(spans) // 2] / 1e3 if spans else 0.0
+        torch.cuda.synchronize()
+    return sum(us for _, us in kernel_times(prof)) / DEVICE_REPS / 1e3
 
 
 def kernel_times(prof) -> list[tuple[str, float]]:
