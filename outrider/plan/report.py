@@ -80,7 +80,8 @@ def _row(name: str, c: StepCost) -> str:
     coll = sum(c.collectives.values())
     return (
         f"  {name:<14}{c.tokens:>7}{c.ms:>9.3f}{c.compute_ms:>9.3f}{c.memory_ms:>9.3f}"
-        f"{c.comm_ms:>9.3f}{c.launch_ms:>9.3f}{c.bytes / 1e9:>9.3f}{c.flops / 1e12:>9.3f}"
+        f"{c.comm_ms:>9.3f}{c.launch_ms:>9.3f}{c.host_ms:>9.3f}{c.bytes / 1e9:>9.3f}"
+        f"{c.flops / 1e12:>9.3f}"
         f"{c.launches:>7}{coll:>6}"
     )
 
@@ -101,7 +102,7 @@ def table(setup: Setup, drafter: Drafter, plans: list[BatchPlan], k: int, contex
     ]
     head = (
         f"  {'step':<14}{'tokens':>7}{'ms':>9}{'compute':>9}{'memory':>9}{'comm':>9}"
-        f"{'launch':>9}{'GB read':>9}{'TFLOP':>9}{'kern':>7}{'coll':>6}"
+        f"{'launch':>9}{'host':>9}{'GB read':>9}{'TFLOP':>9}{'kern':>7}{'coll':>6}"
     )
     for p in plans:
         o = _chain(p, k)
