@@ -219,6 +219,11 @@ def load_gpu(gpu: str) -> Gpu:
     if gpu.endswith(".json"):
         d = _read_json(gpu, "GPU figures")
         d.pop("calibration", None)
+        if "kernel_floor_us" in d:
+            raise ValueError(
+                f"{gpu} is a profile of the cost model before per-kernel overheads (it has "
+                "kernel_floor_us): run `outrider plan --calibrate` again to make a new one"
+            )
         try:
             return Gpu(**d)
         except TypeError as e:

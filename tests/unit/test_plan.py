@@ -259,6 +259,18 @@ def test_config_without_the_needed_fields(tmp_path):
         load_model(str(tmp_path / "missing"))
 
 
+def test_a_profile_of_the_old_cost_model_names_the_fix(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"name": "H200", "mem_gbs": 4800, "bf16_tflops": 989,
+                               "fp8_tflops": 1979, "memory_gb": 141, "kernel_floor_us": 3.3}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"old.json.*kernel_floor_us.*--calibrate"):
+        load_gpu(str(old))
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"name": "H200", "mem_gbs": 4800, "bf16_tflops": 989,
+                               "fp8_tflops": 1979, "memory_gb": 141, "step_host_us": 400.0}))  # fmt: skip
+    assert load_gpu(str(new)).step_host_us == 400.0
+
+
 def test_unknown_gpu_and_link():
     with pytest.raises(ValueError, match=r"unknown GPU 'h300'.*h200"):
         load_gpu("h300")
