@@ -350,15 +350,16 @@ def _host_memory_gb() -> float:
 def profile_json(m: Measurement, prior: Gpu, fitted: Gpu) -> dict:
     """The fitted profile: Gpu's fields (what `--gpu FILE` reads) and, under `calibration`,
     what it was fitted to."""
-    rows = [
-        {"batch": p.batch, "k": p.k, "measured_ms": round(p.measured_ms, 4),
-         "device_ms": None if p.device_ms is None else round(p.device_ms, 4),
-         "predicted_before_ms": round(predict_ms(m.model, prior, p, m.graphs), 4),
-         "predicted_after_ms": round(predict_ms(m.model, fitted, p, m.graphs), 4),
-         "predicted_device_ms": round(predict_ms(m.model, fitted, p, m.graphs)
-                                      - predict(m.model, fitted, p, m.graphs).host_ms, 4)}
-        for p in m.points
-    ]  # fmt: skip
+
+    def row(p: Point) -> dict:
+        after = predict(m.model, fitted, p, m.graphs)
+        return {"batch": p.batch, "k": p.k, "measured_ms": round(p.measured_ms, 4),
+                "device_ms": None if p.device_ms is None else round(p.device_ms, 4),
+                "predicted_before_ms": round(predict_ms(m.model, prior, p, m.graphs), 4),
+                "predicted_after_ms": round(after.ms, 4),
+                "predicted_device_ms": round(after.ms - after.host_ms, 4)}  # fmt: skip
+
+    rows = [row(p) for p in m.points]
     return {
         **dataclasses.asdict(fitted),
         "calibration": {
