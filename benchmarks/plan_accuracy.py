@@ -5,7 +5,7 @@ on another.
 
 Measures the engine's decode (k = 0) and speculative verify step times at every batch size and
 k, and each step's device time (executor/step_timing.py through plan/calibrate.py: CUDA graphs,
-the host read included, dummy rows at short contexts) for the embedded default model's shape
+the host read included, dummy rows at short contexts; the device's share timed by events) for the embedded default model's shape
 and the Llama-3.1-8B shape (random bf16 weights; time does not depend on them). The planner's machine constants are fitted to each
 model's points (what `outrider plan --calibrate` does) and each fitted profile predicts both
 models. Per point: measured ms; predicted by the datasheet profile (`datasheet`), by the profile
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 from pathlib import Path
 
@@ -52,19 +53,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("plan_accuracy measures a GPU: run it where CUDA is available")
 
-    import multiprocessing
-
     from outrider.plan import calibrate
     from outrider.plan.cli import _gpu_by_name
 
     shape = (tuple(args.batches), tuple(sorted(set(args.ks))), args.reps)
     measured = {}
-    # Each model in a process of its own: once CUPTI has traced the first model's steps
-    # (their device times), every launch in that process is slower, the next model's too.
-    spawn = multiprocessing.get_context("spawn")
+    # Both models in this one process, one after the other: their hosts are the same host
+    # (separate processes on the H200 differed by 0.2-0.3 ms a step), and the device times
+    # come from events, which leave later launches as fast as before (the profiler did not).
     for name in SHAPES:
-        with spawn.Pool(1) as pool:
-            measured[name] = pool.apply(measure_shape, (name, shape))
+        measured[name] = measure_shape(name, shape)
+        gc.collect()
+        torch.cuda.empty_cache()  # the first model's pool and graphs go before the next
         print(f"measured {name}: {len(measured[name].points)} points", flush=True)
     prior = _gpu_by_name(torch.cuda.get_device_name())
     graphs = {m.graphs for m in measured.values()}

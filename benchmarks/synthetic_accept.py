@@ -343,6 +343,7 @@ def run(args: argparse.Namespace) -> dict | None:
                 f"({row['predicted_speedup']} at the curve), ratio {row['ratio']}",
                 flush=True,
             )
+    steps = runner_steps(engine, setup, plan_drafter, args)
     engine.shutdown()  # the other tensor-parallel ranks stop (nothing on one rank)
     return {
         "model": args.model,
@@ -360,7 +361,40 @@ def run(args: argparse.Namespace) -> dict | None:
         "mean_context": context,
         "draft_vocab": plan_drafter.vocab_size,
         "rows": rows,
+        "runner_steps": steps,
     }
+
+
+def runner_steps(engine, setup, plan_drafter, args) -> list[dict] | None:
+    """Where a gap between measured and predicted speedup lies: the runner's own plain and
+    speculative steps (the drafter's forwards included) at each concurrency, their wall and
+    device times (executor/step_timing.py, dummy rows at short contexts), beside the
+    planner's decode and verify + draft at the same shape (context 1). The engine's steps
+    above also pay the scheduler's and the proposer's host work; these do not. On one CUDA
+    device only (None elsewhere)."""
+    from outrider.executor.step_timing import profile_steps
+    from outrider.plan.planner import plan_batch
+
+    if engine.runner.device.type != "cuda" or setup.tp > 1:
+        return None
+    table, device = profile_steps(
+        engine.runner, [args.k], args.concurrency, device_time=True
+    )  # fmt: skip
+    out = []
+    for c in args.concurrency:
+        option = plan_batch(setup, plan_drafter, c, 1, [1.0], args.k).chains[-1]
+        out.append({
+            "concurrency": c,
+            "plain_ms": round(table[c][0], 4),
+            "plain_device_ms": round(device[c][0], 4),
+            "spec_ms": round(table[c][args.k], 4),
+            "spec_device_ms": round(device[c][args.k], 4),
+            "predicted_plain_ms": round(option.decode_ms, 4),
+            "predicted_spec_ms": round(option.spec_ms, 4),
+            "predicted_draft_ms": round(option.draft.ms, 4),
+        })  # fmt: skip
+        print(f"runner steps C={c}: {out[-1]}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

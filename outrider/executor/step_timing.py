@@ -3,13 +3,24 @@ what `outrider plan --calibrate` fits the cost model to.
 
 A step is timed as the engine runs it (inputs built, graphs replayed where captured, the host
 read at the end), on rows in the scratch block, so no request's KV is touched. On CUDA the
-device's share can be measured too: its kernels' durations (torch.profiler, CUPTI), summed.
-The rest of the step's wall time is the host's (Python, input copies, the graph launch, the
-read back); the cost model prices the two apart.
+device's share can be measured too: the same step's device work queued behind a GPU sleep
+long enough for the host to queue all of it, so the device runs it back to back, never
+waiting on Python, and timed between two CUDA events (`device_ms`). What that span holds is
+what the device does: the input copy, every kernel and the gaps a graph leaves between them,
+at the clocks the device really runs. The rest of the step's wall time is the host's (Python,
+input packing, the graph launch, the read back); the cost model prices the two apart.
+
+Why not the profiler. CUPTI's kernel durations summed leave out the gaps between a graph's
+kernels and the clocks the device drops to under a sustained load (an 8B verify of 64 x 16
+rows ran 4 ms past its kernels' sum, which the fit then took for host time), and once CUPTI
+has traced a step every later launch in the process is slower (the default model's steps by
+~0.5 ms on the H200), so models had to be measured in processes of their own, whose hosts
+differed by 0.2-0.3 ms a step.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Sequence
@@ -20,7 +31,7 @@ from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, 
 from outrider.progress import progress
 from outrider.speculative.base import SeqDrafts
 
-DEVICE_REPS = 3  # profiled steps per shape: CUPTI's kernel times vary little run to run
+DEVICE_REPS = 5  # device-timed steps per shape (median): a replay varies by a few percent
 
 
 def profile_steps(
@@ -30,10 +41,10 @@ def profile_steps(
     reps: int | None = None,
     device_time: bool = False,
 ) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]] | None]:
-    """({batch: {k: ms of one step}}, the same of the device's kernel time or None) at each
-    batch size and k: 0 is a plain decode step, k >= 1 the speculative step with k drafts (and
-    a drafter's k next drafts). Median of `reps` after a warm-up. The device's table is
-    measured only on CUDA with `device_time`, in steps of their own after all the timed ones.
+    """({batch: {k: ms of one step}}, the same of the device's time or None) at each batch
+    size and k: 0 is a plain decode step, k >= 1 the speculative step with k drafts (and a
+    drafter's k next drafts). Median of `reps` after a warm-up. The device's table is measured
+    only on CUDA with `device_time` (`device_ms`), right after each shape's timed steps.
 
     Defaults: with graphs, every captured batch size, 10 each (replays are ~2 ms: ~1 s in
     all, and one slow outlier stays out of the median; 3 once let a 26 ms plain step at
@@ -50,11 +61,12 @@ def profile_steps(
     # 8 of Kimi-K2.5's 384 experts where 64 real tokens read ~284).
     rng = random.Random(0)
     table: dict[int, dict[int, float]] = {}
-    steps = {}
+    device: dict[int, dict[int, float]] = {}
     for b in progress(batch_sizes, "measuring speculative steps"):
-        table[b] = {}
+        table[b], device[b] = {}, {}
         for k in sorted({0, *ks}):
-            steps[b, k] = step = _step(runner, _dummy_batch(runner, rng, b, k), k)
+            batch = _dummy_batch(runner, rng, b, k)
+            step = _step(runner, batch, k)
             times = []
             for i in range(reps + 1):
                 t0 = time.perf_counter()
@@ -62,14 +74,9 @@ def profile_steps(
                 if i:  # the first one warms up
                     times.append((time.perf_counter() - t0) * 1e3)
             table[b][k] = sorted(times)[len(times) // 2]
-    if not device_time:
-        return table, None
-    # Profiled after every timed step: once CUPTI has traced a step, launches stay slower in
-    # this process (the default model's steps by ~0.5 ms on the H200).
-    device: dict[int, dict[int, float]] = {b: {} for b in table}
-    for (b, k), step in steps.items():
-        device[b][k] = _kernel_ms(step)
-    return table, device
+            if device_time:
+                device[b][k] = device_ms(runner, batch, k, table[b][k])
+    return table, (device if device_time else None)
 
 
 def _dummy_batch(runner, rng: random.Random, b: int, k: int) -> ScheduledBatch:
@@ -94,20 +101,60 @@ def _step(runner, batch: ScheduledBatch, k: int):
     return lambda: runner.run(batch)
 
 
-def _kernel_ms(step) -> float:
-    """The device's busy time in one step: its kernels', copies' and fills' durations summed,
-    averaged over DEVICE_REPS steps (each ends in the host read, so none overlaps the next).
-    Not the span from the first kernel to the last: under the profiler the gaps between a
-    graph's kernels grow, and the default model's spans on the H200 came out longer than its
-    unprofiled steps. What the sum leaves out (the gaps, the host) the calibration reads as
-    the host's (plan/calibrate.py)."""
-    from torch.profiler import ProfilerActivity, profile
+def device_ms(runner, batch: ScheduledBatch, k: int, step_ms: float) -> float:
+    """The device's time in one step of `batch` (k drafts; 0: decode), unprofiled: median over
+    DEVICE_REPS steps. Each step's device work (what `run` / `run_spec` queue before their one
+    host read: the input copy, the graphs, sampling or acceptance and drafting) is queued
+    behind a GPU sleep of twice the step's wall time `step_ms`, longer than the host takes to
+    queue it, and timed between an event before it and one after it: the device runs the
+    step back to back, so the span is its work and the gaps between its kernels, not the
+    host's. Reads nothing back but the events."""
+    spec = runner.spec_step
+    if k and spec.tree is not None:
+        n = spec.tree.num_nodes
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        def queue() -> None:
+            spec.run_no_sync(batch, n, n)
+    elif k:
+        k_draft = k if runner.drafter is not None else 0
+
+        def queue() -> None:
+            spec.run_no_sync(batch, k, k_draft)
+    else:
+
+        def queue() -> None:
+            runner.launch(batch)
+
+    cycles = int(2 * step_ms * _cycles_per_ms(runner.device))
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    with torch.inference_mode():
         for _ in range(DEVICE_REPS):
-            step()
-        torch.cuda.synchronize()
-    return sum(us for _, us in kernel_times(prof)) / DEVICE_REPS / 1e3
+            torch.cuda.synchronize(runner.device)  # CPU-GPU sync point: between steps
+            torch.cuda._sleep(cycles)
+            start.record()
+            queue()
+            end.record()
+            end.synchronize()  # CPU-GPU sync point: the step's end
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+def _cycles_per_ms(device: torch.device) -> float:
+    """How many cycles `torch.cuda._sleep` spins a millisecond on this device (its clock under
+    that load), measured once: 20 million cycles (~10 ms at 2 GHz) timed by events."""
+    probe = 20_000_000
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(probe // 10)  # the clock ramps up
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()  # CPU-GPU sync point: once per process
+    return probe / start.elapsed_time(end)
 
 
 def kernel_times(prof) -> list[tuple[str, float]]:

@@ -4,8 +4,9 @@ step times, written as a GPU profile that `outrider plan --gpu FILE` reads.
 What is measured: the engine's step timings (executor/step_timing.py, the adaptive controller's
 start-up profile): a plain decode step and the speculative verify step at each batch size and
 k, on dummy rows in the scratch block, CUDA graphs where the engine captures them, the host read
-included; on CUDA also each step's device time, its kernels' durations summed (CUPTI). One rank
-(tp 1): collectives are `outrider bench comm`'s.
+included; on CUDA also each step's device time, its device work timed by events with the
+host kept out of it (step_timing.device_ms). One rank (tp 1): collectives are `outrider bench
+comm`'s.
 
 What is fitted, and why these. The cost model prices a kernel at max(bytes / (bandwidth x
 mem_efficiency), flops / (peak x compute_efficiency)) plus its overhead (gemm_overhead_us for
@@ -67,8 +68,8 @@ SWEEPS = 4
 
 @dataclass(frozen=True)
 class Point:
-    """One measured step: `batch` sequences, k drafts each (0: plain decode); `device_ms`, its
-    kernels' time where it was measured (None: the step's time alone)."""
+    """One measured step: `batch` sequences, k drafts each (0: plain decode); `device_ms`, the
+    device's time in it where that was measured (None: the step's time alone)."""
 
     batch: int
     k: int
@@ -165,9 +166,7 @@ def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
 def _host_line(points: list[Point]) -> dict[str, float]:
     """step_host_us and token_host_us: a line through step - device time (us) against the
     step's tokens, by medians (Theil-Sen: the median of the pairwise slopes, then the median
-    intercept), so the few large steps whose sustained run the device slowed (the H200 at
-    its power limit: an 8B verify of 1024 tokens 14% over its profiled kernels) do not tilt
-    it; each inside its bounds."""
+    intercept), so a few outlying steps do not tilt it; each inside its bounds."""
     xs = [p.batch * (1 + p.k) for p in points]
     ys = [(p.measured_ms - p.device_ms) * 1e3 for p in points]
     slopes = sorted(
