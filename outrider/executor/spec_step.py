@@ -343,7 +343,7 @@ class SpecStep:
     # -- graphs -----------------------------------------------------------------------------
 
     def capture_keys(self, ks: Sequence[int]) -> list[tuple[int, int]]:
-        """(padded B, k) that `capture` captures, in its order (largest first). None for trees
+        """(padded B, k) that `capture` captures, in its order (largest first); none for trees
         under tensor parallelism (the module's doc says why)."""
         if self.tree is not None and self.tp.size > 1:
             return []

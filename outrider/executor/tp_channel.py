@@ -46,7 +46,10 @@ import math
 import torch
 
 from outrider.core import ForwardMode
+from outrider.executor.cuda_graph import GraphKey
 from outrider.executor.distributed import TPGroup
+from outrider.executor.inputs import ForwardInputs
+from outrider.executor.tp_graphs import follow_capture
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
@@ -207,8 +210,6 @@ def worker_loop(runner) -> None:
             elif op == GATHER_EMBEDDING:
                 tp.all_gather(runner.model.model.embed_tokens.weight.data, dim=0)
             elif op == CAPTURE:
-                from outrider.executor.tp_graphs import follow_capture
-
                 spec, mask, tree, nodes = fields[:4]
                 follow_capture(runner, ks_from_mask(mask), bool(spec), nodes if tree else 0)
             else:
@@ -265,9 +266,6 @@ def _forward(
 
 def _replay_target(runner, mode: int, padded: int, per_seq: int, ids, positions, meta):
     """The GraphRunner graph rank 0 replays -> hidden [T, H] of the real rows."""
-    from outrider.executor.cuda_graph import GraphKey
-    from outrider.executor.inputs import ForwardInputs
-
     key = GraphKey(_MODES[mode], padded, per_seq)
     graphs = runner.graphs
     if graphs is None or key not in graphs.graphs:
