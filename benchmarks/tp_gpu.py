@@ -21,8 +21,9 @@ rewritten after every part, so a run cut short keeps what finished):
    timing (ModelRunner.profile_steps: a decode step and the verify step of 1 + k tokens on
    dummy rows, median of reps) at TP=1 and TP=N, C sequences a step. TP=N runs under torchrun,
    where every rank builds the same seeded weights on its own GPU and ranks > 0 follow rank 0's
-   steps (tp_channel); at TP > 1 CUDA graphs are off and every rank runs eagerly
-   (`cuda_graphs` in each setting says which ran). TP=N runs twice, each in its own processes
+   steps (tp_channel); CUDA graphs are on at TP=1 and TP=N alike, every rank replaying the
+   graph rank 0 names, the all-reduces inside it (`cuda_graphs` in each setting says whether
+   graphs ran). TP=N runs twice, each in its own processes
    since NCCL reads its environment once: as the machine is (NVLink) and with
    NCCL_P2P_DISABLE=1 (through host memory: a stand-in for PCIe without P2P). Beside each
    point: all-reduces, all-gathers and bytes per forward as the engine counted them, the
@@ -73,9 +74,10 @@ EQUALITY_SHAPE = dict(
 NGRAM = {"method": "ngram", "num_draft_tokens": 4, "controller": "fixed"}
 P2P_OFF = {"NCCL_P2P_DISABLE": "1"}
 QUICK_CANDIDATES = ("default", "p2p-off", "proto-LL", "proto-Simple")
-EAGER_NOTE = (
-    "tensor_parallel_size > 1: CUDA graphs are off and every rank runs each forward eagerly "
-    "(ModelRunner._capture_graphs); TP=1 replays graphs where the engine captures them"
+GRAPHS_NOTE = (
+    "CUDA graphs on at every tensor-parallel size: at TP > 1 every rank captures the same graphs "
+    "and replays the one rank 0 names each step, NCCL all-reduces inside (executor/tp_graphs.py); "
+    "the drafter's graphs run on rank 0 alone, trees verify eagerly at TP > 1"
 )
 
 
@@ -216,8 +218,9 @@ def timings_child(tp: int, sizes: Sizes) -> dict | None:
     cache = {"enable_prefix_caching": False}
     cache |= {"gpu_memory_utilization": 0.5} if cuda else {"num_blocks": 64}
     config = EngineConfig().replace(
+        # Graphs asked for on CUDA (an error rather than a silently eager run); the CPU has none.
         model={"device": sizes.device, "dtype": sizes.dtype, "max_model_len": 1024,
-               "cuda_graph_max_batch": top},
+               "cuda_graph_max_batch": top, "cuda_graphs": True if cuda else None},
         cache=cache, scheduler={"max_num_seqs": top},
         parallel={"tensor_parallel_size": tp},
     )  # fmt: skip
@@ -397,7 +400,7 @@ def timings(n: int, sizes: Sizes, args, deadline: float) -> dict:
                      "dtype": sizes.dtype, "batch_sizes": sizes.batch_sizes, "ks": sizes.ks,
                      "reps": sizes.reps, "step": "ModelRunner.profile_steps on rank 0",
                      "ranks_started_by": "torchrun --standalone (weights seeded per rank)",
-                     "eager": EAGER_NOTE},
+                     "graphs": GRAPHS_NOTE},
         "by_setting": settings,
     }  # fmt: skip
 

@@ -9,6 +9,12 @@ rows decode a dummy token into a scratch block the block manager never hands out
 outputs are dropped.
 
 Capture goes largest first into one shared memory pool, so smaller graphs reuse its memory.
+
+Under tensor parallelism every rank builds the same runner and captures the same keys in the
+same order (executor/tp_graphs.py sees to it), so the all-reduces inside the graphs pair up
+across ranks, and replays the key rank 0 names in each step's header (tp_channel.py). A
+capture records its collectives instead of counting them; each replay adds the record to the
+group's counts (TPGroup.recording, add_counts).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from outrider.core import ForwardMode
+from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -90,14 +97,17 @@ class GraphRunner:
         step: StepFn | None = None,
         extra_widths: dict[str, tuple[int, torch.dtype]] | None = None,
         mode: ForwardMode | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         """aux_layers: the graphs also output those layers' input residual streams,
         concatenated (a drafter's features), as eager forwards do.
         step: what a graph runs, (ids, positions, extras) -> outputs; None runs the model's
         forward -> (hidden, aux streams or None). extra_widths: name -> (width, dtype) of the
         per-token inputs `step` reads. mode: every key's mode (DRAFT for a drafter's steps);
-        None keys 1 token per sequence as DECODE and more as VERIFY."""
+        None keys 1 token per sequence as DECODE and more as VERIFY. tp: the model's
+        tensor-parallel group (its collectives are recorded at capture, counted at replay)."""
         self.model, self.backend = model, backend
+        self.tp = tp or single()
         self.aux_layers = tuple(aux_layers)
         self.step = step  # None: _model_step (not stored: a bound method would be a cycle)
         self.mode = mode
@@ -109,19 +119,23 @@ class GraphRunner:
         self.inputs = StaticInputs.allocate(
             max_batch, max_batch * max_tpq, max_blocks, device, extra_widths
         )
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple]] = {}  # key -> outputs
+        # key -> (graph, its outputs, the collectives one replay runs)
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple, dict]] = {}
         self.pool = None
 
     # -- capture ----------------------------------------------------------------------------
 
-    def capture(self) -> None:
-        keys = [
+    def capture_keys(self) -> list[GraphKey]:
+        """What `capture` captures, in its order (largest first)."""
+        return [
             GraphKey(self._mode(tpq), batch, tpq)
             for tpq in reversed(self.tokens_per_seq)
             for batch in reversed(self.batch_sizes)
         ]
+
+    def capture(self) -> None:
         what = "drafter " if self.mode == ForwardMode.DRAFT else ""
-        for key in progress(keys, f"capturing {what}CUDA graphs"):
+        for key in progress(self.capture_keys(), f"capturing {what}CUDA graphs"):
             self._capture(key)
         log.info("captured %d CUDA graphs", len(self.graphs))
 
@@ -132,17 +146,22 @@ class GraphRunner:
         ids, pos = self.inputs.input_ids[:n], self.inputs.positions[:n]
         extras = {name: t[:n] for name, t in self.inputs.extras.items()}
         with torch.inference_mode():
-            for _ in range(2):  # warm up: lazy inits and autotuning happen outside the capture
-                meta.backend_data.clear()
-                self._forward(ids, pos, extras, meta)
+            # Warm up: lazy inits and autotuning happen outside the capture. Under tensor
+            # parallelism the warm-ups' collectives run, paired with the other ranks' own.
+            with self.tp.recording():
+                for _ in range(2):
+                    meta.backend_data.clear()
+                    self._forward(ids, pos, extras, meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             meta.backend_data.clear()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # torch.cuda.graph captures on a side stream of its own; NCCL collectives issued
+            # there are captured (recorded, not run) like any kernel.
+            with self.tp.recording() as counted, torch.cuda.graph(graph, pool=self.pool):
                 outputs = self._forward(ids, pos, extras, meta)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[key] = (graph, outputs)
+        self.graphs[key] = (graph, outputs, counted)
 
     def _forward(self, ids, pos, extras: dict, meta: AttentionMetadata) -> tuple:
         self.backend.prepare(meta)
@@ -230,6 +249,7 @@ class GraphRunner:
         for name, t in (extras or {}).items():
             s.extras[name][:n].copy_(t)
         self._fill_padding(key, first_row=b)
-        graph, outputs = self.graphs[key]
+        graph, outputs, counted = self.graphs[key]
         graph.replay()
+        self.tp.add_counts(counted, meta.mode.value)
         return tuple(None if o is None else o[:n] for o in outputs)

@@ -13,14 +13,18 @@ rank's buffer, an all-gather the gathered output, a broadcast the buffer.
 A group of size 1 needs no torch.distributed: its collectives return their input and count
 nothing, so a model built for one rank runs exactly as it did before tensor parallelism.
 
-Captured CUDA graphs replay their collectives without running this Python, so the counts see
-a graph's collectives once, when it is captured; eager forwards are counted every time.
+Captured CUDA graphs replay their collectives without running this Python, so a capture (and
+the warm-up forwards before it) counts into a record of its own (`recording`), not the group's
+counts, and every replay adds that record (`add_counts`): a replayed forward counts what it
+runs, exactly as an eager one does, and capturing counts nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +92,13 @@ class TPGroup:
 
         x = x.contiguous()
         self._count("all_gather", x.numel() * x.element_size() * self.size)
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        if x.is_cuda:  # NCCL: one output buffer, no flattening copies (and capturable)
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            parts = list(out.unbind(0))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
     def broadcast(
@@ -119,7 +128,54 @@ class TPGroup:
         dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.control or self.group)
         return int(x.item())
 
+    def agree_same(self, value: int) -> bool:
+        """Whether every rank passed the same `value` (the same answer on every rank, so they
+        all go on or all stop). Two all-reduces over the control group, counted as "other"."""
+        if self.size == 1:
+            return True
+        return self.agree_min(value) == -self.agree_min(-value)
+
+    def warm_up(self, device: torch.device) -> None:
+        """One eager all-reduce on `device`, waited for: NCCL creates a group's communicator at
+        its first collective, and a collective first met inside a CUDA graph capture would
+        create it there, where nothing runs. Call before capturing. Counted as "other"."""
+        if self.size == 1:
+            return
+        import torch.distributed as dist
+
+        x = torch.zeros(1, device=device)
+        self._count("all_reduce", x.element_size(), OTHER)
+        dist.all_reduce(x, group=self.group)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+
     # --- counts ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[dict[str, dict[str, dict[str, int]]]]:
+        """Collectives run inside count into the yielded {mode: {collective: {"calls",
+        "bytes"}}}, not the group's counts: a graph's capture and its warm-up forwards serve no
+        request, and what the capture ran is added at each replay (add_counts). Does not
+        nest."""
+        saved, last = self._counts, self._last_mode
+        self._counts = recorded = {}
+        try:
+            yield recorded
+        finally:
+            self._counts, self._last_mode = saved, last
+
+    def add_counts(self, recorded: dict[str, dict[str, dict[str, int]]], mode: str) -> None:
+        """A replayed graph ran `recorded`'s collectives (what `recording` saw at its capture),
+        for a forward of `mode`: they count under it, and so do collectives after it outside a
+        graph (the LM head's all-gather), as after an eager forward. A few dict updates."""
+        into = self._counts.setdefault(mode, {})
+        for ops in recorded.values():
+            for op, c in ops.items():
+                slot = into.setdefault(op, {"calls": 0, "bytes": 0})
+                slot["calls"] += c["calls"]
+                slot["bytes"] += c["bytes"]
+        if mode != OTHER:
+            self._last_mode = mode
 
     def _count(self, op: str, nbytes: int, mode: str | None = None) -> None:
         # A forward's logits are computed just after it, outside its forward context (the

@@ -17,14 +17,14 @@ from outrider.core import (
     ScheduledSeq,
     StepOutput,
 )
-from outrider.executor import step_timing
+from outrider.executor import step_timing, tp_graphs
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler, logprob_rows_no_sync, unpack_logprobs
 from outrider.executor.spec_step import SpecOutput, SpecStep, simple_greedy
-from outrider.executor.tp_channel import StepSender
+from outrider.executor.tp_channel import TARGET_GRAPH, StepSender
 from outrider.executor.verify_step import sample_and_verify, verify_chain_rows_no_sync
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
@@ -180,7 +180,7 @@ class ModelRunner:
             max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
             max_positions=self.max_model_len,
             batch_sizes=self._graph_batch_sizes(), aux_layers=self.aux_layers,
-            tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender,
+            tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender, tp=self.tp,
         )  # fmt: skip
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
@@ -190,12 +190,19 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the CUDA graphs the config asks for (after `aux_layers` is set: the graphs
         output those streams too), the speculative step's too. A no-op where graphs do not
-        apply."""
-        self.graphs = self._capture_graphs(self.config)
-        if self.graphs is not None and self.spec_step is not None:
-            self.spec_step.capture(self.spec_ks)
+        apply. Rank 0 of several has the other ranks capture the same ones alongside
+        (executor/tp_graphs.py)."""
+        if self.tp_sender is not None:
+            step = self.spec_step
+            tree = step.tree.num_nodes if step is not None and step.tree is not None else 0
+            self.tp_sender.capture(self.spec_ks, step is not None, tree)
+        tp_graphs.capture_all(self)
 
-    def _capture_graphs(self, config: EngineConfig) -> GraphRunner | None:
+    def graph_runner(self) -> GraphRunner | None:
+        """The target's graph runner the config asks for, not captured yet; None where graphs
+        do not apply. The same on every rank: it reads only the config, the model and the
+        device type."""
+        config = self.config
         wanted = config.model.cuda_graphs
         # A model whose forward reads the host (the reference MoE picks experts there) says so,
         # and one that reads none only up to a step size (the fused MoE) says which: the
@@ -216,15 +223,6 @@ class ModelRunner:
         )
         if wanted is False or (wanted is None and (not usable or self.backend.name != "triton")):
             return None
-        if self.tp.size > 1:
-            # The other ranks replay no graphs yet: every rank runs each forward eagerly.
-            if wanted:
-                raise ValueError(
-                    f"cuda_graphs=True with tensor_parallel_size={self.tp.size}: CUDA graphs "
-                    "run on one rank only for now; set cuda_graphs=False (--enforce-eager)"
-                )
-            log.info("tensor parallelism: CUDA graphs off, every rank runs eagerly")
-            return None
         if not usable:
             raise ValueError(
                 f"cuda_graphs=True needs device cuda, a graph-safe attention backend and a "
@@ -237,7 +235,7 @@ class ModelRunner:
         tpq = (1,)
         if config.speculative.enabled and ForwardMode.VERIFY in self.backend.graph_modes:
             tpq = (1, 1 + config.speculative.num_draft_tokens)
-        runner = GraphRunner(
+        return GraphRunner(
             self.model,
             self.backend,
             max_blocks=-(-self.max_model_len // self.block_size),
@@ -246,9 +244,8 @@ class ModelRunner:
             batch_sizes=sizes,
             tokens_per_seq=tpq,
             aux_layers=self.aux_layers,
+            tp=self.tp,
         )
-        runner.capture()
-        return runner
 
     @torch.inference_mode()
     def forward(
@@ -263,12 +260,13 @@ class ModelRunner:
         inputs = build_inputs(batch, self.block_size, self.device)
         if input_ids is not None:
             inputs.input_ids = input_ids
-        if self.tp_sender is not None:  # run() and launch() take logits iff a row samples
-            rows = inputs.logits_indices if any(s.sample for s in batch.seqs) else None
-            self.tp_sender.forward(inputs.input_ids, inputs.positions, inputs.attn, rows)
         graphs = self.graphs
         usable = graphs is not None and tuple(aux_layers) == graphs.aux_layers
         key = graphs.can_run(inputs) if usable else None
+        if self.tp_sender is not None:  # run() and launch() take logits iff a row samples
+            rows = inputs.logits_indices if any(s.sample for s in batch.seqs) else None
+            graph = None if key is None else (TARGET_GRAPH, key.mode, key.batch, key.tokens_per_seq)
+            self.tp_sender.forward(inputs.input_ids, inputs.positions, inputs.attn, rows, graph)
         if key is not None:
             hidden, aux = graphs.replay(key, inputs)
             return hidden, ([] if aux is None else [aux]), inputs

@@ -22,6 +22,13 @@ Worked example, k = 3, a row at start position 10 with drafts [a, b, c], target 
 tokens [a, b, x, .], num_accepted 2, computed tokens 10 -> 13. The drafter's row 2 (position
 12, input x) gives the first next draft; chain steps run at positions 13 and 14.
 
+Under tensor parallelism every rank captures the verify graph of each (padded B, k) in the
+same order (the all-reduces inside pair up across ranks); rank 0 sends each step's buffers
+with the key before it replays, and the other ranks copy them into their own static buffers
+and replay the same graph (`replay_sent`). Their acceptance is computed and unused; the
+drafter and its graph run on rank 0 alone. Trees verify eagerly there: their accepted nodes'
+KV moves are sent to the other ranks from the host, mid-step, which no graph can do.
+
 Slots: a row's real tokens write KV at its own slots (allocated by the scheduler: root, real
 drafts and, for a drafter, k - 1 chain positions past the verify); everything else writes to
 the scratch block, whose contents nobody reads as a real token's context.
@@ -38,8 +45,9 @@ import torch
 
 from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
 from outrider.executor.cuda_graph import StaticInputs
+from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import table_slots_no_sync
-from outrider.executor.tp_channel import ALL_ROWS
+from outrider.executor.tp_channel import ALL_ROWS, SPEC_GRAPH
 from outrider.layers import fused
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -117,9 +125,11 @@ class SpecStep:
         tree: TreeShape | None = None,
         kv_pool=None,  # executor.kv_cache.KVPool: trees move accepted nodes' KV in it
         sender=None,  # executor.tp_channel.StepSender on rank 0 of several, else None
+        tp: TPGroup | None = None,  # the model's group: captures record, replays count
     ) -> None:
         self.model, self.backend, self.drafter = model, backend, drafter
         self.sender = sender
+        self.tp = tp or single()
         self.tree, self.kv_pool = tree, kv_pool
         if tree is not None:
             max_k = tree.num_nodes
@@ -147,7 +157,8 @@ class SpecStep:
         self.inputs.block_tables.fill_(scratch_block)
         self._dirty = 0  # table columns that may hold real blocks, from the widest load since
         self._w = 1  # the table width the last load wrote (eager forwards read only that)
-        self.graphs: dict[tuple[int, int, int], tuple] = {}  # -> (verify, draft or None, out)
+        # (padded, k, k_draft) -> (verify, draft or None, out, the verify's collectives)
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
         self.pool = None
 
     # -- host -> static buffers ----------------------------------------------------------------
@@ -245,8 +256,11 @@ class SpecStep:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def verify_no_sync(self, padded: int, k: int, full_width: bool = False) -> SpecOutput:
-        """Steps 1-2 on the static buffers."""
+    def verify_no_sync(
+        self, padded: int, k: int, full_width: bool = False, send: bool = True
+    ) -> SpecOutput:
+        """Steps 1-2 on the static buffers. send: rank 0 of several sends the forward's inputs
+        to the other ranks first (not while capturing: they capture alongside)."""
         t = 1 + k
         s = self.inputs
         meta = self._metadata(padded, k, full_width)
@@ -260,7 +274,7 @@ class SpecStep:
             zero = torch.zeros(padded, 1, dtype=depth.dtype, device=depth.device)
             rope = positions.view(padded, t) + torch.cat([zero, depth], dim=1)
             positions = rope.clamp_(max=self.max_positions - 1).view(-1)
-        if self.sender is not None:  # the other ranks verify too, logits for every row
+        if self.sender is not None and send:  # the others verify too, logits for every row
             self.sender.forward(ids, positions, meta, ALL_ROWS)
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
@@ -328,34 +342,50 @@ class SpecStep:
 
     # -- graphs -----------------------------------------------------------------------------
 
+    def capture_keys(self, ks: Sequence[int]) -> list[tuple[int, int]]:
+        """(padded B, k) that `capture` captures, in its order (largest first); none for trees
+        under tensor parallelism (the module's doc says why)."""
+        if self.tree is not None and self.tp.size > 1:
+            return []
+        return [(b, k) for k in sorted(ks, reverse=True) for b in reversed(self.batch_sizes)]
+
     def capture(self, ks: Sequence[int]) -> None:
         """Per (padded B, k): a verify graph and, with a drafter, a draft graph reading the
         verify graph's outputs; largest first into one memory pool."""
-        keys = [(b, k) for k in sorted(ks, reverse=True) for b in reversed(self.batch_sizes)]
+        if self.tree is not None and self.tp.size > 1:
+            log.info(
+                "tensor parallelism: the tree step runs eagerly (its KV moves go to the other "
+                "ranks from the host mid-step); decode graphs are still replayed"
+            )
+        keys = self.capture_keys(ks)
         for b, k in progress(keys, "capturing speculative step graphs"):
             self._capture(b, k)
-        log.info("captured %d speculative step graphs", len(self.graphs))
+        if keys:
+            log.info("captured %d speculative step graphs", len(self.graphs))
 
     def _capture(self, padded: int, k: int) -> None:
         k_draft = k if self.drafter is not None else 0
         self.load(ScheduledBatch(ForwardMode.VERIFY, []), k, padded)
         with torch.inference_mode():
-            for _ in range(2):  # warm up outside the capture (autotuning, lazy inits)
-                out = self.verify_no_sync(padded, k, full_width=True)
-                if k_draft:
-                    self.draft_no_sync(out, padded, k, k_draft, full_width=True)
+            # Warm up outside the capture (autotuning, lazy inits); their collectives run,
+            # paired with the other ranks' warm-ups, and count nowhere.
+            with self.tp.recording():
+                for _ in range(2):
+                    out = self.verify_no_sync(padded, k, full_width=True, send=False)
+                    if k_draft:
+                        self.draft_no_sync(out, padded, k, k_draft, full_width=True)
             torch.cuda.synchronize()
             verify = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(verify, pool=self.pool):
-                out = self.verify_no_sync(padded, k, full_width=True)
+            with self.tp.recording() as counted, torch.cuda.graph(verify, pool=self.pool):
+                out = self.verify_no_sync(padded, k, full_width=True, send=False)
             if self.pool is None:
                 self.pool = verify.pool()
             draft = None
-            if k_draft:
+            if k_draft:  # rank 0 alone: the drafter reduces nothing
                 draft = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(draft, pool=self.pool):
                     out.drafts = self.draft_no_sync(out, padded, k, k_draft, full_width=True)
-        self.graphs[(padded, k, k_draft)] = (verify, draft, out)
+        self.graphs[(padded, k, k_draft)] = (verify, draft, out, counted)
 
     def run_no_sync(
         self, batch: ScheduledBatch, k: int, k_draft: int, fixup=None
@@ -369,8 +399,11 @@ class SpecStep:
         captured = self.graphs.get((padded, k, k_draft))
         with torch.inference_mode():
             if captured is not None:
-                verify, draft, out = captured
+                verify, draft, out, counted = captured
+                if self.sender is not None:  # the other ranks replay the same verify graph
+                    self._send(padded, k)
                 verify.replay()
+                self.tp.add_counts(counted, ForwardMode.VERIFY.value)
                 if fixup is not None:
                     fixup(out)
                 if draft is not None:
@@ -382,3 +415,44 @@ class SpecStep:
             if k_draft:
                 out.drafts = self.draft_no_sync(out, padded, k, k_draft)
         return out, padded
+
+    def _send(self, padded: int, k: int) -> None:
+        """Rank 0: the buffers `load` wrote, and the key of the graph about to replay."""
+        t = 1 + k
+        s = self.inputs
+        meta = self._metadata(padded, k)  # the table as wide as the load wrote it
+        ids, positions = s.input_ids[: padded * t], s.positions[: padded * t]
+        key = (SPEC_GRAPH, meta.mode, padded, t)
+        self.sender.forward(ids, positions, meta, ALL_ROWS, graph=key)
+
+    def replay_sent(
+        self,
+        k: int,
+        input_ids: torch.Tensor,  # [padded * (1 + k)] int64
+        positions: torch.Tensor,  # [padded * (1 + k)] int64
+        slot_mapping: torch.Tensor,  # [padded * (1 + k)] int64
+        seq_lens: torch.Tensor,  # [padded] int32
+        block_tables: torch.Tensor,  # [padded, w] int32, w <= self.width
+    ) -> None:
+        """A rank > 0: rank 0's loaded buffers, as it sent them, into this rank's own, then the
+        verify graph rank 0 replays (its logits' all-gather included; nothing is read back)."""
+        padded, w = block_tables.shape
+        key = next((x for x in self.graphs if x[:2] == (padded, k)), None)
+        if key is None:
+            raise RuntimeError(
+                f"rank {self.tp.rank}: rank 0 replays the verify graph of batch {padded}, k {k}, "
+                f"which this rank did not capture (it has {sorted(x[:2] for x in self.graphs)}):"
+                " the ranks captured different graphs; run with cuda_graphs=False "
+                "(--enforce-eager) and report it"
+            )
+        n, s = input_ids.shape[0], self.inputs
+        s.input_ids[:n].copy_(input_ids)
+        s.positions[:n].copy_(positions)
+        s.slot_mapping[:n].copy_(slot_mapping)
+        s.seq_lens[:padded].copy_(seq_lens)
+        s.block_tables[:padded, :w].copy_(block_tables)
+        s.block_tables[:padded, w:].fill_(self.scratch_block)  # as rank 0's load resets them
+        verify, _, _, counted = self.graphs[key]
+        with torch.inference_mode():
+            verify.replay()
+        self.tp.add_counts(counted, ForwardMode.VERIFY.value)

@@ -15,7 +15,11 @@ other ranks wait there while the engine is idle); the tensors follow over the te
 group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
 
     op FORWARD  mode, tokens T, batch B, table width W, tree-mask width M (0: causal),
-                logits rows L (-1: every row, 0: none, n: the rows in logits_indices)
+                logits rows L (-1: every row, 0: none, n: the rows in logits_indices),
+                graph G, its mode X, padded batch P, tokens per sequence Q: the CUDA graph
+                rank 0 replays for this forward, keyed (X, P, Q) — G 0: none, eagerly;
+                TARGET_GRAPH: the runner's GraphRunner (the LM head after it, eagerly, over L);
+                SPEC_GRAPH: the speculative step's verify graph (B = P rows, logits inside)
                 -> one uint8 payload (a single broadcast: on PCIe each collective costs tens
                    of microseconds whatever its size), holding in this order
                    input_ids [T], positions [T], slot_mapping [T], logits_indices [L > 0]
@@ -25,6 +29,10 @@ group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
     op MOVE_KV  n -> src [n] int64, dst [n] int64 flat slots (KVPool.move_no_sync)
     op GATHER_EMBEDDING   every rank all-gathers its shard of the vocabulary embedding (a
                 drafter on rank 0 embeds with the whole table)
+    op CAPTURE  speculative step S (0: none), draft lengths as a bit mask K (bit k: k drafts;
+                0 for trees), tree T (0/1), the tree's node count N -> every rank captures
+                the same CUDA graphs in the same order (executor/tp_graphs.py), so the
+                collectives inside them pair up; the others' speculative step has no drafter
     op STOP     the worker loop returns
 
 With one rank nothing here runs: the runner holds no sender and never checks more than that.
@@ -38,15 +46,35 @@ import math
 import torch
 
 from outrider.core import ForwardMode
+from outrider.executor.cuda_graph import GraphKey
 from outrider.executor.distributed import TPGroup
+from outrider.executor.inputs import ForwardInputs
+from outrider.executor.tp_graphs import follow_capture
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
-HEADER = 8
-STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING = range(4)
+HEADER = 11
+STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING, CAPTURE = range(5)
 _MODES = list(ForwardMode)
 ALL_ROWS = -1
+EAGER, TARGET_GRAPH, SPEC_GRAPH = range(3)  # a forward header's G
+MAX_MASKED_K = 62  # draft lengths a CAPTURE header's bit mask holds (bits 1..62 of an int64)
+
+
+def ks_mask(ks: tuple[int, ...]) -> int:
+    """Draft lengths as the bit mask a CAPTURE header carries: (1, 3) -> 0b1010."""
+    bad = [k for k in ks if not 1 <= k <= MAX_MASKED_K]
+    if bad:
+        raise ValueError(
+            f"draft lengths {bad} under tensor parallelism with CUDA graphs: the ranks agree "
+            f"on lengths 1..{MAX_MASKED_K}; use num_draft_tokens <= {MAX_MASKED_K}"
+        )
+    return sum(1 << k for k in set(ks))
+
+
+def ks_from_mask(mask: int) -> tuple[int, ...]:
+    return tuple(k for k in range(1, MAX_MASKED_K + 1) if mask >> k & 1)
 
 
 class StepSender:
@@ -71,9 +99,11 @@ class StepSender:
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
         logits_rows: torch.Tensor | int | None,  # [L] int64 rows, ALL_ROWS, or None (none)
+        graph: tuple[int, ForwardMode, int, int] | None = None,  # (G, key: mode, B, per seq)
     ) -> None:
         """Before rank 0 runs a target forward: the others run the same one, and the LM head
-        over the same rows (the head's all-gather is a collective too)."""
+        over the same rows (the head's all-gather is a collective too). graph: the captured
+        graph rank 0 replays for it (None: it runs eagerly); the others replay the same."""
         mode = attn.mode.value
         self.forwards[mode] = self.forwards.get(mode, 0) + 1
         tables = attn.block_tables
@@ -82,6 +112,7 @@ class StepSender:
             n_logits = logits_rows.numel()
         else:
             n_logits = ALL_ROWS if logits_rows == ALL_ROWS else 0
+        key = (EAGER, 0, 0, 0) if graph is None else (graph[0], _MODES.index(graph[1]), *graph[2:])
         self._send_header(
             FORWARD,
             _MODES.index(attn.mode),
@@ -90,6 +121,7 @@ class StepSender:
             tables.shape[1],
             0 if tree is None else tree.shape[1],
             n_logits,
+            *key,
         )
         parts = [(input_ids, torch.int64), (positions, torch.int64),
                  (attn.slot_mapping, torch.int64)]  # fmt: skip
@@ -108,6 +140,13 @@ class StepSender:
         send = self._send("other")
         send(src, torch.int64)
         send(dst, torch.int64)
+
+    def capture(self, ks: tuple[int, ...], spec: bool, tree_nodes: int) -> None:
+        """Before rank 0 captures its graphs: the others capture the same ones alongside.
+        ks: the speculative step's draft lengths (spec: it has one); tree_nodes > 0: it
+        verifies trees of that many nodes (ks is then (tree_nodes,))."""
+        mask = 0 if tree_nodes or not spec else ks_mask(ks)
+        self._send_header(CAPTURE, int(spec), mask, int(tree_nodes > 0), tree_nodes)
 
     def gather_embedding(self, embedding: torch.nn.Module) -> torch.Tensor:
         """The whole [vocab, hidden] embedding table on rank 0, from every rank's shard."""
@@ -163,18 +202,24 @@ def worker_loop(runner) -> None:
                 log.info("rank %d: stop from rank 0", tp.rank)
                 return
             if op == FORWARD:
-                _forward(runner, recv, *fields[:6])
+                _forward(runner, recv, *fields[:10])
             elif op == MOVE_KV:
                 n = fields[0]
                 src, dst = recv((n,), torch.int64), recv((n,), torch.int64)
                 runner.kv_pool.move_no_sync(src, dst)
             elif op == GATHER_EMBEDDING:
                 tp.all_gather(runner.model.model.embed_tokens.weight.data, dim=0)
+            elif op == CAPTURE:
+                spec, mask, tree, nodes = fields[:4]
+                follow_capture(runner, ks_from_mask(mask), bool(spec), nodes if tree else 0)
             else:
                 raise RuntimeError(f"rank {tp.rank}: unknown step op {op} from rank 0")
 
 
-def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int) -> None:
+def _forward(
+    runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int, graph: int,
+    key_mode: int, padded: int, per_seq: int,
+) -> None:  # fmt: skip
     layout = [((t,), torch.int64)] * 3
     if n_logits > 0:
         layout.append(((n_logits,), torch.int64))
@@ -186,22 +231,60 @@ def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: 
     ids, positions, slots = parts[:3]
     rows = parts[3] if n_logits > 0 else None
     qsl, seq_lens, tables = parts[3 + (n_logits > 0) : 6 + (n_logits > 0)]
-    tree = parts[-1].view(torch.bool) if m else None
-    starts = qsl.tolist()  # CPU-GPU sync point (the reference backend plans from host lengths)
-    meta = AttentionMetadata(
-        mode=_MODES[mode],
-        slot_mapping=slots,
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        block_tables=tables,
-        query_lens_cpu=[e - s for s, e in zip(starts, starts[1:])],
-        seq_lens_cpu=seq_lens.tolist(),
-        tree_mask=tree,
-    )
-    runner.backend.prepare(meta)
-    with forward_context(ForwardContext(meta, runner.backend)):
-        hidden, _ = runner.model(ids, positions, ())
+    if graph == SPEC_GRAPH:  # the verify graph computes every row's logits inside
+        _spec_step(runner).replay_sent(per_seq - 1, ids, positions, slots, seq_lens, tables)
+        return
+    if graph == TARGET_GRAPH:
+        # A replay reads lengths from the device tensors only: no host read here, the host
+        # lists just say how many sequences there are.
+        meta = AttentionMetadata(
+            mode=_MODES[mode], slot_mapping=slots, query_start_loc=qsl, seq_lens=seq_lens,
+            block_tables=tables, query_lens_cpu=[per_seq] * b, seq_lens_cpu=[0] * b,
+        )  # fmt: skip
+        hidden = _replay_target(runner, key_mode, padded, per_seq, ids, positions, meta)
+    else:
+        tree = parts[-1].view(torch.bool) if m else None
+        starts = qsl.tolist()  # CPU-GPU sync point (the reference backend plans from host lengths)
+        meta = AttentionMetadata(
+            mode=_MODES[mode],
+            slot_mapping=slots,
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            query_lens_cpu=[e - s for s, e in zip(starts, starts[1:])],
+            seq_lens_cpu=seq_lens.tolist(),
+            tree_mask=tree,
+        )
+        runner.backend.prepare(meta)
+        with forward_context(ForwardContext(meta, runner.backend)):
+            hidden, _ = runner.model(ids, positions, ())
     if n_logits == ALL_ROWS:
         runner.model.compute_logits(hidden)
     elif rows is not None:
         runner.model.compute_logits(hidden[rows])
+
+
+def _replay_target(runner, mode: int, padded: int, per_seq: int, ids, positions, meta):
+    """The GraphRunner graph rank 0 replays -> hidden [T, H] of the real rows."""
+    key = GraphKey(_MODES[mode], padded, per_seq)
+    graphs = runner.graphs
+    if graphs is None or key not in graphs.graphs:
+        have = [] if graphs is None else list(graphs.graphs)
+        raise RuntimeError(
+            f"rank {runner.tp.rank}: rank 0 replays the CUDA graph {key}, which this rank did "
+            f"not capture (it has {have}): the ranks captured different graphs; run with "
+            "cuda_graphs=False (--enforce-eager) and report it"
+        )
+    inputs = ForwardInputs(ids, positions, meta, logits_indices=ids[:0])
+    hidden, _ = graphs.replay(key, inputs)
+    return hidden
+
+
+def _spec_step(runner):
+    if runner.spec_step is None:
+        raise RuntimeError(
+            f"rank {runner.tp.rank}: rank 0 replays a speculative verify graph but this rank "
+            "has no speculative step (no CAPTURE reached it): run with cuda_graphs=False "
+            "(--enforce-eager) and report it"
+        )
+    return runner.spec_step

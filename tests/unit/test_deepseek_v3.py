@@ -384,8 +384,9 @@ def test_graphs_refused_past_the_models_step_limit():
     )  # fmt: skip
     spec = SpecConfig(method="ngram", num_draft_tokens=16)  # 64 x 17 = 1088 tokens
     auto = EngineConfig(model=ModelConfig(cuda_graphs=None), speculative=spec)
-    assert ModelRunner._capture_graphs(runner, auto) is None
-    wanted = EngineConfig(model=ModelConfig(cuda_graphs=True), speculative=spec)
+    runner.config = auto
+    assert ModelRunner.graph_runner(runner) is None
+    runner.config = EngineConfig(model=ModelConfig(cuda_graphs=True), speculative=spec)
     limit = "graph steps of up to 1088 tokens, the model's limit 1024"
     with pytest.raises(ValueError, match=limit):
-        ModelRunner._capture_graphs(runner, wanted)
+        ModelRunner.graph_runner(runner)
