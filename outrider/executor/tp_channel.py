@@ -7,7 +7,9 @@ Sampling and acceptance run on rank 0 alone. After the LM head's all-gather the 
 whole and identical on every rank, so another rank deciding tokens would repeat rank 0's work
 and would have to advance every seeded generator in lockstep with it; the other ranks need no
 tokens, only the next step's inputs, which carry them. The drafter runs on rank 0 alone too
-(a group of one: its forwards reduce nothing). What a step changes in a rank's KV slice beyond
+(a group of one: its forwards reduce nothing), unless it is split over the ranks like the
+target (draft_tensor_parallel_size): then its forwards follow as ops of their own, drawn in
+tp_draft.py. What a step changes in a rank's KV slice beyond
 the forward's own writes (accepted tree nodes moved into path order) is sent the same way.
 
 The header is int64 [HEADER] over the control group (gloo, a CPU tensor, no time limit: the
@@ -25,6 +27,7 @@ group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
     op MOVE_KV  n -> src [n] int64, dst [n] int64 flat slots (KVPool.move_no_sync)
     op GATHER_EMBEDDING   every rank all-gathers its shard of the vocabulary embedding (a
                 drafter on rank 0 embeds with the whole table)
+    op DRAFT, DRAFT_AFTER_VERIFY   a sharded drafter's forwards (tp_draft.py)
     op STOP     the worker loop returns
 
 With one rank nothing here runs: the runner holds no sender and never checks more than that.
@@ -44,7 +47,7 @@ from outrider.layers.forward_context import AttentionMetadata, ForwardContext, f
 log = logging.getLogger(__name__)
 
 HEADER = 8
-STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING = range(4)
+STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING, DRAFT, DRAFT_AFTER_VERIFY = range(6)
 _MODES = list(ForwardMode)
 ALL_ROWS = -1
 
@@ -148,9 +151,13 @@ def _unpack(payload: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dty
 def worker_loop(runner) -> None:
     """A rank > 0 follows rank 0 until it sends STOP. runner: this rank's ModelRunner (its
     model shard and KV slice); it samples nothing."""
+    from outrider.executor.tp_draft import DraftFollower
+
     tp: TPGroup = runner.tp
     header = torch.zeros(HEADER, dtype=torch.int64)
     dev = runner.device
+    # A drafter split over the ranks (tp_draft.shard_drafter) follows rank 0's draft ops.
+    follower = DraftFollower(runner) if runner.drafter is not None else None
 
     def recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return tp.broadcast(torch.empty(shape, dtype=dtype, device=dev))
@@ -163,7 +170,19 @@ def worker_loop(runner) -> None:
                 log.info("rank %d: stop from rank 0", tp.rank)
                 return
             if op == FORWARD:
-                _forward(runner, recv, *fields[:6])
+                seen = _forward(runner, recv, *fields[:6])
+                if follower is not None:
+                    follower.saw_forward(*seen)
+            elif op in (DRAFT, DRAFT_AFTER_VERIFY):
+                if follower is None:
+                    raise RuntimeError(
+                        f"rank {tp.rank}: rank 0 runs a sharded drafter but this rank holds "
+                        "none: every rank must start with the same speculative config"
+                    )
+                if op == DRAFT:
+                    follower.draft(recv, *fields[:7])
+                else:
+                    follower.after_verify(recv, *fields[:6])
             elif op == MOVE_KV:
                 n = fields[0]
                 src, dst = recv((n,), torch.int64), recv((n,), torch.int64)
@@ -174,7 +193,8 @@ def worker_loop(runner) -> None:
                 raise RuntimeError(f"rank {tp.rank}: unknown step op {op} from rank 0")
 
 
-def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int) -> None:
+def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int):
+    """-> (metadata, positions, aux streams) of the forward run, for a sharded drafter."""
     layout = [((t,), torch.int64)] * 3
     if n_logits > 0:
         layout.append(((n_logits,), torch.int64))
@@ -200,8 +220,9 @@ def _forward(runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: 
     )
     runner.backend.prepare(meta)
     with forward_context(ForwardContext(meta, runner.backend)):
-        hidden, _ = runner.model(ids, positions, ())
+        hidden, aux = runner.model(ids, positions, runner.aux_layers)
     if n_logits == ALL_ROWS:
         runner.model.compute_logits(hidden)
     elif rows is not None:
         runner.model.compute_logits(hidden[rows])
+    return meta, positions, aux
