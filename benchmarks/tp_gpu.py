@@ -35,6 +35,13 @@ rewritten after every part, so a run cut short keeps what finished):
    (speculative step / plain step) beside the planner's for tp N over pcie5-nop2p.
 4. comm: `outrider bench comm` over the N GPUs, each NCCL candidate in its own processes
    (--quick: four of them); over gloo with --smoke.
+5. draft: the EAGLE-3 chain step (verify 1 + k, then the drafter's k next drafts) at TP=N
+   with the drafter whole on rank 0 (draft_tensor_parallel_size 1) and split over every rank
+   like the target (draft_tensor_parallel_size N), side by side: the 8B shape (--smoke: an
+   8-layer tiny one) with a random drafter of its shape written to a temporary directory that
+   every rank loads, each setting under torchrun in its own processes, both eager (the split
+   drafter's other ranks follow eagerly only), timed by ModelRunner.profile_steps; beside each
+   point the split over rank 0 ratio and the collectives a verify and a draft forward ran.
 
 --budget-s (default 480) bounds the whole run: a part that would start past it is skipped and
 says so, and comm's candidates share what is left.
@@ -346,12 +353,146 @@ def synthetic_child(tp: int, args: argparse.Namespace) -> dict | None:
     return run(ns)
 
 
+# -- 5. the drafter on rank 0 against the drafter split (torchrun children) -------------------
+
+
+def draft_shape(sizes: Sizes) -> dict:
+    """The target of the draft part: EAGLE-3's aux layers (2, L//2, L-3) must be distinct for a
+    drafter file, which the tiny shape's 4 layers are not."""
+    return {**sizes.hf, "num_hidden_layers": 8} if sizes.hf is TINY else sizes.hf
+
+
+def write_random_drafter(hf: dict, dtype: str, directory: Path) -> Path:
+    """A seeded random EAGLE-3 drafter of `hf`'s shape (draft vocabulary: the first
+    min(32000, vocab) target ids; time does not depend on the weights) as a drafter directory."""
+    from outrider.loaders.hf_config import TransformerConfig
+    from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
+    from outrider.models.eagle3_io import save_drafter
+
+    target = TransformerConfig.from_hf_dict(hf)
+    cfg = Eagle3Config.for_target(target, min(32000, target.vocab_size))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        draft = Eagle3Draft(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        draft.d2t.zero_()  # draft id i is target id i
+        draft.t2d.zero_()
+        draft.t2d[: cfg.draft_vocab_size] = True
+    return save_drafter(draft, directory)
+
+
+class _Vocab:
+    """random_checkpoint's tokenizer spells nothing; the drafter's doctor asks its size."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+def draft_child(tp: int, sizes: Sizes, draft_tp: int, drafter: str) -> dict | None:
+    """Rank 0's chain step times at every (C, k) with the drafter whole on rank 0 (draft_tp 1)
+    or split over the ranks (draft_tp = tp); None on ranks > 0."""
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import EngineCore
+
+    cuda = sizes.device == "cuda"
+    hf = draft_shape(sizes)
+    top = max(sizes.batch_sizes)
+    ks = tuple(k for k in sizes.ks if k > 0)
+    cache = {"enable_prefix_caching": False}
+    cache |= {"gpu_memory_utilization": 0.5} if cuda else {"num_blocks": 64}
+    config = EngineConfig().replace(
+        model={"device": sizes.device, "dtype": sizes.dtype, "max_model_len": 1024,
+               "cuda_graph_max_batch": top, "cuda_graphs": False},
+        cache=cache, scheduler={"max_num_seqs": top},
+        speculative={"method": "eagle3", "draft": drafter, "num_draft_tokens": max(ks),
+                     "controller": "fixed", "draft_tensor_parallel_size": draft_tp},
+        parallel={"tensor_parallel_size": tp},
+    )  # fmt: skip
+    checkpoint = random_checkpoint(hf, sizes.device, getattr(torch, sizes.dtype))
+    checkpoint.tokenizer = _Vocab(hf["vocab_size"])
+    t0 = time.perf_counter()
+    engine = EngineCore(config, checkpoint)
+    start_s = time.perf_counter() - t0
+    runner = engine.runner
+    points = []
+    for b in sizes.batch_sizes:
+        for k in (0, *ks):
+            runner.reset_collective_counts()
+            table = runner.profile_steps([k] if k else [], [b], sizes.reps)
+            counts = per_forward(runner.collective_counts())
+            points.append({"batch": b, "k": k, "measured_ms": round(table[b][k], 4),
+                           "collectives": counts})  # fmt: skip
+            print(f"[draft tp={tp} draft_tp={draft_tp}] C={b} k={k}: {table[b][k]:.3f} ms",
+                  flush=True)  # fmt: skip
+    engine.shutdown()
+    return {
+        "tp": tp, "draft_tensor_parallel_size": draft_tp, "sharded": runner.drafter.sharded,
+        "device_name": torch.cuda.get_device_name(runner.device) if cuda else "cpu",
+        "dtype": sizes.dtype, "cuda_graphs": runner.graphs is not None,
+        "engine_start_s": round(start_s, 1), "reps": sizes.reps, "points": points,
+    }  # fmt: skip
+
+
+def draft_part(n: int, sizes: Sizes, args, deadline: float) -> dict:
+    """The drafter on rank 0 and split, at TP=n, each in its own torchrun processes."""
+    hf = draft_shape(sizes)
+    settings = {}
+    with tempfile.TemporaryDirectory(prefix="outrider-tp-drafter-") as tmp:
+        drafter = write_random_drafter(hf, sizes.dtype, Path(tmp) / "drafter")
+        for name, draft_tp in (("drafter on rank 0", 1), ("drafter split", n)):
+            if time.monotonic() > deadline - 30:
+                settings[name] = {"skipped": "the run's --budget-s was spent"}
+                continue
+            extra = ["--draft-tp", str(draft_tp), "--drafter", str(drafter)]
+            try:
+                settings[name] = run_child("draft", n, {}, args, deadline - time.monotonic(),
+                                           extra)  # fmt: skip
+            except Exception as e:
+                settings[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    rows = []
+    one, split = (settings[name].get("points") for name in ("drafter on rank 0", "drafter split"))
+    if one and split:
+        for a, b in zip(one, split, strict=True):
+            rows.append({"batch": a["batch"], "k": a["k"], "rank0_ms": a["measured_ms"],
+                         "split_ms": b["measured_ms"],
+                         "split_over_rank0": round(b["measured_ms"] / a["measured_ms"], 4)})  # fmt: skip
+    return {
+        "settings": {"shape": "llama-3.1-8b" if sizes.hf is LLAMA_8B else "tiny, 8 layers",
+                     "tp": n, "dtype": sizes.dtype, "batch_sizes": sizes.batch_sizes,
+                     "ks": sizes.ks, "reps": sizes.reps,
+                     "step": "ModelRunner.profile_steps on rank 0: k 0 a plain decode, k >= 1 "
+                     "the chain step (verify 1 + k, then k next drafts)",
+                     "drafter": "random, one layer of the target's width, draft vocabulary "
+                     "min(32000, vocab)", "eager": "cuda_graphs=False in both settings",
+                     "ranks_started_by": "torchrun --standalone (weights seeded per rank, the "
+                     "drafter read from one directory)"},
+        "by_setting": settings,
+        "side_by_side": rows,
+    }  # fmt: skip
+
+
 # -- running parts in children -----------------------------------------------------------------
 
 
-def run_child(part: str, tp: int, settings: dict[str, str], args, timeout_s: float) -> dict:
+def run_child(
+    part: str, tp: int, settings: dict[str, str], args, timeout_s: float, extra_args=()
+) -> dict:
     """This script as `--child part` in fresh processes (torchrun for tp > 1) with `settings` in
-    their environment; rank 0's result."""
+    their environment (and `extra_args` on the command line); rank 0's result."""
     from outrider import env
 
     with tempfile.TemporaryDirectory(prefix="outrider-tp-") as tmp:
@@ -360,7 +501,7 @@ def run_child(part: str, tp: int, settings: dict[str, str], args, timeout_s: flo
         if tp > 1:
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
         cmd += [__file__, "--child", part, "--tp", str(tp), "--child-out", str(out)]
-        cmd += ["--smoke"] * args.smoke + ["--quick"] * args.quick
+        cmd += ["--smoke"] * args.smoke + ["--quick"] * args.quick + list(extra_args)
         extra = {"PYTHONPATH": ":".join(filter(None, [str(HERE.parent), _env_path()]))}
         if args.smoke:
             extra["OUTRIDER_NUM_THREADS"] = "1"  # tiny shapes on shared cores
@@ -461,22 +602,29 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--gpus", type=int, default=None, help="tensor-parallel size N (default: all)")
-    ap.add_argument("--parts", nargs="+", default=["equality", "timings", "synthetic", "comm"],
-                    choices=["equality", "timings", "synthetic", "comm"])  # fmt: skip
+    ap.add_argument("--parts", nargs="+",
+                    default=["equality", "timings", "synthetic", "comm", "draft"],
+                    choices=["equality", "timings", "synthetic", "comm", "draft"])  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="fewer points: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--out-dir", default=None)
-    ap.add_argument("--child", choices=["timings", "synthetic"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["timings", "synthetic", "draft"], help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--draft-tp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--drafter", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sizes = Sizes.of(args)
     if args.child:
         if args.smoke:
             torch.set_num_threads(1)
-        fn = timings_child if args.child == "timings" else synthetic_child
-        result = fn(args.tp, sizes if args.child == "timings" else args)
+        if args.child == "timings":
+            result = timings_child(args.tp, sizes)
+        elif args.child == "draft":
+            result = draft_child(args.tp, sizes, args.draft_tp, args.drafter)
+        else:
+            result = synthetic_child(args.tp, args)
         if result is not None:  # rank 0
             Path(args.child_out).write_text(json.dumps(result))
         if args.tp > 1:
@@ -500,6 +648,7 @@ def main() -> None:
         "timings": lambda: timings(n, sizes, args, deadline),
         "synthetic": lambda: run_child("synthetic", n, P2P_OFF, args, deadline - time.monotonic()),
         "comm": lambda: comm_part(n, sizes, args, deadline),
+        "draft": lambda: draft_part(n, sizes, args, deadline),
     }
     path = None
     for part in args.parts:

@@ -54,9 +54,21 @@ def print_comm(part: dict) -> None:
     print(summary(part))
 
 
+def print_draft(part: dict) -> None:
+    for name, s in part["by_setting"].items():
+        if "points" not in s:
+            print(f"{name}: {s.get('error') or s.get('skipped')}")
+    print(f"tp {part['settings']['tp']}: the chain step with the drafter on rank 0 and split")
+    print(f"{'C':>4} {'k':>3} {'rank 0 ms':>10} {'split ms':>9} {'ratio':>6}")
+    for r in part["side_by_side"]:
+        print(f"{r['batch']:>4} {r['k']:>3} {r['rank0_ms']:>10.3f} {r['split_ms']:>9.3f} "
+              f"{r['split_over_rank0']:>6.2f}")  # fmt: skip
+
+
 TABLES = {
     "equality": print_equality,
     "timings": print_timings,
     "synthetic": print_synthetic,
     "comm": print_comm,
+    "draft": print_draft,
 }

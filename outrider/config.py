@@ -125,7 +125,12 @@ class SpecConfig:
     controller "adaptive" chooses, before every decode step, how many drafts (0..k; 0 is a
     plain step) to verify, from step costs measured at start-up on this machine and the live
     acceptance (speculative/controller.py), so speculation runs only where it wins; "fixed"
-    verifies k every step (trees are always fixed)."""
+    verifies k every step (trees are always fixed).
+
+    draft_tensor_parallel_size (vLLM's key) places an EAGLE-3 drafter under tensor
+    parallelism: 1 runs it whole on rank 0 (no collective in a draft forward); the target's
+    tensor_parallel_size splits it like the target, every rank running each draft forward
+    (two all-reduces a layer, the embedding's and fc's, and the head's all-gather)."""
 
     method: str | None = None
     num_draft_tokens: int = 4
@@ -135,8 +140,20 @@ class SpecConfig:
     num_steps: int | None = None  # EAGLE-3: default num_draft_tokens for a chain
     topk: int = 1
     controller: str = "adaptive"
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        d = self.draft_tensor_parallel_size
+        if isinstance(d, bool) or not (isinstance(d, int) and d >= 1):
+            raise ValueError(
+                f"invalid draft_tensor_parallel_size={d!r}: use 1 (the drafter whole on rank "
+                "0) or the tensor_parallel_size (split like the target)"
+            )
+        if d > 1 and self.method != "eagle3":
+            raise ValueError(
+                f"draft_tensor_parallel_size={d} applies to method='eagle3' (a draft network), "
+                f"not method={self.method!r}: use 1"
+            )
         if self.controller not in SPEC_CONTROLLERS:
             raise ValueError(
                 f"unknown speculative controller={self.controller!r}: use 'adaptive' (choose k per "
@@ -180,12 +197,8 @@ class SpecConfig:
         out: dict[str, Any] = {}
         for key, value in values.items():
             name = str(key).replace("-", "_")
-            if name == "draft_tensor_parallel_size":
-                if value not in (None, 1):
-                    raise ValueError(
-                        f"speculative {key}={value!r}: the drafter runs on one device; use 1"
-                    )
-                continue
+            if name == "draft_tensor_parallel_size" and value is None:
+                continue  # vLLM's default: the drafter's own choice, here 1
             name = VLLM_SPEC_KEYS.get(name, name)
             if name in out and out[name] != value:
                 raise ValueError(
@@ -250,6 +263,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpecConfig = field(default_factory=SpecConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        draft, tp = self.speculative.draft_tensor_parallel_size, self.parallel.tensor_parallel_size
+        if draft not in (1, tp):
+            raise ValueError(
+                f"draft_tensor_parallel_size={draft} with tensor_parallel_size={tp}: use 1 (the "
+                f"drafter whole on rank 0) or {tp} (split like the target)"
+            )
+        if draft > 1 and self.model.cuda_graphs:
+            raise ValueError(
+                f"cuda_graphs=True with draft_tensor_parallel_size={draft}: the other ranks "
+                "follow a split drafter eagerly only; set cuda_graphs=False (--enforce-eager), "
+                "or draft_tensor_parallel_size=1"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

@@ -215,6 +215,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     config_flag(g, "speculative.num_steps", "EAGLE-3 tree: draft steps (default: k)", type=int)
     config_flag(g, "speculative.topk", "EAGLE-3 tree: candidates per step (1: chain)", type=int)
     config_flag(
+        g, "speculative.draft_tensor_parallel_size",
+        "EAGLE-3 under tensor parallelism: 1 runs the drafter on rank 0 alone; the "
+        "--tensor-parallel-size splits it like the model over every rank",
+        type=int, metavar="N",
+    )  # fmt: skip
+    config_flag(
         g, "speculative.controller",
         "adaptive: choose how many drafts to verify each step (0 where speculation would lose, "
         "from step times measured at start-up); fixed: always --num-draft-tokens",

@@ -55,6 +55,7 @@ class TPGroup:
     # mode -> collective -> {"calls": n, "bytes": b}
     _counts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict, repr=False)
     _last_mode: str = field(default=OTHER, repr=False)
+    _counting_as: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -177,7 +178,21 @@ class TPGroup:
         if mode != OTHER:
             self._last_mode = mode
 
+    @contextlib.contextmanager
+    def counting_as(self, mode: str) -> Iterator[None]:
+        """Count the collectives inside under `mode` whatever forward context they run in: a
+        sharded drafter's forwards run under prefill, verify or draft attention metadata (what
+        the backend needs), and all of them are draft collectives. Not nestable."""
+        if self._counting_as is not None:
+            raise RuntimeError(f"counting_as({mode!r}) inside counting_as({self._counting_as!r})")
+        self._counting_as = mode
+        try:
+            yield
+        finally:
+            self._counting_as = None
+
     def _count(self, op: str, nbytes: int, mode: str | None = None) -> None:
+        mode = mode or self._counting_as
         # A forward's logits are computed just after it, outside its forward context (the
         # runner's run() and the speculative step do so): collectives outside a forward count
         # under the mode of the last forward this group saw.

@@ -10,10 +10,16 @@ Two ways in:
 - eager and ragged (prefill steps, batches the step does not take): `observe` extends over what a step made valid and
   keeps a frontier per request, `propose` drafts chains or trees from it
   (speculative/eagle3_tree.py).
+
+Under tensor parallelism the draft is whole on rank 0 (draft_tensor_parallel_size 1: no
+collective in a draft forward, the target's embedding gathered there once) or split over every
+rank like the target (`sharded`): rank 0's forwards then go out first as draft ops, which the
+other ranks' drafters follow (executor/tp_draft.py), and their collectives count as "draft".
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Sequence
@@ -26,6 +32,7 @@ from outrider.executor.cuda_graph import GraphRunner
 from outrider.executor.inputs import build_inputs, table_slots_no_sync
 from outrider.executor.kv_cache import KVPool
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
+from outrider.executor.tp_draft import send_after_verify, send_draft
 from outrider.layers import fused
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
@@ -34,6 +41,27 @@ from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree_batch import TreeShape, select_tree_no_sync
 
 log = logging.getLogger(__name__)
+
+
+SHARDED_GRAPHS = (
+    "CUDA graphs with a drafter split over the ranks (draft_tensor_parallel_size > 1): the "
+    "other ranks follow its forwards eagerly only; set cuda_graphs=False (--enforce-eager), or "
+    "draft_tensor_parallel_size=1 (the drafter whole on rank 0)"
+)
+
+
+def _draft_collectives(method):
+    """A sharded drafter's collectives inside `method` count as "draft", whatever forward
+    context (prefill, verify, draft metadata) its forwards run under; nothing to do whole."""
+
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        if not self.sharded:
+            return method(self, *args, **kwargs)
+        with self.draft.tp.counting_as(ForwardMode.DRAFT.value):
+            return method(self, *args, **kwargs)
+
+    return counted
 
 
 @dataclass
@@ -80,8 +108,26 @@ class Eagle3Drafter:
                 f"{target.num_hidden_layers} layers: it was trained for another model"
             )
         self.aux_layers = tuple(cfg.aux_layers)
-        # Whole on rank 0 under tensor parallelism: the drafter runs there alone.
-        draft.bind_embedding(runner.embedding_for_drafter())
+        # Split over the target's ranks, every rank running each draft forward; else whole,
+        # on rank 0 alone.
+        self.sharded = draft.tp.size > 1
+        if self.sharded and draft.tp is not runner.tp:
+            raise ValueError(
+                f"the drafter is split over a group of {draft.tp.size} ranks that is not the "
+                f"target's ({runner.tp.size} ranks): build it with tp=runner.tp, or whole"
+            )
+        # Rank 0 of a sharded drafter sends each draft forward to the other ranks first; they
+        # read its inputs in the runner's dtype.
+        self._sender = runner.tp_sender if self.sharded else None
+        if self.sharded and draft.fc.weight.dtype != runner.dtype:
+            raise ValueError(
+                f"a sharded drafter in {draft.fc.weight.dtype} beside a target in "
+                f"{runner.dtype}: load it in the target's dtype (build_eagle3_drafter does)"
+            )
+        # The sharded drafter embeds with the target's own shard (its all-reduce is a draft
+        # collective); a drafter on rank 0 alone with the whole table, gathered once.
+        embed = runner.model.model.embed_tokens if self.sharded else runner.embedding_for_drafter()
+        draft.bind_embedding(embed)
         layout = draft.kv_layout(runner.dtype)
         # Same block ids as the target's pool (+1 scratch block, as there).
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
@@ -120,8 +166,10 @@ class Eagle3Drafter:
             seqs.append(ScheduledSeq(req, nxt, s.start_pos, req.block_ids, sample=True))
         if not seqs:
             return
-        hidden = output.aux_hidden[torch.as_tensor(rows, device=output.aux_hidden.device)]
-        logits, last_hidden = self._run(ScheduledBatch(ForwardMode.PREFILL, seqs), hidden)
+        rows_t = torch.as_tensor(rows, device=output.aux_hidden.device)
+        hidden = output.aux_hidden[rows_t]
+        batch = ScheduledBatch(ForwardMode.PREFILL, seqs)
+        logits, last_hidden = self._run(batch, hidden, aux_rows=rows_t)
         top_logp, top = top_logprobs(logits, self.topk)
         top_ids = self.draft.to_target_ids(top)
         for i, s in enumerate(seqs):
@@ -197,6 +245,7 @@ class Eagle3Drafter:
 
     # -- on the device, fixed shapes (the speculative step) --------------------------------
 
+    @_draft_collectives
     def after_verify_no_sync(
         self,
         meta: AttentionMetadata,  # the verify's: [B, t] rows, t = 1 + k
@@ -211,6 +260,8 @@ class Eagle3Drafter:
     ) -> torch.Tensor:  # [B, k_draft] int64 next drafts
         """Extend over every verify row (rows past the accepted ones write draft KV the chain
         overwrites before anyone reads it), then chain from row num_accepted. No host sync."""
+        if self._sender is not None:
+            send_after_verify(self._sender, next_ids, num_accepted, k_draft)
         b = starts.shape[0]
         t = next_ids.shape[0] // b
         own = AttentionMetadata(
@@ -258,6 +309,7 @@ class Eagle3Drafter:
             out.append(ids)
         return torch.stack(out, dim=1)
 
+    @_draft_collectives
     def tree_after_verify_no_sync(
         self,
         path_ids: torch.Tensor,  # [B, 1 + S] the target's argmax along the accepted path
@@ -267,6 +319,7 @@ class Eagle3Drafter:
         block_tables: torch.Tensor,  # [B, W] int32; its last column is the scratch block
         shape: TreeShape,
         backend,
+        path_rows: torch.Tensor | None = None,  # [B, 1 + S] verify rows of the path (sharded)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # next tree: tokens [B, N], parents [B, N]
         """The tree step's drafting, all on the device: extend over the accepted path (a chain
         of 1 + S rows from the root; rows past the accepted ones write draft KV that the
@@ -277,6 +330,8 @@ class Eagle3Drafter:
         C + (d - 2) * topk + i, where C = root + num_accepted + 1 is the next root's position;
         each sees the context before C and, among the tree's slots, its ancestors and itself
         (the attention's tree mask over the last (d - 1) * topk keys)."""
+        if self._sender is not None:  # the other ranks gather their own aux along path_rows
+            send_after_verify(self._sender, path_ids, num_accepted, 0, path_rows, shape)
         b, rows = path_ids.shape
         t, dev = shape.topk, path_ids.device
         bs, width = self.block_size, block_tables.shape[1]
@@ -360,6 +415,8 @@ class Eagle3Drafter:
         """DRAFT graphs for chain steps (one token per sequence), through the same graph runner
         as the target's, captured on first use where the target runs graphs."""
         if self._graphs is None and self._runner().graphs is not None:
+            if self.sharded:
+                raise ValueError(SHARDED_GRAPHS)
             target = self._runner().graphs
             self._graphs = GraphRunner(
                 self.draft, self._runner().backend, max_blocks=target.max_blocks,
@@ -376,15 +433,27 @@ class Eagle3Drafter:
         batch: ScheduledBatch,
         hidden: torch.Tensor,  # [num_tokens, 3 * Ht] or [num_tokens, H]
         input_ids: torch.Tensor | None = None,  # [num_tokens] on the device; None: batch's ids
+        aux_rows: torch.Tensor | None = None,  # [num_tokens]: hidden is these aux rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (draft logits at each seq's last row [B, draft_vocab], pre-norm hidden there [B, H])."""
         inputs = build_inputs(batch, self.block_size, self.device)
         ids = inputs.input_ids if input_ids is None else input_ids
-        return self.run_rows(ids, inputs.positions, inputs.attn, hidden, inputs.logits_indices)
+        return self.run_rows(
+            ids, inputs.positions, inputs.attn, hidden, inputs.logits_indices, aux_rows
+        )
 
-    def run_rows(self, ids, positions, meta, hidden, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    @_draft_collectives
+    def run_rows(
+        self, ids, positions, meta, hidden, rows, aux_rows=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward -> (draft logits [len(rows), draft_vocab], pre-norm [len(rows), H])
-        at `rows`."""
+        at `rows`. aux_rows ([T] int64): `hidden` is those rows of the last target forward's aux
+        streams, which a sharded drafter's other ranks hold already (else hidden is sent)."""
+        if self._sender is not None:
+            sent = None if aux_rows is not None else hidden
+            send_draft(
+                self._sender, ids, positions, meta, rows, sent, aux_rows, self.draft.fc.weight.dtype
+            )
         backend = self._runner().backend
         backend.prepare(meta)
         with forward_context(ForwardContext(meta, backend)):
@@ -461,6 +530,8 @@ def build_eagle3_drafter(config, runner, checkpoint=None) -> Eagle3Drafter:
     if checkpoint is not None:
         require_fit(path, checkpoint, f"refusing EAGLE-3 drafter {path} for this model",
                     "train one for it with `outrider drafter train`")  # fmt: skip
-    draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype)
+    # draft_tensor_parallel_size is 1 or the target's (config.py): split like the target.
+    tp = runner.tp if config.draft_tensor_parallel_size > 1 else None
+    draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype, tp=tp)
     log.info("EAGLE-3 drafter %s, aux layers %s", path, draft.config.aux_layers)
     return Eagle3Drafter(draft.eval(), runner, topk=config.topk, num_steps=config.num_steps)

@@ -223,6 +223,10 @@ class ModelRunner:
         )
         if wanted is False or (wanted is None and (not usable or self.backend.name != "triton")):
             return None
+        if config.speculative.draft_tensor_parallel_size > 1:  # cuda_graphs=True: refused
+            # The other ranks follow a split drafter's forwards eagerly only.
+            log.info("CUDA graphs off: the drafter is split over the ranks")
+            return None
         if not usable:
             raise ValueError(
                 f"cuda_graphs=True needs device cuda, a graph-safe attention backend and a "

@@ -332,7 +332,7 @@ class SpecStep:
         if self.tree is not None:
             drafts, out.draft_parents = self.drafter.tree_after_verify_no_sync(
                 out.tokens, out.aux, out.num_accepted, starts, meta.block_tables, self.tree,
-                self.backend,
+                self.backend, path_rows=out.path_rows,
             )  # fmt: skip
             return drafts
         return self.drafter.after_verify_no_sync(
@@ -352,6 +352,10 @@ class SpecStep:
     def capture(self, ks: Sequence[int]) -> None:
         """Per (padded B, k): a verify graph and, with a drafter, a draft graph reading the
         verify graph's outputs; largest first into one memory pool."""
+        if getattr(self.drafter, "sharded", False):  # its other ranks follow eagerly only
+            from outrider.executor.drafter import SHARDED_GRAPHS
+
+            raise ValueError(SHARDED_GRAPHS)
         if self.tree is not None and self.tp.size > 1:
             log.info(
                 "tensor parallelism: the tree step runs eagerly (its KV moves go to the other "

@@ -7,7 +7,9 @@ Sampling and acceptance run on rank 0 alone. After the LM head's all-gather the 
 whole and identical on every rank, so another rank deciding tokens would repeat rank 0's work
 and would have to advance every seeded generator in lockstep with it; the other ranks need no
 tokens, only the next step's inputs, which carry them. The drafter runs on rank 0 alone too
-(a group of one: its forwards reduce nothing). What a step changes in a rank's KV slice beyond
+(a group of one: its forwards reduce nothing), unless it is split over the ranks like the
+target (draft_tensor_parallel_size): then its forwards follow as ops of their own, drawn in
+tp_draft.py. What a step changes in a rank's KV slice beyond
 the forward's own writes (accepted tree nodes moved into path order) is sent the same way.
 
 The header is int64 [HEADER] over the control group (gloo, a CPU tensor, no time limit: the
@@ -33,6 +35,7 @@ group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
                 0 for trees), tree T (0/1), the tree's node count N -> every rank captures
                 the same CUDA graphs in the same order (executor/tp_graphs.py), so the
                 collectives inside them pair up; the others' speculative step has no drafter
+    op DRAFT, DRAFT_AFTER_VERIFY   a sharded drafter's forwards (tp_draft.py)
     op STOP     the worker loop returns
 
 With one rank nothing here runs: the runner holds no sender and never checks more than that.
@@ -55,7 +58,7 @@ from outrider.layers.forward_context import AttentionMetadata, ForwardContext, f
 log = logging.getLogger(__name__)
 
 HEADER = 11
-STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING, CAPTURE = range(5)
+STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING, CAPTURE, DRAFT, DRAFT_AFTER_VERIFY = range(7)
 _MODES = list(ForwardMode)
 ALL_ROWS = -1
 EAGER, TARGET_GRAPH, SPEC_GRAPH = range(3)  # a forward header's G
@@ -187,9 +190,13 @@ def _unpack(payload: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dty
 def worker_loop(runner) -> None:
     """A rank > 0 follows rank 0 until it sends STOP. runner: this rank's ModelRunner (its
     model shard and KV slice); it samples nothing."""
+    from outrider.executor.tp_draft import DraftFollower
+
     tp: TPGroup = runner.tp
     header = torch.zeros(HEADER, dtype=torch.int64)
     dev = runner.device
+    # A drafter split over the ranks (tp_draft.shard_drafter) follows rank 0's draft ops.
+    follower = DraftFollower(runner) if runner.drafter is not None else None
 
     def recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return tp.broadcast(torch.empty(shape, dtype=dtype, device=dev))
@@ -202,7 +209,19 @@ def worker_loop(runner) -> None:
                 log.info("rank %d: stop from rank 0", tp.rank)
                 return
             if op == FORWARD:
-                _forward(runner, recv, *fields[:10])
+                seen = _forward(runner, recv, *fields[:10])
+                if follower is not None and seen is not None:
+                    follower.saw_forward(*seen)
+            elif op in (DRAFT, DRAFT_AFTER_VERIFY):
+                if follower is None:
+                    raise RuntimeError(
+                        f"rank {tp.rank}: rank 0 runs a sharded drafter but this rank holds "
+                        "none: every rank must start with the same speculative config"
+                    )
+                if op == DRAFT:
+                    follower.draft(recv, *fields[:7])
+                else:
+                    follower.after_verify(recv, *fields[:6])
             elif op == MOVE_KV:
                 n = fields[0]
                 src, dst = recv((n,), torch.int64), recv((n,), torch.int64)
@@ -219,7 +238,9 @@ def worker_loop(runner) -> None:
 def _forward(
     runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int, graph: int,
     key_mode: int, padded: int, per_seq: int,
-) -> None:  # fmt: skip
+):  # fmt: skip
+    """-> (metadata, positions, aux streams) of an eager forward, for a sharded drafter; None
+    after a graph replay (a sharded drafter runs with graphs off)."""
     layout = [((t,), torch.int64)] * 3
     if n_logits > 0:
         layout.append(((n_logits,), torch.int64))
@@ -233,7 +254,7 @@ def _forward(
     qsl, seq_lens, tables = parts[3 + (n_logits > 0) : 6 + (n_logits > 0)]
     if graph == SPEC_GRAPH:  # the verify graph computes every row's logits inside
         _spec_step(runner).replay_sent(per_seq - 1, ids, positions, slots, seq_lens, tables)
-        return
+        return None
     if graph == TARGET_GRAPH:
         # A replay reads lengths from the device tensors only: no host read here, the host
         # lists just say how many sequences there are.
@@ -242,6 +263,7 @@ def _forward(
             block_tables=tables, query_lens_cpu=[per_seq] * b, seq_lens_cpu=[0] * b,
         )  # fmt: skip
         hidden = _replay_target(runner, key_mode, padded, per_seq, ids, positions, meta)
+        aux = None
     else:
         tree = parts[-1].view(torch.bool) if m else None
         starts = qsl.tolist()  # CPU-GPU sync point (the reference backend plans from host lengths)
@@ -257,11 +279,12 @@ def _forward(
         )
         runner.backend.prepare(meta)
         with forward_context(ForwardContext(meta, runner.backend)):
-            hidden, _ = runner.model(ids, positions, ())
+            hidden, aux = runner.model(ids, positions, runner.aux_layers)
     if n_logits == ALL_ROWS:
         runner.model.compute_logits(hidden)
     elif rows is not None:
         runner.model.compute_logits(hidden[rows])
+    return None if aux is None else (meta, positions, aux)
 
 
 def _replay_target(runner, mode: int, padded: int, per_seq: int, ids, positions, meta):

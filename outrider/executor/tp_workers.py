@@ -189,8 +189,11 @@ def run_worker(config: EngineConfig, checkpoint, tp: TPGroup) -> None:
     """A rank > 0: its shard of the model and its KV slice, following rank 0 until it stops."""
     from outrider.executor.model_runner import ModelRunner
     from outrider.executor.tp_channel import worker_loop
+    from outrider.executor.tp_draft import shard_drafter
 
-    worker_loop(ModelRunner(config, checkpoint, tp=tp))
+    runner = ModelRunner(config, checkpoint, tp=tp)
+    shard_drafter(config, runner, checkpoint)  # draft_tensor_parallel_size > 1 only
+    worker_loop(runner)
 
 
 def cpu_threads(size: int) -> int:

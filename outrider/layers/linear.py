@@ -131,7 +131,18 @@ class RowParallelLinear(_Linear):
 
     reduce=False returns this rank's partial sum instead (the bias on rank 0 only), for a
     caller that adds several partial sums and reduces them once (the MoE block: routed and
-    shared experts, one all-reduce rather than two)."""
+    shared experts, one all-reduce rather than two).
+
+    input_is_parallel=False takes the whole x on every rank and multiplies this rank's slice
+    of its columns (the EAGLE-3 drafter's fc, whose input is the target's residual streams,
+    whole on every rank); at one rank both read the same.
+
+    forward(x, residual, norm) ends in the residual add and the norm as one call:
+    (norm(y + residual), y + residual) from the reduce, then the one fused add + RMSNorm kernel
+    (layers/norm.py), the bias added once before it. It launches what the two calls launch
+    today and gives the same bits; it is the place where a kernel that reduces, adds and
+    normalises in one pass (a one-shot all-reduce with the norm fused, as TensorRT-LLM's) would
+    go, saving a launch and a round trip of y through memory per reduce."""
 
     def __init__(
         self,
@@ -140,19 +151,43 @@ class RowParallelLinear(_Linear):
         bias: bool = False,
         tp: TPGroup | None = None,
         reduce: bool = True,
+        input_is_parallel: bool = True,
     ):
         tp = tp or single()
         _divisible(in_features, tp.size, "input features")
         super().__init__(in_features // tp.size, out_features, bias, tp)
         self.reduce = reduce
+        self.input_is_parallel = input_is_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, in / tp] (input_is_parallel) or [T, in]
+        residual: torch.Tensor | None = None,  # [T, out], with norm only
+        norm: nn.Module | None = None,  # an RMSNorm over out
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """-> y [T, out], whole on every rank; with `norm`: (normed, new residual) [T, out]
+        each, the new residual y + residual (y itself without one)."""
+        if norm is None and residual is not None:
+            raise ValueError("RowParallelLinear: a residual is added only before a norm: pass norm")
+        if not self.input_is_parallel and self.tp_size > 1:
+            n = self.weight.shape[1]
+            x = x.narrow(-1, self.tp_rank * n, n)
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        if not self.reduce:  # the sum over ranks holds the bias once
+            y = F.linear(x, self.weight, self.bias)
+        elif not self.reduce:  # the sum over ranks holds the bias once
+            if norm is not None:
+                raise ValueError(
+                    "RowParallelLinear(reduce=False) returns a partial sum, which cannot be "
+                    "normalised: reduce first, or build it with reduce=True"
+                )
             return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias  # added once, after the sum
+        else:
+            y = self.tp.all_reduce(F.linear(x, self.weight))
+            if self.bias is not None:
+                y = y + self.bias  # added once, after the sum
+        if norm is None:
+            return y
+        return (norm(y), y) if residual is None else norm(y, residual)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.dim() == 1:  # the bias is whole on every rank

@@ -9,6 +9,14 @@
     hidden ------------hidden_norm-------+-> cat [T, 2H] -> attention (q/k/v from 2H) -> + hidden
         -> post_attention_layernorm -> MLP -> + residual -> norm -> lm_head over the draft vocab
 
+Tensor parallelism (`tp`, the target's group when draft_tensor_parallel_size equals the target's
+tensor_parallel_size): fc, q/k/v and gate/up split like the target's layers, o_proj, down_proj
+and fc reduce their own outputs, the head is vocabulary-parallel over the draft vocabulary, and
+the bound embedding is the target's own shard. A forward then runs an all-reduce for the
+embedding, one for fc (when it reads the target's streams), o_proj's and down_proj's, and the
+head one all-gather; every rank runs it in lockstep (executor/tp_draft.py). Without `tp` the
+draft is whole and reduces nothing.
+
 The embedding is the target's (bound, never trained). Draft token i is target token
 i + d2t[i]; t2d[v] says whether target token v is in the draft vocabulary. `forward` returns
 both the normed hidden (for logits) and the pre-norm sum, which is the hidden the next draft
@@ -27,9 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from outrider.executor.distributed import TPGroup, kv_heads_per_rank, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention
+from outrider.layers.embedding import ParallelLMHead
 from outrider.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -97,14 +107,14 @@ class Eagle3Config:
 class Eagle3Layer(nn.Module):
     """The one decoder layer; module names follow the published checkpoints (`midlayer.*`)."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or single()
         h = cfg.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
+        # This rank's heads.
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_key_value_heads, tp.size)
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -113,16 +123,18 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.self_attn = nn.Module()
         self.self_attn.qkv_proj = QKVParallelLinear(
-            2 * h, self.head_dim, self.num_heads, self.num_kv_heads
+            2 * h, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, tp=tp
         )
-        self.self_attn.o_proj = RowParallelLinear(self.q_size, h, bias=False)
+        self.self_attn.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, h, bias=False, tp=tp
+        )
         self.self_attn.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
         self.mlp = nn.Module()
         inter = cfg.intermediate_size
-        self.mlp.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], bias=False)
-        self.mlp.down_proj = RowParallelLinear(inter, h, bias=False)
+        self.mlp.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], bias=False, tp=tp)
+        self.mlp.down_proj = RowParallelLinear(inter, h, bias=False, tp=tp)
         self.act = SiluAndMul()
 
     def forward(
@@ -144,7 +156,7 @@ class Eagle3Layer(nn.Module):
             q, k = RotaryEmbedding.apply(rope, q, k)
         attn = (attend or self.self_attn.attn)(q, k, v)
         attn = attn.reshape(q.shape[0], self.q_size)
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn), residual)
+        x, residual = self.self_attn.o_proj(attn, residual, self.post_attention_layernorm)
         return self.mlp.down_proj(self.act(self.mlp.gate_up_proj(x))), residual
 
 
@@ -152,14 +164,23 @@ class Eagle3Draft(nn.Module):
     # The decoder layer packs q/k/v and gate/up as the target's layers do.
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
-    def __init__(self, cfg: Eagle3Config, max_positions: int | None = None) -> None:
+    def __init__(
+        self, cfg: Eagle3Config, max_positions: int | None = None, tp: TPGroup | None = None
+    ) -> None:
+        """tp: the group the draft is split over (None: whole, one rank)."""
         super().__init__()
         self.config = cfg
+        self.tp = tp = tp or single()
+        check_draft_tp_size(cfg, tp.size)
         h = cfg.hidden_size
-        self.fc = RowParallelLinear(len(cfg.aux_layers) * cfg.target_hidden_size, h, bias=False)
-        self.midlayer = Eagle3Layer(cfg)
+        # Its input, the target's streams, is whole on every rank: each multiplies its columns.
+        self.fc = RowParallelLinear(
+            len(cfg.aux_layers) * cfg.target_hidden_size, h, bias=False, tp=tp,
+            input_is_parallel=False,
+        )  # fmt: skip
+        self.midlayer = Eagle3Layer(cfg, tp)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = RowParallelLinear(h, cfg.draft_vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.draft_vocab_size, h, tp=tp)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.rotary_emb = RotaryEmbedding(
@@ -197,7 +218,7 @@ class Eagle3Draft(nn.Module):
         return normed, summed
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(normed)  # [T, draft_vocab]
+        return self.lm_head(normed)  # [T, draft_vocab], whole on every rank
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -209,3 +230,29 @@ class Eagle3Draft(nn.Module):
         """What one token slot of the draft's one layer holds: its K and V heads."""
         layer = self.midlayer
         return KVLayout.multi_head(layer.num_kv_heads, layer.head_dim, dtype)
+
+
+def check_draft_tp_size(cfg: Eagle3Config, tp_size: int) -> None:
+    """Fail, naming what does not split, when the draft `cfg` cannot be split over `tp_size`
+    ranks (heads, KV heads unless they replicate, MLP width, the draft vocabulary, fc's input)."""
+    if tp_size == 1:
+        return
+    found = [
+        f"{n} {what}"
+        for n, what in (
+            (cfg.num_attention_heads, "attention heads"),
+            (cfg.intermediate_size, "MLP width"),
+            (cfg.draft_vocab_size, "draft vocabulary"),
+            (len(cfg.aux_layers) * cfg.target_hidden_size, "fc inputs"),
+        )
+        if n % tp_size
+    ]
+    kv = cfg.num_key_value_heads
+    if kv % tp_size and tp_size % kv:
+        found.append(f"{kv} KV heads (nor is it a multiple of them)")
+    if found:
+        raise ValueError(
+            f"draft_tensor_parallel_size={tp_size} does not divide the drafter's "
+            f"{' or '.join(found)}: use draft_tensor_parallel_size=1 (the drafter whole on "
+            "rank 0)"
+        )

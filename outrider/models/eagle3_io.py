@@ -38,6 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from outrider.executor.distributed import TPGroup
 from outrider.loaders.hf_config import ModelConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
 
@@ -233,11 +234,13 @@ def load_drafter(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,  # None: the stored dtype
     max_positions: int | None = None,
+    tp: TPGroup | None = None,
 ) -> Eagle3Draft:
     """A drafter directory (ours, SpecForge's, SGLang's, vLLM's or speculators') -> an
     Eagle3Draft for `target`, validated against it. Aux-id convention: a speculators file's
     (vLLM's), else the file's outrider record, else `layout`, else inferred (see
-    resolve_layout). Bind the target's embedding before running it."""
+    resolve_layout). Bind the target's embedding before running it. tp: the group to split it
+    over (this rank's shard is loaded; None: whole)."""
     path = Path(path)
     raw = read_config(path)
     layout = resolve_layout(raw, layout)
@@ -256,7 +259,7 @@ def load_drafter(
     torch.set_default_dtype(dtype)  # parameters are created in it; rotary tables stay fp32
     try:
         with torch.device(device):
-            draft = Eagle3Draft(cfg, max_positions)
+            draft = Eagle3Draft(cfg, max_positions, tp)
     finally:
         torch.set_default_dtype(old)
     load_weights(draft, tensors.items())

@@ -95,6 +95,12 @@ class PrenormDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add is fused into the next norm: (hidden, residual) together carry the
         # residual stream, which equals hidden + residual (or hidden alone before layer 0).
+        # RowParallelLinear(x, residual, norm) would make o_proj's reduce and the add + norm
+        # after it one call, but it launches the same kernels as these two calls, and the
+        # norm would have to travel into self_attn (MLA's too), which HF's layer never sees;
+        # down_proj's sum meets the *next* layer's norm, across the boundary where run_layers
+        # reads the stream entering a layer (HF hidden_states[i]). Worth wiring in when a
+        # kernel reduces, adds and normalises in one pass.
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:

@@ -1,6 +1,7 @@
-"""benchmarks/tp_gpu.py's smoke path: the CPU over gloo, 2 ranks spawned by the engine, tiny
-shapes. TP=2 output equals TP=1's, plain, n-gram and EAGLE-3, and the JSON carries what a GPU
-run's does (command, commit, machine, versions, the number of ranks, per part its settings)."""
+"""benchmarks/tp_gpu.py's smoke path: the CPU over gloo, 2 ranks (spawned by the engine, or by
+torchrun), tiny shapes. TP=2 output equals TP=1's, plain, n-gram and EAGLE-3; the chain step is
+timed with the drafter on rank 0 beside the drafter split; and the JSON carries what a GPU run's
+does (command, commit, machine, versions, the number of ranks, per part its settings)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,34 @@ def test_smoke_equality_and_comm_write_one_json(tmp_path):
     assert comm["backend"] == "gloo" and comm["best"] == "default"
     assert comm["settings"]["world_size"] == 2
     assert "tp2 eagle3" in proc.stdout and "best: default" in proc.stdout
+
+
+def test_smoke_draft_part_times_the_drafter_on_rank0_beside_the_split_one(tmp_path):
+    script = REPO / "benchmarks" / "tp_gpu.py"
+    cmd = [sys.executable, str(script), "--smoke", "--parts", "draft", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUTRIDER_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part = json.loads((tmp_path / "tp_gpu_smoke.json").read_text())["parts"]["draft"]
+    assert part["settings"]["tp"] == 2 and part["settings"]["ks"] == [0, 1, 3]
+    one, split = (part["by_setting"][name] for name in ("drafter on rank 0", "drafter split"))
+    assert (one["draft_tensor_parallel_size"], one["sharded"]) == (1, False)
+    assert (split["draft_tensor_parallel_size"], split["sharded"]) == (2, True)
+    assert not one["cuda_graphs"] and not split["cuda_graphs"]
+    points = [(p["batch"], p["k"]) for p in one["points"]]
+    assert points == [(p["batch"], p["k"]) for p in split["points"]]
+    assert points == [(b, k) for b in (1, 4) for k in (0, 1, 3)]
+    rows = part["side_by_side"]
+    assert [(r["batch"], r["k"]) for r in rows] == points
+    assert all(r["rank0_ms"] > 0 and r["split_ms"] > 0 for r in rows)
+    for p, q in zip(one["points"], split["points"]):
+        if p["k"] == 0:
+            continue
+        # On rank 0 alone the drafter runs no collective; split, each draft forward gathers
+        # its head's logits once and reduces 3 times (embedding, o_proj, down_proj), 4 over
+        # the target's streams (fc): k forwards a step, the first of them over the streams.
+        assert "draft" not in p["collectives"]
+        draft = q["collectives"]["draft"]
+        assert draft["all_gather"]["calls"] == 1.0
+        assert draft["all_reduce"]["calls"] == round((4 + 3 * (p["k"] - 1)) / p["k"], 3)
+    assert "drafter on rank 0 and split" in proc.stdout
