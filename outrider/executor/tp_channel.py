@@ -52,13 +52,15 @@ from outrider.core import ForwardMode
 from outrider.executor.cuda_graph import GraphKey
 from outrider.executor.distributed import TPGroup
 from outrider.executor.inputs import ForwardInputs
+from outrider.executor.tp_draft import OP_DRAFT, OP_DRAFT_AFTER_VERIFY, DraftFollower
 from outrider.executor.tp_graphs import follow_capture
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
 
 HEADER = 11
-STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING, CAPTURE, DRAFT, DRAFT_AFTER_VERIFY = range(7)
+STOP, FORWARD, MOVE_KV, GATHER_EMBEDDING, CAPTURE = range(5)
+DRAFT, DRAFT_AFTER_VERIFY = OP_DRAFT, OP_DRAFT_AFTER_VERIFY  # tp_draft.py's, after these
 _MODES = list(ForwardMode)
 ALL_ROWS = -1
 EAGER, TARGET_GRAPH, SPEC_GRAPH = range(3)  # a forward header's G
@@ -190,7 +192,6 @@ def _unpack(payload: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dty
 def worker_loop(runner) -> None:
     """A rank > 0 follows rank 0 until it sends STOP. runner: this rank's ModelRunner (its
     model shard and KV slice); it samples nothing."""
-    from outrider.executor.tp_draft import DraftFollower
 
     tp: TPGroup = runner.tp
     header = torch.zeros(HEADER, dtype=torch.int64)

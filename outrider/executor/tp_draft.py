@@ -41,6 +41,8 @@ from outrider.layers.forward_context import AttentionMetadata
 log = logging.getLogger(__name__)
 
 DRAFT = ForwardMode.DRAFT.value
+# Step ops of the channel's header (tp_channel.py numbers its own 0-4 and takes these).
+OP_DRAFT, OP_DRAFT_AFTER_VERIFY = 5, 6
 _MODES = list(ForwardMode)
 _ALIGN = 8
 
@@ -59,13 +61,11 @@ def send_draft(
     dtype: torch.dtype,
 ) -> None:
     """Before rank 0 runs an eager draft forward: the other ranks run the same one."""
-    from outrider.executor.tp_channel import DRAFT as OP
-
     sender.forwards[DRAFT] = sender.forwards.get(DRAFT, 0) + 1
     tables, tree = attn.block_tables, attn.tree_mask
     width = 0 if hidden is None else hidden.shape[-1]
     sender._send_header(
-        OP, _MODES.index(attn.mode), input_ids.numel(), tables.shape[0], tables.shape[1],
+        OP_DRAFT, _MODES.index(attn.mode), input_ids.numel(), tables.shape[0], tables.shape[1],
         0 if tree is None else tree.shape[1], rows.numel(), width,
     )  # fmt: skip
     parts = [(input_ids, torch.int64), (positions, torch.int64), (attn.slot_mapping, torch.int64),
@@ -90,16 +90,16 @@ def send_after_verify(
     shape=None,  # speculative.tree_batch.TreeShape for a tree
 ) -> None:
     """Before rank 0 drafts inside the speculative step: the others draft alongside it."""
-    from outrider.executor.tp_channel import DRAFT_AFTER_VERIFY as OP
-
     b = num_accepted.shape[0]
     r = tokens.numel() // b
     forwards = shape.num_steps if shape is not None else k_draft  # the extend, then the rest
     sender.forwards[DRAFT] = sender.forwards.get(DRAFT, 0) + forwards
     if shape is None:
-        sender._send_header(OP, b, r, k_draft, 1, 0, 0)
+        sender._send_header(OP_DRAFT_AFTER_VERIFY, b, r, k_draft, 1, 0, 0)
     else:
-        sender._send_header(OP, b, r, 0, shape.topk, shape.num_steps, shape.num_nodes)
+        sender._send_header(
+            OP_DRAFT_AFTER_VERIFY, b, r, 0, shape.topk, shape.num_steps, shape.num_nodes
+        )
     parts = [tokens.reshape(-1), num_accepted.reshape(-1)]
     if path_rows is not None:
         parts.append(path_rows.reshape(-1))
@@ -212,17 +212,3 @@ class DraftFollower:
 
     def _aux(self) -> torch.Tensor:
         return self._last_forward()[2]
-
-
-def shard_drafter(config, runner, checkpoint) -> None:
-    """On a rank > 0 of an engine whose drafter is split over the ranks: this rank's shard,
-    loaded as rank 0 loads its own (executor/drafter.py), its aux streams kept by every target
-    forward. Nothing otherwise."""
-    spec = config.speculative
-    if spec.method != "eagle3" or spec.draft_tensor_parallel_size == 1:
-        return
-    from outrider.executor.drafter import build_eagle3_drafter
-
-    runner.drafter = build_eagle3_drafter(spec, runner, checkpoint)
-    runner.aux_layers = runner.drafter.aux_layers
-    log.info("rank %d: EAGLE-3 drafter shard, following rank 0's draft ops", runner.tp.rank)

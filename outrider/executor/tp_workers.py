@@ -189,7 +189,6 @@ def run_worker(config: EngineConfig, checkpoint, tp: TPGroup) -> None:
     """A rank > 0: its shard of the model and its KV slice, following rank 0 until it stops."""
     from outrider.executor.model_runner import ModelRunner
     from outrider.executor.tp_channel import worker_loop
-    from outrider.executor.tp_draft import shard_drafter
 
     runner = ModelRunner(config, checkpoint, tp=tp)
     shard_drafter(config, runner, checkpoint)  # draft_tensor_parallel_size > 1 only
@@ -257,3 +256,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shard_drafter(config, runner, checkpoint) -> None:
+    """On a rank > 0 of an engine whose drafter is split over the ranks: this rank's shard,
+    loaded as rank 0 loads its own (executor/drafter.py), its aux streams kept by every target
+    forward. Nothing otherwise."""
+    spec = config.speculative
+    if spec.method != "eagle3" or spec.draft_tensor_parallel_size == 1:
+        return
+    from outrider.executor.drafter import build_eagle3_drafter  # torch-heavy: lazily
+
+    runner.drafter = build_eagle3_drafter(spec, runner, checkpoint)
+    runner.aux_layers = runner.drafter.aux_layers
+    log.info("rank %d: EAGLE-3 drafter shard, following rank 0's draft ops", runner.tp.rank)
