@@ -412,8 +412,9 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A DECODE step without waiting for it: forward, logits and sampling are queued on the
         device and the sampled ids [B] returned there (read them with .tolist() later). Plain
-        rows only: no drafts, no logprobs (engine/overlap.py decides)."""
-        hidden, _, inputs = self.forward(batch, input_ids=input_ids)
+        rows only: no drafts, no logprobs (engine/overlap.py decides). The aux streams of a
+        drafter are made as in `run`, so a runner that captured its graphs with them replays."""
+        hidden, _, inputs = self.forward(batch, self.aux_layers, input_ids=input_ids)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sampler.sample_no_sync(logits, batch.seqs)
 
