@@ -5,12 +5,13 @@ on another.
 
 Measures the engine's decode (k = 0) and speculative verify step times at every batch size and
 k, and each step's device time (executor/step_timing.py through plan/calibrate.py: CUDA graphs,
-the host read included, dummy rows at short contexts; the device's share timed by events) for the embedded default model's shape
-and the Llama-3.1-8B shape (random bf16 weights; time does not depend on them). The planner's machine constants are fitted to each
-model's points (what `outrider plan --calibrate` does) and each fitted profile predicts both
-models. Per point: measured ms; predicted by the datasheet profile (`datasheet`), by the profile
-fitted on the same model (`self`), and by the one fitted on the other model (`cross`), each with
-its error. Goal: |cross error| <= 20% at every point.
+the host read included, dummy rows at short contexts; the device's share timed by events), for
+the embedded default model's shape and the Llama-3.1-8B shape (random bf16 weights; time does
+not depend on them), both in this process and in turns (`measure_interleaved`). The planner's
+machine constants are fitted to each model's points (what `outrider plan --calibrate` does) and
+each fitted profile predicts both models. Per point: measured ms; predicted by the datasheet
+profile (`datasheet`), by the profile fitted on the same model (`self`), and by the one fitted on
+the other model (`cross`), each with its error. Goal: |cross error| <= 20% at every point.
 
 Writes benchmarks/results/plan_accuracy.json (--out: another path).
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 from pathlib import Path
 
@@ -56,16 +56,7 @@ def main() -> int:
     from outrider.plan import calibrate
     from outrider.plan.cli import _gpu_by_name
 
-    shape = (tuple(args.batches), tuple(sorted(set(args.ks))), args.reps)
-    measured = {}
-    # Both models in this one process, one after the other: their hosts are the same host
-    # (separate processes on the H200 differed by 0.2-0.3 ms a step), and the device times
-    # come from events, which leave later launches as fast as before (the profiler did not).
-    for name in SHAPES:
-        measured[name] = measure_shape(name, shape)
-        gc.collect()
-        torch.cuda.empty_cache()  # the first model's pool and graphs go before the next
-        print(f"measured {name}: {len(measured[name].points)} points", flush=True)
+    measured = measure_interleaved(tuple(args.batches), tuple(sorted(set(args.ks))), args.reps)
     prior = _gpu_by_name(torch.cuda.get_device_name())
     graphs = {m.graphs for m in measured.values()}
     if len(graphs) != 1:
@@ -86,22 +77,57 @@ def main() -> int:
     return 0
 
 
-SHAPES = {  # name -> (HF config, LM head tied to the embedding)
-    "smollm2-135m": (SMOLLM2_135M, True),
-    "llama-3.1-8b": (LLAMA_8B, False),
+SHAPES = {  # name -> (HF config, LM head tied to the embedding, gpu_memory_utilization)
+    # Both runners live at once: the KV budget is that share of the device less what is in use.
+    "smollm2-135m": (SMOLLM2_135M, True, 0.1),
+    "llama-3.1-8b": (LLAMA_8B, False, 0.5),
 }
 
 
-def measure_shape(name: str, shape: tuple):
-    """calibrate.measure_checkpoint over random weights of SHAPES[name]."""
+ROUNDS = 3  # each point's step and device time: the median over rounds
+
+
+def measure_interleaved(
+    batches: tuple, ks: tuple, reps: int, shapes: dict | None = None, device: str = "cuda",
+    dtype: str = "bfloat16",
+) -> dict:  # fmt: skip
+    """Both models' runners built in this process, then their points measured in turns: for
+    each of ROUNDS rounds, each batch size, model after model. The host's share of a step
+    drifts by 0.2-0.3 ms over minutes and between processes (the default model's 1.2-2.5 ms
+    steps carry it whole), so each model measured in a block of its own saw a host of its own;
+    in turns, both see the same one, which is what a profile carried from one model to the
+    other assumes. Device times come from events (no profiler, whose tracing slowed every
+    later launch in the process; none on the CPU). shapes: SHAPES' form, SHAPES by default.
+    -> {name: calibrate.Measurement}."""
+    from outrider.executor.step_timing import profile_steps
     from outrider.plan import calibrate
 
-    hf, tied = SHAPES[name]
-    m = calibrate.measure_checkpoint(
-        random_checkpoint(hf, tied_head=tied), "cuda", "bfloat16", *shape,
-        gpu_memory_utilization=0.3,
-    )  # fmt: skip
-    return dataclasses.replace(m, model=dataclasses.replace(m.model, name=name))
+    spec_ks = tuple(k for k in ks if k > 0)
+    runners, checkpoints = {}, {}
+    shapes = shapes or SHAPES
+    for name, (hf, tied, memory) in shapes.items():
+        checkpoints[name] = random_checkpoint(hf, device, getattr(torch, dtype), tied_head=tied)
+        runners[name] = calibrate.build_runner(checkpoints[name], device, dtype, ks, memory)
+    samples: dict = {name: {} for name in shapes}  # name -> (b, k) -> [(step, device or None)]
+    for r in range(ROUNDS):
+        for b in batches:
+            for name, runner in runners.items():
+                table, device_ms = profile_steps(runner, spec_ks, [b], reps, device_time=True)
+                for k in table[b]:
+                    dev = device_ms[b][k] if device_ms else None
+                    samples[name].setdefault((b, k), []).append((table[b][k], dev))
+        print(f"round {r + 1} of {ROUNDS} measured", flush=True)
+    out = {}
+    for name, runner in runners.items():
+        points = []
+        for (b, k), xs in sorted(samples[name].items()):
+            step = sorted(x[0] for x in xs)[len(xs) // 2]
+            devs = sorted(x[1] for x in xs if x[1] is not None)
+            dev = devs[len(devs) // 2] if devs else None
+            points.append(calibrate.Point(b, k, step, dev))
+        m = calibrate.measurement(runner, checkpoints[name], points)
+        out[name] = dataclasses.replace(m, model=dataclasses.replace(m.model, name=name))
+    return out
 
 
 def compare(models: dict, points: dict, prior, graphs: bool) -> dict:

@@ -295,12 +295,27 @@ def measure_checkpoint(
     gpu_memory_utilization: float | None = None,
 ) -> Measurement:
     """`measure` for a checkpoint already open (benchmarks time random weights of a shape)."""
-    import torch
+    from outrider.executor.step_timing import profile_steps
 
+    runner = build_runner(checkpoint, device, dtype, ks, gpu_memory_utilization)
+    spec_ks = tuple(sorted({k for k in ks if k > 0}))
+    table, device_ms = profile_steps(runner, spec_ks, batch_sizes, reps, device_time=True)
+    points = [
+        Point(b, k, table[b][k], device_ms[b][k] if device_ms else None)
+        for b in batch_sizes
+        for k in sorted({0, *ks})
+    ]
+    return measurement(runner, checkpoint, points)
+
+
+def build_runner(
+    checkpoint, device: str, dtype: str, ks: tuple[int, ...],
+    gpu_memory_utilization: float | None = None,
+):  # fmt: skip
+    """A ModelRunner as the engine builds it, graphs captured, ready to time decode and the
+    speculative step at every k in `ks` (0: decode only)."""
     from outrider.config import EngineConfig
     from outrider.executor.model_runner import ModelRunner
-    from outrider.executor.step_timing import profile_steps
-    from outrider.plan.models import from_hf_dict
 
     spec_ks = tuple(sorted({k for k in ks if k > 0}))
     settings = {
@@ -309,16 +324,19 @@ def measure_checkpoint(
     }
     if gpu_memory_utilization is not None:
         settings["cache"] = {"gpu_memory_utilization": gpu_memory_utilization}
-    config = EngineConfig.from_dict(settings)
-    runner = ModelRunner(config, checkpoint)
+    runner = ModelRunner(EngineConfig.from_dict(settings), checkpoint)
     runner.set_speculation(None, spec_ks or (1,))
     runner.capture_graphs()
-    table, device = profile_steps(runner, spec_ks, batch_sizes, reps, device_time=True)
-    points = [
-        Point(b, k, table[b][k], device[b][k] if device else None)
-        for b in batch_sizes
-        for k in sorted({0, *ks})
-    ]
+    return runner
+
+
+def measurement(runner, checkpoint, points: list[Point]) -> Measurement:
+    """The measured points of `runner` (build_runner's, over `checkpoint`) with what the cost
+    model needs to price them: the model's shape in the dtypes it ran, the device."""
+    import torch
+
+    from outrider.plan.models import from_hf_dict
+
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[runner.dtype]
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     spec = from_hf_dict(checkpoint.hf_config, name=checkpoint.path.name)
