@@ -20,13 +20,11 @@ Run on a GPU machine (a graph replay waits on its collectives with no time limit
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from outrider.layers.forward_context import current_mode
+from tests.benchmarks import load_benchmark
 from tests.tiny import tiny_hf_config
 
 pytestmark = pytest.mark.gpu
@@ -80,24 +78,6 @@ def test_nccl_collectives_replay_inside_captured_graphs(tmp_path):
         dist.destroy_process_group()
 
 
-def write_model(hf: dict, directory: Path) -> str:
-    """Seeded random weights of `hf` under HF names, with a word-level tokenizer naming every id:
-    a directory the spawned rank opens as rank 0 does."""
-    import tokenizers
-    from safetensors.torch import save_file
-
-    from tests.unit.test_tp import checkpoint
-
-    save_file(checkpoint(hf), directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps({**hf, "torch_dtype": "float32"}))
-    vocab = {f"t{i}": i for i in range(hf["vocab_size"])}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2"}))
-    return str(directory)
-
-
 def _per_forward(counts: dict, mode: str) -> tuple[int, int]:
     n = counts[mode]["forward"]["calls"]
     reduces, gathers = (counts[mode][op]["calls"] for op in ("all_reduce", "all_gather"))
@@ -114,7 +94,8 @@ def test_tp2_graphs_equal_tp1_eager_plain_ngram_eagle3(tmp_path):
     from outrider.executor.drafter import Eagle3Drafter
     from tests.unit.test_spec_eagle3 import random_drafter
 
-    path = write_model(SHAPE, tmp_path)
+    tp_gpu = load_benchmark("tp_gpu.py")  # the benchmark's own model writer: the same run
+    path = str(tp_gpu.write_random_model(SHAPE, tmp_path))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 33)]
     prompts += [[7, 8, 9, 10] * 6, [11, 12, 13] * 9, [40] * 3]  # repeats: n-gram drafts at once

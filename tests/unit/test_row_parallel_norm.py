@@ -3,15 +3,13 @@ one call, bit for bit what the two calls give, at one rank and over gloo at two.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from outrider.executor.distributed import TPGroup, init_tensor_parallel, single
+from outrider.executor.distributed import TPGroup, single
 from outrider.layers.linear import RowParallelLinear
 from outrider.layers.norm import RMSNorm
-from tests.unit.test_tp import spawn_ranks
+from tests.unit.test_tp import gather_from_ranks
 
 IN, OUT, T = 96, 32, 5
 
@@ -49,17 +47,6 @@ def _cases(tp: TPGroup) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank(rank: int, size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(
-        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
-    )
-    try:
-        torch.save(_cases(tp), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        tp.close()
-
-
 def _check(got: dict[str, torch.Tensor], calls: int) -> None:
     for name in ("plain", "bias"):
         assert torch.equal(got[f"{name}/fused"], got[f"{name}/unfused"]), name
@@ -74,8 +61,7 @@ def test_fused_reduce_add_norm_equals_the_two_calls_at_tp1():
 
 @pytest.mark.slow
 def test_fused_reduce_add_norm_equals_the_two_calls_over_gloo_at_tp2(tmp_path):
-    spawn_ranks(_rank, 2, str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = gather_from_ranks(_cases, 2, tmp_path)
     want = _cases(single())
     for got in ranks:
         _check(got, calls=1)

@@ -171,6 +171,24 @@ def _rank(rank: int, fn, *args) -> None:
     leave_process(0)
 
 
+def gather_from_ranks(work, size: int, out_dir: Path, *args) -> list:
+    """`work(tp, *args)` on `size` ranks over gloo (work: a module-level function, so a spawned
+    process can import it) -> each rank's result, in rank order."""
+    spawn_ranks(_saving_rank, size, str(out_dir), work, *args)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(size)]
+
+
+def _saving_rank(rank: int, size: int, port: int, out_dir: str, work, *args) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(
+        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
+    )
+    try:
+        torch.save(work(tp, *args), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        tp.close()
+
+
 def _worker(rank: int, size: int, port: int, names: tuple[str, ...], out_dir: str) -> None:
     torch.set_num_threads(1)
     if size == 3:  # as torchrun starts a rank: everything from the environment
@@ -376,17 +394,6 @@ def default_model_greedy(tp: TPGroup) -> list[list[int]]:
     return out
 
 
-def _default_model_worker(rank: int, size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(
-        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
-    )
-    try:
-        torch.save(default_model_greedy(tp), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        tp.close()
-
-
 @pytest.mark.slow
 def test_default_model_tp3_greedy_equals_tp1(tmp_path):
     """The real default model (9 heads, 3 KV heads: one KV head per rank) split over 3 ranks
@@ -398,8 +405,6 @@ def test_default_model_tp3_greedy_equals_tp1(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(str(e))
     want = default_model_greedy(single())
-    spawn_ranks(_default_model_worker, 3, str(tmp_path))
-    for rank in range(3):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
+    for rank, got in enumerate(gather_from_ranks(default_model_greedy, 3, tmp_path)):
         assert got == want, f"rank {rank} diverged from TP 1"
     assert all(len(o) == DEFAULT_NEW_TOKENS for o in want)

@@ -6,7 +6,6 @@ forward runs, counted under "draft"."""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from outrider import LLM, SamplingParams
 from outrider.config import EngineConfig, flat_sections
 from outrider.core import ForwardMode
-from outrider.executor.distributed import TPGroup, init_tensor_parallel, single
+from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import build_inputs
 from outrider.executor.kv_cache import KVPool
 from outrider.layers.attn_backends.base import get_backend
@@ -24,7 +23,7 @@ from outrider.models.eagle3_io import load_drafter, save_drafter
 from tests.tiny import hf_reference, outrider_model, prefill_batch, tiny_hf_config
 from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_eagle3 import random_drafter
-from tests.unit.test_tp import BLOCK, _batch, checkpoint, spawn_ranks
+from tests.unit.test_tp import BLOCK, _batch, checkpoint, gather_from_ranks
 
 # EAGLE-3's aux layers (2, L//2, L-3) must be distinct for a drafter file: 8 layers. 4 heads,
 # 2 KV heads (one per rank at TP 2); draft vocabulary 300 splits over 2.
@@ -83,17 +82,6 @@ def draft_forwards(tp: TPGroup, drafter_dir: str) -> list[tuple[str, torch.Tenso
     return out
 
 
-def _rank(rank: int, size: int, port: int, drafter_dir: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    tp = init_tensor_parallel(
-        size, rank=rank, world_size=size, master_addr="127.0.0.1", master_port=port
-    )
-    try:
-        torch.save(draft_forwards(tp, drafter_dir), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        tp.close()
-
-
 @pytest.mark.slow
 def test_the_sharded_draft_equals_the_whole_one_and_counts_its_collectives(served, tmp_path):
     """Per draft forward at TP 2: all-reduces for the embedding (the target's shard), o_proj
@@ -102,8 +90,7 @@ def test_the_sharded_draft_equals_the_whole_one_and_counts_its_collectives(serve
     _, drafter_dir = served
     want = draft_forwards(single(), str(drafter_dir))
     assert all(counts == {} for _, _, counts in want)
-    spawn_ranks(_rank, 2, str(drafter_dir), str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = gather_from_ranks(draft_forwards, 2, tmp_path, str(drafter_dir))
     h, vocab = TARGET["hidden_size"], 300
     for rank, got in enumerate(ranks):
         for (what, logits, counts), (_, ref, _), tokens, reduces in zip(
