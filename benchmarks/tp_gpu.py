@@ -173,7 +173,9 @@ def equality(n: int, sizes: Sizes) -> dict:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-        with LLM(path, **opts, speculative=NGRAM, tensor_parallel_size=n) as llm:
+        # Graphs at TP > 1 are opt-in: asked for on CUDA, so a run that cannot capture fails.
+        graphs_opt = {"cuda_graphs": True} if device == "cuda" else {}
+        with LLM(path, **opts, **graphs_opt, speculative=NGRAM, tensor_parallel_size=n) as llm:
             case(f"tp{n} ngram", llm, want)
             llm.engine.use_proposer(random_eagle3(llm.engine.runner, 1024))
             case(f"tp{n} eagle3 (random drafter on rank 0)", llm, want)

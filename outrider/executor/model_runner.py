@@ -227,6 +227,14 @@ class ModelRunner:
             # The other ranks follow a split drafter's forwards eagerly only.
             log.info("CUDA graphs off: the drafter is split over the ranks")
             return None
+        if wanted is None and self.tp.size > 1:
+            # Opt-in until several GPUs have run them (tests/gpu/test_tp_graphs_cuda.py): one
+            # GPU has checked NCCL collectives under capture, not a model split over GPUs.
+            log.info(
+                "tensor parallelism: CUDA graphs are opt-in at TP > 1; cuda_graphs=True "
+                "(YAML model: {cuda_graphs: true}) captures the same graphs on every rank"
+            )
+            return None
         if not usable:
             raise ValueError(
                 f"cuda_graphs=True needs device cuda, a graph-safe attention backend and a "
