@@ -169,12 +169,9 @@ class TPGroup:
         """A replayed graph ran `recorded`'s collectives (what `recording` saw at its capture),
         for a forward of `mode`: they count under it, and so do collectives after it outside a
         graph (the LM head's all-gather), as after an eager forward. A few dict updates."""
-        into = self._counts.setdefault(mode, {})
         for ops in recorded.values():
             for op, c in ops.items():
-                slot = into.setdefault(op, {"calls": 0, "bytes": 0})
-                slot["calls"] += c["calls"]
-                slot["bytes"] += c["bytes"]
+                self._count(op, c["bytes"], mode, calls=c["calls"])
         if mode != OTHER:
             self._last_mode = mode
 
@@ -191,7 +188,7 @@ class TPGroup:
         finally:
             self._counting_as = None
 
-    def _count(self, op: str, nbytes: int, mode: str | None = None) -> None:
+    def _count(self, op: str, nbytes: int, mode: str | None = None, calls: int = 1) -> None:
         mode = mode or self._counting_as
         # A forward's logits are computed just after it, outside its forward context (the
         # runner's run() and the speculative step do so): collectives outside a forward count
@@ -204,7 +201,7 @@ class TPGroup:
         if key != OTHER:
             self._last_mode = key
         slot = self._counts.setdefault(key, {}).setdefault(op, {"calls": 0, "bytes": 0})
-        slot["calls"] += 1
+        slot["calls"] += calls
         slot["bytes"] += nbytes
 
     def counts(self) -> dict[str, dict[str, dict[str, int]]]:
