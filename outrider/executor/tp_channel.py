@@ -26,8 +26,8 @@ group itself (NCCL on CUDA: device tensors), counted under the forward's mode.
                    of microseconds whatever its size), holding in this order
                    input_ids [T], positions [T], slot_mapping [T], logits_indices [L > 0]
                    as int64, query_start_loc [B + 1], seq_lens [B], block_tables [B, W] as
-                   int32, tree_mask [T, M > 0] as uint8 (each part starts aligned to its
-                   element size: the int64 parts come first)
+                   int32, tree_mask [T, M > 0] as uint8 (tp_payload.pack: each part padded
+                   to 8 bytes, so every view starts aligned)
     op MOVE_KV  n -> src [n] int64, dst [n] int64 flat slots (KVPool.move_no_sync)
     op GATHER_EMBEDDING   every rank all-gathers its shard of the vocabulary embedding (a
                 drafter on rank 0 embeds with the whole table)
@@ -44,7 +44,6 @@ With one rank nothing here runs: the runner holds no sender and never checks mor
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -54,6 +53,7 @@ from outrider.executor.distributed import TPGroup
 from outrider.executor.inputs import ForwardInputs
 from outrider.executor.tp_draft import OP_DRAFT, OP_DRAFT_AFTER_VERIFY, DraftFollower
 from outrider.executor.tp_graphs import follow_capture
+from outrider.executor.tp_payload import pack, packed_size, unpack
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,7 @@ class StepSender:
                   (tables, torch.int32)]  # fmt: skip
         if tree is not None:
             parts.append((tree, torch.uint8))
-        payload = torch.cat([_bytes(x, dtype) for x, dtype in parts])
-        self.tp.broadcast(payload, mode=mode)
+        self.tp.broadcast(pack(parts), mode=mode)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Rank 0 moved KV entries src -> dst (flat slots [n] int64): every rank does."""
@@ -172,23 +171,6 @@ class StepSender:
         return send
 
 
-def _bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as `dtype`, flat, viewed as bytes (a speculative step's block tables are a column
-    slice, a tree mask is bool)."""
-    x = x.view(torch.uint8) if x.dtype == torch.bool else x.to(dtype)
-    return x.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _unpack(payload: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]):
-    """The parts `layout` describes (shape, dtype each), in order, as views of `payload`."""
-    out, at = [], 0
-    for shape, dtype in layout:
-        n = dtype.itemsize * math.prod(shape)
-        out.append(payload[at : at + n].view(dtype).view(shape))
-        at += n
-    return out
-
-
 def worker_loop(runner) -> None:
     """A rank > 0 follows rank 0 until it sends STOP. runner: this rank's ModelRunner (its
     model shard and KV slice); it samples nothing."""
@@ -196,7 +178,7 @@ def worker_loop(runner) -> None:
     tp: TPGroup = runner.tp
     header = torch.zeros(HEADER, dtype=torch.int64)
     dev = runner.device
-    # A drafter split over the ranks (tp_draft.shard_drafter) follows rank 0's draft ops.
+    # A drafter split over the ranks (tp_workers.shard_drafter) follows rank 0's draft ops.
     follower = DraftFollower(runner) if runner.drafter is not None else None
 
     def recv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -248,8 +230,7 @@ def _forward(
     layout += [((b + 1,), torch.int32), ((b,), torch.int32), ((b, w), torch.int32)]
     if m:
         layout.append(((t, m), torch.uint8))
-    size = sum(dtype.itemsize * math.prod(shape) for shape, dtype in layout)
-    parts = _unpack(recv((size,), torch.uint8), layout)
+    parts = unpack(recv((packed_size(layout),), torch.uint8), layout)
     ids, positions, slots = parts[:3]
     rows = parts[3] if n_logits > 0 else None
     qsl, seq_lens, tables = parts[3 + (n_logits > 0) : 6 + (n_logits > 0)]

@@ -31,11 +31,11 @@ over the draft vocabulary; and on the eager path one header and one payload broa
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from outrider.core import ForwardMode
+from outrider.executor.tp_payload import pack, packed_size, unpack
 from outrider.layers.forward_context import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,6 @@ DRAFT = ForwardMode.DRAFT.value
 # Step ops of the channel's header (tp_channel.py numbers its own 0-4 and takes these).
 OP_DRAFT, OP_DRAFT_AFTER_VERIFY = 5, 6
 _MODES = list(ForwardMode)
-_ALIGN = 8
 
 
 # -- rank 0 ------------------------------------------------------------------------------------
@@ -78,7 +77,7 @@ def send_draft(
         parts.append((tree, torch.uint8))
     if hidden is not None:
         parts.append((hidden, dtype))
-    sender.tp.broadcast(_pack(parts), mode=DRAFT)
+    sender.tp.broadcast(pack(parts), mode=DRAFT)
 
 
 def send_after_verify(
@@ -106,34 +105,6 @@ def send_after_verify(
     sender.tp.broadcast(torch.cat([p.to(torch.int64) for p in parts]), mode=DRAFT)
 
 
-def _pack(parts: list[tuple[torch.Tensor, torch.dtype]]) -> torch.Tensor:
-    """Every part as `dtype`, flat, as bytes, each padded to 8 (a view of another dtype must
-    start aligned to it): one uint8 tensor, one broadcast."""
-    out = []
-    for x, dtype in parts:
-        x = x.view(torch.uint8) if x.dtype == torch.bool else x.to(dtype)
-        b = x.contiguous().reshape(-1).view(torch.uint8)
-        out.append(b)
-        if pad := -b.numel() % _ALIGN:
-            out.append(b.new_zeros(pad))
-    return torch.cat(out)
-
-
-def _unpack(payload: torch.Tensor, layout: list[tuple[tuple[int, ...], torch.dtype]]):
-    """The parts `layout` describes (shape, dtype each), in order, as views of `payload`."""
-    out, at = [], 0
-    for shape, dtype in layout:
-        n = dtype.itemsize * math.prod(shape)
-        out.append(payload[at : at + n].view(dtype).view(shape))
-        at += n + (-n % _ALIGN)
-    return out
-
-
-def _packed_size(layout: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    sizes = (dtype.itemsize * math.prod(shape) for shape, dtype in layout)
-    return sum(n + (-n % _ALIGN) for n in sizes)
-
-
 # -- ranks > 0 ---------------------------------------------------------------------------------
 
 
@@ -158,7 +129,7 @@ class DraftFollower:
         layout += [((b + 1,), i32), ((b,), i32), ((b, w), i32)]
         layout += [((t, m), torch.uint8)] if m else []
         layout += [((t, d), self.dtype)] if d else []
-        parts = _unpack(recv((_packed_size(layout),), torch.uint8), layout)
+        parts = unpack(recv((packed_size(layout),), torch.uint8), layout)
         ids, positions, slots, rows = parts[:4]
         at = 4
         if d == 0:

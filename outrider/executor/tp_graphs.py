@@ -84,7 +84,7 @@ def follow_capture(runner, ks: tuple[int, ...], spec: bool, tree_nodes: int) -> 
     """A rank > 0, on rank 0's CAPTURE: the same speculative step (no drafter: rank 0 drafts),
     then the same graphs. Trees keep no step here: they verify eagerly under tensor
     parallelism, through the forwards rank 0 sends."""
-    # A split drafter's shard (tp_draft.shard_drafter) stays, and so do the aux streams every
+    # A split drafter's shard (tp_workers.shard_drafter) stays, and so do the aux streams every
     # target forward keeps for it; such a runner captures no graphs.
     drafter, aux_layers = runner.drafter, runner.aux_layers
     if spec and not tree_nodes:
