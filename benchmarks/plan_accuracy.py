@@ -69,6 +69,7 @@ def main() -> int:
     if args.profiles_dir:
         import json
 
+        Path(args.profiles_dir).mkdir(parents=True, exist_ok=True)
         for name, m in measured.items():
             fitted = dataclasses.replace(prior, **result["fitted_on"][name])
             out = Path(args.profiles_dir) / f"plan_profile_{name}.json"

@@ -59,6 +59,7 @@ FITTED: dict[str, tuple[float, float]] = {
     "gemm_overhead_us": (0.05, 500.0),
     "kernel_overhead_us": (0.05, 500.0),
     "step_host_us": (1.0, 1e6),
+    "row_host_us": (1e-3, 1e4),
     "token_host_us": (1e-3, 1e3),
     "eager_host_us": (0.1, 2000.0),
 }
@@ -90,7 +91,7 @@ def predict(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> StepCost:
     if point.k:
         step = step + time_step(kind, accept_kernels(point.batch, 1 + point.k), [], setup,
                                 graphs, 0)  # fmt: skip
-    return step + step_host(setup, kind, tokens)
+    return step + step_host(setup, kind, point.batch, tokens)
 
 
 def predict_ms(model: ModelSpec, gpu: Gpu, point: Point, graphs: bool) -> float:
@@ -131,8 +132,8 @@ def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
     )
     fitted = dict(FITTED)
     if all(p.device_ms is not None for p in points):
-        # The host's share is measured: step - device time, a line in the step's tokens.
-        host = _host_line(points)
+        # The host's share is measured: step - device time, a plane in rows and tokens.
+        host = _host_plane(points)
         for f in host:
             fitted.pop(f)
         prior = dataclasses.replace(prior, **host)
@@ -163,22 +164,46 @@ def fit(model: ModelSpec, prior: Gpu, points: list[Point], graphs: bool) -> Gpu:
     return at(xs)
 
 
-def _host_line(points: list[Point]) -> dict[str, float]:
-    """step_host_us and token_host_us: a line through step - device time (us) against the
-    step's tokens, by medians (Theil-Sen: the median of the pairwise slopes, then the median
-    intercept), so a few outlying steps do not tilt it; each inside its bounds."""
-    xs = [p.batch * (1 + p.k) for p in points]
+def _host_plane(points: list[Point]) -> dict[str, float]:
+    """step_host_us, row_host_us and token_host_us: a plane through step - device time (us)
+    over the step's sequences and tokens, by medians of pairwise slopes (Theil-Sen), so a few
+    outlying steps do not tilt it; each inside its bounds. A token's share from steps of one
+    batch size and several k (same rows: only tokens differ), a row's from the rest across
+    batch sizes, the step's from what remains. Why rows: both models' host times on the H200
+    grew ~3.5 us a sequence and little with k, and the 8B's large verifies, where the device's
+    own variation is the size of the host's share, made a line in tokens alone read ~0 for
+    what the default model's steps pay (the fitted 8B then missed the default model's 64 x 16
+    verify by 20-24%)."""
     ys = [(p.measured_ms - p.device_ms) * 1e3 for p in points]
-    slopes = sorted(
-        (ys[j] - ys[i]) / (xs[j] - xs[i])
-        for i in range(len(xs))
-        for j in range(i + 1, len(xs))
-        if xs[j] != xs[i]
+    tokens = [p.batch * (1 + p.k) for p in points]
+    pairs = [(i, j) for i in range(len(points)) for j in range(i + 1, len(points))]
+    per_token = _median_slope(
+        (tokens[j] - tokens[i], ys[j] - ys[i])
+        for i, j in pairs
+        if points[i].batch == points[j].batch
     )
-    (slo, shi), (tlo, thi) = FITTED["step_host_us"], FITTED["token_host_us"]
-    slope = min(max(slopes[len(slopes) // 2] if slopes else 0.0, tlo), thi)
-    rest = sorted(y - slope * x for x, y in zip(xs, ys))
-    return {"step_host_us": min(max(rest[len(rest) // 2], slo), shi), "token_host_us": slope}
+    token = _clamp(per_token, FITTED["token_host_us"])
+    rest = [y - token * n for y, n in zip(ys, tokens)]
+    per_row = _median_slope(
+        (points[j].batch - points[i].batch, rest[j] - rest[i]) for i, j in pairs
+    )
+    row = _clamp(per_row, FITTED["row_host_us"])
+    step = sorted(r - row * p.batch for r, p in zip(rest, points))[len(points) // 2]
+    return {
+        "step_host_us": _clamp(step, FITTED["step_host_us"]),
+        "row_host_us": row,
+        "token_host_us": token,
+    }
+
+
+def _median_slope(runs_rises) -> float:
+    """The median of rise / run over the pairs whose run is not 0 (0.0 if none)."""
+    slopes = sorted(rise / run for run, rise in runs_rises if run)
+    return slopes[len(slopes) // 2] if slopes else 0.0
+
+
+def _clamp(x: float, bounds: tuple[float, float]) -> float:
+    return min(max(x, bounds[0]), bounds[1])
 
 
 def _nelder_mead(f, x0: list[float], step: float = 0.1, iters: int = 300) -> list[float]:

@@ -18,8 +18,9 @@ The step is the sum of its kernels and collectives (nothing overlaps inside a fo
 kernel's time goes to `memory` or `compute` by which bound it hit, its overhead to `launch`.
 Eager steps (no CUDA graph) also pay host dispatch per launch: the step is the larger of the
 device's time and the host's, the difference going to `launch`. A step of the engine's also pays
-its host's own work once (`step_host_us`, and `token_host_us` a token: building inputs,
-launching the graph, reading the result back; `host`), which an engine that overlaps its host work with the device hides.
+its host's own work once (`step_host_us`, `row_host_us` a sequence and `token_host_us` a
+token: building inputs, launching the graph, reading the result back; `host`), which an engine
+that overlaps its host work with the device hides.
 
 Weights read per step are what the N tokens touch: every dense weight once, and for MoE
 layers the experts routed to. With E routed experts, k chosen per token, routing uniform and
@@ -349,17 +350,18 @@ def forward_cost(
     return time_step(kind, kernels, collectives, setup, graphed, seqs * tokens_per_seq, experts)
 
 
-def step_host(setup: Setup, kind: str, tokens: int) -> StepCost:
-    """The host's own work once per engine step of `tokens` tokens (gpu.step_host_us and
-    token_host_us): a step of no kernels."""
-    host_us = setup.gpu.step_host_us + setup.gpu.token_host_us * tokens
+def step_host(setup: Setup, kind: str, rows: int, tokens: int) -> StepCost:
+    """The host's own work once per engine step of `rows` sequences and `tokens` tokens
+    (gpu.step_host_us, row_host_us and token_host_us): a step of no kernels."""
+    gpu = setup.gpu
+    host_us = gpu.step_host_us + gpu.row_host_us * rows + gpu.token_host_us * tokens
     return dataclasses.replace(time_step(kind, [], [], setup, True, 0), host_ms=host_us / 1e3)
 
 
 def decode_cost(setup: Setup, batch: int, context: int) -> StepCost:
     """A plain decode step: one token per sequence, and the step's host work."""
     return forward_cost(setup, "decode", batch, 1, context, setup.graphs) + step_host(
-        setup, "decode", batch
+        setup, "decode", batch, batch
     )
 
 
@@ -372,7 +374,7 @@ def verify_cost(setup: Setup, batch: int, tokens_per_seq: int, context: int) -> 
     return (
         step
         + time_step("verify", accept, [], setup, setup.verify_graphs, 0)
-        + step_host(setup, "verify", batch * tokens_per_seq)
+        + step_host(setup, "verify", batch, batch * tokens_per_seq)
     )
 
 

@@ -56,7 +56,11 @@ class Gpu:
     # runs hides it (the published figures' engines); outrider's synchronous speculative step
     # pays ~0.2-0.4 ms on the H200's host, which `outrider plan --calibrate` measures.
     step_host_us: float = 0.0
-    token_host_us: float = 0.0  # and a token's share of it (its row's positions, slots, ids)
+    # and each sequence's share of it (its block table, its slice of the read back: ~3.5 us a
+    # row on the H200's host, for both models measured), and each token's (positions, slots,
+    # ids). A line in tokens alone fitted the default model's steps and not the 8B's.
+    row_host_us: float = 0.0
+    token_host_us: float = 0.0
     # Host time to dispatch one kernel in an eager forward (Python, the dispatcher, the launch):
     # HF transformers' eager Llama-3.1-8B decode on this project's H200 host takes ~25 ms for
     # ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json). A property of the

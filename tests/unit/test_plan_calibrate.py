@@ -12,6 +12,7 @@ import pytest
 from outrider.cli import main
 from outrider.plan.calibrate import (
     FITTED,
+    _host_plane,
     Point,
     cpu_profile,
     fit,
@@ -25,12 +26,13 @@ from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
 
 def test_fit_recovers_the_constants_that_made_the_points():
     """Points the cost model itself predicts for a GPU with other constants and a host that
-    takes 0.3 ms a step and 0.5 us a token: the fit from the datasheet profile predicts them again within 3%,
+    takes 0.3 ms a step, 3.5 us a sequence and 0.5 us a token: the fit from the datasheet profile predicts them again within 3%,
     decode and large verifies alike, the host's share taken from the device times."""
     model = load_model("llama-3.1-8b")
     h200 = load_gpu("h200")
     truth = dataclasses.replace(h200, mem_efficiency=0.6, compute_efficiency=0.4,
-                                step_host_us=300.0, token_host_us=0.5)  # fmt: skip
+                                step_host_us=300.0, row_host_us=3.5,
+                                token_host_us=0.5)  # fmt: skip
     shapes = [(1, 0), (16, 0), (64, 0), (1, 7), (16, 7), (64, 15)]
 
     def point(b: int, k: int) -> Point:
@@ -44,6 +46,7 @@ def test_fit_recovers_the_constants_that_made_the_points():
     assert mean_abs_error(model, fitted, points, True) < 0.03
     assert fitted.mem_efficiency == pytest.approx(0.6, rel=0.05)
     assert fitted.step_host_us == pytest.approx(300.0, rel=1e-6)
+    assert fitted.row_host_us == pytest.approx(3.5, rel=1e-6)
     assert fitted.token_host_us == pytest.approx(0.5, rel=1e-6)
     # Graphed steps say nothing of the eager host cost: it keeps its prior.
     assert fitted.eager_host_us == pytest.approx(h200.eager_host_us, rel=1e-6)
@@ -54,6 +57,28 @@ def test_fit_recovers_the_constants_that_made_the_points():
         fit(model, h200, [Point(1, 0, 0.0)], True)
     with pytest.raises(ValueError, match="must be > 0 ms"):
         fit(model, h200, [Point(1, 0, 1.0, device_ms=-1.0)], True)
+
+
+def test_host_plane_survives_a_drifting_large_step():
+    """Host = 400 us + 3.5 us a sequence + 0.5 us a token over the measured grid, except two
+    large verifies whose device time drifted between runs so their host read comes out 0.5 ms
+    short and 0.3 ms long: the medians still give each term within 10%."""
+    def host_us(b: int, k: int) -> float:
+        return 400.0 + 3.5 * b + 0.5 * b * (1 + k)
+
+    drift = {(64, 15): -500.0, (64, 7): 300.0}
+    points = [
+        Point(b, k, 10.0 + (host_us(b, k) + drift.get((b, k), 0.0)) / 1e3, 10.0)
+        for b in (1, 16, 64)
+        for k in (0, 1, 3, 7, 15)
+    ]
+    plane = _host_plane(points)
+    assert plane["step_host_us"] == pytest.approx(400.0, rel=0.1)
+    assert plane["row_host_us"] == pytest.approx(3.5, rel=0.1)
+    assert plane["token_host_us"] == pytest.approx(0.5, rel=0.1)
+    # One batch size and plain decode alone: a sequence is a token, the row term reads 0.
+    decode = [Point(1, 0, 1.0 + host_us(1, 0) / 1e3, 1.0), Point(1, 0, 1.2, 0.8)]
+    assert _host_plane(decode)["row_host_us"] == FITTED["row_host_us"][0]
 
 
 def test_calibrate_tiny_model_and_load_the_profile(tiny_dir, tmp_path, capsys):  # noqa: F811
