@@ -12,8 +12,8 @@ import pytest
 from outrider.cli import main
 from outrider.plan.calibrate import (
     FITTED,
-    _host_plane,
     Point,
+    _host_plane,
     cpu_profile,
     fit,
     mean_abs_error,
@@ -63,6 +63,7 @@ def test_host_plane_survives_a_drifting_large_step():
     """Host = 400 us + 3.5 us a sequence + 0.5 us a token over the measured grid, except two
     large verifies whose device time drifted between runs so their host read comes out 0.5 ms
     short and 0.3 ms long: the medians still give each term within 10%."""
+
     def host_us(b: int, k: int) -> float:
         return 400.0 + 3.5 * b + 0.5 * b * (1 + k)
 
