@@ -29,16 +29,16 @@ import torch
 
 from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.executor.cuda_graph import GraphRunner
+from outrider.executor.draft_sampling import SampledRows
+from outrider.executor.draft_tree import grow_tree_no_sync
 from outrider.executor.inputs import build_inputs, table_slots_no_sync
 from outrider.executor.kv_cache import KVPool
-from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
 from outrider.executor.tp_draft import send_after_verify, send_draft
-from outrider.layers import fused
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.speculative.base import SeqDrafts
-from outrider.speculative.tree_batch import TreeShape, select_tree_no_sync
+from outrider.speculative.tree_batch import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class Eagle3Drafter:
             return out
         steps = [torch.stack([f.top_ids[0] for f in frontiers])]  # [B]
         hidden = torch.stack([f.hidden for f in frontiers])  # [B, H]
-        sampling = _SampledRows(self, reqs)
+        sampling = SampledRows(self, reqs)
         if sampling:
             first = torch.stack([frontiers[i].logits for i in sampling.index])
             steps[0] = sampling.draw(steps[0], first)
@@ -321,92 +321,13 @@ class Eagle3Drafter:
         backend,
         path_rows: torch.Tensor | None = None,  # [B, 1 + S] verify rows of the path (sharded)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # next tree: tokens [B, N], parents [B, N]
-        """The tree step's drafting, all on the device: extend over the accepted path (a chain
-        of 1 + S rows from the root; rows past the accepted ones write draft KV that the
-        frontier overwrites before anyone reads it), then grow the next tree EAGLE-2 style
-        from the row after the last accepted one, as speculative/eagle3_tree.py does eagerly.
-
-        Frontier nodes of depth d (2..S) run at rotary position C + d - 2 and slots
-        C + (d - 2) * topk + i, where C = root + num_accepted + 1 is the next root's position;
-        each sees the context before C and, among the tree's slots, its ancestors and itself
-        (the attention's tree mask over the last (d - 1) * topk keys)."""
+        """The tree step's drafting, all on the device: extend over the accepted path, then grow
+        the next tree EAGLE-2 style (executor/draft_tree.py)."""
         if self._sender is not None:  # the other ranks gather their own aux along path_rows
             send_after_verify(self._sender, path_ids, num_accepted, 0, path_rows, shape)
-        b, rows = path_ids.shape
-        t, dev = shape.topk, path_ids.device
-        bs, width = self.block_size, block_tables.shape[1]
-        top = self.draft.rotary_emb.cos.shape[0] - 1
-
-        def metadata(slots, q: int, seq_lens, qsl, tree_mask=None) -> AttentionMetadata:
-            # Graph-safe backends read lengths on the device; the reference backend (the CPU,
-            # where reading them costs nothing) plans from the host's.
-            host = seq_lens.tolist() if dev.type == "cpu" else [width * bs] * b
-            return AttentionMetadata(
-                ForwardMode.VERIFY, slots, qsl, seq_lens, block_tables, [q] * b, host,
-                tree_mask=tree_mask,
-            )  # fmt: skip
-
-        def run(meta, ids, pos, hidden):
-            backend.prepare(meta)
-            with forward_context(ForwardContext(meta, backend)):
-                return self.draft(ids, pos, hidden)
-
-        # 1. Extend over the path; the first candidates come from row num_accepted.
-        pos = starts[:, None] + torch.arange(rows, device=dev)[None, :]  # [B, 1 + S]
-        qsl = torch.arange(0, (b + 1) * rows, rows, dtype=torch.int32, device=dev)
-        slots = table_slots_no_sync(block_tables, pos, bs).reshape(-1)
-        meta = metadata(slots, rows, (starts + rows).to(torch.int32), qsl)
-        normed, summed = run(meta, path_ids.reshape(-1), pos.reshape(-1).clamp(max=top), path_aux)
-        last = torch.arange(b, device=dev) * rows + num_accepted
-        scores, cand = top_logprobs(self.draft.compute_logits(normed[last]), t)  # [B, t]
-        tokens = self.draft.to_target_ids(cand)
-        hidden = summed[last][:, None, :].expand(-1, t, -1)  # [B, t, H]
-        all_tokens, all_scores = [tokens], [scores]
-        all_parents = [torch.full_like(tokens, -1)]
-        # 2. Grow: anc[b, i, r] says frontier node i of row b sees tree slot C + r. Every grow
-        # step's slots, lengths and rotary positions are computed here at once ([G, B, t]
-        # and [G, B], G = S - 1 steps); each step takes its slice (a view, no kernel).
-        grow = shape.num_steps - 1
-        c = starts + num_accepted + 1
-        step_ix = torch.arange(grow, device=dev)[:, None, None]  # [G, 1, 1]
-        node_pos = c[None, :, None] + step_ix * t + torch.arange(t, device=dev)  # [G, B, t]
-        step_slots = (
-            table_slots_no_sync(block_tables, node_pos.permute(1, 0, 2).reshape(b, grow * t), bs)
-            .view(b, grow, t)
-            .permute(1, 0, 2)
-            .contiguous()
-        )  # [G, B, t]
-        step_lens = (c[None, :] + (step_ix[:, :, 0] + 1) * t).to(torch.int32)  # [G, B]
-        step_rope = (c[None, :, None] + step_ix).clamp(max=top).expand(-1, -1, t).contiguous()
-        qsl = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=dev)
-        own = torch.eye(t, dtype=torch.bool, device=dev)[None].expand(b, -1, -1)
-        anc = own.contiguous()  # [B, t, (j + 1) * t] at step j
-        h = hidden.shape[-1]
-        for j in range(grow):
-            meta = metadata(
-                step_slots[j].view(-1), t, step_lens[j], qsl, anc.reshape(b * t, -1)
-            )  # fmt: skip
-            normed, summed = run(
-                meta, tokens.reshape(-1), step_rope[j].view(-1), hidden.reshape(b * t, h)
-            )
-            child_logp, child = top_logprobs(self.draft.compute_logits(normed), t)  # [B*t, t]
-            picked = fused.grow_select(scores, child_logp, child, self.draft.d2t, summed, anc)
-            if picked is not None:  # the GPU: the selection below in one launch
-                scores, parent, tokens, hidden, anc = picked
-            else:
-                cum = (scores[:, :, None] + child_logp.view(b, t, t)).view(b, t * t)
-                scores, pick = cum.topk(t, dim=-1)  # [B, t]
-                parent = pick // t
-                tokens = self.draft.to_target_ids(child.view(b, t * t).gather(1, pick))
-                hidden = summed.view(b, t, h).gather(1, parent[..., None].expand(-1, -1, h))
-                anc = anc.gather(1, parent[..., None].expand(-1, -1, anc.shape[-1]))
-                anc = torch.cat([anc, own], dim=-1)
-            all_tokens.append(tokens)
-            all_scores.append(scores)
-            all_parents.append(parent)
-        return select_tree_no_sync(
-            torch.stack(all_tokens, 1), torch.stack(all_scores, 1), torch.stack(all_parents, 1),
-            shape.num_nodes,
+        return grow_tree_no_sync(
+            self.draft, self.block_size, path_ids, path_aux, num_accepted, starts, block_tables,
+            shape, backend,
         )  # fmt: skip
 
     # -- one draft forward ------------------------------------------------------------------
@@ -472,45 +393,6 @@ def _chain_step(draft: Eagle3Draft):
         return draft.to_target_ids(logits.argmax(dim=-1)), summed, logits
 
     return step
-
-
-class _SampledRows:
-    """The requests of a proposal that sample (temperature > 0): their drafts are drawn from
-    the draft's distribution under the request's own temperature / top-k / top-p / min-p,
-    with the request's generator, and that distribution (over the target vocabulary) goes
-    with the drafts, so rejection sampling accepts more and stays exact. Greedy requests keep
-    the argmax and deterministic drafts."""
-
-    def __init__(self, proposer: Eagle3Drafter, reqs: Sequence[Request]) -> None:
-        self.index = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        self.rows = [SamplingRow.of_request(reqs[i]) for i in self.index]
-        self.draft = proposer.draft
-        self.vocab = proposer.draft.config.vocab_size
-        self.probs: list[torch.Tensor] = []  # per step: [S, vocab]
-        if self.index:
-            self.index_t = torch.as_tensor(self.index, device=proposer.device)
-            vd = proposer.draft.config.draft_vocab_size
-            self.target_ids = proposer.draft.to_target_ids(torch.arange(vd, device=proposer.device))
-
-    def __bool__(self) -> bool:
-        return bool(self.index)
-
-    def draw(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """tokens [B] (argmax drafts), logits [B or S, draft_vocab] -> tokens with the sampled
-        rows redrawn; remembers their distributions."""
-        if logits.shape[0] != len(self.index):
-            logits = logits.index_select(0, self.index_t)
-        full = logits.new_full((len(self.index), self.vocab), float("-inf"), dtype=torch.float32)
-        full[:, self.target_ids] = logits.float()
-        probs = sampling_probs(full, self.rows)  # [S, vocab]
-        self.probs.append(probs)
-        drawn = sample_from_probs_no_sync(probs, [r.generator for r in self.rows])
-        return tokens.index_copy(0, self.index_t, drawn)
-
-    def per_request(self) -> dict[int, torch.Tensor]:
-        """Batch row -> [k, vocab] distributions its k drafts were drawn from."""
-        stacked = torch.stack(self.probs, dim=1)  # [S, k, vocab]
-        return {b: stacked[j] for j, b in enumerate(self.index)}
 
 
 def build_eagle3_drafter(config, runner, checkpoint=None) -> Eagle3Drafter:
