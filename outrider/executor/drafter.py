@@ -311,18 +311,12 @@ class Eagle3Drafter:
 
     @_draft_collectives
     def tree_after_verify_no_sync(
-        self,
-        path_ids: torch.Tensor,  # [B, 1 + S] the target's argmax along the accepted path
-        path_aux: torch.Tensor,  # [B * (1 + S), 3 * Ht] the target's aux streams there
-        num_accepted: torch.Tensor,  # [B]
-        starts: torch.Tensor,  # [B] each row's root position
-        block_tables: torch.Tensor,  # [B, W] int32; its last column is the scratch block
-        shape: TreeShape,
-        backend,
+        self, path_ids, path_aux, num_accepted, starts, block_tables, shape: TreeShape, backend,
         path_rows: torch.Tensor | None = None,  # [B, 1 + S] verify rows of the path (sharded)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # next tree: tokens [B, N], parents [B, N]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The tree step's drafting, all on the device: extend over the accepted path, then grow
-        the next tree EAGLE-2 style (executor/draft_tree.py)."""
+        the next tree EAGLE-2 style. Arguments and the (tokens [B, N], parents [B, N]) it
+        returns: executor/draft_tree.py's grow_tree_no_sync."""
         if self._sender is not None:  # the other ranks gather their own aux along path_rows
             send_after_verify(self._sender, path_ids, num_accepted, 0, path_rows, shape)
         return grow_tree_no_sync(
