@@ -14,7 +14,8 @@ from typing import Any
 
 from outrider.config import EngineConfig, flat_sections
 from outrider.core import RequestOutput, SamplingParams
-from outrider.engine.engine import EngineCore, request_metrics
+from outrider.engine.engine import EngineCore
+from outrider.engine.tracked import request_metrics
 
 Prompt = str | list[int]
 Conversation = list[dict[str, Any]]

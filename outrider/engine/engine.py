@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +16,6 @@ from outrider.core import (
     ForwardMode,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
     ScheduledBatch,
     StepOutput,
@@ -27,6 +25,7 @@ from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
 from outrider.engine.proposers import build_proposer
 from outrider.engine.scheduler import Scheduler
+from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.distributed import check_tp_size
 from outrider.executor.model_runner import ModelRunner
@@ -35,19 +34,12 @@ from outrider.executor.spec_step import simple_greedy
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.speculative.controller import SpecController, StepProfile
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
-from outrider.speculative.stats import SpecStats, accept_length, record_verify
+from outrider.speculative.stats import SpecStats, record_verify
 from outrider.speculative.tree_batch import TreeShape
 
 log = logging.getLogger(__name__)
 
 _OBSERVED_ROWS = 16  # rows of a verify step the adaptive controller learns from
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    prompt: str | None
 
 
 class EngineCore:
@@ -68,7 +60,7 @@ class EngineCore:
             self.checkpoint.config.eos_token_ids
         )
         self.vocab_size = self.checkpoint.config.vocab_size
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self.proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # Async scheduling (engine/overlap.py): opt-in until measured on a GPU; speculative
         # steps are not run ahead.
@@ -245,7 +237,7 @@ class EngineCore:
             req.request_id = request_id
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.runner.device)
-        self._tracked[req.request_id] = _Tracked(
+        self._tracked[req.request_id] = TrackedRequest(
             req, IncrementalDetokenizer(self.tokenizer, req), prompt
         )
         self.scheduler.add_request(req)
@@ -392,7 +384,7 @@ class EngineCore:
             if tracked is None:
                 continue  # aborted while the step ran
             req = tracked.request
-            text, new_ids = self._detokenize(tracked, new_ids)
+            text, new_ids = tracked.detokenize(new_ids)
             if tracked.detokenizer.stop_hit:
                 reason = FinishReason.STOP
             else:
@@ -406,7 +398,7 @@ class EngineCore:
                     self.proposer.forget(rid)
                 if self.controller is not None:
                     self.controller.forget(rid)
-            deltas.append(self._output(tracked, text, new_ids))
+            deltas.append(tracked.output(text, new_ids))
         if self.proposer is not None and (self.proposer.on_device or not self._stepped):
             self._propose()  # host proposers of chains draft right before the step instead
         return deltas
@@ -442,25 +434,6 @@ class EngineCore:
                 if output.logprobs is not None:
                     output.logprobs[i] = output.logprobs[i][:keep]
                 output.num_accepted[i] = min(accepted, keep)
-
-    def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> tuple[str, list[int]]:
-        """Stream new ids through the detokenizer one at a time, so a stop string inside a run
-        of accepted drafts ends the output exactly where plain decoding would have."""
-        if not tracked.request.params.detokenize:
-            return "", new_ids
-        if len(new_ids) == 1:
-            return tracked.detokenizer.update(new_ids), new_ids
-        text = []
-        for j, token in enumerate(new_ids):
-            text.append(tracked.detokenizer.update([token]))
-            if tracked.detokenizer.stop_hit:
-                extra = len(new_ids) - (j + 1)
-                if extra:
-                    del tracked.request.output_token_ids[-extra:]
-                    if tracked.request.params.logprobs is not None:
-                        del tracked.request.output_logprobs[-extra:]
-                return "".join(text), new_ids[: j + 1]
-        return "".join(text), new_ids
 
     def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """Drafts made inside the step become each request's drafts for the next one."""
@@ -505,46 +478,3 @@ class EngineCore:
         if req.num_computed_tokens + need > self.max_model_len:
             return False  # the last few tokens of the context decode plainly
         return self.block_manager.allocate(req, need)
-
-    def _output(self, tracked: _Tracked, delta_text: str, new_ids: list[int]) -> RequestOutput:
-        req = tracked.request
-        finished = req.status == RequestStatus.FINISHED
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=delta_text,
-            token_ids=list(new_ids),
-            finished=finished,
-            finish_reason=str(req.finish_reason) if finished else None,
-            metrics=request_metrics(req) if finished else {},
-            logprobs=req.output_logprobs[-len(new_ids) :]
-            if req.params.logprobs is not None
-            else None,
-        )
-
-
-def request_metrics(req: Request) -> dict[str, float | int | None]:
-    m = req.metrics
-    n = len(req.output_token_ids)
-    start = m.first_scheduled_time or m.arrival_time
-    end = m.finished_time or time.perf_counter()
-    decode_time = end - (m.first_token_time or end)
-    return {
-        "num_prompt_tokens": m.num_prompt_tokens,
-        "num_generated_tokens": n,
-        "num_cached_tokens": m.num_cached_tokens,
-        "num_preemptions": m.num_preemptions,
-        "time_to_first_token_s": None
-        if m.first_token_time is None
-        else m.first_token_time - m.arrival_time,
-        "e2e_latency_s": end - m.arrival_time,
-        "tokens_per_s": n / (end - start) if end > start else None,
-        "decode_tokens_per_s": (n - 1) / decode_time if n > 1 and decode_time > 0 else None,
-        "accept_length": accept_length(m.num_accepted_tokens, m.num_verify_steps),
-        "num_draft_tokens": m.num_draft_tokens,
-        "num_accepted_tokens": m.num_accepted_tokens,
-        "num_verify_steps": m.num_verify_steps,
-        "accepted_per_position": list(m.accepted_per_position),
-        "steps_by_k": dict(sorted(m.steps_by_k.items())),
-    }
