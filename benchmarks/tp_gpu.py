@@ -6,6 +6,8 @@ rank, step times beside the planner's, the collectives' cost, and speculation's 
     python benchmarks/tp_gpu.py --gpus 2 --quick --out-dir $OUT  # fewer points, a few minutes
     python benchmarks/tp_gpu.py --smoke --out-dir /tmp/tp        # CPU, gloo, 2 ranks, ~1 min
     python benchmarks/tp_gpu.py --gpus 2 --parts equality timings --out-dir $OUT
+    python benchmarks/tp_gpu.py --gpus 8 --model kimi-k2.5 --out-dir $OUT   # 8 GPUs, ~10 min
+    python benchmarks/tp_gpu.py --smoke --model kimi-k2.5 --out-dir /tmp/tp  # CPU, tiny MLA/MoE
 
 Parts (--parts picks; each writes into one JSON, tp_gpu.json or tp_gpu_smoke.json in --out-dir,
 rewritten after every part, so a run cut short keeps what finished):
@@ -43,6 +45,14 @@ rewritten after every part, so a run cut short keeps what finished):
    drafter's other ranks follow eagerly only), timed by ModelRunner.profile_steps; beside each
    point the split over rank 0 ratio and the collectives a verify and a draft forward ran.
 
+--model kimi-k2.5: the Kimi-K2.5 shape (benchmarks/kimi_layers.py's random weights: all 61
+layers, MLA, 384 routed experts in INT4 group 32 made on each rank's GPU, ~76 GB a GPU at TP=8;
+--layers cuts it) for the timings and comm parts (its default parts): TP=1 is skipped where the
+model cannot fit one GPU (more than 8 layers); each verify point also carries the measured
+break-even accept length of a proposer that costs nothing (verify ms / decode ms at that C),
+beside the planner's. Written as tp_gpu_kimi.json. --smoke with it: the tiny model of the same
+family on the CPU.
+
 --budget-s (default 480) bounds the whole run: a part that would start past it is skipped and
 says so, and comm's candidates share what is left.
 """
@@ -68,6 +78,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from common import write_result  # noqa: E402
 from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
+from kimi_layers import KIMI, SMOKE, hf_config  # noqa: E402
 from synthetic_accept import TINY  # noqa: E402
 from tp_gpu_tables import TABLES  # noqa: E402
 
@@ -102,6 +113,11 @@ class Sizes:
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> Sizes:
+        if args.model == "kimi-k2.5":
+            if args.smoke:
+                return cls(hf_config(SMOKE, 3, 1), "cpu", "float32", (1, 4), (0, 1, 3), 2, 0)
+            hf = hf_config(KIMI, args.layers, 1)
+            return cls(hf, "cuda", "bfloat16", (1, 8, 32, 64), (0, 1, 3, 7, 15), 5, 0)
         if args.smoke:
             return cls(TINY, "cpu", "float32", (1, 4), (0, 1, 3), 2, 12)
         if args.quick:
@@ -219,13 +235,16 @@ def per_forward(counts: dict) -> dict:
 def timings_child(tp: int, sizes: Sizes) -> dict | None:
     """Rank 0's profile_steps table at every (C, k) and the collectives a forward ran; None on
     ranks > 0 (under torchrun they follow rank 0 inside EngineCore and end their process there)."""
+    from outrider import env
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
 
     cuda = sizes.device == "cuda"
     top = max(sizes.batch_sizes)
     cache = {"enable_prefix_caching": False}
-    cache |= {"gpu_memory_utilization": 0.5} if cuda else {"num_blocks": 64}
+    # Kimi's weights take ~76 GB of a GPU at TP=8: the KV cache gets what its share leaves.
+    memory = 0.9 if sizes.hf.get("n_routed_experts") else 0.5
+    cache |= {"gpu_memory_utilization": memory} if cuda else {"num_blocks": 64}
     config = EngineConfig().replace(
         # Graphs asked for on CUDA (an error rather than a silently eager run); the CPU has none.
         model={"device": sizes.device, "dtype": sizes.dtype, "max_model_len": 1024,
@@ -234,9 +253,11 @@ def timings_child(tp: int, sizes: Sizes) -> dict | None:
         parallel={"tensor_parallel_size": tp},
     )  # fmt: skip
     t0 = time.perf_counter()
-    engine = EngineCore(
-        config, random_checkpoint(sizes.hf, sizes.device, getattr(torch, sizes.dtype))
-    )
+    device = sizes.device
+    if cuda:  # each rank makes its weights on its own GPU (torchrun's LOCAL_RANK)
+        torch.cuda.set_device(env.local_rank())
+        device = f"cuda:{env.local_rank()}"
+    engine = EngineCore(config, build_checkpoint(sizes, device))
     runner = engine.runner
     spec_ks = tuple(k for k in sizes.ks if k > 0)
     runner.set_speculation(None, spec_ks)  # host drafts: the verify step alone, as n-gram runs
@@ -270,10 +291,30 @@ def timings_child(tp: int, sizes: Sizes) -> dict | None:
 
 
 def planner_model(hf: dict, dtype: str):
+    """The planner's model of the random weights: every linear layer in `dtype`, routed experts
+    as the config stores them (Kimi's INT4; the Llama shape has none)."""
     from outrider.plan.models import from_hf_dict
 
     name, elem = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}[dtype]
-    return dataclasses.replace(from_hf_dict(hf), weights=name, expert_weights=None, kv_bytes=elem)
+    return dataclasses.replace(from_hf_dict(hf), weights=name, kv_bytes=elem)
+
+
+def build_checkpoint(sizes: Sizes, device: str):
+    """The seeded random weights of sizes.hf on `device`: Kimi's (kimi_layers) or Llama's."""
+    if sizes.hf.get("n_routed_experts"):
+        from kimi_layers import random_checkpoint as kimi_checkpoint
+
+        return kimi_checkpoint(sizes.hf, device, getattr(torch, sizes.dtype))
+    return random_checkpoint(sizes.hf, device, getattr(torch, sizes.dtype))
+
+
+def fits_one_gpu(sizes: Sizes) -> bool:
+    """Whether TP=1 can hold the model: Kimi's 61 layers are ~570 GB of INT4 experts."""
+    return (
+        sizes.device == "cpu"
+        or sizes.hf["num_hidden_layers"] <= 8
+        or not sizes.hf.get("n_routed_experts")
+    )
 
 
 def planner_gpu(device_name: str, threads: int):
@@ -504,6 +545,7 @@ def run_child(
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
         cmd += [__file__, "--child", part, "--tp", str(tp), "--child-out", str(out)]
         cmd += ["--smoke"] * args.smoke + ["--quick"] * args.quick + list(extra_args)
+        cmd += ["--model", args.model, "--layers", str(args.layers)]
         extra = {"PYTHONPATH": ":".join(filter(None, [str(HERE.parent), _env_path()]))}
         if args.smoke:
             extra["OUTRIDER_NUM_THREADS"] = "1"  # tiny shapes on shared cores
@@ -530,22 +572,36 @@ def _env_path() -> str:
 def timings(n: int, sizes: Sizes, args, deadline: float) -> dict:
     settings = {}
     for name, tp, extra in (("tp1", 1, {}), (f"tp{n}", n, {}), (f"tp{n}-p2p-off", n, P2P_OFF)):
+        if tp == 1 and not fits_one_gpu(sizes):
+            settings[name] = {"skipped": "the model does not fit one GPU"}
+            continue
         if time.monotonic() > deadline - 30:
             settings[name] = {"skipped": "the run's --budget-s was spent"}
             continue
         try:
             settings[name] = run_child("timings", tp, extra, args, deadline - time.monotonic())
             settings[name]["env"] = extra
+            add_break_even(settings[name])
         except Exception as e:
             settings[name] = {"error": f"{type(e).__name__}: {e}"[:500], "env": extra}
+    shape = "llama-3.1-8b" if sizes.hf is LLAMA_8B else sizes.hf.get("model_type", "tiny")
     return {
-        "settings": {"shape": "llama-3.1-8b" if sizes.hf is LLAMA_8B else "tiny",
+        "settings": {"shape": shape, "layers": sizes.hf["num_hidden_layers"],
                      "dtype": sizes.dtype, "batch_sizes": sizes.batch_sizes, "ks": sizes.ks,
                      "reps": sizes.reps, "step": "ModelRunner.profile_steps on rank 0",
                      "ranks_started_by": "torchrun --standalone (weights seeded per rank)",
                      "graphs": GRAPHS_NOTE},
         "by_setting": settings,
     }  # fmt: skip
+
+
+def add_break_even(setting: dict) -> None:
+    """Each verify point's measured break-even accept length for a proposer that costs nothing
+    (n-gram): its verify step over the decode step at the same C."""
+    decode = {p["batch"]: p["measured_ms"] for p in setting["points"] if p["k"] == 0}
+    for p in setting["points"]:
+        if p["k"] and p["batch"] in decode:
+            p["break_even_accept_len"] = round(p["measured_ms"] / decode[p["batch"]], 3)
 
 
 def link_predictions(result: dict, hf: dict) -> None:
@@ -604,9 +660,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--gpus", type=int, default=None, help="tensor-parallel size N (default: all)")
-    ap.add_argument("--parts", nargs="+",
-                    default=["equality", "timings", "synthetic", "comm", "draft"],
-                    choices=["equality", "timings", "synthetic", "comm", "draft"])  # fmt: skip
+    ap.add_argument("--parts", nargs="+", default=None,
+                    choices=["equality", "timings", "synthetic", "comm", "draft"],
+                    help="default: all; with --model kimi-k2.5, timings and comm")  # fmt: skip
+    ap.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        choices=["llama-3.1-8b", "kimi-k2.5"],
+        help="the timed shape (the equality, synthetic and draft parts are Llama's)",
+    )
+    ap.add_argument("--layers", type=int, default=61, help="kimi-k2.5: its first N layers")
     ap.add_argument("--quick", action="store_true", help="fewer points: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=480.0)
@@ -617,6 +680,18 @@ def main() -> None:
     ap.add_argument("--draft-tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--drafter", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    kimi = args.model == "kimi-k2.5"
+    if args.parts is None:
+        args.parts = ["timings", "comm"] if kimi else ["equality", "timings", "synthetic", "comm",
+                                                       "draft"]  # fmt: skip
+    llama_only = sorted(set(args.parts) & {"equality", "synthetic", "draft"})
+    if kimi and llama_only:
+        raise SystemExit(
+            f"--parts {' '.join(llama_only)} with --model kimi-k2.5: those parts run the Llama "
+            "shape only; use --parts timings comm, or drop --model"
+        )
+    if not 2 <= args.layers <= 61:
+        raise SystemExit(f"--layers {args.layers}: Kimi-K2.5 has 61 (1 dense); use 2..61")
     sizes = Sizes.of(args)
     if args.child:
         if args.smoke:
@@ -642,7 +717,7 @@ def main() -> None:
             "2 or more GPUs of this host; pass --gpus N <= the count, or --smoke (the CPU)"
         )
     deadline = time.monotonic() + args.budget_s
-    name = "tp_gpu_smoke" if args.smoke else "tp_gpu"
+    name = ("tp_gpu_kimi" if kimi else "tp_gpu") + ("_smoke" if args.smoke else "")
     result = {"gpus": n, "smoke": args.smoke, "quick": args.quick, "budget_s": args.budget_s,
               "backend": "gloo" if args.smoke else "nccl", "parts": {}}  # fmt: skip
     parts = {

@@ -5,6 +5,7 @@ does (command, commit, machine, versions, the number of ranks, per part its sett
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -73,3 +74,38 @@ def test_smoke_draft_part_times_the_drafter_on_rank0_beside_the_split_one(tmp_pa
         assert draft["all_gather"]["calls"] == 1.0
         assert draft["all_reduce"]["calls"] == round((4 + 3 * (p["k"] - 1)) / p["k"], 3)
     assert "drafter on rank 0 and split" in proc.stdout
+
+
+def test_smoke_kimi_timings_count_its_all_reduces_and_break_even(tmp_path):
+    """--model kimi-k2.5 --smoke: the tiny model of Kimi's family (MLA, INT4 experts, 3 layers,
+    1 dense) timed at TP=1 and TP=2 over gloo; every forward's all-reduces are 2 x 3 + 1, as the
+    planner counts them, and each verify point carries verify ms / decode ms as its break-even."""
+    script = REPO / "benchmarks" / "tp_gpu.py"
+    cmd = [sys.executable, str(script), "--smoke", "--model", "kimi-k2.5", "--parts", "timings"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUTRIDER_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, "--out-dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part = json.loads((tmp_path / "tp_gpu_kimi_smoke.json").read_text())["parts"]["timings"]
+    assert (part["settings"]["shape"], part["settings"]["layers"]) == ("kimi_k2", 3)
+    tp1, tp2 = part["by_setting"]["tp1"], part["by_setting"]["tp2"]
+    assert "points" in tp1, tp1
+    for p in tp2["points"]:
+        mode = "verify" if p["k"] else "decode"
+        calls = p["collectives"]["all_reduce"]["calls"]
+        assert calls == 7 == p["planner_collectives"]["calls"]["all_reduce"], (mode, p)
+    decode = {p["batch"]: p["measured_ms"] for p in tp2["points"] if p["k"] == 0}
+    for p in (p for p in tp2["points"] if p["k"]):
+        assert p["break_even_accept_len"] == round(p["measured_ms"] / decode[p["batch"]], 3)
+    # The Llama-only parts are refused with the fix; a whole Kimi does not fit one GPU.
+    bad = subprocess.run(
+        [*cmd[:-1], "equality"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert bad.returncode != 0 and "--parts timings comm" in bad.stderr
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import tp_gpu
+
+    whole = tp_gpu.Sizes(tp_gpu.hf_config(tp_gpu.KIMI, 61, 1), "cuda", "bfloat16", (1,), (0,), 1, 0)
+    assert not tp_gpu.fits_one_gpu(whole)
+    assert tp_gpu.fits_one_gpu(dataclasses.replace(whole, hf=tp_gpu.hf_config(tp_gpu.KIMI, 4, 1)))
