@@ -49,8 +49,8 @@ rewritten after every part, so a run cut short keeps what finished):
 layers, MLA, 384 routed experts in INT4 group 32 made on each rank's GPU, ~76 GB a GPU at TP=8;
 --layers cuts it) for the timings and comm parts (its default parts): TP=1 is skipped where the
 model cannot fit one GPU (more than 8 layers); each verify point also carries the measured
-break-even accept length of a proposer that costs nothing (verify ms / decode ms at that C),
-beside the planner's. Written as tp_gpu_kimi.json. --smoke with it: the tiny model of the same
+break-even accept length of a proposer that costs nothing (verify ms / decode ms at that C).
+Written as tp_gpu_kimi.json. --smoke with it: the tiny model of the same
 family on the CPU.
 
 --budget-s (default 480) bounds the whole run: a part that would start past it is skipped and
@@ -123,6 +123,11 @@ class Sizes:
         if args.quick:
             return cls(LLAMA_8B, "cuda", "bfloat16", (1, 32), (0, 3, 15), 5, 24)
         return cls(LLAMA_8B, "cuda", "bfloat16", (1, 8, 32, 64), (0, 1, 3, 7, 15), 10, 32)
+
+    @property
+    def moe(self) -> bool:
+        """Kimi's shape (routed experts), not Llama's."""
+        return bool(self.hf.get("n_routed_experts"))
 
 
 # -- 1. equality -------------------------------------------------------------------------------
@@ -243,7 +248,7 @@ def timings_child(tp: int, sizes: Sizes) -> dict | None:
     top = max(sizes.batch_sizes)
     cache = {"enable_prefix_caching": False}
     # Kimi's weights take ~76 GB of a GPU at TP=8: the KV cache gets what its share leaves.
-    memory = 0.9 if sizes.hf.get("n_routed_experts") else 0.5
+    memory = 0.9 if sizes.moe else 0.5
     cache |= {"gpu_memory_utilization": memory} if cuda else {"num_blocks": 64}
     config = EngineConfig().replace(
         # Graphs asked for on CUDA (an error rather than a silently eager run); the CPU has none.
@@ -301,7 +306,7 @@ def planner_model(hf: dict, dtype: str):
 
 def build_checkpoint(sizes: Sizes, device: str):
     """The seeded random weights of sizes.hf on `device`: Kimi's (kimi_layers) or Llama's."""
-    if sizes.hf.get("n_routed_experts"):
+    if sizes.moe:
         from kimi_layers import random_checkpoint as kimi_checkpoint
 
         return kimi_checkpoint(sizes.hf, device, getattr(torch, sizes.dtype))
@@ -310,11 +315,7 @@ def build_checkpoint(sizes: Sizes, device: str):
 
 def fits_one_gpu(sizes: Sizes) -> bool:
     """Whether TP=1 can hold the model: Kimi's 61 layers are ~570 GB of INT4 experts."""
-    return (
-        sizes.device == "cpu"
-        or sizes.hf["num_hidden_layers"] <= 8
-        or not sizes.hf.get("n_routed_experts")
-    )
+    return sizes.device == "cpu" or not sizes.moe or sizes.hf["num_hidden_layers"] <= 8
 
 
 def planner_gpu(device_name: str, threads: int):
@@ -669,7 +670,7 @@ def main() -> None:
         choices=["llama-3.1-8b", "kimi-k2.5"],
         help="the timed shape (the equality, synthetic and draft parts are Llama's)",
     )
-    ap.add_argument("--layers", type=int, default=61, help="kimi-k2.5: its first N layers")
+    ap.add_argument("--layers", type=int, default=KIMI.num_layers, help="kimi-k2.5: its first N")
     ap.add_argument("--quick", action="store_true", help="fewer points: a few minutes")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, 2 ranks, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=480.0)
@@ -690,8 +691,11 @@ def main() -> None:
             f"--parts {' '.join(llama_only)} with --model kimi-k2.5: those parts run the Llama "
             "shape only; use --parts timings comm, or drop --model"
         )
-    if not 2 <= args.layers <= 61:
-        raise SystemExit(f"--layers {args.layers}: Kimi-K2.5 has 61 (1 dense); use 2..61")
+    if not 2 <= args.layers <= KIMI.num_layers:
+        raise SystemExit(
+            f"--layers {args.layers}: Kimi-K2.5 has {KIMI.num_layers} (1 dense); use 2.."
+            f"{KIMI.num_layers}"
+        )
     sizes = Sizes.of(args)
     if args.child:
         if args.smoke:
