@@ -50,6 +50,9 @@ def metadata() -> dict:
         # A copy of the tree whose .git (if any) never saw the file's commit: the remote
         # machines carry the session's first checkout beside the working tree. Where git knows
         # the commit (the repository it was written in, since moved on), git's answer stands.
+        # Git's "dirty" there compares the copied tree with that stale checkout, which says
+        # nothing of the run: it is not kept.
+        git = {"head": commit, "tree": f"a copy of {written}'s, beside that checkout"}
         commit, dirty = written, False
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {

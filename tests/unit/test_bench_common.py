@@ -42,5 +42,6 @@ def test_a_commit_file_from_elsewhere_names_the_commit(common, tmp_path, monkeyp
     meta = common.metadata()
     assert meta["commit"] == unknown and meta["dirty"] is False
     assert meta["git_here"]["head"] == _head()
+    assert "dirty" not in meta["git_here"]  # the stale checkout's, which says nothing of the run
     monkeypatch.setattr(common, "COMMIT_FILE", tmp_path / "absent")
     assert common.metadata()["commit"] == _head()
