@@ -239,8 +239,17 @@ def completion_logprobs(
 # -- transport ---------------------------------------------------------------------------------
 
 
+# Characters that str.splitlines (and so httpx's iter_lines and many other clients) takes for a
+# line break, which json.dumps(ensure_ascii=False) leaves raw: a token's text holding one would
+# split an event in two. Inside JSON they can only sit in strings, where the escape is the same
+# text.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    if not isinstance(data, str):
+        data = json.dumps(data, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 SSE_DONE = sse("[DONE]")

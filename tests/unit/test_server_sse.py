@@ -1,0 +1,69 @@
+"""A streamed event stays one line for every client: token text holding a character that
+str.splitlines counts as a line break (U+0085, U+2028, U+2029), which httpx's iter_lines and
+many other clients split on, reaches them escaped, and the JSON still reads back the same text."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from outrider.core import RequestOutput
+from outrider.server.serving import sse
+from tests.unit.test_server_async_engine import FakeCore
+from tests.unit.test_server_errors_unit import AUTH, KEY, _tokenizer
+
+BREAKS = "a\x85b\u2028c\u2029d\x1ce\x0bf\rg\nh"
+
+
+class BreakingCore(FakeCore):
+    """FakeCore whose every delta is BREAKS."""
+
+    def step(self) -> list[RequestOutput]:
+        return [dataclasses.replace(o, text=BREAKS) for o in super().step()]
+
+
+def test_sse_event_is_one_line_and_reads_back():
+    event = sse({"text": BREAKS})
+    lines = event.splitlines()
+    assert lines[1:] == [""] and lines[0].startswith("data: {"), lines
+    assert json.loads(lines[0][6:]) == {"text": BREAKS}
+    assert sse("[DONE]") == "data: [DONE]\n\n"
+
+
+@pytest.fixture()
+def client():
+    from outrider.server.app import build_app
+    from outrider.server.async_engine import AsyncEngine
+    from outrider.server.config import ServerConfig
+    from outrider.server.state import ServerState
+
+    core = BreakingCore(tokens=3)
+    core.tokenizer = _tokenizer()
+    engine = AsyncEngine(core)
+    config = ServerConfig(api_key=KEY, served_model_name="fake")
+    engine.start()
+    try:
+        yield TestClient(build_app(ServerState.build(engine, config, "fake"), KEY), headers=AUTH)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_streamed_text_with_line_breaks_arrives_whole(client, path, body):
+    with client.stream("POST", path, json={"model": "fake", "stream": True, **body}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: {") for line in lines[:-1]), lines
+    chunks = [json.loads(line[6:])["choices"] for line in lines[:-1]]
+    texts = [c[0].get("text", c[0].get("delta", {}).get("content")) for c in chunks if c]
+    assert "".join(t for t in texts if t) == BREAKS * 3
