@@ -6,6 +6,7 @@ Plain Python: the benchmark client imports it without torch."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,13 @@ def _kind(value: Any) -> str:
     return kinds.get(type(value), "number")
 
 
+def _lines(text: str) -> Iterator[tuple[int, str]]:
+    """(number, line) of a JSONL text as read_text gives it (CRLF and CR made LF), broken at LF
+    and nowhere else: str.splitlines also breaks at U+2028 and U+0085, which JSON strings may
+    hold raw (json.dumps with ensure_ascii=False writes them so)."""
+    return enumerate(text.split("\n"), 1)
+
+
 def _records(path: Path) -> list[tuple[str, int, Any]]:
     """(where, number, record) for each record: a JSON list's items, one JSON value (a
     pretty-printed object, say), or a JSONL file's lines."""
@@ -110,10 +118,10 @@ def _records(path: Path) -> list[tuple[str, int, Any]]:
         if isinstance(whole, list):
             return [(f"record {i}", i, rec) for i, rec in enumerate(whole, 1)]
         # One value: a JSONL file of one line, or one pretty-printed record.
-        first = next(n for n, line in enumerate(text.splitlines(), 1) if line.strip())
+        first = next(n for n, line in _lines(text) if line.strip())
         return [(f"line {first}", first, whole)]
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in _lines(text):
         if not line.strip():
             continue
         try:

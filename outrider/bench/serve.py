@@ -30,7 +30,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,7 +174,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict) -> Reque
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 return RequestResult(ok=False, error=f"HTTP {r.status_code}: {_message(text)}")
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r):
                 if not line.startswith("data:"):
                     continue  # blank separators, ": keep-alive" comments
                 data = line[5:].strip()
@@ -208,6 +208,26 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict) -> Reque
         return res
     res.ok = True
     return res
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A server-sent event stream's lines, broken where SSE breaks them: at CRLF, LF or CR and
+    nowhere else. httpx's aiter_lines breaks where str.splitlines does, U+2028 and U+0085
+    included, which vLLM and SGLang leave raw in their JSON: a token holding one would cut its
+    event in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        lines = _SSE_BREAK.split(pending + text)
+        pending = lines.pop()
+        if pending == "" and lines and text.endswith("\r"):
+            pending = lines.pop() + "\r"  # a CR that may be the first half of a CRLF
+        for line in lines:
+            yield line
+    if pending:
+        yield pending.removesuffix("\r")
+
+
+_SSE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
 def _chunk_text(obj: dict) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,14 @@ import httpx
 import pytest
 
 from outrider.bench.prompts import Prompt, arrival_times, file_prompts, load_prompts
-from outrider.bench.serve import BenchConfig, BenchError, RequestResult, run, summarize
+from outrider.bench.serve import (
+    BenchConfig,
+    BenchError,
+    RequestResult,
+    run,
+    sse_lines,
+    summarize,
+)
 from outrider.bench.stats import (
     parse_prometheus,
     percentile,
@@ -92,19 +100,20 @@ class FakeServer:
     async def _stream(self, send, path: str, req: dict, text: str) -> None:
         opts = dict(w.split("=") for w in text.split() if "=" in w)
         n, per_chunk = int(opts.get("n", 4)), int(opts.get("per_chunk", 1))
+        raw = "raw" in text.split()
         start = {"type": "http.response.start", "status": 200}
         await send({**start, "headers": [(b"content-type", b"text/event-stream")]})
         await asyncio.sleep(float(opts.get("ttft", 0.01)))
         for i in range(n // per_chunk):
             if i:
                 await asyncio.sleep(float(opts.get("itl", 0.01)))
-            words = "tok " * per_chunk
+            words = ("t\u2028o\x85k " if raw else "tok ") * per_chunk
             chat = path.endswith("/chat/completions")
             choice = {"delta": {"content": words}} if chat else {"text": words}
-            await _event(send, {"choices": [{"index": 0, **choice}]})
+            await _event(send, {"choices": [{"index": 0, **choice}]}, raw)
         if req.get("stream_options", {}).get("include_usage") and "nousage" not in text.split():
             usage = {"prompt_tokens": len(text.split()), "completion_tokens": n}
-            await _event(send, {"choices": [], "usage": usage})
+            await _event(send, {"choices": [], "usage": usage}, raw)
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     def _metrics(self) -> str:
@@ -121,9 +130,16 @@ class FakeServer:
         return "\n".join(lines) + "\n"
 
 
-async def _event(send, obj: dict) -> None:
-    data = f"data: {json.dumps(obj)}\n\n".encode()
-    await send({"type": "http.response.body", "body": data, "more_body": True})
+async def _event(send, obj: dict, raw: bool = False) -> None:
+    if not raw:
+        data = f"data: {json.dumps(obj)}\n\n".encode()
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+        return
+    # As vLLM and SGLang write it: U+2028 and U+0085 left raw in the JSON; here also CRLF line
+    # ends and each event sent in two pieces, the cut inside its text and inside its CRLF.
+    data = f"data: {json.dumps(obj, ensure_ascii=False)}\r\n\r\n".encode()
+    for part in (data[: data.find(b"\x85") + 1], data[data.find(b"\x85") + 1 : -3], data[-3:]):
+        await send({"type": "http.response.body", "body": part, "more_body": True})
 
 
 async def _json(send, status: int, obj: dict) -> None:
@@ -265,6 +281,33 @@ def test_multi_token_chunks_count_usage_tokens_and_chunks_without_usage(fake):
     assert p["total_output_tokens"] == 4
     assert 55 <= p["mean_tpot_ms"] <= 100  # 60 ms over one more "token"
     assert p["total_input_tokens"] is None and p["total_token_throughput"] is None
+
+
+def test_raw_line_separators_crlf_and_split_events_read_as_one_event(fake):
+    # str.splitlines would cut each event at U+2028 and U+0085 into invalid JSON.
+    p = _point(fake, ["ttft=0.01 itl=0.01 n=4 raw"] * 3, endpoint="chat")
+    assert (p["completed"], p["failed"]) == (3, 0), p["errors"]
+    assert p["total_output_tokens"] == 12 and p["total_input_tokens"] == 12
+
+
+@pytest.mark.parametrize("text", ["a\r\n\r\nb\rc\n\nd\u2028e\x85f\r", "x\n\r\n\ry", "\r\r\n"])
+def test_sse_lines_break_at_crlf_lf_and_cr_only_wherever_the_chunks_end(text):
+    want = re.split(r"\r\n|\r|\n", text)
+    want = want[:-1] if want[-1] == "" else want
+    for cuts in [(), *((i,) for i in range(1, len(text))), (1, 2, 3, 4, 5)]:
+        bounds = [0, *[c for c in cuts if c < len(text)], len(text)]
+        chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+        assert asyncio.run(_read_sse(chunks)) == want, (chunks, want)
+
+
+async def _read_sse(chunks: list[str]) -> list[str]:
+    class Response:
+        async def aiter_text(self):
+            for c in chunks:
+                yield c
+
+    return [line async for line in sse_lines(Response())]
 
 
 def test_failed_requests_are_counted_apart_from_the_latencies(fake):

@@ -98,6 +98,21 @@ def test_a_mixed_file_numbers_records_by_line(tmp_path):
     assert got == [("1", [HI]), ("2", [BYE]), ("4", [HI, HELLO]), ("5", [BYE]), ("t", [HI])]
 
 
+def test_jsonl_text_holding_line_separators_and_crlf_line_ends(tmp_path):
+    # json.dumps(ensure_ascii=False) leaves U+2028 and U+0085 raw; str.splitlines breaks there.
+    odd = "a\u2028b\x85c\u2029d"
+    lines = [json.dumps(r, ensure_ascii=False) for r in (odd, {"prompt": "Bye"}, {"text": odd})]
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes("\r\n".join(lines).encode() + b"\r\n")
+    got = [(c.id, list(c.messages)) for c in read_conversations(path)]
+    assert got == [
+        ("1", [{"role": "user", "content": odd}]),
+        ("2", [BYE]),
+        ("3", [{"role": "user", "content": odd}]),
+    ]
+    assert [j.turns for j in read_user_file(path)] == [[odd], ["Bye"], [odd]]
+
+
 # (file text, what the error says after the file name); all but a broken JSON list, which is
 # not about a record's shape, go on with the accepted shapes.
 BAD = [
