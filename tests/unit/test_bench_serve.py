@@ -19,14 +19,8 @@ import httpx
 import pytest
 
 from outrider.bench.prompts import Prompt, arrival_times, file_prompts, load_prompts
-from outrider.bench.serve import (
-    BenchConfig,
-    BenchError,
-    RequestResult,
-    run,
-    sse_lines,
-    summarize,
-)
+from outrider.bench.request import RequestResult, sse_lines
+from outrider.bench.serve import BenchConfig, BenchError, run, summarize
 from outrider.bench.stats import (
     parse_prometheus,
     percentile,
