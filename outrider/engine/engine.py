@@ -23,6 +23,7 @@ from outrider.core import (
 from outrider.engine import overlap
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
+from outrider.engine.limits import check_request, context_limit
 from outrider.engine.proposers import build_proposer
 from outrider.engine.scheduler import Scheduler
 from outrider.engine.tracked import TrackedRequest
@@ -51,7 +52,7 @@ class EngineCore:
         self.tokenizer = self.checkpoint.tokenizer
         self.runner = self._start_runner(config)
         # Within the KV pool, so check_stop's context limit also keeps every request in it.
-        self.max_model_len = self._fit_context_to_pool()
+        self.max_model_len = context_limit(self.runner, config)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -126,32 +127,6 @@ class EngineCore:
                 raise died from e
             raise
 
-    def _fit_context_to_pool(self) -> int:
-        """The context one request may use: the configured (or the model's) limit, capped by
-        what the whole KV pool holds, so an admitted request always runs to its end (alone, by
-        preempting the others) instead of being cut short. Only the engine's limit drops: the
-        runner keeps its own max_model_len, which sizes its rotary table and graph block tables
-        and so covers this one."""
-        limit = self.runner.max_model_len
-        pool = self.runner.num_blocks * self.config.cache.block_size
-        if limit <= pool:
-            return limit
-        cache = self.config.cache
-        held = f"{self.runner.num_blocks} blocks of {cache.block_size} tokens"
-        if self.config.model.max_model_len is not None:
-            raise ValueError(
-                f"max_model_len={limit} does not fit the KV cache, which holds {pool} tokens "
-                f"({held}): give the cache more memory (gpu_memory_utilization / cpu_kv_bytes "
-                f"/ num_blocks) or use max_model_len <= {pool}"
-            )
-        log.warning(
-            "max_model_len lowered from the model's %d to %d tokens, all the KV cache holds "
-            "(%s): give the cache more memory (gpu_memory_utilization / cpu_kv_bytes / "
-            "num_blocks) for the full context",
-            limit, pool, held,
-        )  # fmt: skip
-        return pool
-
     def _configure_speculation(self) -> None:
         """Chains and a device drafter's trees run through the runner's speculative step (a
         drafter on the device drafts inside it). Captures the graphs either way."""
@@ -196,29 +171,7 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem; the engine's state is untouched either way."""
-        if params.n != 1:
-            raise ValueError(
-                f"n={params.n}: an engine request is one completion; LLM.generate/chat run n "
-                "(one request each), or add n requests"
-            )
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token or character")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        # max_model_len is within the KV pool (_fit_context_to_pool): what passes here fits.
-        limit, raise_it = self.max_model_len, "raise max_model_len / give the KV cache more memory"
-        if n >= limit:
-            raise ValueError(
-                f"the prompt has {n} tokens but the context holds {limit}, which must include "
-                f"at least one generated token: shorten the prompt, or {raise_it}"
-            )
-        # prompt + max_tokens past the context: the server refuses it (400, serving.py, as
-        # vLLM's does); here, as in vLLM's offline API, generation stops at the context's end
-        # with finish_reason "length" (datagen's long conversations count on it).
+        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(
         self,
