@@ -23,12 +23,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -374,46 +371,6 @@ FLAT_ALIASES: dict[str, tuple[str, str]] = {
     "model_path": ("model", "model"),
     "tp": ("parallel", "tensor_parallel_size"),
 }
-
-
-def sglang_speculative(values: dict[str, Any], native: list[str] = ()) -> dict[str, Any]:
-    """SGLang's speculative flags (algorithm, draft, num_steps, topk, num_draft_tokens) ->
-    SpecConfig fields. SGLang's num_draft_tokens counts the root: N there is N - 1 drafts here
-    (steps 3, topk 1, draft tokens 4 is a chain of 3). With topk 1 SGLang's num_steps is the
-    chain's length; with topk > 1 it is the tree's depth, as here. `native`: outrider's own
-    speculative flags given beside them, which win (a warning says so when it could confuse)."""
-    out: dict[str, Any] = {}
-    if "algorithm" in values:
-        out["method"] = values["algorithm"]
-    if "draft" in values:
-        out["draft"] = values["draft"]
-    topk, steps, n = values.get("topk"), values.get("num_steps"), values.get("num_draft_tokens")
-    if topk is not None:
-        out["topk"] = topk
-    if n is not None:
-        if n < 2:
-            raise ValueError(
-                f"--speculative-num-draft-tokens {n}: SGLang counts the root token, so use at "
-                "least 2 (one draft)"
-            )
-        out["num_draft_tokens"] = n - 1
-    if steps is not None and (topk or 1) == 1:
-        if n is not None and n - 1 != steps:
-            raise ValueError(
-                f"--speculative-num-steps {steps} and --speculative-num-draft-tokens {n} "
-                f"disagree for a chain (topk 1): SGLang counts the root, so steps {steps} "
-                f"needs num-draft-tokens {steps + 1}"
-            )
-        out["num_draft_tokens"] = steps
-    elif steps is not None:
-        out["num_steps"] = steps
-    if native and n is not None:
-        log.warning(
-            "both SGLang's --speculative-num-draft-tokens %d (root included: %d drafts) and "
-            "outrider's %s given: outrider's win",
-            n, n - 1, ", ".join(native),
-        )  # fmt: skip
-    return SpecConfig.normalize(out)
 
 
 def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ from outrider.config import (
     SpecConfig,
     defaults,
     flat_sections,
-    sglang_speculative,
 )
+
+log = logging.getLogger(__name__)
 
 # -- argparse plumbing shared by every command -------------------------------------------------
 
@@ -228,7 +230,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g = p.add_argument_group(
         "SGLang's speculative flags",
-        "translated (config.sglang_speculative): its --speculative-num-draft-tokens counts the "
+        "translated: its --speculative-num-draft-tokens counts the "
         "root token, so N there verifies N - 1 drafts here; with topk 1 its num-steps is the "
         "chain's length",
     )
@@ -312,3 +314,43 @@ def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) ->
     for name, values in sections.items():
         overrides[name] = {**values, **overrides[name]}
     return base.replace(**overrides)
+
+
+def sglang_speculative(values: dict[str, Any], native: list[str] = ()) -> dict[str, Any]:
+    """SGLang's speculative flags (algorithm, draft, num_steps, topk, num_draft_tokens) ->
+    SpecConfig fields. SGLang's num_draft_tokens counts the root: N there is N - 1 drafts here
+    (steps 3, topk 1, draft tokens 4 is a chain of 3). With topk 1 SGLang's num_steps is the
+    chain's length; with topk > 1 it is the tree's depth, as here. `native`: outrider's own
+    speculative flags given beside them, which win (a warning says so when it could confuse)."""
+    out: dict[str, Any] = {}
+    if "algorithm" in values:
+        out["method"] = values["algorithm"]
+    if "draft" in values:
+        out["draft"] = values["draft"]
+    topk, steps, n = values.get("topk"), values.get("num_steps"), values.get("num_draft_tokens")
+    if topk is not None:
+        out["topk"] = topk
+    if n is not None:
+        if n < 2:
+            raise ValueError(
+                f"--speculative-num-draft-tokens {n}: SGLang counts the root token, so use at "
+                "least 2 (one draft)"
+            )
+        out["num_draft_tokens"] = n - 1
+    if steps is not None and (topk or 1) == 1:
+        if n is not None and n - 1 != steps:
+            raise ValueError(
+                f"--speculative-num-steps {steps} and --speculative-num-draft-tokens {n} "
+                f"disagree for a chain (topk 1): SGLang counts the root, so steps {steps} "
+                f"needs num-draft-tokens {steps + 1}"
+            )
+        out["num_draft_tokens"] = steps
+    elif steps is not None:
+        out["num_steps"] = steps
+    if native and n is not None:
+        log.warning(
+            "both SGLang's --speculative-num-draft-tokens %d (root included: %d drafts) and "
+            "outrider's %s given: outrider's win",
+            n, n - 1, ", ".join(native),
+        )  # fmt: skip
+    return SpecConfig.normalize(out)

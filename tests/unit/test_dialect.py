@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from outrider.cli import build_parser
-from outrider.config import EngineConfig, SpecConfig, flat_sections, sglang_speculative
+from outrider.config import EngineConfig, SpecConfig, flat_sections
+from outrider.flags import sglang_speculative
 from outrider.server.cli import configs_from_args
 from outrider.server.config import load_yaml
 
