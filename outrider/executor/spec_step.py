@@ -58,6 +58,7 @@ from outrider.speculative.tree_batch import (
     ancestors_no_sync,
     tree_kv_moves_no_sync,
 )
+from outrider.speculative.verify import verify_chain_greedy_no_sync
 from outrider.transfer import StagedUpload
 
 log = logging.getLogger(__name__)
@@ -89,20 +90,6 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
         and p.logprobs is None
         and len(req.output_token_ids) >= p.min_tokens
     )
-
-
-def accept_greedy_no_sync(
-    argmax: torch.Tensor,  # [B, 1 + k] the target's argmax at each row
-    drafts: torch.Tensor,  # [B, k]
-    num_drafts: torch.Tensor,  # [B] real drafts per row (0..k)
-) -> torch.Tensor:  # [B] int64 accepted drafts
-    """Leading run of drafts equal to the argmax, capped at the real drafts; graph-safe."""
-    k = drafts.shape[1]
-    if k == 0:
-        return torch.zeros_like(num_drafts)
-    match = drafts == argmax[:, :k]
-    real = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]
-    return (match & real).long().cumprod(dim=1).sum(dim=1)
 
 
 class SpecStep:
@@ -284,7 +271,7 @@ class SpecStep:
         aux_cat = torch.cat(aux, dim=-1) if aux else None
         if self.tree is not None:
             return self._accept_tree(meta, argmax, ids.view(padded, t)[:, 1:], logits, aux_cat)
-        accepted = accept_greedy_no_sync(
+        _, accepted = verify_chain_greedy_no_sync(
             argmax, ids.view(padded, t)[:, 1:], self.num_drafts[:padded]
         )
         return SpecOutput(argmax, accepted, logits, aux_cat)
