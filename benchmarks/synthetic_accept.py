@@ -85,18 +85,14 @@ RESIDUAL_WRITE_SCALE = 1e-5
 def random_eagle3(runner, draft_vocab: int, seed: int = 0):
     """An EAGLE-3 drafter of the target's shape with random weights (time does not depend on
     them), draft ids mapped onto the first `draft_vocab` target ids."""
+    from outrider.device import default_dtype
     from outrider.executor.drafter import Eagle3Drafter
     from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
 
     target = runner.model_config
     cfg = Eagle3Config.for_target(target, min(draft_vocab, target.vocab_size))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(runner.dtype)
-    try:
-        with torch.device(runner.device):
-            draft = Eagle3Draft(cfg, target.max_position_embeddings)
-    finally:
-        torch.set_default_dtype(old)
+    with default_dtype(runner.dtype), torch.device(runner.device):
+        draft = Eagle3Draft(cfg, target.max_position_embeddings)
     g = torch.Generator(device=runner.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():

@@ -409,18 +409,15 @@ def draft_shape(sizes: Sizes) -> dict:
 def write_random_drafter(hf: dict, dtype: str, directory: Path) -> Path:
     """A seeded random EAGLE-3 drafter of `hf`'s shape (draft vocabulary: the first
     min(32000, vocab) target ids; time does not depend on the weights) as a drafter directory."""
+    from outrider.device import default_dtype
     from outrider.loaders.hf_config import TransformerConfig
     from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
     from outrider.models.eagle3_io import save_drafter
 
     target = TransformerConfig.from_hf_dict(hf)
     cfg = Eagle3Config.for_target(target, min(32000, target.vocab_size))
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
+    with default_dtype(getattr(torch, dtype)):
         draft = Eagle3Draft(cfg)
-    finally:
-        torch.set_default_dtype(old)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in draft.named_parameters():

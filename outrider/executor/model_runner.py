@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from outrider.core import (
     ScheduledSeq,
     StepOutput,
 )
+from outrider.device import default_dtype, resolve_device, resolve_dtype
 from outrider.executor import step_timing, tp_graphs
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.distributed import TPGroup, single
@@ -39,35 +39,6 @@ from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device={name!r} but CUDA is not available here: use device='cpu' or 'auto'"
-        )
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
 
 class ModelRunner:
     def __init__(
@@ -84,7 +55,7 @@ class ModelRunner:
         self.max_model_len = _max_model_len(config.model.max_model_len, cfg)
         self.block_size = config.cache.block_size
 
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             self.model = model_class(cfg.architecture)(cfg, max_positions=self.max_model_len, tp=tp)
         load_weights(self.model, progress(checkpoint.iter_tensors(), "loading weights"))
         self.model.eval()

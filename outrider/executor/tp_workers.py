@@ -244,7 +244,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
-    from outrider.executor.model_runner import resolve_device
+    from outrider.device import resolve_device
 
     device = resolve_device(config.model.device)
     if device.type == "cuda" and device.index is None:

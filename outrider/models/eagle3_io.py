@@ -38,6 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from outrider.device import default_dtype
 from outrider.executor.distributed import TPGroup
 from outrider.loaders.hf_config import ModelConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
@@ -255,13 +256,8 @@ def load_drafter(
         path,
     )
     dtype = dtype or tensors["fc.weight"].dtype
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are created in it; rotary tables stay fp32
-    try:
-        with torch.device(device):
-            draft = Eagle3Draft(cfg, max_positions, tp)
-    finally:
-        torch.set_default_dtype(old)
+    with default_dtype(dtype), torch.device(device):  # rotary tables stay fp32
+        draft = Eagle3Draft(cfg, max_positions, tp)
     load_weights(draft, tensors.items())
     draft.d2t.copy_(d2t)
     draft.t2d.copy_(t2d)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from outrider import env
-from outrider.executor.model_runner import resolve_device
+from outrider.device import resolve_device
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.models.eagle3_io import save_drafter
 from outrider.speculative.eagle3_vocab import build_draft_vocab
