@@ -5,7 +5,9 @@ is OpenAI's error JSON, names the field at fault and quotes no request value who
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 from starlette.testclient import TestClient
@@ -31,23 +33,29 @@ def _tokenizer():
     return Tokenizer(backend, chat_template=template, bos_token_id=1, eos_token_ids=[2])
 
 
-@pytest.fixture(scope="module")
-def app():
+@contextlib.contextmanager
+def fake_app(core: FakeCore, **server: object) -> Iterator:
+    """The real app over `core` (given the word-level tokenizer), its engine thread running."""
     from outrider.server.app import build_app
     from outrider.server.async_engine import AsyncEngine
     from outrider.server.config import ServerConfig
     from outrider.server.state import ServerState
 
-    core = FakeCore(tokens=2)
     core.tokenizer = _tokenizer()
     engine = AsyncEngine(core)
-    config = ServerConfig(api_key=KEY, served_model_name="fake", max_body_bytes=1 << 20)
+    config = ServerConfig(api_key=KEY, served_model_name="fake", **server)
     state = ServerState.build(engine, config, "fake")
     engine.start()
     try:
         yield build_app(state, KEY)
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def app():
+    with fake_app(FakeCore(tokens=2), max_body_bytes=1 << 20) as a:
+        yield a
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 from outrider.core import RequestOutput
 from outrider.server.serving import sse
 from tests.unit.test_server_async_engine import FakeCore
-from tests.unit.test_server_errors_unit import AUTH, KEY, _tokenizer
+from tests.unit.test_server_errors_unit import AUTH, fake_app
 
 BREAKS = "a\x85b\u2028c\u2029d\x1ce\x0bf\rg\nh"
 
@@ -35,20 +35,8 @@ def test_sse_event_is_one_line_and_reads_back():
 
 @pytest.fixture()
 def client():
-    from outrider.server.app import build_app
-    from outrider.server.async_engine import AsyncEngine
-    from outrider.server.config import ServerConfig
-    from outrider.server.state import ServerState
-
-    core = BreakingCore(tokens=3)
-    core.tokenizer = _tokenizer()
-    engine = AsyncEngine(core)
-    config = ServerConfig(api_key=KEY, served_model_name="fake")
-    engine.start()
-    try:
-        yield TestClient(build_app(ServerState.build(engine, config, "fake"), KEY), headers=AUTH)
-    finally:
-        engine.stop()
+    with fake_app(BreakingCore(tokens=3)) as app:
+        yield TestClient(app, headers=AUTH)
 
 
 @pytest.mark.parametrize(
