@@ -128,14 +128,15 @@ def run_outrider(engine, concurrency: int, prompt_len: int, new_tokens: int, dur
     # Prefill outside the timed region: this measures decoding.
     while any(len(r.output_token_ids) == 0 for r in reqs):
         engine.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else lambda: None
+    sync()
     with during if during is not None else contextlib.nullcontext():
         t0 = time.perf_counter()
         steps = 0
         while engine.has_unfinished():
             engine.step()
             steps += 1
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t0
     tokens = sum(len(r.output_token_ids) - 1 for r in reqs)
     return {"tok_per_s": tokens / dt, "step_ms": dt / steps * 1e3, "steps": steps}

@@ -118,7 +118,9 @@ def hf_config(spec: ModelSpec, layers: int, dense: int) -> dict:
 def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
     """A Checkpoint of `hf`'s shape whose iter_tensors makes each HF-named tensor on `device`
     when asked: unquantized weights N(0, STD) in `dtype` (norms 1), routed experts as
-    compressed-tensors INT4 (random int32 words of 8 nibbles, bf16 scales per 32 inputs)."""
+    compressed-tensors INT4 (random int32 words of 8 nibbles, bf16 scales per 32 inputs) where
+    `hf` has a quantization_config, else like the rest. Without q_lora_rank the queries come
+    from one q_proj (Moonlight, DeepSeek-V2-Lite)."""
     from outrider.loaders.checkpoint import Checkpoint
     from outrider.models.registry import config_from_hf
 
@@ -127,6 +129,7 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
     q_lora, lora, rope = hf["q_lora_rank"], hf["kv_lora_rank"], hf["qk_rope_head_dim"]
     nope, v = hf["qk_nope_head_dim"], hf["v_head_dim"]
     shared = moe * hf["n_shared_experts"]
+    quantized = hf.get("quantization_config") is not None
 
     class _Random:
         def iter_tensors(self):
@@ -153,9 +156,12 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
                 yield p + "input_layernorm.weight", ones(h)
                 yield p + "post_attention_layernorm.weight", ones(h)
                 a = p + "self_attn."
-                yield a + "q_a_proj.weight", normal(q_lora, h)
-                yield a + "q_a_layernorm.weight", ones(q_lora)
-                yield a + "q_b_proj.weight", normal(heads * (nope + rope), q_lora)
+                if q_lora:
+                    yield a + "q_a_proj.weight", normal(q_lora, h)
+                    yield a + "q_a_layernorm.weight", ones(q_lora)
+                    yield a + "q_b_proj.weight", normal(heads * (nope + rope), q_lora)
+                else:
+                    yield a + "q_proj.weight", normal(heads * (nope + rope), h)
                 yield a + "kv_a_proj_with_mqa.weight", normal(lora + rope, h)
                 yield a + "kv_a_layernorm.weight", ones(lora)
                 yield a + "kv_b_proj.weight", normal(heads * (nope + v), lora)
@@ -173,8 +179,12 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
                 for e in range(experts):
                     for part, (out, inp) in (("gate", (moe, h)), ("up", (moe, h)),
                                              ("down", (h, moe))):  # fmt: skip
+                        name = f"{mlp}experts.{e}.{part}_proj."
+                        if not quantized:
+                            yield name + "weight", normal(out, inp)
+                            continue
                         for kind, t in int4(out, inp).items():
-                            yield f"{mlp}experts.{e}.{part}_proj.{kind}", t
+                            yield name + kind, t
                 yield mlp + "shared_experts.gate_proj.weight", normal(shared, h)
                 yield mlp + "shared_experts.up_proj.weight", normal(shared, h)
                 yield mlp + "shared_experts.down_proj.weight", normal(h, shared)

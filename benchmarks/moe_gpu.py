@@ -1,0 +1,214 @@
+"""DeepSeek-V3-family decode on one GPU: tokens per second, share of the bandwidth roofline
+and kernels per step, for the Moonlight-16B-A3B shape (bf16 experts) and the Kimi-K2.5 shape
+(its first layers, INT4 experts), with random weights made on the device.
+
+    python benchmarks/moe_gpu.py [--model moonlight-16b-a3b kimi-k2.5] [--kimi-layers 4]
+                                 [--concurrency 1 4 16 64] [--new-tokens 64] [--out-dir DIR]
+    python benchmarks/moe_gpu.py --smoke --out-dir /tmp/moe   # tiny, CPU, seconds
+
+Decode is measured as the engine runs it (EngineCore.step, CUDA graphs where the model
+allows them), after an untimed prefill of --prompt-len random tokens per sequence.
+
+The roofline of a step is the bytes it must read over the device's copy bandwidth measured in
+the same run: every weight outside the routed experts once (the embedding: its C rows), the
+routed experts a step of T tokens touches, E(1 - (1 - top_k / E)^T) per MoE layer (uniform
+routing, which random weights give), and each sequence's cached latents at the mean context.
+
+A profiled stretch of decode steps at each --profile-concurrency gives kernels per step (graph
+replays counted kernel by kernel), GPU busy time against the step's wall time, and the kernels
+of one step by name. Writes moe_gpu.json (--smoke: moe_gpu_smoke.json) under
+benchmarks/results or --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+from gpu_decode import copy_bandwidth_gbs, run_outrider  # noqa: E402
+from kimi_layers import KIMI, hf_config, random_checkpoint  # noqa: E402
+
+# moonshotai/Moonlight-16B-A3B's config.json (DeepSeek-V3 architecture, no q LoRA).
+MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 163840, "hidden_size": 2048, "intermediate_size": 11264,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "first_k_dense_replace": 1,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1,
+    "topk_group": 1, "routed_scaling_factor": 2.446, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    "bos_token_id": 163584, "eos_token_id": 163585,
+}  # fmt: skip
+# A tiny model of the family for --smoke: two expert groups, a shared expert, no q LoRA.
+SMOKE = {
+    **MOONLIGHT, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+}  # fmt: skip
+
+
+def model_config(name: str, kimi_layers: int) -> dict:
+    if name == "moonlight-16b-a3b":
+        return MOONLIGHT
+    if name == "kimi-k2.5":
+        return hf_config(KIMI, kimi_layers, 1)
+    raise ValueError(f"unknown --model {name!r}: use moonlight-16b-a3b or kimi-k2.5")
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts `tokens` tokens route to, each choosing top_k of num_experts uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def step_bytes(model, hf: dict, concurrency: int, context: float, kv_bytes: int) -> float:
+    """Bytes a decode step of `concurrency` sequences at mean `context` must read."""
+    experts = hf["n_routed_experts"]
+    routed = other = 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".experts." in name or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            routed += size
+        elif "embed_tokens" in name:
+            other += size * concurrency / p.shape[0]
+        else:
+            other += size
+    for name, b in model.named_buffers():
+        if ".experts." in name:
+            routed += b.numel() * b.element_size()
+    moe_layers = hf["num_hidden_layers"] - hf["first_k_dense_replace"]
+    per_expert = routed / max(moe_layers * experts, 1)
+    touched = expected_experts(experts, hf["num_experts_per_tok"], concurrency)
+    latent = (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * kv_bytes * hf["num_hidden_layers"]
+    return other + moe_layers * touched * per_expert + concurrency * context * latent
+
+
+def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device: str) -> dict:
+    """Kernels per decode step, GPU busy against wall, one step's kernels by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from outrider.executor.step_timing import kernel_times
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = profile(activities=activities)
+    row = run_outrider(engine, concurrency, prompt_len, steps + 1, during=prof)
+    kernels = kernel_times(prof)
+    n = row["steps"]
+    by_name = Counter(name for name, _ in kernels)
+    return {
+        "steps": n,
+        "kernels_per_step": round(len(kernels) / n, 1),
+        "busy_ms_per_step": round(sum(us for _, us in kernels) / 1e3 / n, 3),
+        "wall_ms_per_step": round(row["step_ms"], 3),  # profiled: slower than unprofiled
+        "by_name_per_step": {
+            k[:90]: round(v / n, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+        },
+    }
+
+
+def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidth: float) -> dict:
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import EngineCore
+
+    max_c = max(args.concurrency)
+    config = EngineConfig().replace(
+        model={"dtype": str(dtype).removeprefix("torch."), "device": device,
+               "max_model_len": args.prompt_len + args.new_tokens + 64,
+               "cuda_graph_max_batch": max_c},
+        cache={"gpu_memory_utilization": 0.85, "enable_prefix_caching": False},
+        scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": 8192},
+    )  # fmt: skip
+    if device == "cpu":
+        config = config.replace(cache={"num_blocks": 64})
+    t0 = time.perf_counter()
+    engine = EngineCore(config, random_checkpoint(hf, device, dtype))
+    build_s = time.perf_counter() - t0
+    model = engine.runner.model
+    kv_bytes = dtype.itemsize
+    context = args.prompt_len + args.new_tokens / 2
+    rows = {}
+    for c in args.concurrency:
+        r = run_outrider(engine, c, args.prompt_len, args.new_tokens)
+        need = step_bytes(model, hf, c, context, kv_bytes)
+        roof = c * bandwidth * 1e9 / need if bandwidth else None
+        rows[str(c)] = {
+            "tok_per_s": round(r["tok_per_s"], 1),
+            "step_ms": round(r["step_ms"], 3),
+            "step_bytes_gb": round(need / 1e9, 3),
+            "roofline_tok_per_s": round(roof, 1) if roof else None,
+            "share_of_roofline": round(r["tok_per_s"] / roof, 3) if roof else None,
+        }
+        print(f"{name} C={c}: {rows[str(c)]}", flush=True)
+    profiles = {}
+    for c in args.profile_concurrency:
+        profiles[str(c)] = profile_decode(engine, c, args.prompt_len, 8, device)
+        p = profiles[str(c)]
+        print(f"{name} C={c} profiled: {p['kernels_per_step']} kernels a step, busy "
+              f"{p['busy_ms_per_step']} ms", flush=True)  # fmt: skip
+    result = {
+        "config": {k: v for k, v in hf.items() if k != "quantization_config"},
+        "int4_experts": hf.get("quantization_config") is not None,
+        "layers": hf["num_hidden_layers"],
+        "cuda_graphs": engine.runner.graphs is not None,
+        "build_s": round(build_s, 1),
+        "decode": rows,
+        "profile": profiles,
+    }
+    del engine, model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", nargs="+", default=["moonlight-16b-a3b", "kimi-k2.5"])
+    ap.add_argument("--kimi-layers", type=int, default=4,
+                    help="layers of the Kimi-K2.5 shape to build (1 dense, the rest MoE)")  # fmt: skip
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out-dir", default=None, help="where moe_gpu.json goes")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in fp32")
+    args = ap.parse_args()
+    if args.smoke:
+        device, dtype, bandwidth = "cpu", torch.float32, 0.0
+        models = {"smoke": SMOKE}
+        args.concurrency, args.profile_concurrency = [1, 2], [1]
+        args.prompt_len, args.new_tokens = 8, 4
+    else:
+        device, dtype = "cuda", torch.bfloat16
+        bandwidth = copy_bandwidth_gbs()
+        models = {m: model_config(m, args.kimi_layers) for m in args.model}
+    results = {}
+    for name, hf in models.items():
+        results[name] = measure(name, hf, args, device, dtype, bandwidth)
+    path = write_result(
+        "moe_gpu_smoke" if args.smoke else "moe_gpu",
+        {"device": device, "dtype": str(dtype), "copy_bandwidth_gbs": round(bandwidth, 1),
+         "models": results},
+        args.out_dir,
+    )  # fmt: skip
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
