@@ -119,22 +119,37 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
     }
 
 
-def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidth: float) -> dict:
+def build_engine(hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int):
+    """An EngineCore on random weights of `hf`'s shape, CUDA graphs up to max_c sequences."""
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
 
-    max_c = max(args.concurrency)
     config = EngineConfig().replace(
         model={"dtype": str(dtype).removeprefix("torch."), "device": device,
-               "max_model_len": args.prompt_len + args.new_tokens + 64,
-               "cuda_graph_max_batch": max_c},
+               "max_model_len": max_len, "cuda_graph_max_batch": max_c},
         cache={"gpu_memory_utilization": 0.85, "enable_prefix_caching": False},
         scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": 8192},
     )  # fmt: skip
     if device == "cpu":
         config = config.replace(cache={"num_blocks": 64})
+    return EngineCore(config, random_checkpoint(hf, device, dtype))
+
+
+def kernels_per_decode_step(hf: dict, concurrency: int = 1) -> float:
+    """Kernels a graph-replayed bf16 decode step of `hf`'s shape launches on CUDA."""
+    engine = build_engine(hf, "cuda", torch.bfloat16, concurrency, 256)
+    try:
+        return profile_decode(engine, concurrency, 16, 8, "cuda")["kernels_per_step"]
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidth: float) -> dict:
     t0 = time.perf_counter()
-    engine = EngineCore(config, random_checkpoint(hf, device, dtype))
+    max_len = args.prompt_len + args.new_tokens + 64
+    engine = build_engine(hf, device, dtype, max(args.concurrency), max_len)
     build_s = time.perf_counter() - t0
     model = engine.runner.model
     kv_bytes = dtype.itemsize

@@ -20,7 +20,7 @@ from outrider import env
 
 
 @functools.lru_cache(maxsize=1)
-def _triton_ok() -> bool:
+def triton_ok() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -32,18 +32,7 @@ def use_fused(x: torch.Tensor) -> bool:
     """True when the fused kernels serve this tensor: CUDA, triton importable, not disabled by
     OUTRIDER_FUSED_KERNELS=0, and autograd off (the kernels have no backward: training a
     drafter runs the PyTorch ops; serving and feature capture run under inference mode)."""
-    return x.is_cuda and not torch.is_grad_enabled() and env.fused_kernels() and _triton_ok()
-
-
-# Activation dtypes moe_gemm takes (it computes in fp32 and rounds its output to a's dtype).
-MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def moe_gemm_serves(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether moe_gemm returns a result (not None) for activations of `dtype` on `device`
-    when serving (autograd off): known before any forward, so a model can say whether its
-    MoE reads the host (graph_safe)."""
-    return device.type == "cuda" and dtype in MOE_DTYPES and env.fused_kernels() and _triton_ok()
+    return x.is_cuda and not torch.is_grad_enabled() and env.fused_kernels() and triton_ok()
 
 
 def rms_norm(
@@ -96,117 +85,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, k.next_pow2(inter))
         grid = (tokens, -(-inter // block))
         k.silu_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
-    return out
-
-
-# moe_gemm's tile: BLOCK_M rows of one expert (16, tl.dot's least), BLOCK_N output columns and
-# a BLOCK_K slice of K per step. Chosen, not tuned on a GPU: at one token (8 rows, 8 experts,
-# each block one real row) the kernel streams weights, and BLOCK_N 64 keeps enough programs in
-# flight for that (Kimi-K2.5's gate_up: 4096 / 64 x 8 = 512; down: 7168 / 64 x 8 = 896, on
-# 132 SMs); BLOCK_K 128 is 16 INT4 words per weight row, a multiple of the group size 32.
-MOE_BLOCK_M, MOE_BLOCK_N, MOE_BLOCK_K = 16, 64, 128
-
-
-def moe_layout_slots(rows: int, num_experts: int) -> int:
-    """Length of the layout for `rows` rows over `num_experts` experts: the most blocks any
-    routing needs, times MOE_BLOCK_M. At most min(E, R) experts have rows, each with at most
-    MOE_BLOCK_M - 1 padding slots, so sum(ceil(rows_e / M)) <= (R + min(E, R)(M - 1)) / M
-    (8 rows: 8 blocks, not Kimi's 384 experts' worth). Depends on shapes only, so the kernel's
-    grid is the same for every routing (graph-safe)."""
-    used = min(num_experts, rows)
-    return (rows + used * (MOE_BLOCK_M - 1)) // MOE_BLOCK_M * MOE_BLOCK_M
-
-
-def moe_layout_no_sync(
-    ids: torch.Tensor,  # [R] int: the expert each row uses
-    num_experts: int,
-) -> torch.Tensor:  # [moe_layout_slots(R, num_experts)] int32 row ids, -1 where padding
-    """The rows grouped by expert in blocks of MOE_BLOCK_M: each block holds one expert's rows
-    (ascending, as a stable sort leaves them) then -1s, the experts' blocks in expert order,
-    then all -1 blocks up to the static length. Torch ops only, none reading the host.
-
-    Worked example, MOE_BLOCK_M 4 for short, ids = [2, 0, 2, 2, 2, 0] (E 3):
-        order (stable sort)  [1, 5, 0, 2, 3, 4]   sorted ids [0, 0, 2, 2, 2, 2]
-        rows per expert      [2, 0, 4]  -> blocks [1, 0, 1], first block [0, 1, 1]
-        slot of sorted i     block_start[e] * 4 + (i - row_start[e]) = [0, 1, 4, 5, 6, 7]
-        layout               [1, 5, -1, -1,  0, 2, 3, 4,  -1, ...]
-    An expert with no rows has no block; a block's expert is that of its first row."""
-    rows = ids.numel()
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    experts = torch.arange(num_experts + 1, device=ids.device, dtype=sorted_ids.dtype)
-    bounds = torch.searchsorted(sorted_ids, experts)  # [E + 1]: expert e's sorted rows' start
-    blocks = (bounds.diff() + MOE_BLOCK_M - 1) // MOE_BLOCK_M  # [E]
-    block_start = blocks.cumsum(0) - blocks
-    rank = torch.arange(rows, device=ids.device) - bounds[sorted_ids]
-    slot = block_start[sorted_ids] * MOE_BLOCK_M + rank
-    layout = torch.full(
-        (moe_layout_slots(rows, num_experts),), -1, dtype=torch.int32, device=ids.device
-    )
-    return layout.scatter_(0, slot, order.to(torch.int32))
-
-
-def moe_gemm(
-    a: torch.Tensor,  # [R / rows_per_a, K]: row r of the product reads a[r // rows_per_a]
-    ids: torch.Tensor,  # [R] int: the expert each row uses
-    weight: torch.Tensor,  # [E, N, K] values, or INT4 packed [E, N, ceil(K / 8)] int32
-    rows_per_a: int = 1,
-    scale: torch.Tensor | None = None,  # INT4: [E, N, ceil(K / group_size)]
-    group_size: int = 0,
-    layout: torch.Tensor | None = None,  # moe_layout_no_sync(ids, E), to share between calls
-) -> torch.Tensor | None:  # [R, N] in a's dtype
-    """Row r of the result is a[r // rows_per_a] @ weight[ids[r]]^T, with no host read
-    (graph-safe): rows_per_a = top_k lets a token's top_k rows share its activation row.
-    With `scale`, `weight` is compressed-tensors INT4 (loaders/compressed_tensors.py),
-    dequantized in registers as q * scale in fp32 and rounded to a's dtype before the multiply,
-    as the reference rounds its dequantized weight. Accumulates in fp32. None where the fused
-    path does not serve.
-
-    A grouped GEMM: the rows are sorted by expert into blocks of MOE_BLOCK_M
-    (moe_layout_no_sync, a few torch ops; pass `layout` to reuse one across the two GEMMs of a
-    MoE layer), then one launch over (blocks, N / MOE_BLOCK_N) reads each expert's weight tile
-    once per block of its rows and multiplies on tensor cores (tl.dot). The grid is sized for
-    the worst routing from R and E alone; blocks past the real count exit at once. With few
-    rows every block holds one real row and the kernel streams the chosen experts' weights."""
-    if not use_fused(a) or a.dtype not in MOE_DTYPES:
-        return None
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    ids = ids.reshape(-1).contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    int4 = scale is not None
-    width = a.shape[1]
-    if not int4 and weight.shape[-1] != width:
-        raise ValueError(f"moe_gemm: activations of width {width} against weights {weight.shape}")
-    if int4:
-        if weight.shape[-1] != -(-width // 8) or group_size < 1:
-            raise ValueError(
-                f"moe_gemm: INT4 activations of width {width} need packed weights of "
-                f"{-(-width // 8)} words per row and a group size >= 1, got {tuple(weight.shape)}"
-                f" and group_size={group_size}"
-            )
-        scale = scale if scale.stride(-1) == 1 else scale.contiguous()
-    else:
-        scale = weight  # unread
-    rows, n, experts = ids.numel(), weight.shape[1], weight.shape[0]
-    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
-    if not rows:
-        return out
-    if layout is None:
-        layout = moe_layout_no_sync(ids, experts)
-    elif layout.numel() != moe_layout_slots(rows, experts):
-        raise ValueError(
-            f"moe_gemm: a layout of {layout.numel()} slots for {rows} rows over {experts} "
-            f"experts, which need {moe_layout_slots(rows, experts)}: build it with "
-            f"moe_layout_no_sync(ids, {experts})"
-        )
-    grid = (layout.numel() // MOE_BLOCK_M, -(-n // MOE_BLOCK_N))
-    _kernels().moe_gemm_kernel[grid](
-        a, weight, scale, ids, layout, out, n,
-        a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
-        out.stride(0),
-        K=width, ROWS_PER_A=rows_per_a, INT4=int4, GROUP=max(group_size, 1),
-        DOT_F32=a.dtype == torch.float32 or not a.is_cuda,  # not CUDA: the interpreter
-        BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K, num_warps=4,
-    )  # fmt: skip
     return out
 
 

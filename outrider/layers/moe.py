@@ -14,16 +14,17 @@ one all-reduce per layer for both).
 
 Two forwards. The reference: a loop over the experts the step's tokens chose, in expert order
 (HF's order, so sums round the same way), which reads the chosen experts on the host; it serves
-the CPU and is what the fused path is tested against. The fused path (CUDA, fused.use_fused):
-every (token, choice) pair is a row, R = T x top_k. The rows are sorted by expert on the device
-into blocks of fused.MOE_BLOCK_M rows of one expert (`fused.moe_layout_no_sync`, once per
-layer), and two `fused.moe_gemm` launches, grouped GEMMs over those blocks, multiply each block
-by its expert's weights, read once per block; nothing is read on the host and the forward can
-be captured in a CUDA graph:
+the CPU and is what the fused path is tested against. The fused path (CUDA, fused.use_fused;
+layers/moe_fused.py): every (token, choice) pair is a row, R = T x top_k. The router's choice
+is one launch after its logits GEMM; the rows are sorted by expert on the device into blocks of
+MOE_BLOCK_M rows of one expert (one launch, once per layer), two `moe_gemm` launches, grouped
+GEMMs over those blocks, multiply each block by its expert's weights, read once per block, and
+one more sums each token's rows with the shared experts' output; nothing is read on the host
+and the forward can be captured in a CUDA graph:
 
     ids [T, top_k] --sort by expert--> layout [blocks x MOE_BLOCK_M] row ids, -1 padding
     x [T, H] --moe_gemm (row r reads token r // top_k)--> gate_up [R, 2I] --silu*up--> [R, I]
-      --moe_gemm (row r)--> down [R, H] --view [T, top_k, H], x router weights, sum--> [T, H]
+      --moe_gemm (row r)--> down [R, H] --x router weights, sum per token, + add--> [T, H]
 
 It rounds differently from the reference: each token's top_k outputs are summed once in fp32
 (the reference adds them to the output in x's dtype, one expert at a time), and the GEMMs sum
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.executor.distributed import TPGroup, single
-from outrider.layers import fused
+from outrider.layers import fused, moe_fused
 from outrider.layers.activation import SiluAndMul
 from outrider.loaders.compressed_tensors import PACK, dequantize_int4, split_unit
 
@@ -52,7 +53,7 @@ from outrider.loaders.compressed_tensors import PACK, dequantize_int4, split_uni
 # it (the default graphs' largest step: 64 sequences x (1 + 4 drafts) = 320 tokens; a graph
 # captured above it would meet the loop's host read); above it a step is a prefill chunk,
 # where the loop's host read is cheap beside its per-expert GEMMs, and the grouped kernel's
-# small fixed tiles (fused.MOE_BLOCK_M 16 rows) are not tuned for long ones.
+# small fixed tiles (moe_fused.MOE_BLOCK_M 16 rows) are not tuned for long ones.
 FUSED_MAX_TOKENS = 1024
 
 
@@ -90,8 +91,16 @@ class GroupedTopkRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> weights [T, top_k] float32, expert ids [T, top_k] int64."""
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
+        """x [T, H] -> weights [T, top_k] float32, expert ids [T, top_k] int64. Where the
+        fused kernels serve, steps 1-5 after the logits are one launch (choices then come in
+        descending biased score, ties to the lower id); else these torch ops."""
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        if fused.use_fused(x):
+            return moe_fused.moe_route_no_sync(
+                logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
+            )  # fmt: skip
+        scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias
         grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
@@ -201,36 +210,40 @@ class FusedExperts(nn.Module):
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k] int64
+        add: torch.Tensor | None = None,  # [T, H] added to the sum (the shared experts')
     ) -> torch.Tensor:  # [T, H]
         if x.shape[0] <= FUSED_MAX_TOKENS:
-            out = self.forward_fused(x, weights, ids)
+            out = self.forward_fused(x, weights, ids, add)
             if out is not None:
                 return out
-        return self.forward_reference(x, weights, ids)
+        out = self.forward_reference(x, weights, ids)
+        return out if add is None else out + add
 
     def fused_serves(self, dtype: torch.dtype) -> bool:
         """Whether forwards of at most FUSED_MAX_TOKENS tokens in `dtype` take the fused path
         (no host read, so CUDA graphs may capture them) when serving: on CUDA, with the fused
         kernels on, for INT4 and unquantized experts alike."""
-        return fused.moe_gemm_serves(next(self.parameters()).device, dtype)
+        return moe_fused.moe_gemm_serves(next(self.parameters()).device, dtype)
 
     def forward_fused(
         self,
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k] int64
+        add: torch.Tensor | None = None,  # [T, H]
     ) -> torch.Tensor | None:  # [T, H]; None where the fused kernels do not serve x
         """No host reads: graph-safe."""
-        t, top_k = ids.shape
         rows = ids.reshape(-1)  # [R]: row r is token r // top_k's choice r % top_k
         # The rows sorted by expert once, for both GEMMs (they route the same rows).
-        layout = fused.moe_layout_no_sync(rows, self.num_experts) if fused.use_fused(x) else None
-        gate_up = self._moe_gemm(x, rows, top_k, False, layout)  # [R, 2I]
+        layout = (
+            moe_fused.moe_layout_no_sync(rows, self.num_experts) if fused.use_fused(x) else None
+        )
+        gate_up = self._moe_gemm(x, rows, ids.shape[1], False, layout)  # [R, 2I]
         if gate_up is None:
             return None
         h = self.act(gate_up)  # [R, I]
         down = self._moe_gemm(h, rows, 1, True, layout)  # [R, H]
-        return (down.view(t, top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
+        return moe_fused.moe_combine(down, weights, add)
 
     def _moe_gemm(
         self,
@@ -241,7 +254,7 @@ class FusedExperts(nn.Module):
         layout: torch.Tensor | None,
     ) -> torch.Tensor | None:
         weight = self.down_proj if down else self.gate_up_proj
-        return fused.moe_gemm(a, rows, weight, rows_per_a, layout=layout)
+        return moe_fused.moe_gemm(a, rows, weight, rows_per_a, layout=layout)
 
     def forward_reference(
         self,
@@ -330,4 +343,4 @@ class Int4FusedExperts(FusedExperts):
     ) -> torch.Tensor | None:
         name = "down_proj" if down else "gate_up_proj"
         packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
-        return fused.moe_gemm(a, rows, packed, rows_per_a, scale, self.group_size, layout)
+        return moe_fused.moe_gemm(a, rows, packed, rows_per_a, scale, self.group_size, layout)

@@ -187,7 +187,7 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, top_k] each, the same on every rank
         # Both partial sums over this rank's slice of the intermediate width; one all-reduce.
-        return self.tp.all_reduce(self.experts(x, weights, ids) + self.shared_experts(x))
+        return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
 
 
 class DeepseekV3DecoderLayer(PrenormDecoderLayer):

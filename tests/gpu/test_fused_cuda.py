@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.layers import fused
+from outrider.layers import fused, moe_fused
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
@@ -275,7 +275,7 @@ def test_w4a16_moe_gemm_at_kimi_dims_matches_dequantize_then_bf16(n, k):
     _, ids = _routing(tokens, num=experts, top_k=top_k)
     rows = ids.reshape(-1)
     a = torch.randn(rows.numel() // rows_per_a, k, device="cuda", dtype=torch.bfloat16)
-    out = fused.moe_gemm(a, rows, words, rows_per_a, scale, group)
+    out = moe_fused.moe_gemm(a, rows, words, rows_per_a, scale, group)
     ref = torch.empty_like(out)
     truth = torch.empty(out.shape, device="cuda")
     for e in rows.unique().tolist():  # CPU-GPU sync point: the test's reference only

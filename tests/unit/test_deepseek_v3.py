@@ -335,7 +335,7 @@ def test_auto_backend_serves_the_latent_cache():
 
 
 def test_graph_safe_iff_every_moe_layer_takes_the_fused_path(tiny_ds, monkeypatch):
-    from outrider.layers import fused
+    from outrider.layers import moe_fused
 
     model, _ = _outrider(tiny_ds[0])
     assert not model.graph_safe  # CPU: the experts' reference loop reads the host
@@ -345,24 +345,24 @@ def test_graph_safe_iff_every_moe_layer_takes_the_fused_path(tiny_ds, monkeypatc
         seen.append((device.type, dtype))
         return True
 
-    monkeypatch.setattr(fused, "moe_gemm_serves", serves)
+    monkeypatch.setattr(moe_fused, "moe_gemm_serves", serves)
     assert model.graph_safe
     assert seen == [("cpu", torch.float32)] * 2  # layers 1 and 2 (layer 0 is dense)
-    monkeypatch.setattr(fused, "moe_gemm_serves", lambda device, dtype: dtype != torch.float32)
+    monkeypatch.setattr(moe_fused, "moe_gemm_serves", lambda device, dtype: dtype != torch.float32)
     assert not model.graph_safe
 
 
 def test_moe_gemm_serves_cuda_in_model_dtypes(monkeypatch):
     pytest.importorskip("triton")
-    from outrider.layers import fused
+    from outrider.layers import moe_fused
 
     cuda = torch.device("cuda")
-    assert all(fused.moe_gemm_serves(cuda, d) for d in (torch.bfloat16, torch.float16))
-    assert fused.moe_gemm_serves(cuda, torch.float32)
-    assert not fused.moe_gemm_serves(torch.device("cpu"), torch.bfloat16)
-    assert not fused.moe_gemm_serves(cuda, torch.float8_e4m3fn)
+    assert all(moe_fused.moe_gemm_serves(cuda, d) for d in (torch.bfloat16, torch.float16))
+    assert moe_fused.moe_gemm_serves(cuda, torch.float32)
+    assert not moe_fused.moe_gemm_serves(torch.device("cpu"), torch.bfloat16)
+    assert not moe_fused.moe_gemm_serves(cuda, torch.float8_e4m3fn)
     monkeypatch.setenv("OUTRIDER_FUSED_KERNELS", "0")
-    assert not fused.moe_gemm_serves(cuda, torch.bfloat16)
+    assert not moe_fused.moe_gemm_serves(cuda, torch.bfloat16)
 
 
 def test_graphs_refused_past_the_models_step_limit():

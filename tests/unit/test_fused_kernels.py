@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
-    from outrider.layers import fused
+    from outrider.layers import fused, moe_fused
     from outrider.layers.activation import SiluAndMul
     from outrider.layers.norm import RMSNorm
     from outrider.layers.rotary import Rope, RotaryEmbedding
@@ -226,7 +226,9 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         a = torch.randn(-(-ids.numel() // rpa), 203)
         w = torch.randn(e, n, 203) / 203**0.5
         report(
-            f"moe-gemm-f32-{route}-{rpa}", fused.moe_gemm(a, ids, w, rpa), rowwise(a, ids, w, rpa)
+            f"moe-gemm-f32-{route}-{rpa}",
+            moe_fused.moe_gemm(a, ids, w, rpa),
+            rowwise(a, ids, w, rpa),
         )
     for k_in, group in ((160, 32), (203, 32), (192, 48), (512, 256)):
         w = torch.randn(e, n, k_in) / k_in**0.5
@@ -234,13 +236,13 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         deq = torch.stack([dequantize_int4(packed[i], scale[i], k_in, group, torch.float32)
                            for i in range(e)])  # fmt: skip
         a = torch.randn(19, k_in)
-        got = fused.moe_gemm(a, crowded, packed, 2, scale, group)
+        got = moe_fused.moe_gemm(a, crowded, packed, 2, scale, group)
         report(f"moe-gemm-int4-{k_in}-{group}", got, rowwise(a, crowded, deq, 2))
     a, w = torch.randn(37, 100, dtype=torch.bfloat16), torch.randn(e, n, 100, dtype=torch.bfloat16)
-    report("moe-gemm-bf16", fused.moe_gemm(a, crowded, w), rowwise(a, crowded, w, 1))
-    layout = fused.moe_layout_no_sync(crowded, e)
-    report("moe-gemm-layout-reused", fused.moe_gemm(a, crowded, w, layout=layout),
-           fused.moe_gemm(a, crowded, w))  # fmt: skip
+    report("moe-gemm-bf16", moe_fused.moe_gemm(a, crowded, w), rowwise(a, crowded, w, 1))
+    layout = moe_fused.moe_layout_no_sync(crowded, e)
+    report("moe-gemm-layout-reused", moe_fused.moe_gemm(a, crowded, w, layout=layout),
+           moe_fused.moe_gemm(a, crowded, w))  # fmt: skip
     fused.use_fused = real
 
     # A whole tiny Llama forward (prefill of two prompts), kernels forced on vs off.
@@ -361,7 +363,7 @@ def test_moe_gemm_bf16_and_a_shared_layout(results):
 
 
 def test_moe_layout_groups_rows_by_expert_in_padded_blocks():
-    from outrider.layers.fused import MOE_BLOCK_M, moe_layout_no_sync, moe_layout_slots
+    from outrider.layers.moe_fused import MOE_BLOCK_M, moe_layout_no_sync, moe_layout_slots
 
     # The docstring's example at the real block size: expert 0's rows, expert 1 has none,
     # expert 2's rows, then a padding block (the bound for 6 rows over 3 experts is 3 blocks).
@@ -385,12 +387,12 @@ def test_moe_layout_groups_rows_by_expert_in_padded_blocks():
 
 
 def test_moe_gemm_refuses_a_layout_built_for_other_shapes(monkeypatch):
-    from outrider.layers import fused
+    from outrider.layers import fused, moe_fused
 
     monkeypatch.setattr(fused, "use_fused", lambda x: True)
     ids = torch.tensor([0, 1, 1])
     with pytest.raises(ValueError, match="moe_layout_no_sync"):
-        fused.moe_gemm(torch.randn(3, 8), ids, torch.randn(2, 4, 8), layout=torch.zeros(16))
+        moe_fused.moe_gemm(torch.randn(3, 8), ids, torch.randn(2, 4, 8), layout=torch.zeros(16))
 
 
 def test_top_logprobs_reference_is_log_softmax_topk_with_ties_to_the_lower_id():

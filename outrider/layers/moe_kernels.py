@@ -1,0 +1,190 @@
+"""The Triton kernels behind outrider/layers/moe_fused.py (imported only when one is first used):
+a MoE layer's routing, its expert layout, its grouped GEMMs and the weighted sum of each
+token's expert outputs, one launch each."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
+    GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, KEEP_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+):  # fmt: skip
+    # One program per token: its E router logits as a [G_PAD, S_PAD] tile of groups, every
+    # choice a max over the tile. Slot (g, s) is expert g * GROUP_SIZE + s; padding holds -inf
+    # and is never chosen. Choices are found by value, ties to the lower expert id.
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    s = tl.arange(0, S_PAD)
+    ok = (g < GROUPS)[:, None] & (s < GROUP_SIZE)[None, :]
+    expert = g[:, None] * GROUP_SIZE + s[None, :]
+    logit = tl.load(logits_ptr + t * stride_l + expert, mask=ok, other=0.0)
+    score = tl.where(ok, tl.sigmoid(logit), 0.0)
+    bias = tl.load(bias_ptr + expert, mask=ok, other=0.0)
+    biased = tl.where(ok, score + bias, float("-inf"))
+    if KEEP_GROUPS < GROUPS:
+        # A group's score is the sum of its best two biased scores; keep the best KEEP_GROUPS.
+        top1 = tl.max(biased, 1)
+        first = tl.min(tl.where(biased == top1[:, None], s[None, :], S_PAD), 1)
+        top2 = tl.max(tl.where(s[None, :] == first[:, None], float("-inf"), biased), 1)
+        group_score = tl.where(g < GROUPS, top1 + top2, float("-inf"))
+        kept = g < 0
+        for _ in tl.static_range(KEEP_GROUPS):
+            best = tl.max(group_score, 0)
+            pick = tl.min(tl.where(group_score == best, g, G_PAD), 0)
+            kept = kept | (g == pick)
+            group_score = tl.where(g == pick, float("-inf"), group_score)
+        biased = tl.where(kept[:, None], biased, float("-inf"))
+    j = tl.arange(0, K_PAD)
+    chosen = tl.zeros([K_PAD], dtype=tl.int64)
+    weight = tl.zeros([K_PAD], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(tl.max(biased, 1), 0)
+        pick = tl.min(tl.min(tl.where(biased == best, expert, GROUPS * GROUP_SIZE), 1), 0)
+        hit = expert == pick
+        # The weight is the unbiased score: the bias only chooses.
+        w = tl.sum(tl.sum(tl.where(hit, score, 0.0), 1), 0)
+        chosen = tl.where(j == i, pick.to(tl.int64), chosen)
+        weight = tl.where(j == i, w, weight)
+        biased = tl.where(hit, float("-inf"), biased)
+    if NORM:
+        weight = weight / (tl.sum(weight, 0) + 1e-20)
+    weight = weight * scale
+    tl.store(weights_ptr + t * TOP_K + j, weight, mask=j < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + j, chosen, mask=j < TOP_K)
+
+
+@triton.jit
+def moe_layout_kernel(
+    ids_ptr, layout_ptr, starts_ptr, rows, slots,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr,
+):  # fmt: skip
+    # One program (the whole layout depends on every row). starts_ptr: [E_PAD] int32 scratch,
+    # each expert's next free slot. Rows are read CHUNK at a time; bin E counts the padding
+    # of the last chunk (E_PAD > E) and is never placed.
+    # 1. Rows per expert -> blocks per expert -> each expert's first slot.
+    bins = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(CHUNKS):
+        r = c * CHUNK + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < rows, other=E).to(tl.int32)
+        counts += tl.histogram(e, E_PAD)
+    blocks = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tl.store(starts_ptr + bins, (tl.cumsum(blocks, 0) - blocks) * BLOCK_M)
+    # 2. Every slot padding until a row takes it.
+    for c in range(FILLS):
+        f = c * FILL + tl.arange(0, FILL)
+        tl.store(layout_ptr + f, tl.full([FILL], -1, tl.int32), mask=f < slots)
+    tl.debug_barrier()
+    # 3. Each row to its expert's next slot, in row order (a stable sort): its rank among the
+    # chunk's earlier rows of the same expert, past what earlier chunks placed.
+    before = tl.arange(0, CHUNK)[None, :] < tl.arange(0, CHUNK)[:, None]
+    for c in range(CHUNKS):
+        r = c * CHUNK + tl.arange(0, CHUNK)
+        real = r < rows
+        e = tl.load(ids_ptr + r, mask=real, other=E).to(tl.int32)
+        rank = tl.sum(((e[:, None] == e[None, :]) & before).to(tl.int32), 1)
+        start = tl.load(starts_ptr + e, mask=real, other=0)
+        tl.store(layout_ptr + start + rank, r.to(tl.int32), mask=real)
+        placed = tl.load(starts_ptr + bins) + tl.histogram(e, E_PAD)
+        tl.debug_barrier()
+        tl.store(starts_ptr + bins, placed)
+        tl.debug_barrier()
+
+
+@triton.jit
+def moe_combine_kernel(
+    rows_ptr, weights_ptr, add_ptr, out_ptr, n, stride_rows, stride_add, stride_out,
+    TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (t, j): token t's columns [j BLOCK, (j + 1) BLOCK). Its TOP_K expert rows times
+    # their weights summed in fp32 in choice order, rounded to the output dtype; with HAS_ADD
+    # that rounded sum plus add[t], rounded again (as `routed + shared` in torch rounds).
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        w = tl.load(weights_ptr + t * TOP_K + i)
+        row = tl.load(rows_ptr + (t * TOP_K + i) * stride_rows + cols, mask=ok, other=0.0)
+        acc += row.to(tl.float32) * w
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_ADD:
+        add = tl.load(add_ptr + t * stride_add + cols, mask=ok, other=0.0)
+        out = (out.to(tl.float32) + add.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_out + cols, out, mask=ok)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, out_ptr, n,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    K: tl.constexpr, ROWS_PER_A: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (b, j): block b of the expert-sorted layout (BLOCK_M row ids, all one expert's,
+    # padded with -1; see moe_fused.moe_layout_no_sync) times that expert's j-th BLOCK_N output
+    # columns. Each weight tile is read once per block and multiplied with tl.dot against the
+    # block's gathered activation rows (row r reads a[r // ROWS_PER_A]); fp32 accumulation.
+    # W is [E, N, K] values (INT4 False), or INT4 packed [E, N, ceil(K / 8)] int32 words
+    # (element 8w + i in bits 4i..4i+3, nibble q + 8) with scales [E, N, ceil(K / GROUP)]:
+    # each word is loaded once and unpacked in registers, q * scale in fp32, then rounded to
+    # a's dtype for the dot (as the reference rounds its dequantized weight). DOT_F32: the dot
+    # takes fp32 operands with full fp32 products (fp32 activations: not TF32's 10-bit
+    # mantissa; the CPU interpreter: its dot reads bf16 as raw integers). Products of values
+    # already rounded to a's dtype are exact in fp32, so only the order of the sums changes.
+    # K is a constexpr: a model has two (hidden, intermediate), so two compilations; a runtime
+    # loop bound also trips the CPU interpreter under numpy 2.
+    b = tl.program_id(0)
+    first = tl.load(rows_ptr + b * BLOCK_M)
+    if first < 0:  # past the step's real blocks (the grid is sized for the worst routing)
+        return
+    e = tl.load(ids_ptr + first).to(tl.int64)
+    rows = tl.load(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_ok = rows >= 0
+    rows = tl.where(m_ok, rows, 0).to(tl.int64)
+    a_rows = a_ptr + (rows // ROWS_PER_A) * stride_a  # [BLOCK_M]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < n
+    w_cols = w_ptr + e * stride_we + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
+    s_cols = s_ptr + e * stride_se + cols.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if INT4:
+            # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K,
+            # BLOCK_N] in row-major order, so row 8w + i is word w's nibble i. Past K the
+            # activations are 0, so whatever the padding nibbles or masked scales hold adds 0.
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            ok = (kw < (K + 7) // 8)[:, None] & n_ok[None, :]
+            words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)
+            # Arithmetic shift of a negative word drags the sign in; the mask drops it.
+            q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            q = tl.reshape(q, [BLOCK_K, BLOCK_N]) - 8
+            if BLOCK_K % GROUP == 0:  # whole groups per tile: one scale load per group
+                kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                ok = (kg < (K + GROUP - 1) // GROUP)[:, None] & n_ok[None, :]
+                scale = tl.load(s_cols[None, :] + kg[:, None], mask=ok, other=0.0)
+                scale = tl.broadcast_to(scale[:, None, :], [BLOCK_K // GROUP, GROUP, BLOCK_N])
+                scale = tl.reshape(scale, [BLOCK_K, BLOCK_N])
+            else:
+                ok = k_ok[:, None] & n_ok[None, :]
+                scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
+            w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+        else:
+            ok = k_ok[:, None] & n_ok[None, :]
+            w = tl.load(w_cols[None, :] + ks[:, None], mask=ok, other=0.0).to(a.dtype)
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

@@ -1,0 +1,59 @@
+"""The MoE routing kernels at the real models' sizes on CUDA, against their torch references,
+and the kernels one DeepSeek-V3 MoE layer costs in a captured decode graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.layers import moe_fused
+from outrider.layers.moe import GroupedTopkRouter
+from tests.benchmarks import load_benchmark
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(
+    "experts, top_k, groups, keep, scaling",
+    [(256, 8, 8, 4, 2.5), (384, 8, 1, 1, 2.827), (64, 6, 1, 1, 2.446)],  # V3, Kimi, Moonlight
+)
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_route_kernel_chooses_as_the_torch_router(experts, top_k, groups, keep, scaling, tokens):
+    torch.manual_seed(0)
+    hidden = 1024
+    router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, True, scaling).cuda()
+    router.weight.data.normal_(0, 0.02)
+    router.e_score_correction_bias.data.normal_(0, 0.05)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got_w, got_ids = router(x)  # the fused path
+        logits = torch.nn.functional.linear(x.float(), router.weight)
+        with torch.inference_mode(False), torch.enable_grad():  # use_fused: off with autograd
+            want_w, want_ids = router(x)
+    og, ow = got_ids.argsort(1), want_ids.argsort(1)
+    same = (got_ids.gather(1, og) == want_ids.gather(1, ow)).all(1)
+    # Exact ties between two biased fp32 scores may pick either; none in random data.
+    assert same.float().mean().item() == 1.0
+    torch.testing.assert_close(got_w.gather(1, og), want_w.gather(1, ow), rtol=1e-6, atol=1e-7)
+    assert logits.shape == (tokens, experts)
+
+
+@pytest.mark.parametrize("rows, experts", [(8, 384), (6 * 64, 64), (8 * 1024, 384), (3, 1)])
+def test_layout_kernel_equals_the_reference(rows, experts):
+    ids = torch.randint(0, experts, (rows,), device="cuda")
+    ids[: rows // 4] = 0
+    got = moe_fused.moe_layout_no_sync(ids, experts)
+    want = moe_fused.moe_layout_reference(ids, experts)
+    assert torch.equal(got, want)
+
+
+def test_kernels_per_moe_layer_in_the_captured_decode_graph():
+    """The Moonlight shape cut to 2 and 3 layers (1 dense, then MoE): the difference of kernels
+    per replayed decode step is one MoE layer's (attention and MoE block)."""
+    bench = load_benchmark("moe_gpu.py")
+    counts = {}
+    for layers in (2, 3):
+        hf = {**bench.MOONLIGHT, "num_hidden_layers": layers}
+        counts[layers] = bench.kernels_per_decode_step(hf, concurrency=1)
+    per_layer = counts[3] - counts[2]
+    assert 0 < per_layer <= 56, counts

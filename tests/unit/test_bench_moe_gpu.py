@@ -1,0 +1,39 @@
+"""benchmarks/moe_gpu.py end to end on a tiny model of the family on the CPU (--smoke), and its
+byte count of a decode step."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.benchmarks import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("moe_gpu.py")
+
+
+def test_smoke_run_writes_every_row(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["moe_gpu.py", "--smoke", "--out-dir", str(tmp_path)])
+    assert bench.main() == 0
+    result = json.loads((tmp_path / "moe_gpu_smoke.json").read_text())
+    smoke = result["models"]["smoke"]
+    assert set(smoke["decode"]) == {"1", "2"}
+    assert all(row["tok_per_s"] > 0 for row in smoke["decode"].values())
+    assert smoke["layers"] == 3 and not smoke["int4_experts"]
+    assert "commit" in result  # the run's metadata
+
+
+def test_expected_experts_follows_uniform_routing(bench):
+    assert bench.expected_experts(64, 6, 1) == pytest.approx(6)
+    assert bench.expected_experts(64, 6, 1000) == pytest.approx(64, rel=1e-6)
+    # Two tokens overlap in top_k^2 / E experts on average.
+    assert bench.expected_experts(64, 6, 2) == pytest.approx(12 - 36 / 64)
+
+
+def test_unknown_model_is_refused_with_the_choices(bench):
+    with pytest.raises(ValueError, match="moonlight-16b-a3b or kimi-k2.5"):
+        bench.model_config("moonlight", 4)
