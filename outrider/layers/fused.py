@@ -75,6 +75,39 @@ def rotary_(
         )  # fmt: skip
 
 
+def mla_prep_(
+    q: torch.Tensor,  # [T, heads, nope + 2 * half]: each head's pe roped in place
+    kv: torch.Tensor,  # [T, rank + 2 * half]: kv_a_proj_with_mqa's output, rows contiguous
+    norm_weight: torch.Tensor,  # [rank] kv_a_layernorm's
+    eps: float,
+    positions: torch.Tensor,  # [T] int
+    cos: torch.Tensor,  # [max_positions, half] float32
+    sin: torch.Tensor,
+    interleaved: bool,
+) -> torch.Tensor:  # [T, rank + 2 * half] the latent to cache: [rmsnorm(c_kv) | rope(k_pe)]
+    """An MLA layer's glue between its projections and attention in one launch: the latent's
+    norm, the shared key's rotary and every head's query rotary (with interleaved pairs
+    deinterleaved as they are rotated), as rms_norm and rotary_ round them."""
+    k = _kernels()
+    tokens, heads, width = q.shape
+    half = cos.shape[-1]
+    rank = kv.shape[-1] - 2 * half
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or width <= 2 * half:
+        raise ValueError(
+            f"mla_prep_: q {tuple(q.shape)} and kv {tuple(kv.shape)} need contiguous rows and "
+            f"a nope part before the {2 * half} rotary dims"
+        )
+    latent = torch.empty(tokens, rank + 2 * half, dtype=kv.dtype, device=kv.device)
+    if tokens:
+        k.mla_prep_kernel[(tokens,)](
+            q, kv, latent, norm_weight, positions, cos, sin,
+            q.stride(0), q.stride(1), kv.stride(0), latent.stride(0), cos.stride(0), eps,
+            HEADS=heads, HEADS_PAD=k.next_pow2(heads), NOPE=width - 2 * half, RANK=rank,
+            RANK_PAD=k.next_pow2(rank), HALF=half, INTERLEAVED=interleaved, num_warps=4,
+        )  # fmt: skip
+    return latent
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] packed gate|up -> silu(gate) * up: [T, I]."""
     k = _kernels()

@@ -246,3 +246,50 @@ def grow_select_kernel(
         tl.store(out_row + cols, row, mask=cols < m_cols)
         own = tl.arange(0, T_PAD)
         tl.store(out_row + m_cols + own, (own == s).to(tl.uint8), mask=own < T)
+
+
+@triton.jit
+def mla_prep_kernel(
+    q_ptr, kv_ptr, latent_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kv, stride_lat, stride_cos, eps,
+    HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, NOPE: tl.constexpr, RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    # One program per token. kv row: [c_kv (RANK) | k_pe (2 HALF)]; q row: HEADS heads of
+    # [nope (NOPE) | pe (2 HALF)]. Writes latent = [rmsnorm(c_kv) * w | rope(k_pe)] and ropes
+    # every head's pe in place. INTERLEAVED: pe pairs are (2i, 2i + 1) and come out as
+    # rotate-half on [evens | odds], the order the cached keys keep.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims)
+    sin = tl.load(sin_ptr + pos * stride_cos + dims)
+    if INTERLEAVED:
+        first, second = 2 * dims, 2 * dims + 1
+    else:
+        first, second = dims, dims + HALF
+    # 1. The latent: the norm rounds as rms_norm_kernel, the rotary as rotary_kernel.
+    cols = tl.arange(0, RANK_PAD)
+    ok = cols < RANK
+    c = tl.load(kv_ptr + t * stride_kv + cols, mask=ok, other=0.0)
+    h = c.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(h * h, axis=0) / RANK + eps)
+    normed = (h * inv).to(c.dtype)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    out = latent_ptr + t * stride_lat
+    tl.store(out + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(c.dtype), mask=ok)
+    k1 = tl.load(kv_ptr + t * stride_kv + RANK + first).to(tl.float32)
+    k2 = tl.load(kv_ptr + t * stride_kv + RANK + second).to(tl.float32)
+    tl.store(out + RANK + dims, (k1 * cos - k2 * sin).to(c.dtype))
+    tl.store(out + RANK + HALF + dims, (k2 * cos + k1 * sin).to(c.dtype))
+    # 2. Every head's query pe, in place: all of a head's pairs are read before any is written.
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    hok = heads < HEADS
+    base = q_ptr + t * stride_qt + heads * stride_qh + NOPE
+    x1 = tl.load(base + first[None, :], mask=hok, other=0.0)
+    x2 = tl.load(base + second[None, :], mask=hok, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.debug_barrier()
+    tl.store(base + dims[None, :], (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=hok)
+    tl.store(base + HALF + dims[None, :], (b * cos[None, :] + a * sin[None, :]).to(x1.dtype),
+             mask=hok)  # fmt: skip

@@ -41,6 +41,7 @@ from torch import nn
 
 from outrider.executor.distributed import TPGroup, check_tp_size, single
 from outrider.executor.kv_cache import KVLayout
+from outrider.layers import fused
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import LatentAttention
 from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -114,12 +115,19 @@ class DeepseekV3Attention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         else:
             q = self.q_proj(hidden)
-        q_nope, q_pe = q.view(t, self.num_heads, self.qk_head_dim).split(
-            [self.nope_dim, self.rope_dim], dim=-1
-        )
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split(
-            [self.kv_lora_rank, self.rope_dim], dim=-1
-        )
+        q = q.view(t, self.num_heads, self.qk_head_dim)
+        kv = self.kv_a_proj_with_mqa(hidden)  # [T, r + d_r]
+        if rope.fused:
+            # One launch: the latent's norm and both rotaries, q's in place.
+            norm = self.kv_a_layernorm
+            latent = fused.mla_prep_(
+                q, kv, norm.weight, norm.eps, rope.positions, rope.cos, rope.sin,
+                self.interleaved,
+            )  # fmt: skip
+            q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+            return self.o_proj(self.attn(q_nope, q_pe, latent, self.expand, self.absorbed))
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())  # [T, r]
         k_pe = k_pe.unsqueeze(1)  # [T, 1, d_r]: one rotary key shared by every head
         if self.interleaved:

@@ -1,7 +1,7 @@
 """The MoE routing kernels (outrider/layers/moe_fused.py) on the CPU under Triton's interpreter,
 against their torch references: the router's choice (DeepSeek-V3's grouped sigmoid top-k, with
-and without group pruning and renormalisation), the expert layout, and the weighted sum of each
-token's expert rows. As in test_fused_kernels.py, TRITON_INTERPRET=1 has to be set before
+and without group pruning and renormalisation), the expert layout, the weighted sum of each
+token's expert rows, and a tiny DeepSeek-V3 forward with them and the MLA glue kernel on. As in test_fused_kernels.py, TRITON_INTERPRET=1 has to be set before
 triton is imported, so the checks run in one subprocess that prints a JSON line per check."""
 
 from __future__ import annotations
@@ -92,6 +92,53 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 same=torch.equal(got, want),
             )
 
+    # A whole tiny DeepSeek-V3 prefill (MoE layers routed, laid out, combined; every MLA
+    # layer's norm and rotaries in mla_prep_), kernels forced on against off, interleaved
+    # rotary pairs and not.
+    sys.path.insert(0, str(ROOT))
+    from outrider.models.registry import config_from_hf, model_class
+    from tests.tiny import prefill_batch, run_forward
+
+    def tiny_deepseek(interleave: bool):
+        cfg = config_from_hf({**TINY_DEEPSEEK, "rope_interleave": interleave})
+        model = model_class(cfg.architecture)(cfg).float().eval()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                noise = torch.randn(p.shape, generator=g)
+                p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+        layers = model.attention_layers()
+        pool = KVPool(model.kv_layout(torch.float32), len(layers), 16, 16, torch.device("cpu"))
+        for i, attn in enumerate(layers):
+            attn.kv_cache = pool.layer(i)
+        return model
+
+    from outrider.executor.kv_cache import KVPool
+
+    prompts = [[5, 9, 33, 100, 7], list(range(40, 71))]
+    real = fused.use_fused
+    for interleave in (True, False):
+        fused.use_fused = real
+        plain = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
+        fused.use_fused = lambda x: True
+        got = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
+        fused.use_fused = real
+        diff = (got - plain).abs().max().item()
+        emit(name=f"deepseek-forward-{interleave}", scaled=diff / plain.abs().max().item())
+
+
+TINY_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+    "moe_intermediate_size": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None,
+    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
+    "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
@@ -130,6 +177,13 @@ def test_combine_sums_in_fp32_then_adds_as_torch_rounds(results):
     # The interpreter truncates fp32 -> bf16 (numpy has no bf16): within one bf16 step, twice.
     for with_add in (False, True):
         assert results[f"combine-bfloat16-{with_add}"]["scaled"] <= 2**-6
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interleave):
+    # fp32: only sums' order differs (the norm, the top_k sum, the GEMMs' K tiles).
+    r = results[f"deepseek-forward-{interleave}"]
+    assert r["scaled"] <= 1e-5, r
 
 
 def test_route_refuses_groups_that_do_not_divide_the_experts():
