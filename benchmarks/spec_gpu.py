@@ -144,7 +144,7 @@ def _clock(engine) -> dict:
         engine.step = timed(engine.step, "step_s")
         for name in ("run", "run_spec", "launch"):
             setattr(engine.runner, name, timed(getattr(engine.runner, name), "runner_s"))
-    return {**totals, "by_k": dict(engine.spec_steps_by_k)}
+    return {**totals, "by_k": dict(engine.speculator.steps_by_k)}
 
 
 def _json_safe(x):

@@ -256,7 +256,6 @@ def run(args: argparse.Namespace) -> dict | None:
     from outrider.executor.synthetic_drafter import SyntheticDrafter
     from outrider.plan.planner import Drafter, plan_batch
     from outrider.speculative.controller import expected_tokens
-    from outrider.speculative.stats import SpecStats
     from outrider.speculative.synthetic import (
         SyntheticProposer,
         curve_at,
@@ -280,7 +279,8 @@ def run(args: argparse.Namespace) -> dict | None:
 
     drafter = random_eagle3(engine.runner, args.draft_vocab, args.seed)
     wrapper = SyntheticDrafter(drafter, SyntheticProposer({}, [1.0], vocab))
-    engine.use_proposer(wrapper)  # captures the speculative step's graphs, drafter included
+    # Captures the speculative step's graphs, drafter included.
+    engine.speculator.use_proposer(wrapper)
     first = prompts[min(args.concurrency)][0]
     wrapper.proposer = SyntheticProposer({tuple(first): plain[min(args.concurrency)]["outputs"][0]},
                                          [1.0], vocab)  # fmt: skip
@@ -293,9 +293,9 @@ def run(args: argparse.Namespace) -> dict | None:
         for c in args.concurrency:
             cont = {tuple(p): o for p, o in zip(prompts[c], plain[c]["outputs"])}
             wrapper.proposer = SyntheticProposer(cont, curve, vocab, args.seed)
-            engine.spec_stats = SpecStats()
+            engine.speculator.reset_stats()
             spec = decode_run(engine, prompts[c], args.new_tokens)
-            stats, counts = engine.spec_stats, wrapper.proposer.counts
+            stats, counts = engine.speculator.stats, wrapper.proposer.counts
             measured = stats.accept_length or 1.0
             option = plan_batch(setup, plan_drafter, c, context, list(curve), args.k).chains[-1]
             at_measured = measured * option.decode_ms / option.spec_ms

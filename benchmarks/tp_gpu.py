@@ -170,11 +170,11 @@ def equality(n: int, sizes: Sizes) -> dict:
     def case(name: str, llm, want: list | None) -> list:
         engine = llm.engine
         engine.runner.reset_collective_counts()
-        verifies = engine.spec_stats.num_verify_steps
+        verifies = engine.speculator.stats.num_verify_steps
         t0 = time.perf_counter()
         outs = [o.token_ids for o in llm.generate(prompts, params)]
         row = {"case": name, "seconds": round(time.perf_counter() - t0, 2),
-               "verify_steps": engine.spec_stats.num_verify_steps - verifies,
+               "verify_steps": engine.speculator.stats.num_verify_steps - verifies,
                "per_forward": per_forward(engine.runner.collective_counts())}  # fmt: skip
         if want is not None:
             row["equal"] = outs == want
@@ -185,10 +185,10 @@ def equality(n: int, sizes: Sizes) -> dict:
     with tempfile.TemporaryDirectory(prefix="outrider-tp-eq-") as tmp:
         path = str(write_random_model(hf, Path(tmp)))
         with LLM(path, **opts, speculative=NGRAM) as one:
-            ngram = one.engine.proposer
-            one.engine.use_proposer(None)
+            ngram = one.engine.speculator.proposer
+            one.engine.speculator.use_proposer(None)
             want = case("tp1 plain", one, None)
-            one.engine.use_proposer(ngram)
+            one.engine.speculator.use_proposer(ngram)
             case("tp1 ngram", one, want)
         del one
         gc.collect()
@@ -198,9 +198,9 @@ def equality(n: int, sizes: Sizes) -> dict:
         graphs_opt = {"cuda_graphs": True} if device == "cuda" else {}
         with LLM(path, **opts, **graphs_opt, speculative=NGRAM, tensor_parallel_size=n) as llm:
             case(f"tp{n} ngram", llm, want)
-            llm.engine.use_proposer(random_eagle3(llm.engine.runner, 1024))
+            llm.engine.speculator.use_proposer(random_eagle3(llm.engine.runner, 1024))
             case(f"tp{n} eagle3 (random drafter on rank 0)", llm, want)
-            llm.engine.use_proposer(None)
+            llm.engine.speculator.use_proposer(None)
             case(f"tp{n} plain", llm, want)
             graphs = llm.engine.runner.graphs is not None
     return {

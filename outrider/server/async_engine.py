@@ -345,19 +345,19 @@ class AsyncEngine:
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.index, item))
 
     def _snapshot(self) -> EngineStats:
-        sched, bm, spec = self.core.scheduler, self.core.block_manager, self.core.spec_stats
+        sched, bm, spec = self.core.scheduler, self.core.block_manager, self.core.speculator
         return EngineStats(
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             num_free_blocks=bm.num_free_blocks,
             num_blocks=bm.num_blocks,
             num_preemptions=sched.num_preemptions,
-            spec_num_drafts=spec.num_verify_steps,
-            spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position),
-            spec_k=self.core.spec_k,
-            spec_steps_by_k=tuple(sorted(self.core.spec_steps_by_k.items())),
+            spec_num_drafts=spec.stats.num_verify_steps,
+            spec_num_draft_tokens=spec.stats.num_draft_tokens,
+            spec_num_accepted_tokens=spec.stats.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.stats.accepted_per_position),
+            spec_k=spec.last_k,
+            spec_steps_by_k=tuple(sorted(spec.steps_by_k.items())),
             **_collective_stats(getattr(self.core, "runner", None)),
         )
 

@@ -113,12 +113,12 @@ def test_speculative_metrics_follow_the_engine(server, client):
     )
     assert r.usage.completion_tokens > 0
     drafts, draft_tokens, accepted = (_metric(server, n) - b for n, b in zip(names, before))
-    spec = server.state.engine.core.spec_stats
+    spec = server.state.engine.core.speculator.stats
     assert drafts > 0 and draft_tokens >= drafts and 0 <= accepted <= draft_tokens
     assert _metric(server, names[1]) == spec.num_draft_tokens
     per_pos = _metric(server, "outrider:spec_decode_num_accepted_tokens_per_pos_total")
     assert per_pos == spec.num_accepted_tokens  # each accepted draft sits at one position
     core = server.state.engine.core
     steps = _metric(server, "outrider:spec_decode_steps_total")
-    assert steps == sum(core.spec_steps_by_k.values()) and steps > 0
-    assert _metric(server, "outrider:spec_decode_k") == core.spec_k
+    assert steps == sum(core.speculator.steps_by_k.values()) and steps > 0
+    assert _metric(server, "outrider:spec_decode_k") == core.speculator.last_k

@@ -54,7 +54,7 @@ def test_ngram_greedy_equals_plain_on_real_model(llm):
     for p, a, b in zip(prompts, plain, outs):
         assert b.token_ids == a.token_ids, f"diverged on prompt {p[-12:]}"
         assert b.text == a.text and b.finish_reason == a.finish_reason
-    stats = spec.engine.spec_stats
+    stats = spec.engine.speculator.stats
     assert stats.num_accepted_tokens > 0 and stats.accept_length > 1.0
     grounded = [
         o.metrics["accept_length"] for o in outs[len(CHAT_PROMPTS) :] if o.metrics["accept_length"]
@@ -82,14 +82,14 @@ def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
         speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4},
     )
     target = spec.engine.checkpoint.config
-    spec.engine.use_proposer(
+    spec.engine.speculator.use_proposer(
         Eagle3Drafter(
             random_drafter(target, draft_vocab=8000), spec.engine.runner, topk=topk, num_steps=3
         )
     )
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    assert spec.engine.spec_stats.num_verify_steps > 0
+    assert spec.engine.speculator.stats.num_verify_steps > 0
 
 
 @pytest.mark.slow
@@ -119,4 +119,4 @@ def test_the_shipped_drafter_serves_the_default_model(llm):
         )
         outs = eagle.chat(convs, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], spec
-        assert eagle.engine.spec_stats.accept_length > 1.8, spec
+        assert eagle.engine.speculator.stats.accept_length > 1.8, spec

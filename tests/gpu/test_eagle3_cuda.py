@@ -33,7 +33,7 @@ def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
     assert runner.graphs is not None and runner.graphs.aux_layers == runner.aux_layers
     outs = spec.chat(convs, params)
     assert [o.token_ids for o in outs] == want
-    assert spec.engine.spec_stats.num_verify_steps > 0
+    assert spec.engine.speculator.stats.num_verify_steps > 0
     # chains and trees run the speculative step's graphs, drafter included
     graphs = runner.spec_step.graphs
     assert graphs and all(draft is not None for _, draft, *_ in graphs.values())
@@ -61,7 +61,7 @@ def test_chain_drafts_from_draft_graphs_equal_eager(drafter_path):
     every step: each replay's outputs are views of the graph's static buffers, so drafts kept
     across steps must be copies (kept views all read the last step's ids)."""
     spec = _eagle_llm(drafter_path, 1)
-    engine, proposer = spec.engine, spec.engine.proposer
+    engine, proposer = spec.engine, spec.engine.speculator.proposer
     params = SamplingParams(temperature=0, max_tokens=32)
     prompts = [
         spec.encode_chat_text(spec.apply_chat_template([{"role": "user", "content": p}], True))

@@ -27,7 +27,7 @@ def test_ngram_greedy_equals_plain_on_cuda():
     )
     outs = spec.chat(convs, params)
     assert [o.token_ids for o in outs] == want
-    assert spec.engine.spec_stats.num_accepted_tokens > 0
+    assert spec.engine.speculator.stats.num_accepted_tokens > 0
 
 
 def test_tree_mask_attention_cuda_equals_cpu():

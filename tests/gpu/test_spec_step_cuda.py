@@ -99,5 +99,5 @@ def test_spec_step_greedy_equals_plain_fp32(drafter_path, concurrency):
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert got == want, spec
         assert llm.engine.runner.spec_step.graphs
-        assert llm.engine.spec_stats.num_verify_steps > 0
+        assert llm.engine.speculator.stats.num_verify_steps > 0
         del llm

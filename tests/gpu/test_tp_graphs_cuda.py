@@ -122,11 +122,11 @@ def test_tp2_graphs_equal_tp1_eager_plain_ngram_eagle3(tmp_path):
         def run(name: str) -> dict:
             runner.reset_collective_counts()
             eager.clear()
-            verifies = engine.spec_stats.num_verify_steps
+            verifies = engine.speculator.stats.num_verify_steps
             got = [o.token_ids for o in llm.generate(prompts, params)]
             assert got == want, f"{name}: TP=2 with graphs differs from TP=1 eager"
             if name != "plain":
-                assert engine.spec_stats.num_verify_steps > verifies, name
+                assert engine.speculator.stats.num_verify_steps > verifies, name
             return runner.collective_counts()
 
         def mostly_replayed(counts: dict) -> None:
@@ -138,18 +138,20 @@ def test_tp2_graphs_equal_tp1_eager_plain_ngram_eagle3(tmp_path):
         assert _per_forward(counts, "verify") == (2 * layers + 1, 1)
 
         target = engine.checkpoint.config
-        engine.use_proposer(Eagle3Drafter(random_drafter(target).to(runner.device), runner))
+        engine.speculator.use_proposer(
+            Eagle3Drafter(random_drafter(target).to(runner.device), runner)
+        )
         counts = run("eagle3 chain")
         mostly_replayed(counts)
         assert _per_forward(counts, "verify") == (2 * layers + 1, 1)
         assert "draft" not in counts  # the drafter and its graph run on rank 0 alone
 
         tree = Eagle3Drafter(random_drafter(target).to(runner.device), runner, 2, 2)
-        engine.use_proposer(tree)
+        engine.speculator.use_proposer(tree)
         counts = run("eagle3 tree")  # verified eagerly under tensor parallelism
         assert _per_forward(counts, "verify") == (2 * layers + 1, 1)
 
-        engine.use_proposer(None)
+        engine.speculator.use_proposer(None)
         counts = run("plain")
         assert eager.get("decode", 0) == 0, eager  # every decode replayed its graph
         assert _per_forward(counts, "decode") == (2 * layers + 1, 1)

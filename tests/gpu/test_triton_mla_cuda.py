@@ -122,7 +122,7 @@ def _run(path: str, dtype: str, cuda_graphs: bool, spec: dict | None):
     finally:
         handle.remove()
     tokens = [r.output_token_ids for r in reqs]
-    verifies = engine.spec_stats.num_verify_steps if spec else 0
+    verifies = engine.speculator.stats.num_verify_steps if spec else 0
     return tokens, calls[0], steps, verifies, llm
 
 

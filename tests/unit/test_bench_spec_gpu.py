@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,14 +94,13 @@ def test_the_clock_counts_steps_and_runner_time(bench):
         run_spec = launch = run
 
     class Engine:
-        spec_steps_by_k = {0: 1}
-
         def __init__(self):
             self.runner = Runner()
+            self.speculator = SimpleNamespace(steps_by_k={0: 1})
 
         def step(self):
             self.runner.run(None)
-            self.spec_steps_by_k[0] += 1
+            self.speculator.steps_by_k[0] += 1
 
     engine = Engine()
     before = bench._clock(engine)

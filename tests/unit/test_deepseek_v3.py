@@ -180,7 +180,7 @@ def test_greedy_generation_and_ngram_speculation_equal_hf(tiny_ds):
         speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4},
     )  # fmt: skip
     assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == want
-    assert spec.engine.spec_stats.num_verify_steps > 0
+    assert spec.engine.speculator.stats.num_verify_steps > 0
     pool = spec.engine.runner.kv_pool
     assert list(pool.tensors) == ["latent"] and pool.tensors["latent"].shape[-1] == 32 + 8
     # Drafts that are right: a random model rarely repeats itself, so an oracle drafts its own
@@ -189,7 +189,9 @@ def test_greedy_generation_and_ngram_speculation_equal_hf(tiny_ds):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     for tree in (False, True):
-        spec.engine.use_proposer(OracleProposer({tuple(p): w for p, w in zip(prompts, want)}, tree))
+        spec.engine.speculator.use_proposer(
+            OracleProposer({tuple(p): w for p, w in zip(prompts, want)}, tree)
+        )
         outs = spec.generate(prompts, params)
         assert [o.token_ids for o in outs] == want
         for o in outs:  # every right draft accepted (a tree's wrong siblings never)

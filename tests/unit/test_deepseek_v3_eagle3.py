@@ -110,13 +110,13 @@ def test_a_drafter_trained_on_the_target_serves_losslessly(target, trained):
     plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     for spec in ({}, {"topk": 2, "num_steps": 3, "num_draft_tokens": 4}):
         served = _spec_llm(path, result.drafter, **spec)
-        proposer = served.engine.proposer
+        proposer = served.engine.speculator.proposer
         # The drafter's pool is its own multi-head layout, beside the target's latent cache.
         assert served.engine.runner.model.kv_layout(torch.float32).is_latent
         assert proposer.kv_pool.layout == proposer.draft.kv_layout(torch.float32)
         assert not proposer.kv_pool.layout.is_latent
         assert [o.token_ids for o in served.generate(prompts, GREEDY)] == plain, spec
-        stats = served.engine.spec_stats
+        stats = served.engine.speculator.stats
         assert stats.num_verify_steps > 0 and stats.num_accepted_tokens > 0, spec
 
 
@@ -143,4 +143,4 @@ def test_the_trained_drafter_round_trips_sglang_and_vllm_layouts(target, trained
     plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     served = _spec_llm(path, tmp_path / "sglang")
     assert [o.token_ids for o in served.generate(prompts, GREEDY)] == plain
-    assert served.engine.spec_stats.num_accepted_tokens > 0
+    assert served.engine.speculator.stats.num_accepted_tokens > 0

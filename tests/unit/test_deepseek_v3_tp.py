@@ -57,9 +57,9 @@ def _tp2_equals_tp1(path) -> None:
             return engine.runner.collective_counts()
 
         counts = run("ngram")
-        assert engine.spec_stats.num_verify_steps > 0
+        assert engine.speculator.stats.num_verify_steps > 0
         assert _per_forward(counts, "verify") == (2 * layers + 1, 1)
-        engine.use_proposer(None)
+        engine.speculator.use_proposer(None)
         counts = run("plain")
         assert _per_forward(counts, "decode") == (2 * layers + 1, 1)
         prefill = counts["prefill"]

@@ -305,11 +305,11 @@ def test_a_speculators_drafter_serves_greedy_equal_to_plain(served_target, promp
     path = save_drafter(draft, tmp_path / "spec", "speculators")
     spec = {"method": "eagle3", "controller": "fixed", "draft": str(path), "num_draft_tokens": 4}
     llm = LLM(str(served_target), dtype="float32", device="cpu", num_blocks=256, speculative=spec)
-    served = llm.engine.proposer.draft
+    served = llm.engine.speculator.proposer.draft
     assert served.config == draft.config and served.config.aux_layers == (2, 4, 5)
     assert all(torch.equal(t, served.state_dict()[k]) for k, t in draft.state_dict().items())
     assert [o.token_ids for o in llm.generate(few, GREEDY)] == want
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 

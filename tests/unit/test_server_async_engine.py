@@ -22,10 +22,10 @@ class FakeCore:
         self.max_model_len, self.vocab_size = 64, 100
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
         self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
-        self.spec_stats = SimpleNamespace(
+        stats = SimpleNamespace(
             num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
         )
-        self.spec_k, self.spec_steps_by_k = 0, {}
+        self.speculator = SimpleNamespace(stats=stats, last_k=0, steps_by_k={})
         self.tokens, self.fail_at_step = tokens, fail_at_step
         self.live: dict[str, int] = {}
         self.aborted: list[str] = []

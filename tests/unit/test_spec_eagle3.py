@@ -54,7 +54,7 @@ def eagle_llm(
     engine = llm.engine
     target = engine.checkpoint.config
     drafter = Eagle3Drafter(draft or random_drafter(target), engine.runner, topk, num_steps)
-    engine.use_proposer(drafter)
+    engine.speculator.use_proposer(drafter)
     return llm
 
 
@@ -62,7 +62,7 @@ def test_eagle3_greedy_equals_plain(tiny_dir, prompts, reference):  # noqa: F811
     llm = eagle_llm(tiny_dir)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
@@ -126,7 +126,7 @@ def test_eagle3_drafts_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: 
             d = r.drafts
             if r.is_finished or not d or r.num_computed_tokens != r.num_tokens - 1:
                 continue
-            want = _dense_chain(llm, engine.proposer.draft, r.all_token_ids, d.num_nodes)
+            want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids, d.num_nodes)
             assert d.token_ids == want, (r.request_id, r.num_tokens)
             checked += 1
     assert checked >= 10
@@ -154,7 +154,7 @@ def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, ste
     """Greedy trees run the speculative step (verify, accept, move KV, grow the next tree on
     the device); the first tree after a prefill comes from the per-sequence proposer."""
     llm = eagle_llm(tiny_dir, topk=topk, num_steps=steps)
-    proposer, runner = llm.engine.proposer, llm.engine.runner
+    proposer, runner = llm.engine.speculator.proposer, llm.engine.runner
     seen_trees = []
     propose, run_tree = proposer.propose, runner._run_tree
     tree_steps = []
@@ -180,7 +180,7 @@ def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, ste
         # at most topk children per node, root included
         for parent in [-1, *range(d.num_nodes)]:
             assert d.parents.count(parent) <= topk
-    assert llm.engine.spec_stats.num_verify_steps > 0
+    assert llm.engine.speculator.stats.num_verify_steps > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
@@ -192,7 +192,8 @@ def test_trees_grown_in_the_step_equal_the_per_sequence_proposer(tiny_dir, promp
     for i, stepped in enumerate((True, False)):
         llm = eagle_llm(tiny_dir, topk=2, num_steps=3)
         engine = llm.engine
-        engine._stepped = stepped
+        if not stepped:
+            engine.speculator.verify_per_sequence()
         reqs = [
             engine.add_request(p, SamplingParams(temperature=0, max_tokens=24)) for p in prompts
         ]
@@ -208,7 +209,7 @@ def test_trees_grown_in_the_step_equal_the_per_sequence_proposer(tiny_dir, promp
 
             engine.runner._run_tree = spy
         else:
-            propose = engine.proposer.propose
+            propose = engine.speculator.proposer.propose
 
             def spy(reqs, k, propose=propose, seen=trees[i], order=order):
                 out = propose(reqs, k)
@@ -217,7 +218,7 @@ def test_trees_grown_in_the_step_equal_the_per_sequence_proposer(tiny_dir, promp
                         seen[(order[r.request_id], r.num_computed_tokens)] = d
                 return out
 
-            engine.proposer.propose = spy
+            engine.speculator.proposer.propose = spy
         while engine.has_unfinished():
             engine.step()
     common = trees[0].keys() & trees[1].keys()
@@ -236,9 +237,9 @@ def test_eagle3_tree_code_with_topk_1_equals_the_chain(tiny_dir, prompts):  # no
     from outrider.speculative.eagle3_tree import propose_trees
 
     llm = eagle_llm(tiny_dir)
-    engine, proposer = llm.engine, llm.engine.proposer
+    engine, proposer = llm.engine, llm.engine.speculator.proposer
     # The per-sequence path (what trees take) keeps the frontier the tree code starts from.
-    engine._stepped = False
+    engine.speculator.verify_per_sequence()
     reqs = [
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=30)) for p in prompts[:4]
     ]
@@ -272,7 +273,7 @@ def test_engines_and_graph_runners_free_without_the_cycle_collector(tiny_dir):  
     gc.disable()
     try:
         llm = eagle_llm(tiny_dir)
-        proposer = llm.engine.proposer
+        proposer = llm.engine.speculator.proposer
         runners = [
             GraphRunner(llm.engine.runner.model, get_backend("torch_ref", "cpu"), 4, 0, 16),
             GraphRunner(
@@ -295,7 +296,7 @@ def test_sampled_requests_draw_drafts_from_the_distribution_they_report(tiny_dir
     from tests.unit.test_spec_verify import chi2_pvalue
 
     llm = eagle_llm(tiny_dir, random_drafter(_target(tiny_dir), seed=3))
-    engine, proposer = llm.engine, llm.engine.proposer
+    engine, proposer = llm.engine, llm.engine.speculator.proposer
     req = engine.add_request(prompts[1], SamplingParams(temperature=1.5, top_p=0.95, max_tokens=30))
     engine.step()  # prefill: the frontier is ready
     assert req.num_computed_tokens == req.num_tokens - 1
@@ -341,7 +342,7 @@ def test_eagle3_under_preemption_prefix_hits_and_chunking(tiny_dir, prompts, ref
     again = llm.generate(prompts[:3], GREEDY)  # the second time some prefixes are cached
     assert [o.token_ids for o in again] == reference[:3]
     engine = llm.engine
-    assert engine.spec_stats.num_verify_steps > 0
+    assert engine.speculator.stats.num_verify_steps > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     if options.get("num_blocks") == 14:
         assert engine.scheduler.num_preemptions > 0
@@ -364,8 +365,8 @@ def test_steps_wider_than_a_kv_block_stay_inside_the_pool(
     )  # fmt: skip
     engine = llm.engine
     drafter = Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner, topk, steps)
-    engine.use_proposer(drafter)
+    engine.speculator.use_proposer(drafter)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    assert engine.spec_stats.num_verify_steps > 0
+    assert engine.speculator.stats.num_verify_steps > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

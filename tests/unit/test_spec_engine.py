@@ -65,7 +65,7 @@ def test_ngram_greedy_equals_plain(tiny_dir, prompts, reference):  # noqa: F811
     )
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    stats = llm.engine.spec_stats
+    stats = llm.engine.speculator.stats
     # Random tiny models fall into loops, which n-gram lookup drafts: some drafts are accepted.
     assert stats.num_verify_steps > 0 and stats.num_accepted_tokens > 0
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
@@ -78,7 +78,7 @@ def test_oracle_drafts_are_all_accepted(tiny_dir, prompts, reference, tree):  # 
         tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": k}
     )
     cont = {tuple(p): r for p, r in zip(prompts, reference)}
-    llm.engine.use_proposer(OracleProposer(cont, tree=tree))
+    llm.engine.speculator.use_proposer(OracleProposer(cont, tree=tree))
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(prompts, params)
     want = [
@@ -108,7 +108,7 @@ def test_oracle_tree_moves_accepted_kv(tiny_dir, prompts):  # noqa: F811
     llm = _llm(
         tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 6}
     )
-    llm.engine.use_proposer(
+    llm.engine.speculator.use_proposer(
         OracleProposer({tuple(p): r for p, r in zip(prompts, plain)}, tree=True)
     )
     outs = llm.generate(prompts, params)
@@ -122,7 +122,7 @@ def test_stops_inside_accepted_runs(tiny_dir, prompts, reference):  # noqa: F811
     llm = _llm(
         tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 8}
     )
-    llm.engine.use_proposer(OracleProposer(cont))
+    llm.engine.speculator.use_proposer(OracleProposer(cont))
     for max_tokens in (1, 2, 5, 9, 13):
         out = llm.generate([prompts[3]], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
         assert out.token_ids == reference[3][:max_tokens]
@@ -169,7 +169,7 @@ def test_kv_accounting_after_1000_mixed_requests(tiny_dir):  # noqa: F811
     for i in range(0, 1000, 100):
         outs = llm.generate(prompts_[i : i + 100], params[i : i + 100])
         assert all(o.finish_reason in ("stop", "length") for o in outs)
-    assert llm.engine.spec_stats.num_verify_steps > 100
+    assert llm.engine.speculator.stats.num_verify_steps > 100
     assert bm.num_free_blocks == initial
     assert not llm.engine.has_unfinished()
 
@@ -186,30 +186,30 @@ def test_adaptive_controller_turns_speculation_off_and_on(tiny_dir, prompts, ref
     """A slow verify table turns speculation off (every decode step plain, output unchanged); a
     fast one with a drafter that matches turns it back on."""
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
-    engine = llm.engine
-    assert engine.controller is not None  # adaptive is the default
+    engine, spec = llm.engine, llm.engine.speculator
+    assert spec.controller is not None  # adaptive is the default
     cont = {tuple(p): r for p, r in zip(prompts, reference)}
     if method == "eagle3":
         from outrider.executor.drafter import Eagle3Drafter
         from tests.unit.test_spec_eagle3 import random_drafter
 
-        engine.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
+        spec.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
     else:
-        engine.use_proposer(OracleProposer(cont))
+        spec.use_proposer(OracleProposer(cont))
     # 100x plain: a live plain step slowed by a loaded machine must not make it look cheap
-    engine.controller.set_profile(_profile(verify_factor=100.0))
+    spec.controller.set_profile(_profile(verify_factor=100.0))
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    assert engine.spec_stats.num_verify_steps == 0
+    assert spec.stats.num_verify_steps == 0
     assert all(set(o.metrics["steps_by_k"]) == {0} for o in outs)
 
-    engine.controller.set_profile(_profile(verify_factor=1.0))
-    for rid in list(engine.controller._accept):  # forget the acceptance seen while off
-        engine.controller.forget(rid)
+    spec.controller.set_profile(_profile(verify_factor=1.0))
+    for o in outs:  # forget the acceptance seen while off
+        spec.controller.forget(o.request_id)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     if method == "ngram":  # the oracle always matches: the controller keeps k at its best, 4
-        assert engine.spec_stats.num_verify_steps > 0
+        assert spec.stats.num_verify_steps > 0
         assert all(o.metrics["steps_by_k"].get(4, 0) > 0 for o in outs)
 
 
@@ -230,18 +230,19 @@ def test_adaptive_controller_counts_the_host_work_of_a_step(tiny_dir, prompts, r
         return propose(requests, k)
 
     oracle.propose = slow
-    engine.use_proposer(oracle)
-    engine.controller.set_profile(_profile(verify_factor=1.0))  # the runner: verify as cheap
+    spec = engine.speculator
+    spec.use_proposer(oracle)
+    spec.controller.set_profile(_profile(verify_factor=1.0))  # the runner: verify as cheap
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    speculative = sum(n for k, n in engine.spec_steps_by_k.items() if k)
-    assert 1 <= speculative <= 2, engine.spec_steps_by_k  # one per batch-size bucket at most
-    assert engine.spec_steps_by_k[0] >= 10
+    speculative = sum(n for k, n in spec.steps_by_k.items() if k)
+    assert 1 <= speculative <= 2, spec.steps_by_k  # one per batch-size bucket at most
+    assert spec.steps_by_k[0] >= 10
 
 
 def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F811
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 3})
-    profile = llm.engine.controller.profile
+    profile = llm.engine.speculator.controller.profile
     assert set(profile.ks) == {0, 1, 2, 3}
     assert all(t > 0 for row in profile.ms.values() for t in row.values())
 
@@ -287,14 +288,16 @@ def test_speculative_step_lossless_under_chunking_preemption_prefix_hits(
         from outrider.executor.drafter import Eagle3Drafter
         from tests.unit.test_spec_eagle3 import random_drafter
 
-        engine.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
+        engine.speculator.use_proposer(
+            Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner)
+        )
     outs = llm.generate(prompts * 3, GREEDY)
     assert [o.token_ids for o in outs] == reference * 3
     if num_blocks == 14:
         assert engine.scheduler.num_preemptions > 0
     else:
         assert sum(o.metrics["num_cached_tokens"] for o in outs) > 0
-    assert engine.spec_stats.num_verify_steps > 0
+    assert engine.speculator.stats.num_verify_steps > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -306,9 +309,9 @@ def test_logprobs_under_speculation_equal_plain(tiny_dir, prompts, reference):  
     llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4,
                                       "controller": "fixed"})  # fmt: skip
     cont = {tuple(p): o.token_ids for p, o in zip(prompts[:4], plain)}
-    llm.engine.use_proposer(OracleProposer(cont))
+    llm.engine.speculator.use_proposer(OracleProposer(cont))
     outs = llm.generate(prompts[:4], params)
-    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
     for o, want in zip(outs, plain):
         assert o.token_ids == want.token_ids
         assert len(o.logprobs) == len(want.logprobs) == len(o.token_ids)
@@ -332,5 +335,5 @@ def test_sampled_rows_in_the_speculative_step_stay_seeded_and_in_vocab(tiny_dir,
         assert [o.token_ids for o in outs[:3]] == want
         assert all(len(o.token_ids) >= 4 for o in outs[3:])
         runs.append([o.token_ids for o in outs[3:]])
-        assert llm.engine.spec_stats.num_verify_steps > 0
+        assert llm.engine.speculator.stats.num_verify_steps > 0
     assert runs[0] == runs[1]

@@ -53,12 +53,11 @@ def plain(tiny_dir, prompts):  # noqa: F811
 
 
 def _run(llm, proposer, prompts):
-    llm.engine.use_proposer(proposer)
-    before = llm.engine.spec_stats
-    llm.engine.spec_stats = type(before)()
+    speculator = llm.engine.speculator
+    speculator.use_proposer(proposer)
+    speculator.reset_stats()
     outs = llm.generate(prompts, PARAMS)
-    stats, llm.engine.spec_stats = llm.engine.spec_stats, before
-    return [o.token_ids for o in outs], stats
+    return [o.token_ids for o in outs], speculator.stats
 
 
 def test_proposer_draws_follow_the_curve():

@@ -148,13 +148,13 @@ def test_sharded_drafter_output_equals_the_drafter_on_rank0_and_one_rank(served,
         spec = _spec(drafter_dir, draft_tp, topk)
         with LLM(str(path), tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
             engine = llm.engine
-            assert engine.proposer.sharded == (draft_tp == 2)
-            drafts = _record_drafts(engine.proposer)
+            assert engine.speculator.proposer.sharded == (draft_tp == 2)
+            drafts = _record_drafts(engine.speculator.proposer)
             engine.runner.reset_collective_counts()
             got = [o.token_ids for o in llm.generate(few, GREEDY)]
             counts = engine.runner.collective_counts()
             assert got == want, f"draft_tp={draft_tp} topk={topk}: differs from one rank"
-            assert engine.spec_stats.num_verify_steps > 0
+            assert engine.speculator.stats.num_verify_steps > 0
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         runs[draft_tp, topk] = (drafts, counts)
         if draft_tp == 1:

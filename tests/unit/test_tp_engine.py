@@ -79,30 +79,30 @@ def test_tp2_equals_tp1_plain_ngram_eagle3_under_preemption_and_chunking(
 
         def run(name: str) -> dict:
             engine.runner.reset_collective_counts()
-            verifies = engine.spec_stats.num_verify_steps
+            verifies = engine.speculator.stats.num_verify_steps
             outs = [o.token_ids for o in llm.generate(prompts * 3, GREEDY)]
             assert outs == tp1_outputs, f"{name}: TP=2 differs from TP=1"
             assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
             if name != "plain":
-                assert engine.spec_stats.num_verify_steps > verifies, name
+                assert engine.speculator.stats.num_verify_steps > verifies, name
             return engine.runner.collective_counts()
 
         counts = run("ngram")
         assert _per_forward(counts, "verify") == (2 * layers + 1, 1)
         assert engine.scheduler.num_preemptions > 0
         target = engine.checkpoint.config
-        engine.use_proposer(Eagle3Drafter(random_drafter(target), engine.runner))
+        engine.speculator.use_proposer(Eagle3Drafter(random_drafter(target), engine.runner))
         counts = run("eagle3 chain")
         assert _per_forward(counts, "verify") == (2 * layers + 1, 1)
         # The drafter runs on rank 0 alone: its forwards add no collective ("draft" absent).
         assert "draft" not in counts
-        engine.use_proposer(Eagle3Drafter(random_drafter(target), engine.runner, 2, 2))
+        engine.speculator.use_proposer(Eagle3Drafter(random_drafter(target), engine.runner, 2, 2))
         counts = run("eagle3 tree")
         assert counts["other"]["broadcast"]["calls"] > 0  # headers, and the KV moves
         # A forward's inputs (tree masks included) reach the other ranks in one broadcast.
         for mode in ("prefill", "verify"):
             assert counts[mode]["broadcast"]["calls"] == counts[mode]["forward"]["calls"]
-        engine.use_proposer(None)
+        engine.speculator.use_proposer(None)
         counts = run("plain")
         assert _per_forward(counts, "decode") == (2 * layers + 1, 1)
         assert "verify" not in counts

@@ -189,7 +189,7 @@ def _check_model(path: str) -> dict:
         tokens[f"{name}_plain"] = [o.token_ids for o in plain.generate(prompts, params)]
         spec_llm = LLM(path, speculative=spec, **common)
         tokens[f"{name}_spec"] = [o.token_ids for o in spec_llm.generate(prompts, params)]
-        verifies[name] = spec_llm.engine.spec_stats.num_verify_steps
+        verifies[name] = spec_llm.engine.speculator.stats.num_verify_steps
         assert type(spec_llm.engine.runner.backend).__name__ == (
             "TritonBackend" if name == "triton" else "TorchRefBackend"
         )

@@ -1,0 +1,294 @@
+"""The engine's one owner of speculation: the proposer, the adaptive controller, the k (or the
+tree) each step verifies, the slots a drafter writes ahead, the accepted runs cut at stops, the
+drafts a step hands back, and the acceptance statistics. EngineCore calls it once at each point
+of its step:
+
+    before_schedule(running)      -> the scheduler's (max_drafts, lookahead)
+    is_speculative_step(batch)    -> run(batch) instead of the runner's plain run
+    trim_output(batch, output)    before the scheduler appends the step's tokens
+    after_postprocess(batch, out) after it: the next drafts, or the drafter catching up
+    forget(request_id)            at finish or abort
+    after_step(running)           drafts for the next step (device drafters, per-sequence path)
+    record_step(...)              the whole step's time, for the controller
+
+With no proposer every call does nothing and the engine decodes plainly."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from outrider.config import SpecConfig
+from outrider.core import ForwardMode, Request, ScheduledBatch, StepOutput
+from outrider.engine.block_manager import BlockManager
+from outrider.engine.detokenizer import count_until_stop
+from outrider.executor.model_runner import ModelRunner
+from outrider.executor.spec_step import simple_greedy
+from outrider.speculative.base import Proposer
+from outrider.speculative.controller import SpecController, StepProfile
+from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
+from outrider.speculative.stats import SpecStats, record_verify
+from outrider.speculative.tree_batch import TreeShape
+
+log = logging.getLogger(__name__)
+
+_OBSERVED_ROWS = 16  # rows of a verify step the adaptive controller learns from
+
+
+class Speculator:
+    """Speculation for one engine. `stats` (engine-wide acceptance), `last_k` (drafts verified
+    in the last decode step, 0: plain) and `steps_by_k` (decode steps by drafts verified) are
+    read by metrics; `proposer` and `controller` (None for fixed k and for trees) are what
+    serves now."""
+
+    def __init__(
+        self,
+        config: SpecConfig,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        max_model_len: int,
+        proposer: Proposer | None,
+    ) -> None:
+        self._config = config
+        self._runner = runner
+        self._block_manager = block_manager
+        self._max_model_len = max_model_len
+        self.use_proposer(proposer)
+        self.stats = SpecStats()
+        self.last_k = 0
+        self.steps_by_k: dict[int, int] = {}
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def use_proposer(self, proposer: Proposer | None) -> None:
+        """Serve with this proposer (None: plain decoding); tests and benchmarks build drafters
+        in code. Recaptures the runner's graphs, whose shapes depend on it; statistics are
+        kept.
+
+        Chains and a device drafter's trees run through the runner's speculative step (a
+        drafter on the device drafts inside it)."""
+        self.proposer = p = proposer
+        k = self._config.num_draft_tokens
+        self._k_max = k if p is not None else 0
+        self._k = self._k_max  # drafts verified this step (the controller's pick)
+        self._drafted_only = False  # the last step drafted but verified nothing
+        self._observe_phase = 0  # which share of a large batch the controller sees this step
+        self._tree: TreeShape | None = None
+        if p is not None and p.topk > 1 and p.on_device:
+            self._tree = TreeShape(k, p.topk, p.num_steps or min(k, DEFAULT_MAX_STEPS))
+        self._stepped = p is not None and (p.topk == 1 or self._tree is not None)
+        if self._stepped:
+            drafter = p if p.on_device else None
+            self._runner.set_speculation(drafter, tuple(range(1, k + 1)), self._tree)
+        else:
+            self._runner.aux_layers = p.aux_layers if p is not None else ()
+        self._runner.capture_graphs()
+        self.controller: SpecController | None = None
+        # The controller chooses chain lengths; a tree verifies its whole shape every step.
+        if self._stepped and self._tree is None and self._config.controller == "adaptive":
+            self.controller = SpecController(self._measure_profile(), max_k=k)
+
+    def _measure_profile(self) -> StepProfile:
+        runner = self._runner
+        table = runner.profile_steps(range(1, self._k_max + 1))
+        key = {"device": str(runner.device), "dtype": str(runner.dtype),
+               "drafter": self.proposer.name}  # fmt: skip
+        log.info("speculative step profile (ms by batch size and k): %s", table)
+        return StepProfile(table, key).monotone()
+
+    def verify_per_sequence(self) -> None:
+        """Verify drafts per sequence inside the runner's plain run (the path prefills and
+        sampling trees take) instead of the speculative step, with drafts proposed after each
+        step: tests compare the two paths on one engine. Graphs stay as captured."""
+        self._stepped = False
+
+    def reset_stats(self) -> None:
+        """Start the engine-wide acceptance counters afresh (a benchmark measuring several
+        proposers on one engine); a `stats` read before keeps its counts."""
+        self.stats = SpecStats()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def before_schedule(self, running: Sequence[Request]) -> tuple[int | None, int]:
+        """Choose this step's k and, for a host proposer, draft for it; returns the scheduler's
+        (max_drafts, lookahead): drafts a decoding request verifies at most (None: all it has)
+        and the slots past them a device drafter writes."""
+        if self.proposer is None or not self._stepped:
+            return None, 0  # as proposed
+        self._choose_k(running)
+        if not self.proposer.on_device and self._k:
+            # Drafted on demand, for the k chosen: while speculation is off a host proposer
+            # costs nothing.
+            self._propose(running)
+        lookahead = self._k - 1 if self.proposer.on_device and self._k else 0
+        if self._tree is not None:
+            lookahead = self._tree.reach - 1
+        return self._k, lookahead
+
+    def _choose_k(self, running: Sequence[Request]) -> None:
+        """The controller's k for this step's decoding requests. A step that only drafted
+        (speculation was off before it) keeps its k one more step, so its drafts are verified
+        and acceptance is observed (a probe would otherwise never see a verify)."""
+        if self.controller is None:
+            return
+        if self._drafted_only:
+            self._drafted_only = False
+            return
+        ids = [r.request_id for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        if ids:
+            self._k = self.controller.choose(ids)
+
+    def is_speculative_step(self, batch: ScheduledBatch) -> bool:
+        """Whether the batch runs as one speculative step: chains, every sequence decoding
+        (its root and at most k drafts), and speculation on this step."""
+        if not self._stepped or self._k == 0 or batch.mode == ForwardMode.PREFILL:
+            return False
+        if not self.proposer.on_device and not any(s.drafts for s in batch.seqs):
+            return False  # nothing to verify and nothing to draft: a plain decode step
+        if self._tree is not None and not all(map(simple_greedy, batch.seqs)):
+            return False  # trees that sample are verified per sequence (runner.run)
+        return all(
+            s.sample and s.query_len == 1 + (s.drafts.num_nodes if s.drafts else 0)
+            for s in batch.seqs
+        )
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """The speculative step on the runner: verify, accept and (a device drafter) draft the
+        next k. Only for a batch is_speculative_step accepted."""
+        on_device = self.proposer.on_device
+        self._drafted_only = on_device and not any(s.drafts for s in batch.seqs)
+        return self._runner.run_spec(batch, self._k, self._k if on_device else 0)
+
+    def trim_output(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Before the scheduler appends the step's tokens: count the decode step by the drafts
+        it verified, and cut each accepted run at its first stop."""
+        if batch.mode != ForwardMode.PREFILL and self.proposer is not None:
+            k = self._k if output.num_accepted is not None else 0
+            self.last_k = k
+            self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
+            for seq in batch.seqs:
+                steps = seq.request.metrics.steps_by_k
+                steps[k] = steps.get(k, 0) + 1
+        if output.num_accepted is not None:
+            self._cut_at_token_stops(batch, output)
+
+    def _cut_at_token_stops(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Several tokens may arrive at once from a verify: keep those up to the first EOS /
+        stop id / max_tokens / context end, and record acceptance statistics."""
+        sampling = [s for s in batch.seqs if s.sample]
+        observe = self.controller is not None and batch.mode != ForwardMode.PREFILL
+        # The controller's update is Python per row (~10 us): at most _OBSERVED_ROWS rows a
+        # step, a different share each step, keep it far below a step's time at any batch.
+        stride = -(-len(sampling) // _OBSERVED_ROWS)
+        self._observe_phase = (self._observe_phase + 1) % stride
+        for i, seq in enumerate(sampling):
+            if (
+                observe
+                and i % stride == self._observe_phase
+                and (seq.drafts is not None or not self.proposer.on_device)
+            ):
+                # A host proposer drafts all it can (up to the most k): drafts short of k, or
+                # none, yielded nothing there and count as rejected. A device drafter's rows
+                # hold what the previous step's k asked for: only those were tried.
+                n = seq.drafts.num_nodes if self.proposer.on_device else self._k
+                self.controller.observe(seq.request.request_id, n, output.num_accepted[i])
+            if seq.drafts is None:
+                continue
+            accepted = output.num_accepted[i]
+            self.stats.record(seq.drafts.num_nodes, accepted)
+            record_verify(seq.request.metrics, seq.drafts.num_nodes, accepted)
+            keep, _ = count_until_stop(seq.request, output.token_ids[i], self._max_model_len)
+            if keep < len(output.token_ids[i]):
+                output.token_ids[i] = output.token_ids[i][:keep]
+                if output.logprobs is not None:
+                    output.logprobs[i] = output.logprobs[i][:keep]
+                output.num_accepted[i] = min(accepted, keep)
+
+    def after_postprocess(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """After the scheduler appended the step's tokens: drafts made inside the step become
+        each request's drafts for the next one; otherwise a drafter sees what the target
+        computed."""
+        if output.next_drafts is not None:
+            self._take_drafts(batch, output)
+        elif self.proposer is not None and (batch.mode == ForwardMode.PREFILL or self._k):
+            # A device drafter follows the target through steps it did not draft in; after a
+            # plain step while speculation is off it skips (its KV there goes stale: later
+            # drafts are worse, never wrong).
+            self.proposer.observe(batch, output)
+
+    def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
+            req = seq.request
+            n = min(drafts.num_nodes, self._room(req))
+            if not req.is_finished and n > 0:
+                req.drafts = drafts.truncated(n)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the proposer and the controller hold for a finished or aborted request."""
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+        if self.controller is not None:
+            self.controller.forget(request_id)
+
+    def after_step(self, running: Sequence[Request]) -> None:
+        """At the end of the step's bookkeeping: a device drafter, or a proposer whose drafts
+        are verified per sequence, drafts for the next step now. Host proposers of chains
+        draft in before_schedule instead, for the k chosen then."""
+        if self.proposer is not None and (self.proposer.on_device or not self._stepped):
+            self._propose(running)
+
+    def record_step(self, batch: ScheduledBatch, speculative: bool, started: float) -> None:
+        """The whole step, from `started` (time.perf_counter() before scheduling) to now:
+        scheduling, a host proposer's lookup, the runner, the bookkeeping of every token it
+        emitted. It refines the controller's start-up profile, which timed the runner alone:
+        host work that grows with the batch (a lookup per row, several tokens per row to
+        account for) can turn a gain the runner's time shows into a loss. A plain step taken
+        while speculation was on (no row found drafts) is neither: not recorded."""
+        if self.controller is None:
+            return
+        if speculative:
+            k = self._k
+        elif batch.mode == ForwardMode.DECODE and self._k == 0:
+            k = 0
+        else:
+            return
+        self.controller.record_step(len(batch.seqs), k, (time.perf_counter() - started) * 1e3)
+
+    # -- drafting ---------------------------------------------------------------------------
+
+    def _propose(self, running: Sequence[Request]) -> None:
+        """Draft for every running request that is decoding, capped so accepted drafts plus
+        the final token never pass max_tokens or the context."""
+        reqs = [
+            r
+            for r in running
+            if r.num_computed_tokens == r.num_tokens - 1
+            and not r.drafts  # a device drafter already drafted inside the step
+        ]
+        k = self._k
+        if not reqs or k == 0:
+            return
+        if self.proposer.writes_kv:
+            reqs = [r for r in reqs if self._reserve_draft_slots(r, k)]
+        for req, drafts in zip(reqs, self.proposer.propose(reqs, k)):
+            n = min(drafts.num_nodes, self._room(req))
+            req.drafts = None if n <= 0 else drafts.truncated(n)
+
+    def _room(self, req: Request) -> int:
+        """Drafts that can still count: accepted ones plus the final token never pass
+        max_tokens or the context."""
+        room = self._max_model_len - req.num_tokens - 1
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - len(req.output_token_ids) - 1)
+        return room
+
+    def _reserve_draft_slots(self, req: Request, k: int) -> bool:
+        """A drafter that writes its own KV while proposing writes it in slots past the computed
+        tokens, which the next VERIFY uses too (root + k drafts): allocate them now, or skip
+        drafting for this request when the pool is short (drafts are a bet; nobody is
+        preempted for them)."""
+        need = self.proposer.positions_needed(k)
+        if req.num_computed_tokens + need > self._max_model_len:
+            return False  # the last few tokens of the context decode plainly
+        return self._block_manager.allocate(req, need)
