@@ -4,7 +4,7 @@ GEMMs and the weighted sum of each token's expert outputs, each one launch with 
 
     logits [T, E] --moe_route_no_sync--> weights [T, top_k] fp32, ids [T, top_k]
     ids --moe_layout_no_sync--> layout: the rows (token, choice) sorted by expert into blocks
-    x [T, H] --moe_gemm (gate_up)--> [R, 2I] --silu*up--> [R, I] --moe_gemm (down)--> [R, H]
+    x [T, H] --moe_gemm (gate_up, gated: silu(gate) * up)--> [R, I] --moe_gemm (down)--> [R, H]
       --moe_combine (x weights, summed per token, + the shared experts' output)--> [T, H]
 
 Each has a torch reference (layers/moe.py's router and loop, moe_layout_reference); the CPU
@@ -122,9 +122,12 @@ def moe_gemm(
     scale: torch.Tensor | None = None,  # INT4: [E, N, ceil(K / group_size)]
     group_size: int = 0,
     layout: torch.Tensor | None = None,  # moe_layout_no_sync(ids, E), to share between calls
-) -> torch.Tensor | None:  # [R, N] in a's dtype
+    gated: bool = False,
+) -> torch.Tensor | None:  # [R, N] in a's dtype; gated: [R, N / 2]
     """Row r of the result is a[r // rows_per_a] @ weight[ids[r]]^T, with no host read
     (graph-safe): rows_per_a = top_k lets a token's top_k rows share its activation row.
+    gated: the weight's rows are gate then up (a SwiGLU expert's gate_up) and the result is
+    silu(gate) * up, rounded as the product and SiluAndMul round it, from one launch.
     With `scale`, `weight` is compressed-tensors INT4 (loaders/compressed_tensors.py),
     dequantized in registers as q * scale in fp32 and rounded to a's dtype before the multiply,
     as the reference rounds its dequantized weight. Accumulates in fp32. None where the fused
@@ -156,6 +159,10 @@ def moe_gemm(
     else:
         scale = weight  # unread
     rows, n, experts = ids.numel(), weight.shape[1], weight.shape[0]
+    if gated:
+        if n % 2:
+            raise ValueError(f"moe_gemm: gated weights {tuple(weight.shape)} need an even N")
+        n //= 2
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     if not rows:
         return out
@@ -174,7 +181,7 @@ def moe_gemm(
         out.stride(0),
         K=width, ROWS_PER_A=rows_per_a, INT4=int4, GROUP=max(group_size, 1),
         DOT_F32=a.dtype == torch.float32 or not a.is_cuda,  # not CUDA: the interpreter
-        BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K, num_warps=4,
+        GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -187,12 +194,14 @@ def moe_route_no_sync(
     topk_group: int,
     norm_topk_prob: bool,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, top_k] float32, ids [T, top_k] int64
+    always: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids: [T, top_k + always] float32, int64
     """DeepSeek-V3's noaux_tc selection in one launch: sigmoid scores, the bias added for
     choosing only, the best topk_group groups by the sum of their two best biased scores, the
     top_k biased experts among them, weighted by their unbiased scores (renormalised when
-    norm_topk_prob) times `scale`. Choices come in descending biased score, ties to the lower
-    expert id (torch's topk leaves both unspecified)."""
+    norm_topk_prob) times `scale`; then `always` experts E .. E + always - 1 with weight 1.
+    Choices come in descending biased score, ties to the lower expert id (torch's topk leaves
+    both unspecified)."""
     t, experts = logits.shape
     if experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(
@@ -203,15 +212,15 @@ def moe_route_no_sync(
     size = experts // n_group
     if topk_group < n_group and size < 2:
         raise ValueError(f"moe_route_no_sync: groups of {size} expert(s) have no two best")
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, top_k + always, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k + always, dtype=torch.int64, device=logits.device)
     if t:
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         _kernels().moe_route_kernel[(t,)](
             logits, bias, weights, ids, logits.stride(0), scale,
             GROUPS=n_group, GROUP_SIZE=size, KEEP_GROUPS=topk_group, TOP_K=top_k,
-            NORM=norm_topk_prob, G_PAD=triton_next_pow2(n_group),
-            S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k), num_warps=4,
+            ALWAYS=always, NORM=norm_topk_prob, G_PAD=triton_next_pow2(n_group),
+            S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k + always), num_warps=4,
         )  # fmt: skip
     return weights, ids
 

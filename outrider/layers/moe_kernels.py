@@ -12,8 +12,8 @@ import triton.language as tl
 def moe_route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, KEEP_GROUPS: tl.constexpr,
-    TOP_K: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    K_PAD: tl.constexpr,
+    TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
     # One program per token: its E router logits as a [G_PAD, S_PAD] tile of groups, every
     # choice a max over the tile. Slot (g, s) is expert g * GROUP_SIZE + s; padding holds -inf
@@ -55,8 +55,12 @@ def moe_route_kernel(
     if NORM:
         weight = weight / (tl.sum(weight, 0) + 1e-20)
     weight = weight * scale
-    tl.store(weights_ptr + t * TOP_K + j, weight, mask=j < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + j, chosen, mask=j < TOP_K)
+    # Then the ALWAYS experts every token uses, after the routed ones, with weight 1.
+    weight = tl.where(j < TOP_K, weight, 1.0)
+    chosen = tl.where(j < TOP_K, chosen, GROUPS * GROUP_SIZE + j - TOP_K)
+    width = TOP_K + ALWAYS
+    tl.store(weights_ptr + t * width + j, weight, mask=j < width)
+    tl.store(ids_ptr + t * width + j, chosen, mask=j < width)
 
 
 @triton.jit
@@ -126,7 +130,8 @@ def moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, out_ptr, n,
     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     K: tl.constexpr, ROWS_PER_A: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (b, j): block b of the expert-sorted layout (BLOCK_M row ids, all one expert's,
     # padded with -1; see moe_fused.moe_layout_no_sync) times that expert's j-th BLOCK_N output
@@ -155,36 +160,62 @@ def moe_gemm_kernel(
     w_cols = w_ptr + e * stride_we + cols.to(tl.int64) * stride_wn  # [BLOCK_N]
     s_cols = s_ptr + e * stride_se + cols.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # GATED: the weight holds gate rows [0, n) then up rows [n, 2n); a second accumulator takes
+    # the up rows of the same columns, and the epilogue stores silu(gate) * up.
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if INT4:
-            # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K,
-            # BLOCK_N] in row-major order, so row 8w + i is word w's nibble i. Past K the
-            # activations are 0, so whatever the padding nibbles or masked scales hold adds 0.
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            ok = (kw < (K + 7) // 8)[:, None] & n_ok[None, :]
-            words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)
-            # Arithmetic shift of a negative word drags the sign in; the mask drops it.
-            q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            q = tl.reshape(q, [BLOCK_K, BLOCK_N]) - 8
-            if BLOCK_K % GROUP == 0:  # whole groups per tile: one scale load per group
-                kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-                ok = (kg < (K + GROUP - 1) // GROUP)[:, None] & n_ok[None, :]
-                scale = tl.load(s_cols[None, :] + kg[:, None], mask=ok, other=0.0)
-                scale = tl.broadcast_to(scale[:, None, :], [BLOCK_K // GROUP, GROUP, BLOCK_N])
-                scale = tl.reshape(scale, [BLOCK_K, BLOCK_N])
-            else:
-                ok = k_ok[:, None] & n_ok[None, :]
-                scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
-            w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+        acc = _moe_tile_dot(
+            a, acc, w_cols, s_cols, k0, ks, k_ok, n_ok, K, INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N
+        )
+        if GATED:
+            up = _moe_tile_dot(
+                a, up, w_cols + n * stride_wn, s_cols + n * stride_sn, k0, ks, k_ok, n_ok, K,
+                INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N,
+            )  # fmt: skip
+    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # rounded where the two-kernel path rounds: both halves, then silu's output
+        g = acc.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        acc = act * up.to(dtype).to(tl.float32)
+    tl.store(out, acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_tile_dot(
+    a, acc, w_cols, s_cols, k0, ks, k_ok, n_ok,
+    K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # acc + a @ the weight tile: BLOCK_K of K from k0, the BLOCK_N columns at w_cols.
+    if INT4:
+        # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K,
+        # BLOCK_N] in row-major order, so row 8w + i is word w's nibble i. Past K the
+        # activations are 0, so whatever the padding nibbles or masked scales hold adds 0.
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        ok = (kw < (K + 7) // 8)[:, None] & n_ok[None, :]
+        words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)
+        # Arithmetic shift of a negative word drags the sign in; the mask drops it.
+        q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+        q = tl.reshape(q, [BLOCK_K, BLOCK_N]) - 8
+        if BLOCK_K % GROUP == 0:  # whole groups per tile: one scale load per group
+            kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            ok = (kg < (K + GROUP - 1) // GROUP)[:, None] & n_ok[None, :]
+            scale = tl.load(s_cols[None, :] + kg[:, None], mask=ok, other=0.0)
+            scale = tl.broadcast_to(scale[:, None, :], [BLOCK_K // GROUP, GROUP, BLOCK_N])
+            scale = tl.reshape(scale, [BLOCK_K, BLOCK_N])
         else:
             ok = k_ok[:, None] & n_ok[None, :]
-            w = tl.load(w_cols[None, :] + ks[:, None], mask=ok, other=0.0).to(a.dtype)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
+        w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+    else:
+        ok = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_cols[None, :] + ks[:, None], mask=ok, other=0.0).to(a.dtype)
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
