@@ -108,15 +108,75 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
     kernels = kernel_times(prof)
     n = row["steps"]
     by_name = Counter(name for name, _ in kernels)
+    us_by_name: Counter = Counter()
+    for name, us in kernels:
+        us_by_name[name] += us
     return {
         "steps": n,
         "kernels_per_step": round(len(kernels) / n, 1),
         "busy_ms_per_step": round(sum(us for _, us in kernels) / 1e3 / n, 3),
         "wall_ms_per_step": round(row["step_ms"], 3),  # profiled: slower than unprofiled
+        # name -> [launches, microseconds] per step, costliest first
         "by_name_per_step": {
-            k[:90]: round(v / n, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+            k[:90]: [round(by_name[k] / n, 2), round(us / n, 1)]
+            for k, us in us_by_name.most_common()
         },
     }
+
+
+def grouped_gemm_bandwidth(hf: dict, tokens: tuple[int, ...], bandwidth: float) -> list[dict]:
+    """The routed experts' two grouped GEMMs alone (moe_gemm, gate_up then down, random
+    uniform routing, the layout built once outside the timing) at each token count: time and
+    share of copy bandwidth for the bytes of the distinct experts routed to (counted)."""
+    from outrider.layers import moe_fused
+
+    e, k, h = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["hidden_size"]
+    inter = hf["moe_intermediate_size"]
+    int4 = hf.get("quantization_config") is not None
+    group = 32
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def weight(n: int, kk: int):
+        if not int4:
+            return (torch.randn(e, n, kk, device=dev, generator=g) * 0.02).to(torch.bfloat16), None
+        words = torch.randint(-(2**31), 2**31 - 1, (e, n, kk // 8), dtype=torch.int32,
+                              device=dev, generator=g)  # fmt: skip
+        scale = (torch.rand(e, n, kk // group, device=dev, generator=g) * 0.01).to(torch.bfloat16)
+        return words, scale
+
+    gate_up, gate_up_s = weight(2 * inter, h)
+    down, down_s = weight(h, inter)
+    per_expert = sum(t[0].numel() * t.element_size() for t in (gate_up, down)) + sum(
+        t[0].numel() * t.element_size() for t in (gate_up_s, down_s) if t is not None
+    )
+    rows_out = []
+    for t in tokens:
+        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices.reshape(-1)
+        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+        hmid = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
+        layout = moe_fused.moe_layout_no_sync(ids, e)
+
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps, warm = 20, 3
+        with torch.inference_mode():
+            for i in range(warm + reps):
+                if i == warm:
+                    start.record()
+                moe_fused.moe_gemm(x, ids, gate_up, k, gate_up_s, group, layout)
+                moe_fused.moe_gemm(hmid, ids, down, 1, down_s, group, layout)
+            end.record()
+            torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / reps
+        touched = ids.unique().numel()  # CPU-GPU sync point: outside the timing
+        need = touched * per_expert
+        rows_out.append({
+            "tokens": t, "experts_touched": touched, "ms": round(ms, 4),
+            "bytes_gb": round(need / 1e9, 4),
+            "share_of_copy_bandwidth": round(need / (ms / 1e3) / (bandwidth * 1e9), 3),
+        })  # fmt: skip
+        print(f"grouped GEMMs, {t} tokens: {rows_out[-1]}", flush=True)
+    return rows_out
 
 
 def build_engine(hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int):
@@ -167,6 +227,9 @@ def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidt
             "share_of_roofline": round(r["tok_per_s"] / roof, 3) if roof else None,
         }
         print(f"{name} C={c}: {rows[str(c)]}", flush=True)
+    gemm = None
+    if device == "cuda":
+        gemm = grouped_gemm_bandwidth(hf, (1, 4, 16, 64), bandwidth)
     profiles = {}
     for c in args.profile_concurrency:
         profiles[str(c)] = profile_decode(engine, c, args.prompt_len, 8, device)
@@ -180,6 +243,7 @@ def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidt
         "cuda_graphs": engine.runner.graphs is not None,
         "build_s": round(build_s, 1),
         "decode": rows,
+        "grouped_gemm": gemm,
         "profile": profiles,
     }
     del engine, model

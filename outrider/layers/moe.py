@@ -23,7 +23,7 @@ one more sums each token's rows with the shared experts' output; nothing is read
 and the forward can be captured in a CUDA graph:
 
     ids [T, top_k] --sort by expert--> layout [blocks x MOE_BLOCK_M] row ids, -1 padding
-    x [T, H] --moe_gemm (row r reads token r // top_k)--> gate_up [R, 2I] --silu*up--> [R, I]
+    x [T, H] --moe_gemm (row r reads token r // top_k; gate and up, silu(gate) * up)--> [R, I]
       --moe_gemm (row r)--> down [R, H] --x router weights, sum per token, + add--> [T, H]
 
 It rounds differently from the reference: each token's top_k outputs are summed once in fp32
@@ -68,6 +68,8 @@ class GroupedTopkRouter(nn.Module):
     4. Take the top_k biased scores among the kept groups' experts.
     5. Weights: their unbiased scores, divided by their sum when norm_topk_prob (+1e-20 as the
        reference), times routed_scaling_factor.
+    6. Then `always` experts every token uses (the shared experts held beside the routed
+       ones, ids E .. E + always - 1) with weight 1.
     """
 
     def __init__(
@@ -79,9 +81,10 @@ class GroupedTopkRouter(nn.Module):
         topk_group: int,
         norm_topk_prob: bool,
         routed_scaling_factor: float,
+        always: int = 0,
     ) -> None:
         super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.always = num_experts, top_k, always
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         f32 = dict(dtype=torch.float32)
@@ -91,14 +94,15 @@ class GroupedTopkRouter(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> weights [T, top_k] float32, expert ids [T, top_k] int64. Where the
-        fused kernels serve, steps 1-5 after the logits are one launch (choices then come in
-        descending biased score, ties to the lower id); else these torch ops."""
+        """x [T, H] -> weights [T, top_k + always] float32, expert ids [T, top_k + always]
+        int64. Where the fused kernels serve, steps 1-6 after the logits are one launch
+        (choices then come in descending biased score, ties to the lower id); else these torch
+        ops."""
         logits = F.linear(x.float(), self.weight)  # [T, E]
         if fused.use_fused(x):
             return moe_fused.moe_route_no_sync(
                 logits, self.e_score_correction_bias, self.top_k, self.n_group,
-                self.topk_group, self.norm_topk_prob, self.routed_scaling_factor,
+                self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, self.always,
             )  # fmt: skip
         scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias
@@ -112,7 +116,13 @@ class GroupedTopkRouter(nn.Module):
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        weights = weights * self.routed_scaling_factor
+        if self.always:
+            t = ids.shape[0]
+            shared = torch.arange(self.num_experts, self.num_experts + self.always, device=x.device)
+            ids = torch.cat([ids, shared.expand(t, -1)], dim=1)
+            weights = torch.cat([weights, weights.new_ones(t, self.always)], dim=1)
+        return weights, ids
 
 
 class FusedExperts(nn.Module):
@@ -127,17 +137,28 @@ class FusedExperts(nn.Module):
     _ROWS = {"gate": 0, "up": 1}
 
     def __init__(
-        self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup | None = None
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        tp: TPGroup | None = None,
+        num_shared: int = 0,
     ) -> None:
+        """num_shared: shared experts (DeepSeek-V3's `shared_experts`, an MLP of width
+        num_shared x intermediate) held as num_shared more experts of width `intermediate`
+        after the routed ones, ids E .. E + num_shared - 1, so that the grouped GEMMs run them
+        with the routed experts (the router names them for every token: its `always`). A
+        checkpoint's shared MLP loads into them with shard id ("shared", part)."""
         super().__init__()
         self._init_split(num_experts, intermediate, tp)
-        i = self.intermediate
+        self.num_shared = num_shared
+        i, stacked = self.intermediate, num_experts + num_shared
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * i, hidden), requires_grad=False
-        )  # [E, 2 * I/tp, H]
+            torch.empty(stacked, 2 * i, hidden), requires_grad=False
+        )  # [E + S, 2 * I/tp, H]
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden, i), requires_grad=False
-        )  # [E, H, I/tp]
+            torch.empty(stacked, hidden, i), requires_grad=False
+        )  # [E + S, H, I/tp]
         self._register_loaders(("gate_up_proj",), ("down_proj",))
         self.act = SiluAndMul()
 
@@ -150,6 +171,7 @@ class FusedExperts(nn.Module):
             )
         self.num_experts, self.tp_rank, self.tp_size = num_experts, tp.rank, tp.size
         self.intermediate = intermediate // tp.size  # this rank's
+        self.num_shared = 0
 
     def _register_loaders(self, gate_up: tuple[str, ...], down: tuple[str, ...]) -> None:
         # Every expert's shards must arrive (models/weights.py checks `expected_shards`), or
@@ -160,6 +182,8 @@ class FusedExperts(nn.Module):
                 param.weight_loader = self.weight_loader
                 param.expert_parts = parts
                 param.expected_shards = [(e, p) for e in range(self.num_experts) for p in parts]
+                if self.num_shared:
+                    param.expected_shards += [("shared", p) for p in parts]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str] | None = None
@@ -178,13 +202,28 @@ class FusedExperts(nn.Module):
                     self.weight_loader(param, loaded[e].narrow(0, i * rows, rows), (e, part))
             return
         expert, part = shard_id
+        if expert == "shared":  # the shared MLP [S I, H] (gate, up) or [H, S I] (down)
+            dim = 0 if part in self._ROWS else 1
+            if not self.num_shared or loaded.shape[dim] % self.num_shared:
+                raise ValueError(
+                    f"{type(self).__name__}: checkpoint shared-expert tensor of shape "
+                    f"{tuple(loaded.shape)} does not split into n_shared_experts="
+                    f"{self.num_shared}: the checkpoint does not match its config.json"
+                )
+            for s, chunk in enumerate(loaded.chunk(self.num_shared, dim)):
+                self._load_expert(param, chunk, self.num_experts + s, part)
+            return
         if not 0 <= expert < self.num_experts:
             raise ValueError(
                 f"checkpoint expert {expert} is outside the config's n_routed_experts="
                 f"{self.num_experts}: the checkpoint does not match its config.json"
             )
-        # This rank's slice of the expert: rows of gate and of up, columns of down (in the
-        # parameter's units: values, packed words or scale groups alike).
+        self._load_expert(param, loaded, expert, part)
+
+    def _load_expert(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str):
+        """This rank's slice of the expert: rows of gate and of up, columns of down (in the
+        parameter's units: values, packed words or scale groups alike)."""
+        shard_id = (expert, part)
         target = param.data[expert]
         if part in self._ROWS:  # [2 I/tp, ...]: this part's half
             dim, n = 0, target.shape[0] // 2
@@ -236,12 +275,13 @@ class FusedExperts(nn.Module):
         rows = ids.reshape(-1)  # [R]: row r is token r // top_k's choice r % top_k
         # The rows sorted by expert once, for both GEMMs (they route the same rows).
         layout = (
-            moe_fused.moe_layout_no_sync(rows, self.num_experts) if fused.use_fused(x) else None
+            moe_fused.moe_layout_no_sync(rows, self.num_experts + self.num_shared)
+            if fused.use_fused(x)
+            else None
         )
-        gate_up = self._moe_gemm(x, rows, ids.shape[1], False, layout)  # [R, 2I]
-        if gate_up is None:
+        h = self._moe_gemm(x, rows, ids.shape[1], False, layout)  # [R, I]: silu(gate) * up
+        if h is None:
             return None
-        h = self.act(gate_up)  # [R, I]
         down = self._moe_gemm(h, rows, 1, True, layout)  # [R, H]
         return moe_fused.moe_combine(down, weights, add)
 
@@ -254,7 +294,7 @@ class FusedExperts(nn.Module):
         layout: torch.Tensor | None,
     ) -> torch.Tensor | None:
         weight = self.down_proj if down else self.gate_up_proj
-        return moe_fused.moe_gemm(a, rows, weight, rows_per_a, layout=layout)
+        return moe_fused.moe_gemm(a, rows, weight, rows_per_a, layout=layout, gated=not down)
 
     def forward_reference(
         self,
@@ -343,4 +383,6 @@ class Int4FusedExperts(FusedExperts):
     ) -> torch.Tensor | None:
         name = "down_proj" if down else "gate_up_proj"
         packed, scale = getattr(self, f"{name}_packed"), getattr(self, f"{name}_scale")
-        return moe_fused.moe_gemm(a, rows, packed, rows_per_a, scale, self.group_size, layout)
+        return moe_fused.moe_gemm(
+            a, rows, packed, rows_per_a, scale, self.group_size, layout, gated=not down
+        )

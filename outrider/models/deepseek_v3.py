@@ -69,6 +69,7 @@ _EXPERT = re.compile(
     r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\."
     r"(weight|weight_packed|weight_scale|weight_shape)$"
 )
+_SHARED = re.compile(r"(model\.layers\.\d+\.mlp)\.shared_experts\.(gate|up|down)_proj\.weight$")
 _QUANTIZED = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point")
 
 
@@ -176,26 +177,35 @@ class DeepseekV3MLP(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
+    """Routed experts plus shared experts. Unquantized, the shared MLP (width n_shared x
+    moe_intermediate_size) is held as n_shared more experts in the routed experts' stack, which
+    the router names for every token: one pair of grouped GEMMs runs both. INT4 routed experts
+    keep a separate bf16 shared MLP, whose output the experts' weighted sum adds."""
+
     def __init__(self, cfg: DeepseekV3Config, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
+        folded = cfg.n_shared_experts if cfg.expert_quant is None else 0
         self.gate = GroupedTopkRouter(
             cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group,
-            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+            cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, always=folded,
         )  # fmt: skip
         sizes = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = None
         if cfg.expert_quant is None:
-            self.experts = FusedExperts(*sizes, tp=tp)
+            self.experts = FusedExperts(*sizes, tp=tp, num_shared=folded)
         else:
             self.experts = Int4FusedExperts(*sizes, cfg.expert_quant.group_size, tp=tp)
-        self.shared_experts = DeepseekV3MLP(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, tp, reduce=False
-        )
+            self.shared_experts = DeepseekV3MLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, tp,
+                reduce=False,
+            )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)  # [T, top_k] each, the same on every rank
+        weights, ids = self.gate(x)  # the same on every rank
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         # Both partial sums over this rank's slice of the intermediate width; one all-reduce.
-        return self.tp.all_reduce(self.experts(x, weights, ids, add=self.shared_experts(x)))
+        return self.tp.all_reduce(self.experts(x, weights, ids, add=shared))
 
 
 class DeepseekV3DecoderLayer(PrenormDecoderLayer):
@@ -306,6 +316,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             param = "down_proj" if part == "down" else "gate_up_proj"
             suffix = {"weight": "", "weight_packed": "_packed", "weight_scale": "_scale"}[kind]
             return f"{stacked}.{param}{suffix}", (int(index), part)
+        shared = _SHARED.match(name)
+        if shared and not quantized:  # held in the routed experts' stack (DeepseekV3MoE)
+            mlp, part = shared.groups()
+            param = "down_proj" if part == "down" else "gate_up_proj"
+            return f"{mlp}.experts.{param}", ("shared", part)
         if name.endswith(_QUANTIZED):
             raise ValueError(
                 f"checkpoint tensor {name} is INT4-packed: outrider loads INT4 weights for the "

@@ -14,14 +14,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize(
-    "experts, top_k, groups, keep, scaling",
-    [(256, 8, 8, 4, 2.5), (384, 8, 1, 1, 2.827), (64, 6, 1, 1, 2.446)],  # V3, Kimi, Moonlight
+    "experts, top_k, groups, keep, scaling, always",
+    [(256, 8, 8, 4, 2.5, 1), (384, 8, 1, 1, 2.827, 0), (64, 6, 1, 1, 2.446, 2)],  # V3, Kimi, ML
 )
 @pytest.mark.parametrize("tokens", [1, 64, 1024])
-def test_route_kernel_chooses_as_the_torch_router(experts, top_k, groups, keep, scaling, tokens):
+def test_route_kernel_chooses_as_the_torch_router(
+    experts, top_k, groups, keep, scaling, always, tokens
+):
     torch.manual_seed(0)
     hidden = 1024
-    router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, True, scaling).cuda()
+    router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, True, scaling, always)
+    router = router.cuda()
     router.weight.data.normal_(0, 0.02)
     router.e_score_correction_bias.data.normal_(0, 0.05)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

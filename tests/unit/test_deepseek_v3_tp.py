@@ -108,17 +108,22 @@ def test_shards_hold_their_heads_and_expert_slices(tiny_ds, int4_tp_ds):  # noqa
                     getattr(s.self_attn, name).weight, getattr(w.self_attn, name).weight
                 )
             assert torch.equal(s.mlp.gate.weight, w.mlp.gate.weight)
-            # The shared experts' down projection leaves its reduction to the MoE block.
-            assert not s.mlp.shared_experts.down_proj.reduce
+            mlps = [(whole.model.layers[0].mlp, shard.model.layers[0].mlp)]
+            folded = range(8, 8 + s.mlp.experts.num_shared)  # unquantized: after the routed
+            if s.mlp.shared_experts is not None:  # INT4 experts: a separate bf16 MLP
+                # Its down projection leaves its reduction to the MoE block.
+                assert not s.mlp.shared_experts.down_proj.reduce
+                mlps.append((w.mlp.shared_experts, s.mlp.shared_experts))
+            else:
+                assert len(folded) == 1
             i = whole.model.layers[1].mlp.experts.intermediate // 2
-            for e in (0, 5):
+            for e in (0, 5, *folded):
                 got = s.mlp.experts.expert_weights(e, torch.float32)
                 gate_up, down = w.mlp.experts.expert_weights(e, torch.float32)
                 gate, up = gate_up.view(2, -1, gate_up.shape[-1])[:, rank * i :][:, :i]
                 assert torch.equal(got[0], torch.cat([gate, up]))
                 assert torch.equal(got[1], down[:, rank * i :][:, :i])
-            for wm, sm in ((whole.model.layers[0].mlp, shard.model.layers[0].mlp),
-                           (w.mlp.shared_experts, s.mlp.shared_experts)):  # fmt: skip
+            for wm, sm in mlps:
                 assert torch.equal(sm.down_proj.weight, wm.down_proj.weight.chunk(2, 1)[rank])
     experts = _shards(int4_tp_ds[0])[1].model.layers[1].mlp.experts
     # 32 inputs a rank: 4 words and one scale group of each expert's down rows.

@@ -23,12 +23,12 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
-# (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling)
+# (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling, always)
 ROUTERS = [
-    ("deepseek-v3", 256, 8, 8, 4, True, 2.5),
-    ("kimi", 384, 8, 1, 1, True, 2.827),
-    ("moonlight", 64, 6, 1, 1, True, 2.446),
-    ("odd-unnormed", 24, 3, 3, 2, False, 1.0),
+    ("deepseek-v3", 256, 8, 8, 4, True, 2.5, 1),
+    ("kimi", 384, 8, 1, 1, True, 2.827, 0),
+    ("moonlight", 64, 6, 1, 1, True, 2.446, 2),
+    ("odd-unnormed", 24, 3, 3, 2, False, 1.0, 0),
 ]
 # (name, rows, experts): one token, a chunk and a half, many slots past one fill, one expert.
 LAYOUTS = [("one", 8, 384), ("chunks", 100, 7), ("wide", 600, 384), ("single", 40, 1)]
@@ -41,29 +41,38 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     def emit(**line) -> None:
         print(_RESULT + json.dumps(line), flush=True)
 
+    real = fused.use_fused
+
     gen = torch.Generator().manual_seed(0)
-    for name, experts, top_k, groups, keep, norm, scaling in ROUTERS:
+    for name, experts, top_k, groups, keep, norm, scaling, always in ROUTERS:
         hidden, tokens = 48, 5
-        router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, norm, scaling)
+        router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, norm, scaling, always)
         router.weight.data = torch.randn(experts, hidden, generator=gen)
         router.e_score_correction_bias.data = torch.randn(experts, generator=gen) * 0.5
         x = torch.randn(tokens, hidden, generator=gen)
         want_w, want_ids = router(x)  # CPU: the torch path
         logits = torch.nn.functional.linear(x, router.weight)
         got_w, got_ids = moe_fused.moe_route_no_sync(
-            logits, router.e_score_correction_bias, top_k, groups, keep, norm, scaling
+            logits, router.e_score_correction_bias, top_k, groups, keep, norm, scaling, always
         )
         # Order within a token is unspecified on the torch side: compare by expert.
         order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
         ids_g, ids_w = got_ids.gather(1, order_g), want_ids.gather(1, order_w)
         w_g, w_w = got_w.gather(1, order_g), want_w.gather(1, order_w)
         biased = logits.sigmoid() + router.e_score_correction_bias
-        descending = bool((biased.gather(1, got_ids).diff(dim=1) <= 0).all())
+        routed = got_ids[:, :top_k]
+        descending = bool((biased.gather(1, routed).diff(dim=1) <= 0).all())
+        shared = list(range(experts, experts + always))
+        always_last = got_ids[:, top_k:].tolist() == [shared] * tokens and bool(
+            (got_w[:, top_k:] == 1).all()
+        )
         emit(
             name=f"route-{name}",
             same_ids=torch.equal(ids_g, ids_w),
             weight_diff=(w_g - w_w).abs().max().item(),
             descending=descending,
+            always_last=always_last,
+            width=got_ids.shape[1],
             dtypes=[str(got_w.dtype), str(got_ids.dtype)],
         )
 
@@ -92,6 +101,29 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 same=torch.equal(got, want),
             )
 
+    # The gated grouped GEMM against the plain one followed by torch's silu(gate) * up.
+    from outrider.loaders.compressed_tensors import quantize_int4
+
+    fused.use_fused = lambda x: True
+    ids = torch.randint(0, 5, (21,), generator=gen)
+    a = torch.randn(7, 160, generator=gen)
+    w = torch.randn(5, 2 * 40, 160, generator=gen) / 160**0.5
+    packed, scale = quantize_int4(w, 32, torch.float32)
+    for name, args in (("values", (w,)), ("int4", (packed, 3, scale, 32))):
+        weight, rest = args[0], args[1:]
+        rows_per_a = 3
+        if name == "values":
+            two = moe_fused.moe_gemm(a, ids, weight, rows_per_a)
+            got = moe_fused.moe_gemm(a, ids, weight, rows_per_a, gated=True)
+        else:
+            two = moe_fused.moe_gemm(a, ids, weight, *rest)
+            got = moe_fused.moe_gemm(a, ids, weight, *rest, gated=True)
+        gate, up = two.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+        diff = (got - want).abs().max().item()
+        emit(name=f"gated-{name}", scaled=diff / want.abs().max().item(), shape=list(got.shape))
+    fused.use_fused = real
+
     # A whole tiny DeepSeek-V3 prefill (MoE layers routed, laid out, combined; every MLA
     # layer's norm and rotaries in mla_prep_), kernels forced on against off, interleaved
     # rotary pairs and not.
@@ -116,7 +148,6 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     from outrider.executor.kv_cache import KVPool
 
     prompts = [[5, 9, 33, 100, 7], list(range(40, 71))]
-    real = fused.use_fused
     for interleave in (True, False):
         fused.use_fused = real
         plain = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
@@ -162,6 +193,9 @@ def test_route_chooses_the_references_experts_with_its_weights(results, name):
     assert r["same_ids"], r
     assert r["weight_diff"] <= 1e-6, r
     assert r["descending"], r  # choices in descending biased score
+    always = next(row[-1] for row in ROUTERS if row[0] == name)
+    top_k = next(row[2] for row in ROUTERS if row[0] == name)
+    assert r["always_last"] and r["width"] == top_k + always, r  # the shared experts last
     assert r["dtypes"] == ["torch.float32", "torch.int64"]
 
 
@@ -177,6 +211,12 @@ def test_combine_sums_in_fp32_then_adds_as_torch_rounds(results):
     # The interpreter truncates fp32 -> bf16 (numpy has no bf16): within one bf16 step, twice.
     for with_add in (False, True):
         assert results[f"combine-bfloat16-{with_add}"]["scaled"] <= 2**-6
+
+
+@pytest.mark.parametrize("weights", ["values", "int4"])
+def test_gated_grouped_gemm_equals_the_gemm_then_silu_and_mul(results, weights):
+    r = results[f"gated-{weights}"]
+    assert r["scaled"] <= 1e-6 and r["shape"] == [21, 40], r
 
 
 @pytest.mark.parametrize("interleave", [True, False])
