@@ -75,21 +75,21 @@ def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
 def step_bytes(model, hf: dict, concurrency: int, context: float, kv_bytes: int) -> float:
     """Bytes a decode step of `concurrency` sequences at mean `context` must read."""
     experts = hf["n_routed_experts"]
-    routed = other = 0
+    per_expert = other = 0
+    stacked = experts  # experts a layer's stack holds: the routed, then any shared held there
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
-        if ".experts." in name or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            routed += size
+        if ".experts." in name:  # stacked [E (+ shared), ...]: one layer's
+            per_expert += size / p.shape[0]
+            stacked = p.shape[0]
         elif "embed_tokens" in name:
             other += size * concurrency / p.shape[0]
         else:
             other += size
-    for name, b in model.named_buffers():
-        if ".experts." in name:
-            routed += b.numel() * b.element_size()
     moe_layers = hf["num_hidden_layers"] - hf["first_k_dense_replace"]
-    per_expert = routed / max(moe_layers * experts, 1)
+    per_expert /= max(moe_layers, 1)
     touched = expected_experts(experts, hf["num_experts_per_tok"], concurrency)
+    touched += stacked - experts  # shared experts in the stack: read every step
     latent = (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * kv_bytes * hf["num_hidden_layers"]
     return other + moe_layers * touched * per_expert + concurrency * context * latent
 
@@ -124,61 +124,6 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
     }
 
 
-def grouped_gemm_bandwidth(hf: dict, tokens: tuple[int, ...], bandwidth: float) -> list[dict]:
-    """The routed experts' two grouped GEMMs alone (moe_gemm, gate_up then down, random
-    uniform routing, the layout built once outside the timing) at each token count: time and
-    share of copy bandwidth for the bytes of the distinct experts routed to (counted)."""
-    from outrider.layers import moe_fused
-
-    e, k, h = hf["n_routed_experts"], hf["num_experts_per_tok"], hf["hidden_size"]
-    inter = hf["moe_intermediate_size"]
-    int4 = hf.get("quantization_config") is not None
-    group = 32
-    dev = "cuda"
-    g = torch.Generator(device=dev).manual_seed(0)
-
-    def weight(n: int, kk: int):
-        if not int4:
-            return (torch.randn(e, n, kk, device=dev, generator=g) * 0.02).to(torch.bfloat16), None
-        words = torch.randint(-(2**31), 2**31 - 1, (e, n, kk // 8), dtype=torch.int32,
-                              device=dev, generator=g)  # fmt: skip
-        scale = (torch.rand(e, n, kk // group, device=dev, generator=g) * 0.01).to(torch.bfloat16)
-        return words, scale
-
-    gate_up, gate_up_s = weight(2 * inter, h)
-    down, down_s = weight(h, inter)
-    per_expert = sum(t[0].numel() * t.element_size() for t in (gate_up, down)) + sum(
-        t[0].numel() * t.element_size() for t in (gate_up_s, down_s) if t is not None
-    )
-    rows_out = []
-    for t in tokens:
-        ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices.reshape(-1)
-        x = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-        hmid = torch.randn(t * k, inter, device=dev, dtype=torch.bfloat16)
-        layout = moe_fused.moe_layout_no_sync(ids, e)
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        reps, warm = 20, 3
-        with torch.inference_mode():
-            for i in range(warm + reps):
-                if i == warm:
-                    start.record()
-                moe_fused.moe_gemm(x, ids, gate_up, k, gate_up_s, group, layout)
-                moe_fused.moe_gemm(hmid, ids, down, 1, down_s, group, layout)
-            end.record()
-            torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / reps
-        touched = ids.unique().numel()  # CPU-GPU sync point: outside the timing
-        need = touched * per_expert
-        rows_out.append({
-            "tokens": t, "experts_touched": touched, "ms": round(ms, 4),
-            "bytes_gb": round(need / 1e9, 4),
-            "share_of_copy_bandwidth": round(need / (ms / 1e3) / (bandwidth * 1e9), 3),
-        })  # fmt: skip
-        print(f"grouped GEMMs, {t} tokens: {rows_out[-1]}", flush=True)
-    return rows_out
-
-
 def build_engine(hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int):
     """An EngineCore on random weights of `hf`'s shape, CUDA graphs up to max_c sequences."""
     from outrider.config import EngineConfig
@@ -208,8 +153,7 @@ def kernels_per_decode_step(hf: dict, concurrency: int = 1) -> float:
 
 def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidth: float) -> dict:
     t0 = time.perf_counter()
-    max_len = args.prompt_len + args.new_tokens + 64
-    engine = build_engine(hf, device, dtype, max(args.concurrency), max_len)
+    engine = build_engine(hf, device, dtype, max(args.concurrency), args.max_model_len)
     build_s = time.perf_counter() - t0
     model = engine.runner.model
     kv_bytes = dtype.itemsize
@@ -227,9 +171,6 @@ def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidt
             "share_of_roofline": round(r["tok_per_s"] / roof, 3) if roof else None,
         }
         print(f"{name} C={c}: {rows[str(c)]}", flush=True)
-    gemm = None
-    if device == "cuda":
-        gemm = grouped_gemm_bandwidth(hf, (1, 4, 16, 64), bandwidth)
     profiles = {}
     for c in args.profile_concurrency:
         profiles[str(c)] = profile_decode(engine, c, args.prompt_len, 8, device)
@@ -243,7 +184,6 @@ def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidt
         "cuda_graphs": engine.runner.graphs is not None,
         "build_s": round(build_s, 1),
         "decode": rows,
-        "grouped_gemm": gemm,
         "profile": profiles,
     }
     del engine, model
@@ -264,6 +204,8 @@ def main() -> int:
     ap.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="as a server would be started (attention plans its splits for it)")  # fmt: skip
     ap.add_argument("--out-dir", default=None, help="where moe_gpu.json goes")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in fp32")
     args = ap.parse_args()
@@ -271,7 +213,7 @@ def main() -> int:
         device, dtype, bandwidth = "cpu", torch.float32, 0.0
         models = {"smoke": SMOKE}
         args.concurrency, args.profile_concurrency = [1, 2], [1]
-        args.prompt_len, args.new_tokens = 8, 4
+        args.prompt_len, args.new_tokens, args.max_model_len = 8, 4, 64
     else:
         device, dtype = "cuda", torch.bfloat16
         bandwidth = copy_bandwidth_gbs()

@@ -15,6 +15,7 @@ where the kernels serve.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -39,12 +40,23 @@ def moe_gemm_serves(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-# moe_gemm's tile: BLOCK_M rows of one expert (16, tl.dot's least), BLOCK_N output columns and
-# a BLOCK_K slice of K per step. Chosen, not tuned on a GPU: at one token (8 rows, 8 experts,
-# each block one real row) the kernel streams weights, and BLOCK_N 64 keeps enough programs in
-# flight for that (Kimi-K2.5's gate_up: 4096 / 64 x 8 = 512; down: 7168 / 64 x 8 = 896, on
-# 132 SMs); BLOCK_K 128 is 16 INT4 words per weight row, a multiple of the group size 32.
-MOE_BLOCK_M, MOE_BLOCK_N, MOE_BLOCK_K = 16, 64, 128
+# moe_gemm's rows a block: one expert's, 16 being tl.dot's least.
+MOE_BLOCK_M = 16
+
+
+@dataclass(frozen=True)
+class MoeTile:
+    """moe_gemm's launch shape: BLOCK_N output columns and a BLOCK_K slice of K a step, the
+    warps and software-pipeline stages of a program. INT4 needs block_k >= 128 (its dots take
+    K = block_k / 8, 16 at least)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILE = MoeTile()
 
 
 # The layout kernel places _LAYOUT_CHUNK rows at a time (each row's rank among its chunk is a
@@ -123,6 +135,7 @@ def moe_gemm(
     group_size: int = 0,
     layout: torch.Tensor | None = None,  # moe_layout_no_sync(ids, E), to share between calls
     gated: bool = False,
+    tile: MoeTile = DEFAULT_TILE,
 ) -> torch.Tensor | None:  # [R, N] in a's dtype; gated: [R, N / 2]
     """Row r of the result is a[r // rows_per_a] @ weight[ids[r]]^T, with no host read
     (graph-safe): rows_per_a = top_k lets a token's top_k rows share its activation row.
@@ -174,14 +187,17 @@ def moe_gemm(
             f"experts, which need {moe_layout_slots(rows, experts)}: build it with "
             f"moe_layout_no_sync(ids, {experts})"
         )
-    grid = (layout.numel() // MOE_BLOCK_M, -(-n // MOE_BLOCK_N))
+    if int4 and tile.block_k < 128:
+        raise ValueError(f"moe_gemm: INT4 weights need a tile's block_k >= 128, not {tile}")
+    grid = (layout.numel() // MOE_BLOCK_M, -(-n // tile.block_n))
     _kernels().moe_gemm_kernel[grid](
         a, weight, scale, ids, layout, out, n,
         a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
         out.stride(0),
         K=width, ROWS_PER_A=rows_per_a, INT4=int4, GROUP=max(group_size, 1),
         DOT_F32=a.dtype == torch.float32 or not a.is_cuda,  # not CUDA: the interpreter
-        GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=MOE_BLOCK_N, BLOCK_K=MOE_BLOCK_K, num_warps=4,
+        GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
 

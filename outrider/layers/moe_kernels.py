@@ -164,15 +164,12 @@ def moe_gemm_kernel(
     # the up rows of the same columns, and the epilogue stores silu(gate) * up.
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc = _moe_tile_dot(
-            a, acc, w_cols, s_cols, k0, ks, k_ok, n_ok, K, INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N
+            a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok, K, INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N
         )
         if GATED:
             up = _moe_tile_dot(
-                a, up, w_cols + n * stride_wn, s_cols + n * stride_sn, k0, ks, k_ok, n_ok, K,
+                a_rows, m_ok, up, w_cols + n * stride_wn, s_cols + n * stride_sn, k0, n_ok, K,
                 INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     out = out_ptr + rows[:, None] * stride_out + cols[None, :]
@@ -186,36 +183,44 @@ def moe_gemm_kernel(
 
 @triton.jit
 def _moe_tile_dot(
-    a, acc, w_cols, s_cols, k0, ks, k_ok, n_ok,
+    a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok,
     K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # acc + a @ the weight tile: BLOCK_K of K from k0, the BLOCK_N columns at w_cols.
+    # acc + a @ the weight tile: the BLOCK_K inputs from k0 of the rows at a_rows, the BLOCK_N
+    # columns at w_cols.
     if INT4:
-        # [BLOCK_K / 8, BLOCK_N] words -> [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K,
-        # BLOCK_N] in row-major order, so row 8w + i is word w's nibble i. Past K the
-        # activations are 0, so whatever the padding nibbles or masked scales hold adds 0.
+        # Word w holds inputs 8w .. 8w + 7, nibble i input 8w + i. Rather than interleave the
+        # nibbles into K order in registers (a costly relayout), the product is split by
+        # nibble: eight dots of K = BLOCK_K / 8, a[:, 8w + i] @ q_i[w, :]. Past K the
+        # activations are 0, so whatever padding nibbles or masked scales hold adds 0.
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         ok = (kw < (K + 7) // 8)[:, None] & n_ok[None, :]
-        words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)
-        # Arithmetic shift of a negative word drags the sign in; the mask drops it.
-        q = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-        q = tl.reshape(q, [BLOCK_K, BLOCK_N]) - 8
-        if BLOCK_K % GROUP == 0:  # whole groups per tile: one scale load per group
-            kg = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            ok = (kg < (K + GROUP - 1) // GROUP)[:, None] & n_ok[None, :]
-            scale = tl.load(s_cols[None, :] + kg[:, None], mask=ok, other=0.0)
-            scale = tl.broadcast_to(scale[:, None, :], [BLOCK_K // GROUP, GROUP, BLOCK_N])
-            scale = tl.reshape(scale, [BLOCK_K, BLOCK_N])
-        else:
-            ok = k_ok[:, None] & n_ok[None, :]
-            scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
-        w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+        words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)  # [BLOCK_K / 8, N]
+        if GROUP % 8 == 0:  # a word's eight inputs share one scale group
+            scale = tl.load(s_cols[None, :] + (kw * 8 // GROUP)[:, None], mask=ok, other=0.0)
+        for i in tl.static_range(8):
+            ks = kw * 8 + i
+            a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :],
+                        other=0.0)  # fmt: skip
+            if GROUP % 8 != 0:
+                scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
+            # Arithmetic shift of a negative word drags the sign in; the mask drops it.
+            q = ((words >> (4 * i)) & 0xF) - 8
+            w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+            acc = _dot(a, w, acc, DOT_F32)
     else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         ok = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_cols[None, :] + ks[:, None], mask=ok, other=0.0).to(a.dtype)
-    if DOT_F32:
-        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc, DOT_F32)
     return acc
+
+
+@triton.jit
+def _dot(a, w, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, w, acc)

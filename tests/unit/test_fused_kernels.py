@@ -173,7 +173,7 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     fused.use_fused = real
 
     # The MoE forward in two moe_gemm launches against the reference loop over experts: T 3,
-    # top_k 2, E 5; bf16-shaped experts with odd widths (K not a multiple of MOE_BLOCK_K), INT4
+    # top_k 2, E 5; bf16-shaped experts with odd widths (K not a multiple of the tile's block_k), INT4
     # ones with K a multiple of 8 and of the group (as Kimi's), past one K tile. fp32 scales:
     # the reference's dequantized fp32 weight is then exactly the kernel's q * scale.
     from outrider.layers.moe import FusedExperts, Int4FusedExperts

@@ -1,0 +1,133 @@
+"""The grouped MoE GEMM's launch shapes on one GPU: each candidate MoeTile timed on the
+Moonlight-16B-A3B experts (bf16, 64 routed + 2 shared, 8 a token) and the Kimi-K2.5 experts
+(INT4 group 32, 384, 8 a token) at 1, 4, 16 and 64 tokens, gate_up (gated) and down apart,
+with the share of copy bandwidth that the bytes of the experts the step reads make of it.
+
+    python benchmarks/moe_gemm_tiles.py [--tokens 1 4 16 64] [--out-dir DIR]
+
+Each time is a CUDA graph of 10 launches replayed (launch cost out of it), the median of 5
+replays. Writes moe_gemm_tiles.json: every candidate's time, and the best tile per (model,
+GEMM, tokens) beside the default's. The table in layers/moe_fused.py (moe_tile) comes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+from gpu_decode import copy_bandwidth_gbs  # noqa: E402
+
+# (name, experts in the stack, chosen a token, hidden, intermediate, INT4)
+MODELS = [("moonlight-16b-a3b", 66, 8, 2048, 1408, False), ("kimi-k2.5", 384, 8, 7168, 2048, True)]
+GROUP = 32
+
+
+def candidates(int4: bool):
+    from outrider.layers.moe_fused import MoeTile
+
+    for n, k, warps, stages in itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4)):
+        if warps == 8 and n < 64:
+            continue
+        yield MoeTile(n, k, warps, stages)
+    if not int4:
+        yield MoeTile(32, 64, 4, 4)
+        yield MoeTile(64, 64, 4, 4)
+
+
+def random_experts(e: int, n: int, k: int, int4: bool, g: torch.Generator):
+    """[e, n, k] bf16 experts, or INT4 packed words and bf16 scales of that shape."""
+    dev = g.device
+    if not int4:
+        return (torch.randn(e, n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16), None
+    words = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), dtype=torch.int32, device=dev,
+                          generator=g)  # fmt: skip
+    scale = torch.rand(e, n, k // GROUP, device=dev, generator=g) * 0.01
+    return words, scale.to(torch.bfloat16)
+
+
+def time_graph(fn, reps: int = 10) -> float:
+    """Median ms of one call, from a CUDA graph of `reps` calls replayed five times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return sorted(times)[2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+
+    from outrider.layers import moe_fused
+
+    bandwidth = copy_bandwidth_gbs()
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    results = []
+    for name, e, k, h, inter, int4 in MODELS:
+        gemms = {
+            "gate_up": (random_experts(e, 2 * inter, h, int4, g), h, True),
+            "down": (random_experts(e, h, inter, int4, g), inter, False),
+        }
+        for t in args.tokens:
+            ids = torch.rand(t, e, device=dev, generator=g).topk(k, dim=-1).indices.reshape(-1)
+            layout = moe_fused.moe_layout_no_sync(ids, e)
+            touched = ids.unique().numel()  # CPU-GPU sync point: outside the timing
+            for gemm, ((w, s), width, gated) in gemms.items():
+                rows_per_a = k if gemm == "gate_up" else 1
+                a = torch.randn(t * k // rows_per_a, width, device=dev, dtype=torch.bfloat16)
+                per_expert = w[0].numel() * w.element_size()
+                per_expert += s[0].numel() * s.element_size() if s is not None else 0
+                need = touched * per_expert
+                rows = []
+                for tile in candidates(int4):
+                    call = functools.partial(
+                        moe_fused.moe_gemm, a, ids, w, rows_per_a, s, GROUP if int4 else 0,
+                        layout, gated, tile,
+                    )  # fmt: skip
+                    with torch.inference_mode():
+                        ms = time_graph(call)
+                    share = need / (ms / 1e3) / (bandwidth * 1e9)
+                    rows.append({**dataclasses.asdict(tile), "ms": round(ms, 4),
+                                 "share": round(share, 3)})  # fmt: skip
+                best = min(rows, key=lambda r: r["ms"])
+                default = next(r for r in rows if r["block_n"] == 64 and r["block_k"] == 128
+                               and r["num_warps"] == 4 and r["num_stages"] == 3)  # fmt: skip
+                print(f"{name} {gemm} T={t} experts {touched}: best {best} default "
+                      f"{default['ms']} ms ({default['share']})", flush=True)  # fmt: skip
+                results.append({"model": name, "gemm": gemm, "tokens": t,
+                                "experts_touched": touched, "bytes_gb": round(need / 1e9, 4),
+                                "best": best, "default": default, "all": rows})  # fmt: skip
+    path = write_result(
+        "moe_gemm_tiles",
+        {"copy_bandwidth_gbs": round(bandwidth, 1), "group": GROUP, "results": results},
+        args.out_dir,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
