@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
 
+    from triton.runtime.errors import OutOfResources
+
     from outrider.layers import moe_fused
 
     bandwidth = copy_bandwidth_gbs()
@@ -107,8 +109,11 @@ def main() -> int:
                         moe_fused.moe_gemm, a, ids, w, rows_per_a, s, GROUP if int4 else 0,
                         layout, gated, tile,
                     )  # fmt: skip
-                    with torch.inference_mode():
-                        ms = time_graph(call)
+                    try:
+                        with torch.inference_mode():
+                            ms = time_graph(call)
+                    except OutOfResources:  # shared memory past the SM's: not a candidate
+                        continue
                     share = need / (ms / 1e3) / (bandwidth * 1e9)
                     rows.append({**dataclasses.asdict(tile), "ms": round(ms, 4),
                                  "share": round(share, 3)})  # fmt: skip
