@@ -75,10 +75,9 @@ class LatentAttention(nn.Module):
         # scores and the softmax (same scale) are the expanded form's, only the order of the
         # products changes.
         w_uk, w_uv = absorbed()  # [heads, d_n, r], [heads, d_v, r]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, heads, r + d_r], the latents' order
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, heads, r]
         out_lat = ctx.backend.forward_latent_absorbed(
-            q, latent, self.kv_cache, ctx.attn, self.scale, w_uk.shape[-1]
+            q_lat, q_pe, latent, self.kv_cache, ctx.attn, self.scale
         )  # [T, heads, r]
         out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
         return out.reshape(t, self.num_heads * self.v_head_dim)

@@ -95,16 +95,15 @@ class GroupedTopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> weights [T, top_k + always] float32, expert ids [T, top_k + always]
-        int64. Where the fused kernels serve, steps 1-6 after the logits are one launch
-        (choices then come in descending biased score, ties to the lower id); else these torch
-        ops."""
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        int64. Where the fused kernels serve, steps 1-6 are one launch after the logits' GEMM,
+        or with it for a small router (choices then come in descending biased score, ties to
+        the lower id); else these torch ops."""
         if fused.use_fused(x):
             return moe_fused.moe_route_no_sync(
-                logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, self.always,
             )  # fmt: skip
-        scores = logits.sigmoid()
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias
         grouped = biased.view(-1, self.n_group, self.num_experts // self.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]

@@ -56,7 +56,16 @@ class MoeTile:
     num_stages: int = 3
 
 
-DEFAULT_TILE = MoeTile()
+def moe_tile(rows: int, int4: bool, gated: bool) -> MoeTile:
+    """The launch shape for `rows` rows (tokens x choices), from the H200 sweep in
+    benchmarks/results/moe_gemm_tiles.json: bf16 experts stream at 85-100% of copy bandwidth
+    from one token up with narrow gated tiles and, at few rows, wide down tiles of four stages;
+    INT4 experts, bound by unpacking, gain most from long K slices."""
+    if int4:
+        return MoeTile(64, 256, 4, 3)
+    if gated:
+        return MoeTile(32, 128, 4, 4)
+    return MoeTile(128, 128, 4, 4) if rows <= 32 else MoeTile(64, 128, 4, 3)
 
 
 # The layout kernel places _LAYOUT_CHUNK rows at a time (each row's rank among its chunk is a
@@ -135,7 +144,7 @@ def moe_gemm(
     group_size: int = 0,
     layout: torch.Tensor | None = None,  # moe_layout_no_sync(ids, E), to share between calls
     gated: bool = False,
-    tile: MoeTile = DEFAULT_TILE,
+    tile: MoeTile | None = None,  # None: moe_tile's choice
 ) -> torch.Tensor | None:  # [R, N] in a's dtype; gated: [R, N / 2]
     """Row r of the result is a[r // rows_per_a] @ weight[ids[r]]^T, with no host read
     (graph-safe): rows_per_a = top_k lets a token's top_k rows share its activation row.
@@ -187,6 +196,7 @@ def moe_gemm(
             f"experts, which need {moe_layout_slots(rows, experts)}: build it with "
             f"moe_layout_no_sync(ids, {experts})"
         )
+    tile = tile or moe_tile(rows, int4, gated)
     if int4 and tile.block_k < 128:
         raise ValueError(f"moe_gemm: INT4 weights need a tile's block_k >= 128, not {tile}")
     grid = (layout.numel() // MOE_BLOCK_M, -(-n // tile.block_n))
@@ -196,14 +206,22 @@ def moe_gemm(
         out.stride(0),
         K=width, ROWS_PER_A=rows_per_a, INT4=int4, GROUP=max(group_size, 1),
         DOT_F32=a.dtype == torch.float32 or not a.is_cuda,  # not CUDA: the interpreter
-        GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        BF16_BITS=a.dtype == torch.bfloat16 and a.is_cuda, GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip
     return out
 
 
+# The route kernel computes the router's logits itself (one program per token reading the whole
+# fp32 router weight) for weights of at most this many values and steps of at most
+# _ROUTE_OWN_TOKENS tokens: Moonlight's 64 x 2048 (512 KB, mostly from L2 after the first
+# token); beyond, cuBLAS's GEMV spreads the read over the SMs (Kimi's 384 x 7168 is 11 MB).
+_ROUTE_OWN_WEIGHT, _ROUTE_OWN_TOKENS = 1 << 18, 64
+
+
 def moe_route_no_sync(
-    logits: torch.Tensor,  # [T, E] float32 router logits
+    x: torch.Tensor,  # [T, H] the MoE block's input
+    router: torch.Tensor,  # [E, H] float32 router weight
     bias: torch.Tensor,  # [E] float32 score-correction bias
     top_k: int,
     n_group: int,
@@ -212,13 +230,15 @@ def moe_route_no_sync(
     scale: float,
     always: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids: [T, top_k + always] float32, int64
-    """DeepSeek-V3's noaux_tc selection in one launch: sigmoid scores, the bias added for
-    choosing only, the best topk_group groups by the sum of their two best biased scores, the
-    top_k biased experts among them, weighted by their unbiased scores (renormalised when
-    norm_topk_prob) times `scale`; then `always` experts E .. E + always - 1 with weight 1.
-    Choices come in descending biased score, ties to the lower expert id (torch's topk leaves
-    both unspecified)."""
-    t, experts = logits.shape
+    """DeepSeek-V3's noaux_tc routing: logits x W^T in fp32, then in one launch sigmoid scores,
+    the bias added for choosing only, the best topk_group groups by the sum of their two best
+    biased scores, the top_k biased experts among them, weighted by their unbiased scores
+    (renormalised when norm_topk_prob) times `scale`; then `always` experts E .. E + always - 1
+    with weight 1. Choices come in descending biased score, ties to the lower expert id
+    (torch's topk leaves both unspecified). A small router's logits are computed in the same
+    launch."""
+    t = x.shape[0]
+    experts, hidden = router.shape
     if experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(
             f"moe_route_no_sync: {experts} experts in n_group={n_group} groups keeping "
@@ -228,16 +248,20 @@ def moe_route_no_sync(
     size = experts // n_group
     if topk_group < n_group and size < 2:
         raise ValueError(f"moe_route_no_sync: groups of {size} expert(s) have no two best")
-    weights = torch.empty(t, top_k + always, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k + always, dtype=torch.int64, device=logits.device)
-    if t:
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        _kernels().moe_route_kernel[(t,)](
-            logits, bias, weights, ids, logits.stride(0), scale,
-            GROUPS=n_group, GROUP_SIZE=size, KEEP_GROUPS=topk_group, TOP_K=top_k,
-            ALWAYS=always, NORM=norm_topk_prob, G_PAD=triton_next_pow2(n_group),
-            S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k + always), num_warps=4,
-        )  # fmt: skip
+    weights = torch.empty(t, top_k + always, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k + always, dtype=torch.int64, device=x.device)
+    if not t:
+        return weights, ids
+    own = experts * hidden <= _ROUTE_OWN_WEIGHT and t <= _ROUTE_OWN_TOKENS
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    logits = x if own else torch.nn.functional.linear(x.float(), router)  # [T, E] unless own
+    _kernels().moe_route_kernel[(t,)](
+        logits, router, bias, weights, ids, logits.stride(0), scale,
+        GROUPS=n_group, GROUP_SIZE=size, KEEP_GROUPS=topk_group, TOP_K=top_k,
+        ALWAYS=always, NORM=norm_topk_prob, G_PAD=triton_next_pow2(n_group),
+        S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k + always),
+        OWN_LOGITS=own, HIDDEN=hidden, BLOCK_HID=64, num_warps=8 if own else 4,
+    )  # fmt: skip
     return weights, ids
 
 

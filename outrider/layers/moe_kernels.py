@@ -10,20 +10,36 @@ import triton.language as tl
 
 @triton.jit
 def moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
+    logits_ptr, router_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, KEEP_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr,
-    S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, K_PAD: tl.constexpr, OWN_LOGITS: tl.constexpr, HIDDEN: tl.constexpr,
+    BLOCK_HID: tl.constexpr,
 ):  # fmt: skip
     # One program per token: its E router logits as a [G_PAD, S_PAD] tile of groups, every
     # choice a max over the tile. Slot (g, s) is expert g * GROUP_SIZE + s; padding holds -inf
     # and is never chosen. Choices are found by value, ties to the lower expert id.
+    # OWN_LOGITS: logits_ptr is the token's hidden row [HIDDEN] and the logits are its fp32
+    # products with the router's rows [E, HIDDEN], BLOCK_HID inputs at a time.
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)
     s = tl.arange(0, S_PAD)
     ok = (g < GROUPS)[:, None] & (s < GROUP_SIZE)[None, :]
     expert = g[:, None] * GROUP_SIZE + s[None, :]
-    logit = tl.load(logits_ptr + t * stride_l + expert, mask=ok, other=0.0)
+    if OWN_LOGITS:
+        logit = tl.zeros([G_PAD, S_PAD], dtype=tl.float32)
+        for h0 in range(0, HIDDEN, BLOCK_HID):
+            hs = h0 + tl.arange(0, BLOCK_HID)
+            h_ok = hs < HIDDEN
+            xv = tl.load(logits_ptr + t * stride_l + hs, mask=h_ok, other=0.0).to(tl.float32)
+            w = tl.load(
+                router_ptr + expert[:, :, None] * HIDDEN + hs[None, None, :],
+                mask=ok[:, :, None] & h_ok[None, None, :],
+                other=0.0,
+            )
+            logit += tl.sum(w * xv[None, None, :], 2)
+    else:
+        logit = tl.load(logits_ptr + t * stride_l + expert, mask=ok, other=0.0)
     score = tl.where(ok, tl.sigmoid(logit), 0.0)
     bias = tl.load(bias_ptr + expert, mask=ok, other=0.0)
     biased = tl.where(ok, score + bias, float("-inf"))
@@ -130,8 +146,8 @@ def moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, out_ptr, n,
     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     K: tl.constexpr, ROWS_PER_A: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, BF16_BITS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (b, j): block b of the expert-sorted layout (BLOCK_M row ids, all one expert's,
     # padded with -1; see moe_fused.moe_layout_no_sync) times that expert's j-th BLOCK_N output
@@ -165,12 +181,13 @@ def moe_gemm_kernel(
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         acc = _moe_tile_dot(
-            a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok, K, INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N
-        )
+            a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok, K, INT4, GROUP, DOT_F32, BF16_BITS,
+            BLOCK_K, BLOCK_N,
+        )  # fmt: skip
         if GATED:
             up = _moe_tile_dot(
                 a_rows, m_ok, up, w_cols + n * stride_wn, s_cols + n * stride_sn, k0, n_ok, K,
-                INT4, GROUP, DOT_F32, BLOCK_K, BLOCK_N,
+                INT4, GROUP, DOT_F32, BF16_BITS, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     out = out_ptr + rows[:, None] * stride_out + cols[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -185,7 +202,7 @@ def moe_gemm_kernel(
 def _moe_tile_dot(
     a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok,
     K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BF16_BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # acc + a @ the weight tile: the BLOCK_K inputs from k0 of the rows at a_rows, the BLOCK_N
     # columns at w_cols.
@@ -206,8 +223,15 @@ def _moe_tile_dot(
             if GROUP % 8 != 0:
                 scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
             # Arithmetic shift of a negative word drags the sign in; the mask drops it.
-            q = ((words >> (4 * i)) & 0xF) - 8
-            w = (q.to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+            nibble = (words >> (4 * i)) & 0xF
+            if BF16_BITS:
+                # 0x4300 | q is the bfloat16 of 128 + q: the nibble becomes a bf16 with no
+                # integer conversion, 136 off q - 8 exactly. q * scale is exact before its one
+                # rounding to bf16, as the fp32 product rounded to bf16 is.
+                q = (nibble | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0
+                w = q.to(tl.bfloat16) * scale.to(tl.bfloat16)
+            else:
+                w = ((nibble - 8).to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
             acc = _dot(a, w, acc, DOT_F32)
     else:
         ks = k0 + tl.arange(0, BLOCK_K)

@@ -23,12 +23,14 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
-# (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling, always)
+# (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling, always, hidden): the
+# last router's weight is past what the route kernel multiplies itself (cuBLAS's logits).
 ROUTERS = [
-    ("deepseek-v3", 256, 8, 8, 4, True, 2.5, 1),
-    ("kimi", 384, 8, 1, 1, True, 2.827, 0),
-    ("moonlight", 64, 6, 1, 1, True, 2.446, 2),
-    ("odd-unnormed", 24, 3, 3, 2, False, 1.0, 0),
+    ("deepseek-v3", 256, 8, 8, 4, True, 2.5, 1, 48),
+    ("kimi", 384, 8, 1, 1, True, 2.827, 0, 48),
+    ("moonlight", 64, 6, 1, 1, True, 2.446, 2, 48),
+    ("odd-unnormed", 24, 3, 3, 2, False, 1.0, 0, 48),
+    ("large-router", 64, 6, 2, 1, True, 2.0, 1, 4200),
 ]
 # (name, rows, experts): one token, a chunk and a half, many slots past one fill, one expert.
 LAYOUTS = [("one", 8, 384), ("chunks", 100, 7), ("wide", 600, 384), ("single", 40, 1)]
@@ -44,8 +46,8 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     real = fused.use_fused
 
     gen = torch.Generator().manual_seed(0)
-    for name, experts, top_k, groups, keep, norm, scaling, always in ROUTERS:
-        hidden, tokens = 48, 5
+    for name, experts, top_k, groups, keep, norm, scaling, always, hidden in ROUTERS:
+        tokens = 5
         router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, norm, scaling, always)
         router.weight.data = torch.randn(experts, hidden, generator=gen)
         router.e_score_correction_bias.data = torch.randn(experts, generator=gen) * 0.5
@@ -53,8 +55,9 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         want_w, want_ids = router(x)  # CPU: the torch path
         logits = torch.nn.functional.linear(x, router.weight)
         got_w, got_ids = moe_fused.moe_route_no_sync(
-            logits, router.e_score_correction_bias, top_k, groups, keep, norm, scaling, always
-        )
+            x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
+            scaling, always,
+        )  # fmt: skip
         # Order within a token is unspecified on the torch side: compare by expert.
         order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
         ids_g, ids_w = got_ids.gather(1, order_g), want_ids.gather(1, order_w)
@@ -193,7 +196,7 @@ def test_route_chooses_the_references_experts_with_its_weights(results, name):
     assert r["same_ids"], r
     assert r["weight_diff"] <= 1e-6, r
     assert r["descending"], r  # choices in descending biased score
-    always = next(row[-1] for row in ROUTERS if row[0] == name)
+    always = next(row[7] for row in ROUTERS if row[0] == name)
     top_k = next(row[2] for row in ROUTERS if row[0] == name)
     assert r["always_last"] and r["width"] == top_k + always, r  # the shared experts last
     assert r["dtypes"] == ["torch.float32", "torch.int64"]
@@ -229,7 +232,8 @@ def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interle
 def test_route_refuses_groups_that_do_not_divide_the_experts():
     from outrider.layers.moe_fused import moe_route_no_sync
 
+    x, router, bias = torch.zeros(2, 8), torch.zeros(64, 8), torch.zeros(64)
     with pytest.raises(ValueError, match="n_group=5"):
-        moe_route_no_sync(torch.zeros(2, 64), torch.zeros(64), 6, 5, 2, True, 1.0)
+        moe_route_no_sync(x, router, bias, 6, 5, 2, True, 1.0)
     with pytest.raises(ValueError, match="topk_group=3"):
-        moe_route_no_sync(torch.zeros(2, 64), torch.zeros(64), 6, 2, 3, True, 1.0)
+        moe_route_no_sync(x, router, bias, 6, 2, 3, True, 1.0)

@@ -96,12 +96,14 @@ def compare_mla(case: MLACase, num_splits: int | None = None) -> dict:
     meta = case.meta()
     backend.prepare(meta)
     cache = {"latent": case.cache.clone()}
-    out = backend.forward_latent_absorbed(case.q, case.latent, cache, meta, scale, case.r)
+    q_lat, q_pe = case.q[..., : case.r], case.q[..., case.r :]  # views: strided parts
+    out = backend.forward_latent_absorbed(q_lat, q_pe, case.latent, cache, meta, scale)
 
     ref_cache = {"latent": case.cache.clone()}
     ref = TorchRefBackend().forward_latent_absorbed(
-        case.q[real_tokens], case.latent[real_tokens], ref_cache, case.meta(real), scale, case.r
-    )
+        q_lat[real_tokens], q_pe[real_tokens], case.latent[real_tokens], ref_cache,
+        case.meta(real), scale,
+    )  # fmt: skip
     padded = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
     padded[real_tokens] = False
     return {
@@ -132,7 +134,7 @@ def _check_bad_dims() -> dict:
         meta = case.meta()
         try:
             TritonBackend().forward_latent_absorbed(
-                case.q, case.latent, {"latent": case.cache}, meta, 1.0, r
+                case.q[..., :r], case.q[..., r:], case.latent, {"latent": case.cache}, meta, 1.0
             )
         except ValueError as e:
             errors[name] = str(e)

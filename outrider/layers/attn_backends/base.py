@@ -65,16 +65,18 @@ class AttentionBackend(ABC):
 
     def forward_latent_absorbed(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, width]: [q_nope @ W_UK | q_pe] per head
-        latent: torch.Tensor,  # [num_tokens, width]: this step's [compressed kv | roped k]
-        kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, width]
+        q_lat: torch.Tensor,  # [num_tokens, num_heads, r]: q_nope @ W_UK per head
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, d_r]: the roped query
+        latent: torch.Tensor,  # [num_tokens, r + d_r]: this step's [compressed kv | roped k]
+        kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, r + d_r]
         meta: AttentionMetadata,
         scale: float,
-        v_dim: int,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, r]
         """Weight-absorbed MLA: write this step's latents at meta.slot_mapping, then attend as
-        `forward` does with one KV head shared by every query head, each key the whole cached
-        latent and each value its first v_dim (kv_lora_rank) columns."""
+        `forward` does with one KV head shared by every query head, the query [q_lat | q_pe],
+        each key the whole cached latent and each value its first r (kv_lora_rank) columns.
+        The two query parts come apart (views of the projections are fine): no copy joins
+        them."""
         raise NotImplementedError(
             f"the {self.name} attention backend has no latent (MLA) attention: use "
             f"attention_backend='torch_ref'"

@@ -24,11 +24,12 @@ class TorchRefBackend(AttentionBackend):
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
         return latent_expanded(q, latent, kv_cache, meta, scale, expand)
 
-    def forward_latent_absorbed(self, q, latent, kv_cache, meta, scale, v_dim):
+    def forward_latent_absorbed(self, q_lat, q_pe, latent, kv_cache, meta, scale):
         # The latent cache is multi-query attention as it stands: one KV head of width
         # r + d_r, keys the whole latent, values its first r columns. Values are read as the
         # whole latent and the roped columns dropped after (d_r / r extra, 1/8 at DeepSeek-V3's
         # ranks), so the decode and per-sequence GQA paths serve unchanged, tree masks included.
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [T, heads, r + d_r], the latents' order
         cache = kv_cache["latent"]
         cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
         kv = cache.unsqueeze(2)  # [num_blocks, block_size, 1, width]
@@ -36,7 +37,7 @@ class TorchRefBackend(AttentionBackend):
             out = _decode(q, kv, kv, meta, scale)
         else:
             out = _per_sequence(q, kv, kv, meta, scale)
-        return out[..., :v_dim]  # [T, heads, r]
+        return out[..., : q_lat.shape[-1]]  # [T, heads, r]
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         k_cache, v_cache = kv_cache["k"], kv_cache["v"]

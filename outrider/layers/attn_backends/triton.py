@@ -139,25 +139,25 @@ class TritonBackend(AttentionBackend):
 
     def forward_latent_absorbed(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads, r + d_r]: [q_nope @ W_UK | q_pe] per head
+        q_lat: torch.Tensor,  # [num_tokens, num_heads, r]
+        q_pe: torch.Tensor,  # [num_tokens, num_heads, d_r]
         latent: torch.Tensor,  # [num_tokens, r + d_r]: this step's [compressed kv | roped k]
         kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, r + d_r]
         meta: AttentionMetadata,
         scale: float,
-        v_dim: int,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, v_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, r]
         cache = kv_cache["latent"]
         write_latent_cache(latent, cache, meta.slot_mapping)
         plan = self._plan(meta)
-        num_tokens, num_heads, _ = q.shape
+        num_tokens, num_heads, v_dim = q_lat.shape
         key = ("latent", num_heads)
         splits = plan.splits.get(key)
         if splits is None:
-            splits = plan.splits[key] = self._choose_latent_splits(plan, num_heads, q.device)
-        workspace = _workspace(plan, num_tokens, num_heads, splits, v_dim, q.device)
+            splits = plan.splits[key] = self._choose_latent_splits(plan, num_heads, q_lat.device)
+        workspace = _workspace(plan, num_tokens, num_heads, splits, v_dim, q_lat.device)
         return latent_attention(
-            q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            plan.max_query_len, scale, v_dim, splits, meta.tree_mask, workspace,
+            q_lat, q_pe, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            plan.max_query_len, scale, splits, meta.tree_mask, workspace,
         )  # fmt: skip
 
     def _plan(self, meta: AttentionMetadata) -> _StepPlan:

@@ -88,31 +88,41 @@ def head_tiles(num_heads: int) -> int:
 
 
 def latent_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, r + d_r]: [q_nope @ W_UK | q_pe] per head
+    q_lat: torch.Tensor,  # [num_tokens, num_heads, r]: q_nope @ W_UK per head
+    q_pe: torch.Tensor,  # [num_tokens, num_heads, d_r]: the roped query
     cache: torch.Tensor,  # [num_blocks, block_size, r + d_r]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32, context length including this step's tokens
     query_start_loc: torch.Tensor,  # [B + 1] int32
     max_query_len: int,  # host-side bound on query_start_loc's gaps (sizes the grid)
     scale: float,
-    v_dim: int,  # r: the values are each row's first r columns
     num_splits: int = 1,
     tree_mask: torch.Tensor | None = None,  # [num_tokens, M] bool over each sequence's last M keys
     workspace: SplitWorkspace | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, r], q's dtype
     """No host sync: lengths are read on the device; `max_query_len` only sizes the grid, so a
     value above the true maximum is correct (the extra programs find no token). `workspace`
-    (fits num_tokens, heads, num_splits, r) avoids an allocation per layer."""
-    num_tokens, num_heads, width = q.shape
-    r, d_r = latent_dims(width, v_dim)
+    (fits num_tokens, heads, num_splits, r) avoids an allocation per layer. The query is
+    [q_lat | q_pe] per head, read from its two parts. The values are each cached row's first
+    r columns."""
+    num_tokens, num_heads, r = q_lat.shape
+    if q_pe.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(
+            f"query parts of shapes {tuple(q_lat.shape)} and {tuple(q_pe.shape)}: both need "
+            f"[num_tokens, num_heads, ...]"
+        )
+    width = r + q_pe.shape[-1]
+    r, d_r = latent_dims(width, r)
     batch = block_tables.shape[0]
     if cache.dim() != 3 or cache.shape[-1] != width:
         raise ValueError(
             f"latent cache of shape {tuple(cache.shape)} for queries {width} wide: expected "
             f"[num_blocks, block_size, {width}]"
         )
-    if q.dtype != cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, latent cache {cache.dtype}")
+    if q_lat.dtype != cache.dtype or q_pe.dtype != cache.dtype:
+        raise ValueError(
+            f"dtypes differ: q {q_lat.dtype} / {q_pe.dtype}, latent cache {cache.dtype}"
+        )
     if cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("the latent cache and block table need a contiguous last dimension")
     if block_tables.dtype != torch.int32:
@@ -120,27 +130,28 @@ def latent_attention(
     tree_mask = check_ragged_inputs(
         query_start_loc, seq_lens, batch, num_splits, tree_mask, num_tokens
     )
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    out = torch.empty(num_tokens, num_heads, r, dtype=q.dtype, device=q.device)
+    q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    out = torch.empty(num_tokens, num_heads, r, dtype=q_lat.dtype, device=q_lat.device)
     if num_tokens == 0 or batch == 0:
         return out
     # Every (token, head, split) partial gets written, an empty one too (lse -inf), as long as
     # query_start_loc covers the tokens and max_query_len bounds its gaps.
     dst, dst_strides, lse, lse_strides, workspace = split_targets(out, workspace, num_splits)
-    block_n, num_warps, num_stages = mla_config(q.dtype)
+    block_n, num_warps, num_stages = mla_config(q_lat.dtype)
     has_mask = tree_mask is not None
     mask = tree_mask if has_mask else seq_lens  # any pointer; unused if causal
     tiles = head_tiles(num_heads)
     _mla_kernel[(batch, max(max_query_len, 1) * tiles, num_splits)](
-        q, cache, block_tables, seq_lens, query_start_loc, mask, dst, lse,
+        q_lat, q_pe, cache, block_tables, seq_lens, query_start_loc, mask, dst, lse,
         scale * LOG2E, num_splits, mask.shape[1] if has_mask else 0,
-        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0),
         mask.stride(0) if has_mask else 0,
         *dst_strides, *lse_strides,
         NUM_HEADS=num_heads, HEAD_TILES=tiles, BLOCK_H=BLOCK_H, R=r, D_R=d_r,
         PAGE_SIZE=cache.shape[1], BLOCK_N=block_n, HAS_MASK=has_mask, SPLIT=num_splits > 1,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q_lat.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits(workspace, out)
@@ -149,12 +160,12 @@ def latent_attention(
 
 @triton.jit
 def _mla_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, mask_ptr,
+    q_ptr, q_pe_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, mask_ptr,
     dst_ptr, lse_ptr,
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
     num_splits,
     mask_width,  # M: the tree mask covers each sequence's last M keys
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_mt,
+    stride_qt, stride_qh, stride_pt, stride_ph, stride_cb, stride_cs, stride_bt, stride_mt,
     stride_dt, stride_dh, stride_ds,
     stride_lt, stride_lh,
     NUM_HEADS: tl.constexpr, HEAD_TILES: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -191,7 +202,8 @@ def _mla_kernel(
     rope = tl.arange(0, D_R)
     q_row = q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
     q_c = tl.load(q_row + dims[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, R]
-    q_pe = tl.load(q_row + R + rope[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D_R]
+    pe_row = q_pe_ptr + token.to(tl.int64) * stride_pt + heads[:, None] * stride_ph
+    q_pe = tl.load(pe_row + rope[None, :], mask=head_ok[:, None], other=0.0)  # [BLOCK_H, D_R]
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
