@@ -95,9 +95,9 @@ class GroupedTopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> weights [T, top_k + always] float32, expert ids [T, top_k + always]
-        int64. Where the fused kernels serve, steps 1-6 are one launch after the logits' GEMM,
-        or with it for a small router (choices then come in descending biased score, ties to
-        the lower id); else these torch ops."""
+        int64. Where the fused kernels serve, steps 1-6 after the logits' GEMV are one launch
+        (choices then come in descending biased score, ties to the lower id); else these torch
+        ops."""
         if fused.use_fused(x):
             return moe_fused.moe_route_no_sync(
                 x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,

@@ -212,13 +212,6 @@ def moe_gemm(
     return out
 
 
-# The route kernel computes the router's logits itself (one program per token reading the whole
-# fp32 router weight) for weights of at most this many values and steps of at most
-# _ROUTE_OWN_TOKENS tokens: Moonlight's 64 x 2048 (512 KB, mostly from L2 after the first
-# token); beyond, cuBLAS's GEMV spreads the read over the SMs (Kimi's 384 x 7168 is 11 MB).
-_ROUTE_OWN_WEIGHT, _ROUTE_OWN_TOKENS = 1 << 18, 64
-
-
 def moe_route_no_sync(
     x: torch.Tensor,  # [T, H] the MoE block's input
     router: torch.Tensor,  # [E, H] float32 router weight
@@ -235,10 +228,11 @@ def moe_route_no_sync(
     biased scores, the top_k biased experts among them, weighted by their unbiased scores
     (renormalised when norm_topk_prob) times `scale`; then `always` experts E .. E + always - 1
     with weight 1. Choices come in descending biased score, ties to the lower expert id
-    (torch's topk leaves both unspecified). A small router's logits are computed in the same
-    launch."""
+    (torch's topk leaves both unspecified). The logits' GEMV stays cuBLAS's: in one program
+    a token's read of even a 512 KB router (Moonlight's) took 23 us on the H200, four times
+    the cast, GEMV and reduce it would replace."""
     t = x.shape[0]
-    experts, hidden = router.shape
+    experts = router.shape[0]
     if experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(
             f"moe_route_no_sync: {experts} experts in n_group={n_group} groups keeping "
@@ -252,15 +246,12 @@ def moe_route_no_sync(
     ids = torch.empty(t, top_k + always, dtype=torch.int64, device=x.device)
     if not t:
         return weights, ids
-    own = experts * hidden <= _ROUTE_OWN_WEIGHT and t <= _ROUTE_OWN_TOKENS
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    logits = x if own else torch.nn.functional.linear(x.float(), router)  # [T, E] unless own
+    logits = torch.nn.functional.linear(x.float(), router)  # [T, E]
     _kernels().moe_route_kernel[(t,)](
-        logits, router, bias, weights, ids, logits.stride(0), scale,
+        logits, bias, weights, ids, logits.stride(0), scale,
         GROUPS=n_group, GROUP_SIZE=size, KEEP_GROUPS=topk_group, TOP_K=top_k,
         ALWAYS=always, NORM=norm_topk_prob, G_PAD=triton_next_pow2(n_group),
-        S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k + always),
-        OWN_LOGITS=own, HIDDEN=hidden, BLOCK_HID=64, num_warps=8 if own else 4,
+        S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k + always), num_warps=4,
     )  # fmt: skip
     return weights, ids
 

@@ -10,36 +10,20 @@ import triton.language as tl
 
 @triton.jit
 def moe_route_kernel(
-    logits_ptr, router_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scale,
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, KEEP_GROUPS: tl.constexpr,
     TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr,
-    S_PAD: tl.constexpr, K_PAD: tl.constexpr, OWN_LOGITS: tl.constexpr, HIDDEN: tl.constexpr,
-    BLOCK_HID: tl.constexpr,
+    S_PAD: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
     # One program per token: its E router logits as a [G_PAD, S_PAD] tile of groups, every
     # choice a max over the tile. Slot (g, s) is expert g * GROUP_SIZE + s; padding holds -inf
     # and is never chosen. Choices are found by value, ties to the lower expert id.
-    # OWN_LOGITS: logits_ptr is the token's hidden row [HIDDEN] and the logits are its fp32
-    # products with the router's rows [E, HIDDEN], BLOCK_HID inputs at a time.
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_PAD)
     s = tl.arange(0, S_PAD)
     ok = (g < GROUPS)[:, None] & (s < GROUP_SIZE)[None, :]
     expert = g[:, None] * GROUP_SIZE + s[None, :]
-    if OWN_LOGITS:
-        logit = tl.zeros([G_PAD, S_PAD], dtype=tl.float32)
-        for h0 in range(0, HIDDEN, BLOCK_HID):
-            hs = h0 + tl.arange(0, BLOCK_HID)
-            h_ok = hs < HIDDEN
-            xv = tl.load(logits_ptr + t * stride_l + hs, mask=h_ok, other=0.0).to(tl.float32)
-            w = tl.load(
-                router_ptr + expert[:, :, None] * HIDDEN + hs[None, None, :],
-                mask=ok[:, :, None] & h_ok[None, None, :],
-                other=0.0,
-            )
-            logit += tl.sum(w * xv[None, None, :], 2)
-    else:
-        logit = tl.load(logits_ptr + t * stride_l + expert, mask=ok, other=0.0)
+    logit = tl.load(logits_ptr + t * stride_l + expert, mask=ok, other=0.0)
     score = tl.where(ok, tl.sigmoid(logit), 0.0)
     bias = tl.load(bias_ptr + expert, mask=ok, other=0.0)
     biased = tl.where(ok, score + bias, float("-inf"))

@@ -59,4 +59,7 @@ def test_kernels_per_moe_layer_in_the_captured_decode_graph():
         hf = {**bench.MOONLIGHT, "num_hidden_layers": layers}
         counts[layers] = bench.kernels_per_decode_step(hf, concurrency=1)
     per_layer = counts[3] - counts[2]
-    assert 0 < per_layer <= 56, counts
+    # About 19 at this writing: norm, q and kv_a projections, the MLA glue, two absorbed
+    # products, latent write, attention, o_proj (cuBLAS may split K), norm, the router's
+    # cast + GEMV (+ reduce) + choice, layout, two grouped GEMMs, combine. 15 is the goal.
+    assert 0 < per_layer <= 22, counts

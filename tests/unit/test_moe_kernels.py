@@ -23,14 +23,13 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
 )
 
-# (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling, always, hidden): the
-# last router's weight is past what the route kernel multiplies itself (cuBLAS's logits).
+# (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling, always, hidden)
 ROUTERS = [
     ("deepseek-v3", 256, 8, 8, 4, True, 2.5, 1, 48),
     ("kimi", 384, 8, 1, 1, True, 2.827, 0, 48),
     ("moonlight", 64, 6, 1, 1, True, 2.446, 2, 48),
     ("odd-unnormed", 24, 3, 3, 2, False, 1.0, 0, 48),
-    ("large-router", 64, 6, 2, 1, True, 2.0, 1, 4200),
+    ("wide-hidden", 64, 6, 2, 1, True, 2.0, 1, 1000),
 ]
 # (name, rows, experts): one token, a chunk and a half, many slots past one fill, one expert.
 LAYOUTS = [("one", 8, 384), ("chunks", 100, 7), ("wide", 600, 384), ("single", 40, 1)]
