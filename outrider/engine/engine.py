@@ -27,10 +27,10 @@ from outrider.engine.scheduler import Scheduler
 from outrider.engine.speculation import Speculator
 from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
-from outrider.executor.distributed import check_tp_size
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
+from outrider.loaders.hf_config import check_tp_size
 
 
 class EngineCore:

@@ -32,7 +32,6 @@ import torch
 
 from outrider import env
 from outrider.layers.forward_context import current_mode
-from outrider.loaders.compressed_tensors import split_unit
 
 # Outside any forward before the first one (weight broadcasts, start-up checks).
 OTHER = "other"
@@ -298,44 +297,6 @@ def _control_group() -> Any:
     import torch.distributed as dist
 
     return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-
-
-def check_tp_size(cfg: Any, tp_size: int) -> None:
-    """Fail, naming the sizes that work, when `tp_size` cannot split the model `cfg` (a
-    TransformerConfig or DeepseekV3Config): attention heads, the vocabulary and the MLP split
-    evenly over the ranks; KV heads split too, or each is replicated on tp_size / kv_heads
-    ranks (MLA has none: its latent is whole on every rank); experts split their width, INT4
-    ones in whole packed words and scale groups per rank."""
-
-    def problems(t: int) -> list[str]:
-        out = []
-        if cfg.num_attention_heads % t:
-            out.append(f"{cfg.num_attention_heads} attention heads")
-        kv = getattr(cfg, "num_key_value_heads", None)
-        if kv is not None and kv % t and t % kv:
-            out.append(f"{kv} KV heads (nor is it a multiple of them)")
-        if cfg.vocab_size % t:
-            out.append(f"vocabulary of {cfg.vocab_size}")
-        if cfg.intermediate_size % t:
-            out.append(f"MLP width {cfg.intermediate_size}")
-        experts = getattr(cfg, "moe_intermediate_size", None)
-        quant = getattr(cfg, "expert_quant", None)
-        if experts is not None and experts % t:
-            out.append(f"expert width {experts}")
-        elif quant is not None and t > 1 and (experts // t) % split_unit(quant.group_size):
-            unit = split_unit(quant.group_size)
-            out.append(f"INT4 expert width {experts} into multiples of {unit}")
-        return out
-
-    if tp_size < 1:
-        raise ValueError(f"tensor_parallel_size={tp_size}: use 1 or more")
-    found = problems(tp_size)
-    if found:
-        fits = [t for t in range(1, cfg.num_attention_heads + 1) if not problems(t)]
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} does not divide the {' or the '.join(found)}: "
-            f"use tensor_parallel_size in {fits}"
-        )
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.loaders.compressed_tensors import Int4Scheme, parse_quantization_config
+from outrider.loaders.compressed_tensors import Int4Scheme, parse_quantization_config, split_unit
 from outrider.loaders.fp8_blocks import Fp8BlockScheme, is_fp8, parse_fp8_config
 
 
@@ -319,3 +319,41 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 # What a model's `config_class` can be; the EAGLE-3 code reads only the fields both share.
 ModelConfig = TransformerConfig | DeepseekV3Config
+
+
+def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:
+    """Fail, naming the sizes that work, when `tp_size` cannot split the model `cfg`: attention
+    heads, the vocabulary and the MLP split evenly over the ranks; KV heads split too, or each
+    is replicated on tp_size / kv_heads ranks (MLA has none: its latent is whole on every
+    rank); experts split their width, INT4 ones in whole packed words and scale groups per
+    rank."""
+
+    def problems(t: int) -> list[str]:
+        out = []
+        if cfg.num_attention_heads % t:
+            out.append(f"{cfg.num_attention_heads} attention heads")
+        kv = getattr(cfg, "num_key_value_heads", None)
+        if kv is not None and kv % t and t % kv:
+            out.append(f"{kv} KV heads (nor is it a multiple of them)")
+        if cfg.vocab_size % t:
+            out.append(f"vocabulary of {cfg.vocab_size}")
+        if cfg.intermediate_size % t:
+            out.append(f"MLP width {cfg.intermediate_size}")
+        experts = getattr(cfg, "moe_intermediate_size", None)
+        quant = getattr(cfg, "expert_quant", None)
+        if experts is not None and experts % t:
+            out.append(f"expert width {experts}")
+        elif quant is not None and t > 1 and (experts // t) % split_unit(quant.group_size):
+            unit = split_unit(quant.group_size)
+            out.append(f"INT4 expert width {experts} into multiples of {unit}")
+        return out
+
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size={tp_size}: use 1 or more")
+    found = problems(tp_size)
+    if found:
+        fits = [t for t in range(1, cfg.num_attention_heads + 1) if not problems(t)]
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide the {' or the '.join(found)}: "
+            f"use tensor_parallel_size in {fits}"
+        )

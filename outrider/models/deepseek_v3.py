@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, check_tp_size, single
+from outrider.executor.distributed import TPGroup, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers import fused
 from outrider.layers.activation import SiluAndMul
@@ -58,7 +58,7 @@ from outrider.layers.moe import (
 )
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
-from outrider.loaders.hf_config import DeepseekV3Config
+from outrider.loaders.hf_config import DeepseekV3Config, check_tp_size
 from outrider.models.llama import PrenormDecoderLayer, run_layers
 from outrider.models.weights import SKIP
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, check_tp_size, kv_heads_per_rank, single
+from outrider.executor.distributed import TPGroup, kv_heads_per_rank, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention
@@ -23,7 +23,7 @@ from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from outrider.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import TransformerConfig, check_tp_size
 
 
 class LlamaAttention(nn.Module):

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from outrider import LLM, SamplingParams
-from outrider.executor.distributed import TPGroup, check_tp_size
+from outrider.executor.distributed import TPGroup
 from outrider.layers.moe import Int4FusedExperts
 from outrider.loaders.checkpoint import open_checkpoint
+from outrider.loaders.hf_config import check_tp_size
 from outrider.models.deepseek_v3 import DeepseekV3ForCausalLM
 from outrider.models.weights import load_weights
 from tests.unit.test_deepseek_v3 import VOCAB, _hf_config, _outrider, tiny_ds  # noqa: F401

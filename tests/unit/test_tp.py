@@ -12,10 +12,10 @@ import torch
 import torch.multiprocessing as mp
 
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
-from outrider.executor.distributed import TPGroup, check_tp_size, init_tensor_parallel, single
+from outrider.executor.distributed import TPGroup, init_tensor_parallel, single
 from outrider.executor.tp_workers import leave_process
 from outrider.layers.linear import RowParallelLinear
-from outrider.loaders.hf_config import TransformerConfig
+from outrider.loaders.hf_config import TransformerConfig, check_tp_size
 from outrider.models.llama import LlamaForCausalLM
 from tests.tiny import outrider_model, run_forward, tiny_hf_config
 
