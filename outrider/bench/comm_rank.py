@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.executor.distributed import init_tensor_parallel
+from outrider.executor.tp_workers import init_tensor_parallel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

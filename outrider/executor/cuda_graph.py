@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from outrider.core import ForwardMode
-from outrider.executor.distributed import TPGroup, single
+from outrider.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context

@@ -17,9 +17,9 @@ from outrider.core import (
     StepOutput,
 )
 from outrider.device import default_dtype, resolve_device, resolve_dtype
+from outrider.distributed import TPGroup, single
 from outrider.executor import step_timing, tp_graphs
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
-from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
 from outrider.executor.sampler import Sampler, logprob_rows_no_sync, unpack_logprobs

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
+from outrider.distributed import TPGroup, single
 from outrider.executor.cuda_graph import StaticInputs
-from outrider.executor.distributed import TPGroup, single
 from outrider.executor.inputs import table_slots_no_sync
 from outrider.executor.tp_channel import ALL_ROWS, SPEC_GRAPH
 from outrider.layers import fused

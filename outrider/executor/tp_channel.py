@@ -48,8 +48,8 @@ import logging
 import torch
 
 from outrider.core import ForwardMode
+from outrider.distributed import TPGroup
 from outrider.executor.cuda_graph import GraphKey
-from outrider.executor.distributed import TPGroup
 from outrider.executor.inputs import ForwardInputs
 from outrider.executor.tp_draft import OP_DRAFT, OP_DRAFT_AFTER_VERIFY, DraftFollower
 from outrider.executor.tp_graphs import follow_capture

@@ -14,10 +14,15 @@ spawned and, when one has ended, names it: the engine's next step raises `RankDi
 rank and its exit code, and if rank 0 stays blocked in a collective that never returns (a
 rank gone without closing its connections) the watchdog ends the process after a grace period,
 so nothing hangs. Spawned ranks end themselves when rank 0's process goes away.
+
+Every rank joins torch.distributed through `init_tensor_parallel` (NCCL on CUDA, gloo on CPU),
+which builds the process's TPGroup and hands it the forward context's mode to count its
+collectives under.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -31,7 +36,8 @@ import torch
 
 from outrider import env
 from outrider.config import EngineConfig
-from outrider.executor.distributed import TPGroup, init_tensor_parallel, single
+from outrider.distributed import TPGroup, single
+from outrider.layers.forward_context import current_mode
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +178,84 @@ def start_ranks(config: EngineConfig, model_path: str | None) -> Ranks:
             raise died from e
         raise
     return ranks
+
+
+def init_tensor_parallel(
+    tp_size: int | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 300.0,
+) -> TPGroup:
+    """This process's tensor-parallel group. Unset arguments come from torchrun's environment
+    (one process outside torchrun). tp_size None means the whole world; tensor parallelism
+    spans every process of the job. On CUDA the process's device becomes cuda:local_rank.
+    timeout_s bounds joining and each collective of the tensor-parallel group. The group's
+    collectives count under the mode of the forward context they run in."""
+    world = env.world_size() if world_size is None else world_size
+    rank = env.rank() if rank is None else rank
+    tp_size = world if tp_size is None else tp_size
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size={tp_size}: use 1 or more")
+    if tp_size != world:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not match the world size {world}: start "
+            f"{tp_size} processes (torchrun --nnodes N --nproc-per-node M with N x M = "
+            f"{tp_size}), or set tensor_parallel_size={world}"
+        )
+    if world == 1:
+        return single()
+    device = torch.device(device)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a launcher (or the trainer) already joined the job
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(
+                f"torch.distributed is already running as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world}: pass the same rank "
+                "and world size, or leave them unset"
+            )
+        return TPGroup(
+            rank, world, dist.group.WORLD, control=_control_group(), forward_mode=current_mode
+        )
+    addr = master_addr or env.master_addr()
+    port = master_port or env.master_port()
+    if addr is None or port is None:
+        raise ValueError(
+            f"rank {rank} of {world} has no rendezvous address (MASTER_ADDR={addr}, "
+            f"MASTER_PORT={port}): launch with torchrun, or pass master_addr and master_port"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(env.local_rank() if local_rank is None else local_rank)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return TPGroup(
+        rank, world, dist.group.WORLD, control=_control_group(), owns_process_group=True,
+        forward_mode=current_mode,
+    )  # fmt: skip
+
+
+# How long a rank waits on the control group: the engine may sit idle between requests for any
+# time, and a rank whose process ends breaks the connection at once (gloo raises), so the wait
+# needs no limit of its own.
+_CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+def _control_group() -> Any:
+    """A gloo group over the whole world, for CPU control tensors (every rank calls this at the
+    same point: creating a group is collective)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
 def _collective_error(error: BaseException) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, single
+from outrider.distributed import TPGroup, single
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, kv_heads_per_rank, single
+from outrider.distributed import TPGroup, kv_heads_per_rank, single
 
 
 class _Linear(nn.Module):

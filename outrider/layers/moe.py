@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, single
+from outrider.distributed import TPGroup, single
 from outrider.layers import fused, moe_fused
 from outrider.layers.activation import SiluAndMul
 from outrider.loaders.compressed_tensors import PACK, dequantize_int4, split_unit

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, single
+from outrider.distributed import TPGroup, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers import fused
 from outrider.layers.activation import SiluAndMul

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, kv_heads_per_rank, single
+from outrider.distributed import TPGroup, kv_heads_per_rank, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention

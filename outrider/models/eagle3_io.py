@@ -39,7 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from outrider.device import default_dtype
-from outrider.executor.distributed import TPGroup
+from outrider.distributed import TPGroup
 from outrider.loaders.hf_config import ModelConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from outrider.executor.distributed import TPGroup, kv_heads_per_rank, single
+from outrider.distributed import TPGroup, kv_heads_per_rank, single
 from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention

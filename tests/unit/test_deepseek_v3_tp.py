@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from outrider import LLM, SamplingParams
-from outrider.executor.distributed import TPGroup
+from outrider.distributed import TPGroup
 from outrider.layers.moe import Int4FusedExperts
 from outrider.loaders.checkpoint import open_checkpoint
 from outrider.loaders.hf_config import check_tp_size

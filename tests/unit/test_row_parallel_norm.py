@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.executor.distributed import TPGroup, single
+from outrider.distributed import TPGroup, single
 from outrider.layers.linear import RowParallelLinear
 from outrider.layers.norm import RMSNorm
 from tests.unit.test_tp import gather_from_ranks

@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
-from outrider.executor.distributed import TPGroup, init_tensor_parallel, single
-from outrider.executor.tp_workers import leave_process
+from outrider.distributed import TPGroup, single
+from outrider.executor.tp_workers import init_tensor_parallel, leave_process
 from outrider.layers.linear import RowParallelLinear
 from outrider.loaders.hf_config import TransformerConfig, check_tp_size
 from outrider.models.llama import LlamaForCausalLM

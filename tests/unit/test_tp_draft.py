@@ -13,7 +13,7 @@ import torch
 from outrider import LLM, SamplingParams
 from outrider.config import EngineConfig, flat_sections
 from outrider.core import ForwardMode
-from outrider.executor.distributed import TPGroup, single
+from outrider.distributed import TPGroup, single
 from outrider.executor.inputs import build_inputs
 from outrider.executor.kv_cache import KVPool
 from outrider.layers.attn_backends.base import get_backend

@@ -12,13 +12,18 @@ import pytest
 import torch
 
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
+from outrider.distributed import TPGroup
 from outrider.executor import tp_channel, tp_graphs
 from outrider.executor.cuda_graph import GraphKey, GraphRunner
-from outrider.executor.distributed import TPGroup
 from outrider.executor.inputs import build_inputs
 from outrider.executor.spec_step import SpecStep
 from outrider.layers.attn_backends.base import get_backend
-from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+from outrider.layers.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    current_mode,
+    forward_context,
+)
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree_batch import TreeShape
 
@@ -213,7 +218,7 @@ def test_ranks_that_would_capture_different_graphs_all_stop():
 
 
 def test_a_capture_counts_nothing_and_each_replay_counts_its_collectives():
-    tp = TPGroup(rank=0, size=2, group=object())
+    tp = TPGroup(rank=0, size=2, group=object(), forward_mode=current_mode)
     empty = torch.zeros(0, dtype=torch.int32)
     meta = AttentionMetadata(ForwardMode.DECODE, empty, empty, empty, empty.view(0, 0), [], [])
     with tp.recording() as recorded:

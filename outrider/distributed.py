@@ -1,11 +1,12 @@
-"""Tensor-parallel process groups and the one place their collectives run.
+"""The tensor-parallel group and the one place its collectives run.
 
-`init_tensor_parallel` joins (or starts) torch.distributed — NCCL on CUDA, gloo on CPU — from
-torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or explicit
-arguments, so one node and several nodes run the same code. It returns a `TPGroup`: rank,
-size, and the collectives every parallel layer calls (all_reduce, all_gather, broadcast). Each
-call is counted, with its bytes, under the mode of the forward it ran in, so /metrics and the
-planner see what a decode, verify, prefill or draft forward moves across the link.
+A `TPGroup` is what a parallel layer holds: this process's rank, the group's size, and the
+collectives every parallel layer calls (all_reduce, all_gather, broadcast). Each call is
+counted, with its bytes, under the mode of the forward it ran in, so /metrics and the planner
+see what a decode, verify, prefill or draft forward moves across the link. The group learns
+which forward is running from `forward_mode`, a function its builder hands in: the forward
+context lives in layers/, above this module, and the executor's start-up
+(executor/tp_workers.py `init_tensor_parallel`) hands in the context's `current_mode`.
 
 Bytes follow the planner's convention (outrider/plan/costmodel.py): an all-reduce counts each
 rank's buffer, an all-gather the gathered output, a broadcast the buffer.
@@ -23,18 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from outrider import env
-from outrider.layers.forward_context import current_mode
+from outrider.core import ForwardMode
 
 # Outside any forward before the first one (weight broadcasts, start-up checks).
 OTHER = "other"
+
+
+def _outside_forward() -> ForwardMode | None:
+    """The `forward_mode` of a group told nothing about forwards: none is ever running, so a
+    collective counts under its explicit `mode`, `counting_as`'s, or the last one counted."""
+    return None
 
 
 @dataclass
@@ -51,6 +56,8 @@ class TPGroup:
     control: Any = None
     # Whether init_tensor_parallel started torch.distributed for this group (close() ends it).
     owns_process_group: bool = False
+    # The mode of the forward running now, None outside one: collectives count under it.
+    forward_mode: Callable[[], ForwardMode | None] = field(default=_outside_forward, repr=False)
     # mode -> collective -> {"calls": n, "bytes": b}
     _counts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict, repr=False)
     _last_mode: str = field(default=OTHER, repr=False)
@@ -193,7 +200,7 @@ class TPGroup:
         # runner's run() and the speculative step do so): collectives outside a forward count
         # under the mode of the last forward this group saw.
         if mode is None:
-            current = current_mode()
+            current = self.forward_mode()
             key = self._last_mode if current is None else current.value
         else:
             key = mode
@@ -225,78 +232,6 @@ class TPGroup:
 def single() -> TPGroup:
     """The group of one rank: no torch.distributed, collectives are the identity."""
     return TPGroup()
-
-
-def init_tensor_parallel(
-    tp_size: int | None = None,
-    *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    local_rank: int | None = None,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    device: str | torch.device = "cpu",
-    timeout_s: float = 300.0,
-) -> TPGroup:
-    """This process's tensor-parallel group. Unset arguments come from torchrun's environment
-    (one process outside torchrun). tp_size None means the whole world; tensor parallelism
-    spans every process of the job. On CUDA the process's device becomes cuda:local_rank.
-    timeout_s bounds joining and each collective of the tensor-parallel group."""
-    world = env.world_size() if world_size is None else world_size
-    rank = env.rank() if rank is None else rank
-    tp_size = world if tp_size is None else tp_size
-    if tp_size < 1:
-        raise ValueError(f"tensor_parallel_size={tp_size}: use 1 or more")
-    if tp_size != world:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} does not match the world size {world}: start "
-            f"{tp_size} processes (torchrun --nnodes N --nproc-per-node M with N x M = "
-            f"{tp_size}), or set tensor_parallel_size={world}"
-        )
-    if world == 1:
-        return single()
-    device = torch.device(device)
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # a launcher (or the trainer) already joined the job
-        if dist.get_world_size() != world or dist.get_rank() != rank:
-            raise ValueError(
-                f"torch.distributed is already running as rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, not rank {rank} of {world}: pass the same rank "
-                "and world size, or leave them unset"
-            )
-        return TPGroup(rank, world, dist.group.WORLD, control=_control_group())
-    addr = master_addr or env.master_addr()
-    port = master_port or env.master_port()
-    if addr is None or port is None:
-        raise ValueError(
-            f"rank {rank} of {world} has no rendezvous address (MASTER_ADDR={addr}, "
-            f"MASTER_PORT={port}): launch with torchrun, or pass master_addr and master_port"
-        )
-    if device.type == "cuda":
-        torch.cuda.set_device(env.local_rank() if local_rank is None else local_rank)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return TPGroup(rank, world, dist.group.WORLD, control=_control_group(), owns_process_group=True)
-
-
-# How long a rank waits on the control group: the engine may sit idle between requests for any
-# time, and a rank whose process ends breaks the connection at once (gloo raises), so the wait
-# needs no limit of its own.
-_CONTROL_TIMEOUT = datetime.timedelta(days=365)
-
-
-def _control_group() -> Any:
-    """A gloo group over the whole world, for CPU control tensors (every rank calls this at the
-    same point: creating a group is collective)."""
-    import torch.distributed as dist
-
-    return dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
