@@ -1,43 +1,17 @@
 """The paged KV pool: for every layer, `num_blocks` blocks of `block_size` token slots.
 
-What one slot holds is a parameter (`KVLayout`), not an assumption: multi-head attention caches
-k and v ([kv_heads, head_dim] each); MLA (DeepSeek-V3, Kimi-K2) caches one compressed latent
-([kv_lora_rank + rope_dim]); a drafter gets a pool of its own with its own layout.
+What one slot holds is a parameter, not an assumption: the model's `KVLayout`
+(layers/kv_layout.py), multi-head k and v or one MLA latent; a drafter gets a pool of its own
+with its own layout.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 
 from outrider.config import CacheConfig
 from outrider.layers import fused
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    components: tuple[tuple[str, tuple[int, ...]], ...]  # (name, per-token shape)
-    dtype: torch.dtype
-
-    @classmethod
-    def multi_head(cls, kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
-        return cls((("k", (kv_heads, head_dim)), ("v", (kv_heads, head_dim))), dtype)
-
-    @classmethod
-    def latent(cls, width: int, dtype: torch.dtype) -> KVLayout:
-        return cls((("latent", (width,)),), dtype)
-
-    @property
-    def is_latent(self) -> bool:
-        return [name for name, _ in self.components] == ["latent"]
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token takes in one layer."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(math.prod(shape) for _, shape in self.components) * elem
+from outrider.layers.kv_layout import KVLayout
 
 
 class KVPool:

@@ -40,11 +40,11 @@ import torch
 from torch import nn
 
 from outrider.distributed import TPGroup, single
-from outrider.executor.kv_cache import KVLayout
 from outrider.layers import fused
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import LatentAttention
 from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from outrider.layers.kv_layout import KVLayout
 from outrider.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,

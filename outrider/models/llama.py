@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from outrider.distributed import TPGroup, kv_heads_per_rank, single
-from outrider.executor.kv_cache import KVLayout
 from outrider.layers.activation import SiluAndMul
 from outrider.layers.attention import Attention
 from outrider.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from outrider.layers.kv_layout import KVLayout
 from outrider.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding

@@ -348,7 +348,8 @@ DEFAULT_NEW_TOKENS = 20
 def default_model_greedy(tp: TPGroup) -> list[list[int]]:
     """Greedy tokens of the real default model for DEFAULT_PROMPTS (chat-templated): one
     batched prefill, then batched decodes, driven through the model's forward."""
-    from outrider.executor.kv_cache import KVLayout, KVPool
+    from outrider.executor.kv_cache import KVPool
+    from outrider.layers.kv_layout import KVLayout
     from outrider.loaders.checkpoint import open_checkpoint
     from outrider.models.weights import load_weights
 
