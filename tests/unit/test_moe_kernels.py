@@ -130,7 +130,8 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     # layer's norm and rotaries in mla_prep_), kernels forced on against off, interleaved
     # rotary pairs and not.
     sys.path.insert(0, str(ROOT))
-    from outrider.models.registry import config_from_hf, model_class
+    from outrider.loaders.hf_config import config_from_hf
+    from outrider.models.registry import model_class
     from tests.tiny import prefill_batch, run_forward
 
     def tiny_deepseek(interleave: bool):
