@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-_RESULT = "@@fused-result "
+from tests.interpreter import ROOT, emit, run_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -41,8 +36,7 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         diff = (fused_out.float() - ref.float()).abs().max().item()
         scaled = diff / max(ref.float().abs().max().item(), 1e-30)
         same = (fused_out == ref).float().mean().item()
-        line = {"name": name, "diff": diff, "scaled": scaled, "same": same}
-        print(_RESULT + json.dumps(line), flush=True)
+        emit(name=name, diff=diff, scaled=scaled, same=same)
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -261,18 +255,7 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.unit.test_fused_kernels import _worker; _worker()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_RESULT):
-            r = json.loads(line[len(_RESULT) :])
-            found[r["name"]] = r
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return found
+    return {r["name"]: r for r in run_worker("tests.unit.test_fused_kernels")}
 
 
 BF16_STEPS = 2**-6  # two bfloat16 rounding steps, relative to the largest value

@@ -1,23 +1,18 @@
 """The MoE routing kernels (outrider/layers/moe_fused.py) on the CPU under Triton's interpreter,
 against their torch references: the router's choice (DeepSeek-V3's grouped sigmoid top-k, with
 and without group pruning and renormalisation), the expert layout, the weighted sum of each
-token's expert rows, and a tiny DeepSeek-V3 forward with them and the MLA glue kernel on. As in test_fused_kernels.py, TRITON_INTERPRET=1 has to be set before
-triton is imported, so the checks run in one subprocess that prints a JSON line per check."""
+token's expert rows, and a tiny DeepSeek-V3 forward with them and the MLA glue kernel on. The
+checks run in one interpreter subprocess (tests/interpreter.py)."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-_RESULT = "@@moe-result "
+from tests.interpreter import ROOT, emit, run_worker
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -38,9 +33,6 @@ LAYOUTS = [("one", 8, 384), ("chunks", 100, 7), ("wide", 600, 384), ("single", 4
 def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     from outrider.layers import fused, moe_fused
     from outrider.layers.moe import GroupedTopkRouter
-
-    def emit(**line) -> None:
-        print(_RESULT + json.dumps(line), flush=True)
 
     real = fused.use_fused
 
@@ -176,18 +168,7 @@ TINY_DEEPSEEK = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.unit.test_moe_kernels import _worker; _worker()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(_RESULT):
-            r = json.loads(line[len(_RESULT) :])
-            found[r["name"]] = r
-    return found
+    return {r["name"]: r for r in run_worker("tests.unit.test_moe_kernels")}
 
 
 @pytest.mark.parametrize("name", [r[0] for r in ROUTERS])

@@ -7,20 +7,13 @@ past `keep` left at zero. tests/gpu/test_soft_ce_cuda.py checks the kernels on a
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from outrider.train.soft_ce import soft_ce
-
-ROOT = Path(__file__).resolve().parents[2]
-_RESULT = "@@soft-ce "
+from tests.interpreter import emit, run_worker
 
 
 def _inputs(dtype, b=2, t=9, v=300, seed=0):
@@ -81,19 +74,13 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 "grad_scale": b.grad.float().abs().max().item(),
                 "grad_past_keep": a.grad[:, keep:].abs().max().item(),
             }
-            print(_RESULT + json.dumps(line), flush=True)
+            emit(**line)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kernels_under_the_interpreter_match_the_torch_path():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    code = "from tests.unit.test_soft_ce import _worker; _worker()"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)  # fmt: skip
-    lines = [
-        json.loads(x[len(_RESULT) :]) for x in out.stdout.splitlines() if x.startswith(_RESULT)
-    ]
-    assert len(lines) == 4, out.stderr[-3000:]
+    lines = run_worker("tests.unit.test_soft_ce")
+    assert len(lines) == 4, lines
     for r in lines:
         fp32 = r["name"].startswith("float32")
         assert r["ce"] < (1e-4 if fp32 else 2e-3), r
