@@ -198,14 +198,16 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", nargs="+", default=["moonlight-16b-a3b", "kimi-k2.5"])
-    ap.add_argument("--kimi-layers", type=int, default=4,
-                    help="layers of the Kimi-K2.5 shape to build (1 dense, the rest MoE)")  # fmt: skip
+    ap.add_argument(
+        "--kimi-layers", type=int, default=4, help="Kimi-K2.5 layers to build (1 dense, then MoE)"
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--profile-concurrency", type=int, nargs="*", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=4096,
-                    help="as a server would be started (attention plans its splits for it)")  # fmt: skip
+    ap.add_argument(
+        "--max-model-len", type=int, default=4096, help="as a server is started (attention splits)"
+    )
     ap.add_argument("--out-dir", default=None, help="where moe_gpu.json goes")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in fp32")
     args = ap.parse_args()

@@ -151,13 +151,14 @@ def moe_gemm(
     gated: the weight's rows are gate then up (a SwiGLU expert's gate_up) and the result is
     silu(gate) * up, rounded as the product and SiluAndMul round it, from one launch.
     With `scale`, `weight` is compressed-tensors INT4 (loaders/compressed_tensors.py),
-    dequantized in registers as q * scale in fp32 and rounded to a's dtype before the multiply,
-    as the reference rounds its dequantized weight. Accumulates in fp32. None where the fused
-    path does not serve.
+    dequantized in registers as q * scale rounded to a's dtype before the multiply, as the
+    reference rounds its dequantized weight (for bf16 activations the product is taken in bf16,
+    exact before its one rounding). Accumulates in fp32. None where the fused path does not
+    serve.
 
     A grouped GEMM: the rows are sorted by expert into blocks of MOE_BLOCK_M
     (moe_layout_no_sync, one launch; pass `layout` to reuse one across the two GEMMs of a
-    MoE layer), then one launch over (blocks, N / MOE_BLOCK_N) reads each expert's weight tile
+    MoE layer), then one launch over (blocks, N / block_n) reads each expert's weight tile
     once per block of its rows and multiplies on tensor cores (tl.dot). The grid is sized for
     the worst routing from R and E alone; blocks past the real count exit at once. With few
     rows every block holds one real row and the kernel streams the chosen experts' weights."""
@@ -206,8 +207,9 @@ def moe_gemm(
         out.stride(0),
         K=width, ROWS_PER_A=rows_per_a, INT4=int4, GROUP=max(group_size, 1),
         DOT_F32=a.dtype == torch.float32 or not a.is_cuda,  # not CUDA: the interpreter
-        BF16_BITS=a.dtype == torch.bfloat16 and a.is_cuda, GATED=gated, BLOCK_M=MOE_BLOCK_M, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BF16_BITS=a.dtype == torch.bfloat16 and a.is_cuda, GATED=gated, BLOCK_M=MOE_BLOCK_M,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )  # fmt: skip
     return out
 
