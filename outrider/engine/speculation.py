@@ -82,7 +82,7 @@ class Speculator:
             drafter = p if p.on_device else None
             self._runner.set_speculation(drafter, tuple(range(1, k + 1)), self._tree)
         else:
-            self._runner.aux_layers = p.aux_layers if p is not None else ()
+            self._runner.set_aux_layers(p.aux_layers if p is not None else ())
         self._runner.capture_graphs()
         self.controller: SpecController | None = None
         # The controller chooses chain lengths; a tree verifies its whole shape every step.

@@ -78,7 +78,8 @@ class ModelRunner:
         self.backend = get_backend(
             config.model.attention_backend, self.device.type, latent=layout.is_latent
         )
-        # Layers whose input residual stream every forward returns (a drafter sets them).
+        # Layers whose input residual stream every forward returns, for a drafter or a host
+        # proposer that reads them (set_speculation, set_aux_layers).
         self.aux_layers: tuple[int, ...] = ()
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None  # capture_graphs(), once aux_layers are known
@@ -141,7 +142,8 @@ class ModelRunner:
         """Chain speculation at the draft lengths `ks` (each a k >= 1 the step may be asked to
         verify), or trees of one shape (`tree`; ks is then (tree.num_nodes,)). drafter: an
         EAGLE-3 drafter the runner runs inside the step, or None (chain drafts come from the
-        host). Call before capture_graphs."""
+        host); every target forward keeps the drafter's aux streams. Call before
+        capture_graphs."""
         self.drafter = drafter
         self.spec_ks = (tree.num_nodes,) if tree is not None else tuple(sorted(set(ks)))
         self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
@@ -153,6 +155,14 @@ class ModelRunner:
             batch_sizes=self._graph_batch_sizes(), aux_layers=self.aux_layers,
             tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender, tp=self.tp,
         )  # fmt: skip
+
+    def set_aux_layers(self, layers: Sequence[int]) -> None:
+        """Every target forward (`run`, `launch`) also returns the residual streams entering
+        `layers` (StepOutput.aux_hidden), for a proposer that drafts on the host from them; ()
+        for none. The drafter and the speculative step stay as they are (a drafter the step
+        runs has its layers set by set_speculation). Call before capture_graphs: the graphs
+        output these streams too."""
+        self.aux_layers = tuple(layers)
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         top = self.config.model.cuda_graph_max_batch
