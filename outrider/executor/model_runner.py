@@ -79,7 +79,7 @@ class ModelRunner:
             config.model.attention_backend, self.device.type, latent=layout.is_latent
         )
         # Layers whose input residual stream every forward returns, for a drafter or a host
-        # proposer that reads them (set_speculation, set_aux_layers).
+        # proposer that reads them (set_speculation, set_aux_layers, set_drafter_shard).
         self.aux_layers: tuple[int, ...] = ()
         self.sampler = Sampler()
         self.graphs: GraphRunner | None = None  # capture_graphs(), once aux_layers are known
@@ -163,6 +163,14 @@ class ModelRunner:
         runs has its layers set by set_speculation). Call before capture_graphs: the graphs
         output these streams too."""
         self.aux_layers = tuple(layers)
+
+    def set_drafter_shard(self, drafter) -> None:
+        """A rank > 0 of an engine whose drafter is split over the ranks: this rank's shard of
+        it (an Eagle3Drafter over the sharded draft), which runs only when rank 0 sends a draft
+        op (tp_draft.DraftFollower). Every target forward keeps its aux streams, and
+        follow_capture keeps both."""
+        self.drafter = drafter
+        self.aux_layers = drafter.aux_layers
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         top = self.config.model.cuda_graph_max_batch

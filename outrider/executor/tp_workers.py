@@ -351,6 +351,5 @@ def shard_drafter(config, runner, checkpoint) -> None:
         return
     from outrider.executor.drafter import build_eagle3_drafter  # torch-heavy: lazily
 
-    runner.drafter = build_eagle3_drafter(spec, runner, checkpoint)
-    runner.aux_layers = runner.drafter.aux_layers
+    runner.set_drafter_shard(build_eagle3_drafter(spec, runner, checkpoint))
     log.info("rank %d: EAGLE-3 drafter shard, following rank 0's draft ops", runner.tp.rank)
