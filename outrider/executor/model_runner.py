@@ -145,16 +145,8 @@ class ModelRunner:
         host); every target forward keeps the drafter's aux streams. Call before
         capture_graphs."""
         self.drafter = drafter
-        self.spec_ks = (tree.num_nodes,) if tree is not None else tuple(sorted(set(ks)))
         self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
-        max_k = max(self.spec_ks)
-        self.spec_step = SpecStep(
-            self.model, self.backend, drafter, max_k=max_k, block_size=self.block_size,
-            max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
-            max_positions=self.max_model_len,
-            batch_sizes=self._graph_batch_sizes(), aux_layers=self.aux_layers,
-            tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender, tp=self.tp,
-        )  # fmt: skip
+        self._set_spec_step(drafter, ks, tree)
 
     def set_aux_layers(self, layers: Sequence[int]) -> None:
         """Every target forward (`run`, `launch`) also returns the residual streams entering
@@ -172,6 +164,19 @@ class ModelRunner:
         self.drafter = drafter
         self.aux_layers = drafter.aux_layers
 
+    def _set_spec_step(self, drafter, ks: tuple[int, ...], tree: TreeShape | None) -> None:
+        """The speculative step alone (set_speculation's; follow_capture's without a drafter):
+        its verify forwards keep `drafter`'s aux streams, whatever this runner's own are."""
+        self.spec_ks = (tree.num_nodes,) if tree is not None else tuple(sorted(set(ks)))
+        max_k = max(self.spec_ks)
+        self.spec_step = SpecStep(
+            self.model, self.backend, drafter, max_k=max_k, block_size=self.block_size,
+            max_blocks=-(-self.max_model_len // self.block_size), scratch_block=self._num_blocks,
+            max_positions=self.max_model_len, batch_sizes=self._graph_batch_sizes(),
+            aux_layers=tuple(drafter.aux_layers) if drafter is not None else (),
+            tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender, tp=self.tp,
+        )  # fmt: skip
+
     def _graph_batch_sizes(self) -> tuple[int, ...]:
         top = self.config.model.cuda_graph_max_batch
         return tuple(b for b in DEFAULT_BATCH_SIZES if b < top) + (top,)
@@ -180,12 +185,38 @@ class ModelRunner:
         """Capture the CUDA graphs the config asks for (after `aux_layers` is set: the graphs
         output those streams too), the speculative step's too. A no-op where graphs do not
         apply. Rank 0 of several has the other ranks capture the same ones alongside
-        (executor/tp_graphs.py)."""
+        (follow_capture; executor/tp_graphs.py)."""
         if self.tp_sender is not None:
             step = self.spec_step
             tree = step.tree.num_nodes if step is not None and step.tree is not None else 0
             self.tp_sender.capture(self.spec_ks, step is not None, tree)
-        tp_graphs.capture_all(self)
+        self._capture()
+
+    def follow_capture(self, ks: tuple[int, ...], spec: bool, tree_nodes: int) -> None:
+        """A rank > 0, on rank 0's CAPTURE (tp_channel.worker_loop): the same speculative step
+        (draft lengths `ks` when `spec`), without a drafter since rank 0 drafts, then the same
+        graphs. Trees (`tree_nodes` > 0) keep no step here: they verify eagerly under tensor
+        parallelism, through the forwards rank 0 sends. A split drafter's shard
+        (set_drafter_shard) stays, and so do the aux streams every target forward keeps for
+        it; such a runner captures no graphs."""
+        if spec and not tree_nodes:
+            self._set_spec_step(None, ks, None)
+        else:
+            self.spec_step = None
+            self.spec_ks = (tree_nodes,) if tree_nodes else ()
+        self._capture()
+
+    def _capture(self) -> None:
+        """The graphs this runner replays; under tensor parallelism every rank runs this at the
+        same point (rank 0 from capture_graphs, the others from follow_capture), and the ranks
+        agree on what they capture first."""
+        self.graphs = graphs = self.graph_runner()
+        step = self.spec_step if graphs is not None else None
+        tp_graphs.agree_on_captures(self.tp, graphs, step, self.spec_ks, self.device)
+        if graphs is not None:
+            graphs.capture()
+            if step is not None:
+                step.capture(self.spec_ks)
 
     def graph_runner(self) -> GraphRunner | None:
         """The target's graph runner the config asks for, not captured yet; None where graphs

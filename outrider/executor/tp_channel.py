@@ -52,7 +52,6 @@ from outrider.distributed import TPGroup
 from outrider.executor.cuda_graph import GraphKey
 from outrider.executor.inputs import ForwardInputs
 from outrider.executor.tp_draft import OP_DRAFT, OP_DRAFT_AFTER_VERIFY, DraftFollower
-from outrider.executor.tp_graphs import follow_capture
 from outrider.executor.tp_payload import pack, packed_size, unpack
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 
@@ -213,7 +212,7 @@ def worker_loop(runner) -> None:
                 tp.all_gather(runner.model.model.embed_tokens.weight.data, dim=0)
             elif op == CAPTURE:
                 spec, mask, tree, nodes = fields[:4]
-                follow_capture(runner, ks_from_mask(mask), bool(spec), nodes if tree else 0)
+                runner.follow_capture(ks_from_mask(mask), bool(spec), nodes if tree else 0)
             else:
                 raise RuntimeError(f"rank {tp.rank}: unknown step op {op} from rank 0")
 

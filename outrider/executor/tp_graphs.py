@@ -7,11 +7,12 @@ collectives for real, so those must pair up as well. So, at every capture (engin
 again when the engine changes proposer):
 
 1. rank 0 sends CAPTURE with its speculative step's settings (draft lengths, trees); the other
-   ranks build the same step, without a drafter, and the same GraphRunner from the same config;
+   ranks build the same step, without a drafter, and the same GraphRunner from the same config
+   (ModelRunner.capture_graphs on rank 0, ModelRunner.follow_capture on the others);
 2. every rank lists the keys it is about to capture and the ranks agree on that list over the
    control group (gloo, on the host): ranks that differ all stop, with an error, before any
-   NCCL traffic, instead of pairing mismatched collectives and hanging;
-3. one eager all-reduce creates NCCL's communicator outside any capture;
+   NCCL traffic, instead of pairing mismatched collectives and hanging (`agree_on_captures`);
+3. one eager all-reduce creates NCCL's communicator outside any capture (the same);
 4. every rank captures: the runner's graphs largest first, then the speculative step's.
 
 Rank 0 alone captures the drafter's graphs (the speculative step's graph 2, the drafter's DRAFT
@@ -26,15 +27,20 @@ from __future__ import annotations
 import logging
 import zlib
 
+import torch
+
+from outrider.distributed import TPGroup
 from outrider.executor.cuda_graph import GraphRunner
+from outrider.executor.spec_step import SpecStep
 
 log = logging.getLogger(__name__)
 
 
-def plan(graphs: GraphRunner | None, spec_step, ks: tuple[int, ...]) -> list[tuple]:
+def plan(
+    graphs: GraphRunner | None, spec_step: SpecStep | None, ks: tuple[int, ...]
+) -> list[tuple]:
     """Every graph a rank is about to capture, in order, as plain tuples: ("target", mode,
-    padded batch, tokens per sequence) then ("verify", padded batch, k). spec_step: the
-    runner's SpecStep or None."""
+    padded batch, tokens per sequence) then ("verify", padded batch, k)."""
     if graphs is None:
         return []
     keys: list[tuple] = [
@@ -45,8 +51,8 @@ def plan(graphs: GraphRunner | None, spec_step, ks: tuple[int, ...]) -> list[tup
     return keys
 
 
-def agree(tp, keys: list[tuple]) -> None:
-    """Raise on every rank unless every rank is about to capture `keys` (tp: a TPGroup)."""
+def agree(tp: TPGroup, keys: list[tuple]) -> None:
+    """Raise on every rank unless every rank is about to capture `keys`."""
     fingerprint = zlib.crc32(repr(keys).encode())  # stable across processes, unlike hash()
     if not tp.agree_same(fingerprint):
         raise RuntimeError(
@@ -56,41 +62,25 @@ def agree(tp, keys: list[tuple]) -> None:
         )
 
 
-def capture_all(runner) -> None:
-    """The graphs `runner` (a ModelRunner) replays: on one rank as they always were; under
-    tensor parallelism each rank calls this at the same point (rank 0 from capture_graphs,
-    the others from follow_capture)."""
-    runner.graphs = graphs = runner.graph_runner()
-    step = runner.spec_step if graphs is not None else None
-    tp = runner.tp
-    if tp.size > 1:
-        keys = plan(graphs, step, runner.spec_ks)
-        agree(tp, keys)
-        if keys:
-            tp.warm_up(runner.device)
-            log.info(
-                "tensor parallelism: rank %d captures %d CUDA graphs (every rank the same); "
-                "drafter graphs are rank 0's alone",
-                tp.rank,
-                len(keys),
-            )
-    if graphs is not None:
-        graphs.capture()
-        if step is not None:
-            step.capture(runner.spec_ks)
-
-
-def follow_capture(runner, ks: tuple[int, ...], spec: bool, tree_nodes: int) -> None:
-    """A rank > 0, on rank 0's CAPTURE: the same speculative step (no drafter: rank 0 drafts),
-    then the same graphs. Trees keep no step here: they verify eagerly under tensor
-    parallelism, through the forwards rank 0 sends."""
-    # A split drafter's shard (tp_workers.shard_drafter) stays, and so do the aux streams every
-    # target forward keeps for it; such a runner captures no graphs.
-    drafter, aux_layers = runner.drafter, runner.aux_layers
-    if spec and not tree_nodes:
-        runner.set_speculation(None, ks)
-    else:
-        runner.spec_step = None
-        runner.spec_ks = (tree_nodes,) if tree_nodes else ()
-    runner.drafter, runner.aux_layers = drafter, aux_layers
-    capture_all(runner)
+def agree_on_captures(
+    tp: TPGroup,
+    graphs: GraphRunner | None,
+    spec_step: SpecStep | None,
+    ks: tuple[int, ...],
+    device: torch.device,
+) -> None:
+    """Steps 2 and 3 on every rank of several, before any capture: the ranks agree on the graphs
+    `graphs` and `spec_step` (None: none) are about to capture at draft lengths `ks`, and
+    NCCL's communicator is created if there are any. Nothing on one rank."""
+    if tp.size == 1:
+        return
+    keys = plan(graphs, spec_step, ks)
+    agree(tp, keys)
+    if keys:
+        tp.warm_up(device)
+        log.info(
+            "tensor parallelism: rank %d captures %d CUDA graphs (every rank the same); "
+            "drafter graphs are rank 0's alone",
+            tp.rank,
+            len(keys),
+        )

@@ -11,11 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from outrider.config import EngineConfig
 from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, ScheduledSeq
 from outrider.distributed import TPGroup
 from outrider.executor import tp_channel, tp_graphs
 from outrider.executor.cuda_graph import GraphKey, GraphRunner
 from outrider.executor.inputs import build_inputs
+from outrider.executor.model_runner import ModelRunner
 from outrider.executor.spec_step import SpecStep
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import (
@@ -24,8 +26,10 @@ from outrider.layers.forward_context import (
     current_mode,
     forward_context,
 )
+from outrider.loaders.checkpoint import open_checkpoint
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.tree_batch import TreeShape
+from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
 
 BLOCK, MAX_BLOCKS, SCRATCH = 4, 8, 20
 HIDDEN, LAYERS = 16, 3
@@ -56,6 +60,13 @@ class OtherRank(TPGroup):
 
     def agree_min(self, value: int) -> int:
         return min(value, self.other if value >= 0 else -self.other)
+
+
+class Agreeing(TPGroup):
+    """Rank 1 of two that agrees with itself: no other rank runs here."""
+
+    def agree_min(self, value: int) -> int:
+        return value
 
 
 class FakeGraph:
@@ -187,6 +198,27 @@ def test_a_follower_without_the_graph_stops_naming_it():
         ids = torch.zeros(12, dtype=torch.int64)
         tables = torch.zeros(4, 2, dtype=torch.int32)
         follower.replay_sent(2, ids, ids, ids, torch.zeros(4, dtype=torch.int32), tables)
+
+
+def test_a_follower_builds_rank0s_step_without_a_drafter_and_keeps_its_shard(tiny_dir):  # noqa: F811
+    """A rank > 0 on rank 0's CAPTURE: a step at rank 0's draft lengths that drafts nothing
+    (rank 0 drafts), no step for trees; a split drafter's shard and its aux streams stay."""
+    path = str(tiny_dir[0])
+    config = EngineConfig.from_dict({
+        "model": path, "device": "cpu", "dtype": "float32", "num_blocks": 14, "block_size": 8,
+        "speculative": {"method": "ngram", "num_draft_tokens": 3},
+    })  # fmt: skip
+    runner = ModelRunner(config, open_checkpoint(path), tp=Agreeing(rank=1, size=2, group=object()))
+    shard = SimpleNamespace(aux_layers=(0, 1, 2))
+    runner.set_drafter_shard(shard)
+    runner.follow_capture((3, 1), spec=True, tree_nodes=0)
+    assert runner.spec_ks == (1, 3)
+    assert runner.spec_step.drafter is None and runner.spec_step.aux_layers == ()
+    assert runner.drafter is shard and runner.aux_layers == (0, 1, 2)
+    assert runner.graphs is None  # none on the CPU, and the ranks agreed on none
+    runner.follow_capture((), spec=True, tree_nodes=5)
+    assert runner.spec_step is None and runner.spec_ks == (5,)
+    assert runner.drafter is shard and runner.aux_layers == (0, 1, 2)
 
 
 def test_every_rank_plans_the_same_captures_from_the_capture_header():
