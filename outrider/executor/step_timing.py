@@ -24,7 +24,8 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,12 +33,15 @@ from outrider.core import ForwardMode, Request, SamplingParams, ScheduledBatch, 
 from outrider.progress import progress
 from outrider.speculative.base import SeqDrafts
 
+if TYPE_CHECKING:  # the runner's profile_steps calls in here: at run time a cycle
+    from outrider.executor.model_runner import ModelRunner
+
 DEVICE_REPS = 5  # device-timed steps per shape (median): a replay varies by a few percent
 DEVICE_WARM = 3  # steps before them, so the device's clocks settle as in a sustained run
 
 
 def profile_steps(
-    runner,  # executor.model_runner.ModelRunner
+    runner: ModelRunner,
     ks: Sequence[int],
     batch_sizes: Sequence[int] | None = None,
     reps: int | None = None,
@@ -81,7 +85,7 @@ def profile_steps(
     return table, (device if device_time else None)
 
 
-def _dummy_batch(runner, rng: random.Random, b: int, k: int) -> ScheduledBatch:
+def _dummy_batch(runner: ModelRunner, rng: random.Random, b: int, k: int) -> ScheduledBatch:
     """b rows of 1 + k random tokens at position 0, each in the scratch block."""
     params = SamplingParams(temperature=0, max_tokens=None)
     vocab = runner.model_config.vocab_size
@@ -96,14 +100,14 @@ def _dummy_batch(runner, rng: random.Random, b: int, k: int) -> ScheduledBatch:
     return ScheduledBatch(ForwardMode.VERIFY if k else ForwardMode.DECODE, seqs)
 
 
-def _step(runner, batch: ScheduledBatch, k: int):
+def _step(runner: ModelRunner, batch: ScheduledBatch, k: int) -> Callable[[], object]:
     k_draft = k if runner.drafter is not None else 0
     if k:
         return lambda: runner.run_spec(batch, k, k_draft)
     return lambda: runner.run(batch)
 
 
-def device_ms(runner, batch: ScheduledBatch, k: int, step_ms: float) -> float:
+def device_ms(runner: ModelRunner, batch: ScheduledBatch, k: int, step_ms: float) -> float:
     """The device's time in one step of `batch` (k drafts; 0: decode), unprofiled: the median
     span of DEVICE_REPS steps run back to back after DEVICE_WARM others. Each step's device
     work is what `run` / `run_spec` queue before their one host read (the input copy, the

@@ -44,6 +44,7 @@ With one rank nothing here runs: the runner holds no sender and never checks mor
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,6 +55,10 @@ from outrider.executor.inputs import ForwardInputs
 from outrider.executor.tp_draft import OP_DRAFT, OP_DRAFT_AFTER_VERIFY, DraftFollower
 from outrider.executor.tp_payload import pack, packed_size, unpack
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
+
+if TYPE_CHECKING:  # both import this module: at run time these imports would be cycles
+    from outrider.executor.model_runner import ModelRunner
+    from outrider.executor.spec_step import SpecStep
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +175,7 @@ class StepSender:
         return send
 
 
-def worker_loop(runner) -> None:
+def worker_loop(runner: ModelRunner) -> None:
     """A rank > 0 follows rank 0 until it sends STOP. runner: this rank's ModelRunner (its
     model shard and KV slice); it samples nothing."""
 
@@ -218,7 +223,7 @@ def worker_loop(runner) -> None:
 
 
 def _forward(
-    runner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int, graph: int,
+    runner: ModelRunner, recv, mode: int, t: int, b: int, w: int, m: int, n_logits: int, graph: int,
     key_mode: int, padded: int, per_seq: int,
 ):  # fmt: skip
     """-> (metadata, positions, aux streams) of an eager forward, for a sharded drafter; None
@@ -268,7 +273,9 @@ def _forward(
     return None if aux is None else (meta, positions, aux)
 
 
-def _replay_target(runner, mode: int, padded: int, per_seq: int, ids, positions, meta):
+def _replay_target(
+    runner: ModelRunner, mode: int, padded: int, per_seq: int, ids, positions, meta
+) -> torch.Tensor:
     """The GraphRunner graph rank 0 replays -> hidden [T, H] of the real rows."""
     key = GraphKey(_MODES[mode], padded, per_seq)
     graphs = runner.graphs
@@ -284,7 +291,7 @@ def _replay_target(runner, mode: int, padded: int, per_seq: int, ids, positions,
     return hidden
 
 
-def _spec_step(runner):
+def _spec_step(runner: ModelRunner) -> SpecStep:
     if runner.spec_step is None:
         raise RuntimeError(
             f"rank {runner.tp.rank}: rank 0 replays a speculative verify graph but this rank "

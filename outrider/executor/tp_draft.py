@@ -31,12 +31,16 @@ over the draft vocabulary; and on the eager path one header and one payload broa
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.core import ForwardMode
 from outrider.executor.tp_payload import pack, packed_size, unpack
 from outrider.layers.forward_context import AttentionMetadata
+
+if TYPE_CHECKING:  # the runner's modules import this one: at run time a cycle
+    from outrider.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class DraftFollower:
     ModelRunner, whose `drafter` is an Eagle3Drafter over the sharded draft and whose
     `aux_layers` are the drafter's (every target forward keeps them here)."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner, self.drafter = runner, runner.drafter
         self.dtype = runner.dtype
         # The target forward followed last: (metadata, positions [T], aux streams [T, 3 * Ht]).

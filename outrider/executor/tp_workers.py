@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -38,6 +38,10 @@ from outrider import env
 from outrider.config import EngineConfig
 from outrider.distributed import TPGroup, single
 from outrider.layers.forward_context import current_mode
+
+if TYPE_CHECKING:  # both are imported where a rank is started, not with this module
+    from outrider.executor.model_runner import ModelRunner
+    from outrider.loaders.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class Ranks:
         self.close()
         return RankDied(message)
 
-    def close(self, runner=None) -> None:
+    def close(self, runner: ModelRunner | None = None) -> None:
         """Stop the other ranks (rank 0 sends them STOP through `runner`; after a failure the
         spawned ones are terminated), wait for spawned ones, end torch.distributed."""
         if self._closing:
@@ -269,7 +273,7 @@ def _collective_error(error: BaseException) -> bool:
     return any(w in text for w in ("gloo", "nccl", "connection closed", "timed out"))
 
 
-def run_worker(config: EngineConfig, checkpoint, tp: TPGroup) -> None:
+def run_worker(config: EngineConfig, checkpoint: Checkpoint, tp: TPGroup) -> None:
     """A rank > 0: its shard of the model and its KV slice, following rank 0 until it stops."""
     from outrider.executor.model_runner import ModelRunner
     from outrider.executor.tp_channel import worker_loop
@@ -342,7 +346,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def shard_drafter(config, runner, checkpoint) -> None:
+def shard_drafter(config: EngineConfig, runner: ModelRunner, checkpoint: Checkpoint) -> None:
     """On a rank > 0 of an engine whose drafter is split over the ranks: this rank's shard,
     loaded as rank 0 loads its own (executor/drafter.py), its aux streams kept by every target
     forward. Nothing otherwise."""

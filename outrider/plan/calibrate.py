@@ -39,6 +39,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from outrider.plan.costmodel import (
     Setup,
@@ -50,6 +51,9 @@ from outrider.plan.costmodel import (
 )
 from outrider.plan.hardware import LINKS, Gpu
 from outrider.plan.models import ModelSpec
+
+if TYPE_CHECKING:  # torch-heavy: build_runner imports it when a calibration runs
+    from outrider.executor.model_runner import ModelRunner
 
 # constant -> (lower bound, upper bound). Efficiencies may pass 1 where the base profile's
 # peak is a guess (the CPU's) or caches serve what the model counts as memory reads.
@@ -355,7 +359,7 @@ def build_runner(
     return runner
 
 
-def measurement(runner, checkpoint, points: list[Point]) -> Measurement:
+def measurement(runner: ModelRunner, checkpoint, points: list[Point]) -> Measurement:
     """The measured points of `runner` (build_runner's, over `checkpoint`) with what the cost
     model needs to price them: the model's shape in the dtypes it ran, the device."""
     import torch

@@ -33,6 +33,7 @@ from torch import nn
 
 from outrider.core import RequestOutput, SamplingParams
 from outrider.engine.engine import EngineCore
+from outrider.executor.model_runner import ModelRunner
 from outrider.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -362,7 +363,7 @@ class AsyncEngine:
         )
 
 
-def _collective_stats(runner) -> dict:
+def _collective_stats(runner: ModelRunner | None) -> dict:
     """EngineStats' tensor-parallel fields from the runner's counts (a copy of a few small
     dicts per step; all empty on one rank)."""
     if runner is None:
