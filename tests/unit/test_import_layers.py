@@ -3,7 +3,10 @@ executor -> speculative -> models -> layers -> distributed -> loaders -> core/co
 engine drives the executor, the executor runs the speculative algorithms and the models, models
 are built of layers, layers hold the tensor-parallel group; nothing reaches back up, and no two
 modules import each other. Read from the source (every import statement, inside functions
-too; `if TYPE_CHECKING:` blocks are not imports at run time)."""
+too; `if TYPE_CHECKING:` blocks are not imports at run time).
+
+The runner owns its state (STYLE rule 13): what it holds is set through its own methods, whose
+docstrings state when, so no module but its own assigns an attribute of a runner."""
 
 from __future__ import annotations
 
@@ -159,3 +162,92 @@ def test_no_two_modules_import_each_other():
     graph = _graph()
     mutual = sorted({tuple(sorted((a, b))) for a, bs in graph.items() for b in bs if a in graph[b]})
     assert mutual == []
+
+
+# -- the runner's state is set by the runner -------------------------------------------------
+
+RUNNER_MODULE = "outrider.executor.model_runner"
+
+
+def _names_a_runner(node: ast.expr) -> bool:
+    """`runner`, `self._runner`, `engine.runner`: a name or attribute ending in "runner"."""
+    if isinstance(node, ast.Name):
+        return node.id.endswith("runner")
+    return isinstance(node, ast.Attribute) and node.attr.endswith("runner")
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment statement binds, tuples and starred targets unpacked."""
+    if isinstance(node, ast.Assign):
+        pending = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        pending = [node.target]
+    else:
+        return []
+    out = []
+    while pending:
+        t = pending.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            pending += t.elts
+        elif isinstance(t, ast.Starred):
+            pending.append(t.value)
+        else:
+            out.append(t)
+    return out
+
+
+def _runner_assignments(source: str) -> list[str]:
+    """Every `<runner>.attr = ...` (augmented, annotated and unpacked ones too) and every
+    `setattr(<runner>, ...)` in `source`, unparsed."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        for t in _targets(node):
+            if isinstance(t, ast.Attribute) and _names_a_runner(t.value):
+                found.append(ast.unparse(t))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and node.args
+            and _names_a_runner(node.args[0])
+        ):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_the_assignment_scan_sees_every_form():
+    """Every way of assigning a runner's attribute is found; binding a runner to a name or
+    calling its methods is not such an assignment."""
+    source = """
+runner.graphs = None
+self._runner.aux_layers: tuple = ()
+self.runner.drafter, (engine.runner.spec_ks, *rest) = a, b
+runner.calls += 1
+setattr(model_runner, "spec_step", None)
+self.runner = runner
+runner.run(batch)
+"""
+    assert sorted(_runner_assignments(source)) == sorted(
+        [
+            "runner.graphs",
+            "self._runner.aux_layers",
+            "self.runner.drafter",
+            "engine.runner.spec_ks",
+            "runner.calls",
+            "setattr(model_runner, 'spec_step', None)",
+        ]
+    )
+
+
+def test_only_the_runner_assigns_its_attributes():
+    modules = _modules()
+    assert RUNNER_MODULE in modules
+    found = {
+        name: hits
+        for name, path in modules.items()
+        if name != RUNNER_MODULE and (hits := _runner_assignments(path.read_text()))
+    }
+    assert found == {}, (
+        f"modules assign a runner's attributes: {found}; call a ModelRunner method that "
+        "states when that state may change (set_speculation, set_aux_layers, ...) instead"
+    )
