@@ -60,6 +60,7 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import DeepseekV3Config, check_tp_size
 from outrider.models.llama import PrenormDecoderLayer, run_layers
+from outrider.models.protocol import ModelDefaults, WeightName
 from outrider.models.weights import SKIP
 
 # The low-rank norms use the reference's fixed epsilon, not rms_norm_eps.
@@ -239,7 +240,9 @@ class DeepseekV3Model(nn.Module):
         return run_layers(self.layers, self.norm, self.embed_tokens(input_ids), rope, aux_layers)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(ModelDefaults):
+    """Satisfies `outrider.models.protocol.CausalLM`."""
+
     config_class = DeepseekV3Config
     # CUDA graphs capture steps of at most this many tokens (what the fused MoE serves).
     graph_max_tokens = FUSED_MAX_TOKENS
@@ -269,6 +272,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.lm_head(hidden)  # [N, vocab], whole on every rank
 
     @property
+    def tie_word_embeddings(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    @property
     def graph_safe(self) -> bool:
         """Whether decode and verify forwards read nothing on the host, as CUDA graphs need:
         attention and the router never do; the MoE's reference loop reads which experts were
@@ -288,7 +295,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """The whole latent on every rank, whatever the tensor-parallel size."""
         return latent_kv_layout(self.config, dtype)
 
-    def map_weight_name(self, name: str):
+    def map_weight_name(self, name: str) -> WeightName:
         """Checkpoint name -> what models/weights.py loads: the text model's names without a
         multimodal wrapper's prefix (other towers skipped), multi-token-prediction layers past
         num_hidden_layers skipped, per-expert tensors into the stacked experts."""

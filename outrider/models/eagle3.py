@@ -49,6 +49,7 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import ModelConfig
 from outrider.models.llama import LlamaForCausalLM
+from outrider.models.protocol import ModelDefaults
 
 # q, k, v: [T, heads, dim], [T, kv_heads, dim] x2 -> [T, heads * dim]
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -160,7 +161,11 @@ class Eagle3Layer(nn.Module):
         return self.mlp.down_proj(self.act(self.mlp.gate_up_proj(x))), residual
 
 
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(ModelDefaults):
+    """Satisfies `outrider.models.protocol.PagedModel`; its embedding is the target's, so
+    there is no head to tie."""
+
+    config_class = Eagle3Config
     # The decoder layer packs q/k/v and gate/up as the target's layers do.
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 

@@ -24,6 +24,7 @@ from outrider.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import Rope, RotaryEmbedding
 from outrider.loaders.hf_config import TransformerConfig, check_tp_size
+from outrider.models.protocol import ModelDefaults
 
 
 class LlamaAttention(nn.Module):
@@ -160,7 +161,9 @@ def run_layers(
     return hidden, [captured[i] for i in aux_layers]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ModelDefaults):
+    """Satisfies `outrider.models.protocol.CausalLM`."""
+
     config_class = TransformerConfig
     # checkpoint name -> (packed parameter name, shard id)
     packed_modules_mapping = {
@@ -193,6 +196,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab], whole on every rank
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.config.tie_word_embeddings
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

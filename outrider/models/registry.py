@@ -5,8 +5,12 @@ names)."""
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from outrider.loaders.hf_config import supported_architectures
+
+if TYPE_CHECKING:
+    from outrider.models.protocol import CausalLM
 
 # name -> "module:Class"
 _MODELS: dict[str, str] = {
@@ -20,7 +24,8 @@ _MODELS: dict[str, str] = {
 }
 
 
-def model_class(architecture: str) -> type:
+def model_class(architecture: str) -> type[CausalLM]:
+    """The class that serves `architecture`; it satisfies models/protocol.py's CausalLM."""
     if architecture not in _MODELS:
         raise ValueError(
             f"unsupported architecture {architecture!r}: outrider supports "

@@ -6,7 +6,8 @@ import logging
 from collections.abc import Iterable
 
 import torch
-from torch import nn
+
+from outrider.models.protocol import PagedModel
 
 log = logging.getLogger(__name__)
 
@@ -17,20 +18,19 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 SKIP = ("skip", None)
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: PagedModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load every parameter of `model` or fail naming what is missing.
 
     Packed parameters (qkv_proj, gate_up_proj) receive their checkpoint shards one at a time via
     the model's `packed_modules_mapping`; tied parameters (lm_head = embedding) load once. A
     model whose checkpoint names need more than that (stacked experts, a name prefix, tensors
-    to skip) defines `map_weight_name(name)`, answering (parameter name, shard id), a new
+    to skip) answers them in `map_weight_name(name)`: (parameter name, shard id), a new
     checkpoint name (then mapped as usual), SKIP, or None (the usual mapping). A parameter
     whose shards are not in the packed table lists them in `param.expected_shards`.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    packed: dict[str, tuple[str, object]] = getattr(model, "packed_modules_mapping", {})
-    remap = getattr(model, "map_weight_name", None)
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    packed = model.packed_modules_mapping
+    tied = model.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
@@ -38,7 +38,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         if tied and name == "lm_head.weight":
             continue  # some tied checkpoints store a copy; the embedding is the source of truth
-        mapped = remap(name) if remap is not None else None
+        mapped = model.map_weight_name(name)
         if mapped is SKIP:
             continue
         if isinstance(mapped, str):  # renamed; the packed table still applies
