@@ -18,8 +18,8 @@ Per concurrency C:
 2. per curve, a speculative run with k drafts a step: an EAGLE-3 draft layer of the target's
    shape with random weights runs inside every speculative step as it serves (its cost is
    real), and its drafts are replaced by the continuation corrupted so that position i is right
-   with probability a_i given the ones before (outrider/executor/synthetic_drafter.py,
-   outrider/speculative/synthetic.py). Decode tok/s, accept length and per-position acceptance
+   with probability a_i given the ones before (outrider/testing/synthetic_drafter.py,
+   outrider/testing/synthetic.py). Decode tok/s, accept length and per-position acceptance
    as the engine measured them; the output is compared with the plain run's (`lossless`).
 3. the planner (outrider/plan) for the same shape, dtype, batch, k and mean context: its
    speedup at the target curve (`predicted_speedup`) and at the accept length the engine
@@ -30,7 +30,7 @@ What differs from a trained drafter: the drafts are chosen on the host in Python
 few microseconds each) where a real drafter's come back in the step's one device read. In bf16
 a speculative run can leave the plain run's continuation where a batched verify flips a
 near-tie argmax; past that point the proposer drafts from the plain runs' token transitions
-(counted in `off_continuation`, speculative/synthetic.py), which predict these barely-writing
+(counted in `off_continuation`, testing/synthetic.py), which predict these barely-writing
 random layers as well as the continuation did.
 
 Tensor parallelism: the random weights are built by every rank from the same seed, so a
@@ -253,15 +253,15 @@ def run(args: argparse.Namespace) -> dict | None:
             "use k >= 1, concurrency >= 1, new tokens >= 2"
         )
 
-    from outrider.executor.synthetic_drafter import SyntheticDrafter
     from outrider.plan.planner import Drafter, plan_batch
     from outrider.speculative.controller import expected_tokens
-    from outrider.speculative.synthetic import (
+    from outrider.testing.synthetic import (
         SyntheticProposer,
         curve_at,
         measured_curve,
         parse_curve,
     )
+    from outrider.testing.synthetic_drafter import SyntheticDrafter
 
     curves = [parse_curve(c) for c in args.curves.split(",")]
     engine, hf = build_engine(args)
@@ -282,8 +282,8 @@ def run(args: argparse.Namespace) -> dict | None:
     # Captures the speculative step's graphs, drafter included.
     engine.speculator.use_proposer(wrapper)
     first = prompts[min(args.concurrency)][0]
-    wrapper.proposer = SyntheticProposer({tuple(first): plain[min(args.concurrency)]["outputs"][0]},
-                                         [1.0], vocab)  # fmt: skip
+    warm = {tuple(first): plain[min(args.concurrency)]["outputs"][0]}
+    wrapper.use_proposer(SyntheticProposer(warm, [1.0], vocab))
     decode_run(engine, [first], 2 * args.k + 2)  # warm-up of the speculative step
     setup = planner_setup(engine, hf, args.gpu, getattr(args, "link", "nvlink4"))
     plan_drafter = Drafter("eagle3", vocab_size=drafter.draft.config.draft_vocab_size)
@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> dict | None:
     for curve in curves:
         for c in args.concurrency:
             cont = {tuple(p): o for p, o in zip(prompts[c], plain[c]["outputs"])}
-            wrapper.proposer = SyntheticProposer(cont, curve, vocab, args.seed)
+            wrapper.use_proposer(SyntheticProposer(cont, curve, vocab, args.seed))
             engine.speculator.reset_stats()
             spec = decode_run(engine, prompts[c], args.new_tokens)
             stats, counts = engine.speculator.stats, wrapper.proposer.counts

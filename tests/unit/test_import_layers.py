@@ -18,11 +18,11 @@ import outrider
 ROOT = Path(outrider.__file__).parent
 
 # The house's floors, top to bottom: a module may import its own floor and those below it. A
-# module on no floor (server, train, plan, bench, the CLI, the offline API) stands above the
-# engine and may import any floor; no module on a floor imports it. The loaders stand below
-# the layers (which read quantization schemes from them) and the TP group, as DESIGN lists
-# them; the ground floor is plain data, config, the environment and the leaf helpers that the
-# floors above use.
+# module on no floor (server, train, plan, bench, testing, the CLI, the offline API) stands
+# above the engine and may import any floor; no module on a floor imports it. The loaders
+# stand below the layers (which read quantization schemes from them) and the TP group, as
+# DESIGN lists them; the ground floor is plain data, config, the environment and the leaf
+# helpers that the floors above use.
 FLOORS = (
     ("outrider.engine",),
     ("outrider.executor",),
@@ -137,6 +137,20 @@ def test_the_graph_reads_real_imports():
 
 def test_imports_run_down_the_house():
     assert _upward(_graph()) == sorted(KNOWN_UPWARD)
+
+
+def test_only_benchmarks_and_tests_import_the_stand_ins():
+    """outrider.testing (synthetic drafts for benchmarks and tests) is no part of serving."""
+    graph = _graph()
+    assert "outrider.testing.synthetic" in graph["outrider.testing.synthetic_drafter"]
+    users = sorted(
+        (a, b)
+        for a, bs in graph.items()
+        if not a.startswith("outrider.testing")
+        for b in bs
+        if b.startswith("outrider.testing")
+    )
+    assert users == []
 
 
 def test_speculative_algorithms_import_neither_executor_nor_engine():

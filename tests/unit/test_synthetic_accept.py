@@ -15,8 +15,8 @@ import torch
 from outrider import LLM, SamplingParams
 from outrider.core import Request
 from outrider.executor.drafter import Eagle3Drafter
-from outrider.executor.synthetic_drafter import SyntheticDrafter
-from outrider.speculative.synthetic import SyntheticProposer, measured_curve, parse_curve
+from outrider.testing.synthetic import SyntheticProposer, measured_curve, parse_curve
+from outrider.testing.synthetic_drafter import SyntheticDrafter
 from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
 from tests.unit.test_spec_eagle3 import random_drafter
 
@@ -143,8 +143,7 @@ def test_cost_drafter_runs_the_network_and_stays_lossless(llm, prompts, plain):
     target = llm.engine.checkpoint.config
     drafter = Eagle3Drafter(random_drafter(target), llm.engine.runner)
     calls = []
-    original = drafter.draft.forward
-    drafter.draft.forward = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    drafter.draft.register_forward_hook(lambda *_: calls.append(1))
     cont = {tuple(p): o for p, o in zip(prompts, plain)}
     prop = SyntheticProposer(cont, [0.8], vocab_size=512, seed=2)
     outs, stats = _run(llm, SyntheticDrafter(drafter, prop), prompts)

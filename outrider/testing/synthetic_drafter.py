@@ -1,7 +1,7 @@
 """A device drafter that pays for a real draft network but drafts synthetic tokens.
 
 `SyntheticDrafter` wraps an `Eagle3Drafter` (any weights: random ones of the target's shape
-serve, since time does not depend on values) and a `speculative.synthetic.SyntheticProposer`.
+serve, since time does not depend on values) and a `testing.synthetic.SyntheticProposer`.
 Inside the speculative step the drafter runs exactly as it serves (the catch-up over the
 verify's rows and the k - 1 chain steps, in the draft graph), and its drafts are dropped: the
 step hands back an empty [B, 0] tensor, so the engine finds no device drafts and asks `propose`,
@@ -21,7 +21,7 @@ import torch
 
 from outrider.core import Request, ScheduledBatch, SeqDrafts, StepOutput
 from outrider.executor.drafter import Eagle3Drafter
-from outrider.speculative.synthetic import SyntheticProposer
+from outrider.testing.synthetic import SyntheticProposer
 
 
 class SyntheticDrafter:
@@ -38,9 +38,15 @@ class SyntheticDrafter:
                 f"SyntheticDrafter drafts chains; the drafter has topk={drafter.topk}: build it "
                 "with topk=1"
             )
-        self.drafter, self.proposer = drafter, proposer
-        self.name = f"{proposer.name}+{drafter.name}"
+        self.drafter = drafter
+        self.use_proposer(proposer)
         self.aux_layers = drafter.aux_layers
+
+    def use_proposer(self, proposer: SyntheticProposer) -> None:
+        """Draft from `proposer` from now on: a benchmark measures several curves on one engine
+        without recapturing its graphs, which hold the wrapped drafter, not the proposer."""
+        self.proposer = proposer
+        self.name = f"{proposer.name}+{self.drafter.name}"
 
     def propose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[SeqDrafts]:
         return self.proposer.propose(requests, max_draft_tokens)

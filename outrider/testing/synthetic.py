@@ -31,8 +31,8 @@ Seeded per request (the seed and the prompt), so a run does not depend on batch 
 Greedy chains only: these drafts carry no draft distribution (one-hot for a sampled verify).
 Not registered by name: the continuations come from a run, not from a config.
 
-The drafts come from the host. For the draft network's cost, the executor's `SyntheticDrafter`
-(outrider/executor/synthetic_drafter.py) runs a drafter of the target's shape inside the
+The drafts come from the host. For the draft network's cost, `SyntheticDrafter`
+(outrider/testing/synthetic_drafter.py) runs a drafter of the target's shape inside the
 speculative step and hands its drafts over to this proposer's.
 """
 
