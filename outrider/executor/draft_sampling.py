@@ -9,6 +9,7 @@ import torch
 
 from outrider.core import Request
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
+from outrider.speculative.base import DeviceDrafter
 
 
 class SampledRows:
@@ -18,7 +19,7 @@ class SampledRows:
     with the drafts, so rejection sampling accepts more and stays exact. Greedy requests keep
     the argmax and deterministic drafts."""
 
-    def __init__(self, proposer, reqs: Sequence[Request]) -> None:  # proposer: Eagle3Drafter
+    def __init__(self, proposer: DeviceDrafter, reqs: Sequence[Request]) -> None:
         self.index = [i for i, r in enumerate(reqs) if not r.params.greedy]
         self.rows = [SamplingRow.of_request(reqs[i]) for i in self.index]
         self.draft = proposer.draft

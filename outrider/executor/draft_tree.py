@@ -9,6 +9,7 @@ import torch
 from outrider.core import ForwardMode
 from outrider.executor.inputs import table_slots_no_sync
 from outrider.layers import fused
+from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
 from outrider.models.eagle3 import Eagle3Draft
@@ -24,7 +25,7 @@ def grow_tree_no_sync(
     starts: torch.Tensor,  # [B] each row's root position
     block_tables: torch.Tensor,  # [B, W] int32; its last column is the scratch block
     shape: TreeShape,
-    backend,
+    backend: AttentionBackend,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # next tree: tokens [B, N], parents [B, N]
     """The tree step's drafting, all on the device: extend over the accepted path (a chain
     of 1 + S rows from the root; rows past the accepted ones write draft KV that the

@@ -23,7 +23,6 @@ import functools
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -34,10 +33,12 @@ from outrider.executor.draft_tree import grow_tree_no_sync
 from outrider.executor.inputs import build_inputs, table_slots_no_sync
 from outrider.executor.kv_cache import KVPool
 from outrider.executor.tp_draft import send_after_verify, send_draft
+from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.speculative.base import SeqDrafts
+from outrider.speculative.eagle3_tree import Frontier, propose_trees
 from outrider.speculative.tree_batch import TreeShape
 
 log = logging.getLogger(__name__)
@@ -64,19 +65,8 @@ def _draft_collectives(method):
     return counted
 
 
-@dataclass
-class _Frontier:
-    """A request's draft state after its last EXTEND: the first draft, ready for step 2."""
-
-    position: int  # the extend's last row (C - 1)
-    top_ids: torch.Tensor  # [topk] int64 target ids of the best first drafts, on the device
-    top_logp: torch.Tensor  # [topk] float32 their draft log-probabilities
-    hidden: torch.Tensor  # [H] the draft's pre-norm output at that row
-    logits: torch.Tensor | None  # [draft_vocab] at that row, kept for sampled requests
-
-
 class Eagle3Drafter:
-    """Satisfies `outrider.speculative.base.Proposer` as a device drafter."""
+    """Satisfies `outrider.speculative.base.DeviceDrafter`."""
 
     name = "eagle3"
     on_device = True
@@ -132,7 +122,7 @@ class Eagle3Drafter:
         # Same block ids as the target's pool (+1 scratch block, as there).
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
         draft.attention_layers()[0].kv_cache = self.kv_pool.layer(0)
-        self._frontier: dict[str, _Frontier] = {}
+        self._frontier: dict[str, Frontier] = {}
         self._graphs: GraphRunner | None = None
 
     # -- after every target forward ---------------------------------------------------------
@@ -174,7 +164,7 @@ class Eagle3Drafter:
         top_ids = self.draft.to_target_ids(top)
         for i, s in enumerate(seqs):
             keep = None if s.request.params.greedy else logits[i]
-            self._frontier[s.request.request_id] = _Frontier(
+            self._frontier[s.request.request_id] = Frontier(
                 s.context_len - 1, top_ids[i], top_logp[i], last_hidden[i], keep
             )
 
@@ -194,8 +184,6 @@ class Eagle3Drafter:
         reqs = [r for _, r in live]
         frontiers = [self._frontier[r.request_id] for r in reqs]
         if self.topk > 1:
-            from outrider.speculative.eagle3_tree import propose_trees
-
             trees = propose_trees(self, reqs, frontiers, max_draft_tokens)
             for (i, _), tree in zip(live, trees):
                 out[i] = tree
@@ -256,7 +244,7 @@ class Eagle3Drafter:
         starts: torch.Tensor,  # [B] each row's root position
         block_tables: torch.Tensor,  # [B, W] int32, padded with the scratch block
         k_draft: int,
-        backend,
+        backend: AttentionBackend,
     ) -> torch.Tensor:  # [B, k_draft] int64 next drafts
         """Extend over every verify row (rows past the accepted ones write draft KV the chain
         overwrites before anyone reads it), then chain from row num_accepted. No host sync."""
@@ -285,7 +273,7 @@ class Eagle3Drafter:
         first_pos: torch.Tensor,  # [B] C: where chain step 2 runs
         block_tables: torch.Tensor,  # [B, W] int32; its last column is the scratch block
         k_draft: int,
-        backend,
+        backend: AttentionBackend,
     ) -> torch.Tensor:  # [B, k_draft]
         """Chain steps 2..k_draft, positions and slots computed on the device: step j runs at
         C + j - 2 and sees the draft KV of positions <= its own. A position past the table
@@ -311,9 +299,16 @@ class Eagle3Drafter:
 
     @_draft_collectives
     def tree_after_verify_no_sync(
-        self, path_ids, path_aux, num_accepted, starts, block_tables, shape: TreeShape, backend,
+        self,
+        path_ids: torch.Tensor,  # [B, 1 + S]
+        path_aux: torch.Tensor,  # [B * (1 + S), 3 * Ht]
+        num_accepted: torch.Tensor,  # [B]
+        starts: torch.Tensor,  # [B]
+        block_tables: torch.Tensor,  # [B, W] int32
+        shape: TreeShape,
+        backend: AttentionBackend,
         path_rows: torch.Tensor | None = None,  # [B, 1 + S] verify rows of the path (sharded)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tree step's drafting, all on the device: extend over the accepted path, then grow
         the next tree EAGLE-2 style. Arguments and the (tokens [B, N], parents [B, N]) it
         returns: executor/draft_tree.py's grow_tree_no_sync."""
@@ -359,7 +354,13 @@ class Eagle3Drafter:
 
     @_draft_collectives
     def run_rows(
-        self, ids, positions, meta, hidden, rows, aux_rows=None
+        self,
+        ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,  # [T, 3 * Ht] or [T, H]
+        rows: torch.Tensor,  # [R]
+        aux_rows: torch.Tensor | None = None,  # [T]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft forward -> (draft logits [len(rows), draft_vocab], pre-norm [len(rows), H])
         at `rows`. aux_rows ([T] int64): `hidden` is those rows of the last target forward's aux

@@ -52,6 +52,7 @@ from outrider.layers import fused
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.progress import progress
+from outrider.speculative.base import DeviceDrafter
 from outrider.speculative.tree_batch import (
     TreeShape,
     accept_tree_greedy_no_sync,
@@ -100,7 +101,7 @@ class SpecStep:
         self,
         model: torch.nn.Module,
         backend: AttentionBackend,
-        drafter,  # executor.drafter.Eagle3Drafter or None (n-gram: drafts come from the host)
+        drafter: DeviceDrafter | None,  # None: chain drafts come from the host (n-gram)
         *,
         max_k: int,
         block_size: int,
@@ -339,7 +340,7 @@ class SpecStep:
     def capture(self, ks: Sequence[int]) -> None:
         """Per (padded B, k): a verify graph and, with a drafter, a draft graph reading the
         verify graph's outputs; largest first into one memory pool."""
-        if getattr(self.drafter, "sharded", False):  # its other ranks follow eagerly only
+        if self.drafter is not None and self.drafter.sharded:  # its other ranks follow eagerly
             from outrider.executor.drafter import SHARDED_GRAPHS
 
             raise ValueError(SHARDED_GRAPHS)

@@ -38,6 +38,7 @@ import torch
 from outrider.core import ForwardMode
 from outrider.executor.tp_payload import pack, packed_size, unpack
 from outrider.layers.forward_context import AttentionMetadata
+from outrider.speculative.base import DeviceDrafter
 
 if TYPE_CHECKING:  # the runner's modules import this one: at run time a cycle
     from outrider.executor.model_runner import ModelRunner
@@ -118,7 +119,8 @@ class DraftFollower:
     `aux_layers` are the drafter's (every target forward keeps them here)."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner, self.drafter = runner, runner.drafter
+        self.runner = runner
+        self.drafter: DeviceDrafter = runner.drafter
         self.dtype = runner.dtype
         # The target forward followed last: (metadata, positions [T], aux streams [T, 3 * Ht]).
         self._last: tuple[AttentionMetadata, torch.Tensor, torch.Tensor | None] | None = None

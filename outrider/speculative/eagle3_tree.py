@@ -16,19 +16,34 @@ the host: one sync per proposal.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from outrider.core import ForwardMode, Request
 from outrider.layers.forward_context import AttentionMetadata
 from outrider.layers.fused import top_logprobs
-from outrider.speculative.base import SeqDrafts
+from outrider.speculative.base import DeviceDrafter, SeqDrafts
 from outrider.transfer import to_device_no_sync
 
 DEFAULT_MAX_STEPS = 5
 
 
-def propose_trees(proposer, reqs: Sequence[Request], frontiers, k: int) -> list[SeqDrafts]:
+@dataclass
+class Frontier:
+    """A request's draft state after the drafter's last EXTEND over it: the first drafts, ready
+    for step 2 (executor/drafter.py keeps one per request)."""
+
+    position: int  # the extend's last row (C - 1)
+    top_ids: torch.Tensor  # [topk] int64 target ids of the best first drafts, on the device
+    top_logp: torch.Tensor  # [topk] float32 their draft log-probabilities
+    hidden: torch.Tensor  # [H] the draft's pre-norm output at that row
+    logits: torch.Tensor | None  # [draft_vocab] at that row, kept for sampled requests
+
+
+def propose_trees(
+    proposer: DeviceDrafter, reqs: Sequence[Request], frontiers: Sequence[Frontier], k: int
+) -> list[SeqDrafts]:
     t = proposer.topk
     steps = proposer.num_steps or min(k, DEFAULT_MAX_STEPS)
     b = len(reqs)
@@ -87,7 +102,14 @@ def _select(tokens, scores, parents, k: int) -> SeqDrafts:
     return SeqDrafts(out_tokens, out_parents)
 
 
-def _step_metadata(proposer, reqs, ctx, d: int, t: int, anc: torch.Tensor):
+def _step_metadata(
+    proposer: DeviceDrafter,
+    reqs: Sequence[Request],
+    ctx: list[int],
+    d: int,
+    t: int,
+    anc: torch.Tensor,  # [B, t, (d-1)*t]
+) -> tuple[AttentionMetadata, torch.Tensor]:  # positions [B * t]
     """Attention metadata for running t frontier nodes per sequence under the tree mask.
 
     The step's nodes sit at slots C + (d-2)*t .. C + (d-1)*t - 1, so seq_len = C + (d-1)*t and

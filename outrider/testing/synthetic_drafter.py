@@ -21,11 +21,13 @@ import torch
 
 from outrider.core import Request, ScheduledBatch, SeqDrafts, StepOutput
 from outrider.executor.drafter import Eagle3Drafter
+from outrider.layers.forward_context import AttentionMetadata
+from outrider.models.eagle3 import Eagle3Draft
 from outrider.testing.synthetic import SyntheticProposer
 
 
 class SyntheticDrafter:
-    """Satisfies `outrider.speculative.base.Proposer` as a device drafter (chains only)."""
+    """Satisfies `outrider.speculative.base.DeviceDrafter` (chains only)."""
 
     on_device = True
     writes_kv = True  # the wrapped drafter's chain steps write draft KV
@@ -48,6 +50,26 @@ class SyntheticDrafter:
         self.proposer = proposer
         self.name = f"{proposer.name}+{self.drafter.name}"
 
+    # -- what the wrapped drafter is --------------------------------------------------------
+
+    @property
+    def draft(self) -> Eagle3Draft:
+        return self.drafter.draft
+
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.device
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
+
+    @property
+    def sharded(self) -> bool:
+        return self.drafter.sharded
+
+    # -- the proposal calls: the synthetic drafts, the drafter following the target ---------
+
     def propose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[SeqDrafts]:
         return self.proposer.propose(requests, max_draft_tokens)
 
@@ -61,10 +83,23 @@ class SyntheticDrafter:
     def positions_needed(self, k: int) -> int:
         return self.drafter.positions_needed(k)
 
+    # -- on the device: the drafter's whole cost --------------------------------------------
+
     def after_verify_no_sync(self, *args, **kwargs) -> torch.Tensor:  # [B, 0]
         """The drafter's whole forward runs (and is captured in the draft graph); its drafts
         are not returned, so the synthetic ones take their place."""
         return self.drafter.after_verify_no_sync(*args, **kwargs)[:, :0]
 
-    def tree_after_verify_no_sync(self, *args, **kwargs):
+    def tree_after_verify_no_sync(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("SyntheticDrafter drafts chains, not trees")
+
+    def run_rows(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        aux_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.drafter.run_rows(ids, positions, meta, hidden, rows, aux_rows)

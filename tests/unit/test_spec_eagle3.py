@@ -13,6 +13,7 @@ from outrider import LLM, SamplingParams
 from outrider.executor.drafter import Eagle3Drafter
 from outrider.loaders.hf_config import TransformerConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
+from outrider.speculative.base import DeviceDrafter
 from tests.tiny import tiny_hf_config
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 
@@ -60,6 +61,8 @@ def eagle_llm(
 
 def test_eagle3_greedy_equals_plain(tiny_dir, prompts, reference):  # noqa: F811
     llm = eagle_llm(tiny_dir)
+    # The speculative step and the tree code call only what the protocol declares.
+    assert isinstance(llm.engine.speculator.proposer, DeviceDrafter)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     stats = llm.engine.speculator.stats

@@ -15,6 +15,7 @@ import torch
 from outrider import LLM, SamplingParams
 from outrider.core import Request
 from outrider.executor.drafter import Eagle3Drafter
+from outrider.speculative.base import DeviceDrafter
 from outrider.testing.synthetic import SyntheticProposer, measured_curve, parse_curve
 from outrider.testing.synthetic_drafter import SyntheticDrafter
 from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
@@ -146,7 +147,9 @@ def test_cost_drafter_runs_the_network_and_stays_lossless(llm, prompts, plain):
     drafter.draft.register_forward_hook(lambda *_: calls.append(1))
     cont = {tuple(p): o for p, o in zip(prompts, plain)}
     prop = SyntheticProposer(cont, [0.8], vocab_size=512, seed=2)
-    outs, stats = _run(llm, SyntheticDrafter(drafter, prop), prompts)
+    wrapper = SyntheticDrafter(drafter, prop)
+    assert isinstance(wrapper, DeviceDrafter)
+    outs, stats = _run(llm, wrapper, prompts)
     assert outs == plain
     # The draft network ran at every speculative step (catch-up + K - 1 chain steps each).
     assert len(calls) >= stats.num_verify_steps // len(prompts) * K
