@@ -107,17 +107,18 @@ class SchedulerConfig:
             )
 
 
-SPEC_METHODS = ("ngram", "eagle3")
 SPEC_CONTROLLERS = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding. method None decodes plainly; "ngram" drafts by prompt-and-output
-    lookup; "eagle3" runs an EAGLE-3 draft network (`draft`: its directory; None picks the one
-    shipped for the default model). num_draft_tokens is k, the drafts verified per sequence per
-    step. EAGLE-3 trees: `topk` candidates per step over `num_steps` steps, the best
-    num_draft_tokens nodes kept; topk 1 is a chain of num_draft_tokens.
+    """Speculative decoding. method names a proposer registered in outrider/engine/proposers.py
+    (an engine refuses one that is not, before it loads the model), None decodes plainly;
+    "ngram" drafts by prompt-and-output lookup; "eagle3" runs an EAGLE-3 draft network (`draft`:
+    its directory; None picks the one shipped for the default model). num_draft_tokens is k,
+    the drafts verified per sequence per step. EAGLE-3 trees: `topk` candidates per step over
+    `num_steps` steps, the best num_draft_tokens nodes kept; topk 1 is a chain of
+    num_draft_tokens.
 
     controller "adaptive" chooses, before every decode step, how many drafts (0..k; 0 is a
     plain step) to verify, from step costs measured at start-up on this machine and the live
@@ -156,10 +157,11 @@ class SpecConfig:
                 f"unknown speculative controller={self.controller!r}: use 'adaptive' (choose k per "
                 "step, 0 where speculation would lose) or 'fixed' (always k)"
             )
-        if self.method is not None and self.method not in SPEC_METHODS:
+        if self.method is not None and not (isinstance(self.method, str) and self.method):
             raise ValueError(
-                f"unknown speculative method={self.method!r}: use one of {', '.join(SPEC_METHODS)}, "
-                f"or None to decode without speculation"
+                f"invalid speculative method={self.method!r}: name a proposer (ngram, eagle3, "
+                "or one registered with outrider.engine.proposers.register_proposer), or None "
+                "to decode without speculation"
             )
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError(f"invalid num_draft_tokens={self.num_draft_tokens}: use 1..64")

@@ -6,7 +6,8 @@ the namespace holds exactly the flags given: a flag given wins over the YAML wha
 and one not given leaves the YAML (or the dataclass default) alone. Their help shows the
 dataclass default; every other flag's default is shown by `HelpFormatter`, once.
 
-Start-up: importing this module imports argparse and the config dataclasses only (no torch).
+Start-up: importing this module imports argparse, the config dataclasses and the proposer
+registry's names only (no torch).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from outrider.config import (
     FLAT_ALIASES,
     SECTIONS,
     SPEC_CONTROLLERS,
-    SPEC_METHODS,
     EngineConfig,
     SpecConfig,
     defaults,
     flat_sections,
 )
+from outrider.engine.proposers import proposer_names
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     config_flag(
         g, "speculative.method", "draft ahead of the model and verify in one forward (default: off)",
-        "--spec", choices=SPEC_METHODS, type=_method,
+        "--spec", choices=proposer_names(), type=_method,
     )  # fmt: skip
     g.add_argument(
         "--speculative-config", dest="speculative_config",

@@ -22,7 +22,7 @@ from outrider.engine import overlap
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
 from outrider.engine.limits import check_request, context_limit
-from outrider.engine.proposers import build_proposer
+from outrider.engine.proposers import build_proposer, check_method
 from outrider.engine.scheduler import Scheduler
 from outrider.engine.speculation import Speculator
 from outrider.engine.tracked import TrackedRequest
@@ -37,6 +37,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         if env.num_threads() > 0:
             torch.set_num_threads(env.num_threads())
+        check_method(config.speculative.method)  # before the model loads
         self.config = config
         self.checkpoint = checkpoint or open_checkpoint(config.model.model or env.default_model())
         self.tokenizer = self.checkpoint.tokenizer
