@@ -169,8 +169,7 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str, min_batche
     verify = sum(o.metrics.get("num_verify_steps") or 0 for o in outs)
     accepted = sum(o.metrics.get("num_accepted_tokens") or 0 for o in outs)
     split = step_split(before, _clock(engine))
-    controller = getattr(engine, "controller", None)
-    snapshot = getattr(controller, "snapshot", None)
+    controller = engine.speculator.controller  # None: plain, fixed k or trees
     return {
         "requests": len(outs),
         "tokens": tokens,
@@ -178,7 +177,7 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str, min_batche
         "tok_per_s": round(tokens / seconds, 2),
         "accept_length": round(1 + accepted / verify, 3) if verify else None,
         "step_split": split,
-        "controller": _json_safe(snapshot()) if callable(snapshot) else None,
+        "controller": _json_safe(controller.snapshot()) if controller is not None else None,
         "ids": [o.token_ids for o in outs],
     }
 
