@@ -227,8 +227,7 @@ class ModelRunner:
         # A model whose forward reads the host (the reference MoE picks experts there) says so,
         # and one that reads none only up to a step size (the fused MoE) says which: the
         # largest graph, every batch size's top times its tokens per sequence, must fit.
-        model_ok = getattr(self.model, "graph_safe", True)
-        limit = getattr(self.model, "graph_max_tokens", None)
+        model_ok, limit = self.model.graph_safe, self.model.graph_max_tokens
         tokens_per_seq = 1
         if config.speculative.enabled:  # chain verifies 1 + k rows a sequence, trees 1 + nodes
             tokens_per_seq += max((config.speculative.num_draft_tokens, *self.spec_ks))

@@ -22,11 +22,6 @@ import torch
 from outrider import env
 from outrider.layers import fused
 
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 # Activation dtypes moe_gemm takes (it computes in fp32 and rounds its output to a's dtype).
 MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -99,15 +94,15 @@ def moe_layout_no_sync(
     layout = torch.empty(slots, dtype=torch.int32, device=ids.device)
     if not rows:
         return layout
-    e_pad = triton_next_pow2(num_experts + 1)  # one bin more: the last chunk's padding
+    e_pad = _kernels().next_pow2(num_experts + 1)  # one bin more: the last chunk's padding
     starts = torch.empty(e_pad, dtype=torch.int32, device=ids.device)
     # Loop counts are compile-time (the interpreter takes no runtime bound), rounded up to a
     # power of two so that every step size shares one of a few compilations.
     _kernels().moe_layout_kernel[(1,)](
         ids.reshape(-1), layout, starts, rows, slots,
         E=num_experts, E_PAD=e_pad, BLOCK_M=MOE_BLOCK_M, CHUNK=_LAYOUT_CHUNK,
-        CHUNKS=triton_next_pow2(-(-rows // _LAYOUT_CHUNK)), FILL=_LAYOUT_FILL,
-        FILLS=triton_next_pow2(-(-slots // _LAYOUT_FILL)), num_warps=4,
+        CHUNKS=_kernels().next_pow2(-(-rows // _LAYOUT_CHUNK)), FILL=_LAYOUT_FILL,
+        FILLS=_kernels().next_pow2(-(-slots // _LAYOUT_FILL)), num_warps=4,
     )  # fmt: skip
     return layout
 
@@ -252,8 +247,8 @@ def moe_route_no_sync(
     _kernels().moe_route_kernel[(t,)](
         logits, bias, weights, ids, logits.stride(0), scale,
         GROUPS=n_group, GROUP_SIZE=size, KEEP_GROUPS=topk_group, TOP_K=top_k,
-        ALWAYS=always, NORM=norm_topk_prob, G_PAD=triton_next_pow2(n_group),
-        S_PAD=triton_next_pow2(size), K_PAD=triton_next_pow2(top_k + always), num_warps=4,
+        ALWAYS=always, NORM=norm_topk_prob, G_PAD=_kernels().next_pow2(n_group),
+        S_PAD=_kernels().next_pow2(size), K_PAD=_kernels().next_pow2(top_k + always), num_warps=4,
     )  # fmt: skip
     return weights, ids
 
@@ -273,7 +268,7 @@ def moe_combine(
         rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         if add is not None and add.stride(-1) != 1:
             add = add.contiguous()
-        block = min(1024, triton_next_pow2(n))
+        block = min(1024, _kernels().next_pow2(n))
         _kernels().moe_combine_kernel[(t, -(-n // block))](
             rows, weights.contiguous(), add if add is not None else out, out, n,
             rows.stride(0), add.stride(0) if add is not None else 0, out.stride(0),

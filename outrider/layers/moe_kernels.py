@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from outrider.layers.fused_kernels import next_pow2  # noqa: F401 (moe_fused sizes tiles with it)
+
 
 @triton.jit
 def moe_route_kernel(
