@@ -13,7 +13,6 @@ from outrider.config import EngineConfig
 from outrider.core import (
     ForwardMode,
     ScheduledBatch,
-    ScheduledSeq,
     StepOutput,
 )
 from outrider.device import default_dtype, resolve_device, resolve_dtype
@@ -22,20 +21,17 @@ from outrider.executor import step_timing, tp_graphs
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
-from outrider.executor.sampler import Sampler, logprob_rows_no_sync, unpack_logprobs
-from outrider.executor.spec_step import SpecOutput, SpecStep, simple_greedy
+from outrider.executor.sampler import Sampler
+from outrider.executor.spec_step import SpecStep
 from outrider.executor.tp_channel import TARGET_GRAPH, StepSender
-from outrider.executor.verify_step import sample_and_verify, verify_chain_rows_no_sync
+from outrider.executor.verify_step import sample_and_verify, tree_kv_slots
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.loaders.checkpoint import Checkpoint
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
 from outrider.progress import progress
-from outrider.speculative.base import SeqDrafts
-from outrider.speculative.tree import TreeTopology, accepted_kv_moves
 from outrider.speculative.tree_batch import TreeShape
-from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +207,7 @@ class ModelRunner:
         same point (rank 0 from capture_graphs, the others from follow_capture), and the ranks
         agree on what they capture first."""
         self.graphs = graphs = self.graph_runner()
-        step = self.spec_step if graphs is not None else None
+        step = self.spec_step.graphs if graphs is not None and self.spec_step else None
         tp_graphs.agree_on_captures(self.tp, graphs, step, self.spec_ks, self.device)
         if graphs is not None:
             graphs.capture()
@@ -322,110 +318,18 @@ class ModelRunner:
                 ids, [[t] for t in out.token_ids], logprobs=logprobs, aux_hidden=aux_hidden
             )
         tokens, accepted, logprobs = sample_and_verify(self.sampler, logits, sampling)
-        for s, nodes in zip(sampling, accepted):
-            if s.drafts is not None and not s.drafts.is_chain and nodes:
-                self._move_accepted_kv(s, nodes)
+        src, dst = tree_kv_slots(sampling, accepted, self.block_size)
+        if src:  # trees verified here: accepted nodes' KV into path order
+            self._move_kv(src, dst)
         return StepOutput(
             ids, tokens, logprobs=logprobs, num_accepted=[len(n) for n in accepted],
             accepted_nodes=accepted, aux_hidden=aux_hidden,
         )  # fmt: skip
 
-    @torch.inference_mode()
     def run_spec(self, batch: ScheduledBatch, k: int, k_draft: int) -> StepOutput:
-        """A decode-phase batch (every sequence samples; chain drafts, at most k each) through
-        the speculative step: verify, accept and draft k_draft next drafts on the device, then
-        one host read. Rows that are not plain greedy are decided exactly between acceptance
-        and drafting (verify_chain_rows_no_sync), still on the device; rows asking for
-        logprobs get them for every emitted token from the row that predicted it."""
-        if self.spec_step.tree is not None:
-            return self._run_tree(batch)
-        seqs = batch.seqs
-        b, t = len(seqs), 1 + k
-        fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
-        asked = [i for i in fix if seqs[i].request.params.logprobs is not None]
-        top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
-        packed: list[torch.Tensor] = []
-
-        def fixup(out: SpecOutput) -> None:
-            dev = out.tokens.device
-            idx = to_device_no_sync(fix, torch.long, dev)
-            rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
-            logits = out.logits.index_select(0, rows)  # [F * t, V]
-            step = self.spec_step
-            drafts = step.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
-            tokens, accepted = verify_chain_rows_no_sync(
-                logits, [seqs[i] for i in fix], k, drafts.index_select(0, idx),
-                step.num_drafts.index_select(0, idx),
-            )  # fmt: skip
-            out.tokens.index_copy_(0, idx, tokens)
-            out.num_accepted.index_copy_(0, idx, accepted)
-            if asked:
-                lp_rows = [fix.index(i) * t + j for i in asked for j in range(t)]
-                ids = tokens.reshape(-1)
-                packed.append(logprob_rows_no_sync(logits, ids, lp_rows, top_n))
-
-        out, _ = self.spec_step.run_no_sync(batch, k, k_draft, fixup if fix else None)
-        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
-        if out.drafts is not None:
-            parts.append(out.drafts[:b].reshape(-1))
-        if packed:  # float64 carries ids and logprobs exactly: still one read
-            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
-        host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
-        host_ints = [int(x) for x in host[: b * t + b]] if packed else host
-        accepted = host_ints[b * t : b * t + b]
-        tokens = [host_ints[i * t : i * t + accepted[i] + 1] for i in range(b)]
-        pos = b * t + b
-        drafts = None
-        if out.drafts is not None:
-            kd = out.drafts.shape[1]
-            drafts = [
-                SeqDrafts.chain([int(x) for x in host[pos + i * kd : pos + (i + 1) * kd]])
-                for i in range(b)
-            ]
-            pos += b * kd
-        logprobs = None
-        if packed:
-            width = 1 + 2 * top_n
-            recs = host[pos:]
-            logprobs = [[{} for _ in tok] for tok in tokens]
-            for a, i in enumerate(asked):
-                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
-                n = seqs[i].request.params.logprobs
-                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
-        return StepOutput(
-            [s.request.request_id for s in seqs], tokens, num_accepted=accepted,
-            logprobs=logprobs, accepted_nodes=[list(range(a)) for a in accepted],
-            next_drafts=drafts,
-        )  # fmt: skip
-
-    def _run_tree(self, batch: ScheduledBatch) -> StepOutput:
-        """run_spec for trees: every row plain greedy (the engine sends other batches through
-        `run`). One read: the path's tokens and rows, the accept counts, the next trees."""
-        seqs = batch.seqs
-        b, n = len(seqs), self.spec_step.tree.num_nodes
-        if not all(simple_greedy(s) for s in seqs):
-            raise ValueError("the tree step decides plain greedy rows only: use run()")
-        out, _ = self.spec_step.run_no_sync(batch, n, n)
-        w = out.tokens.shape[1]  # 1 + S
-        parts = [
-            out.tokens,
-            out.path_rows,
-            out.num_accepted[:, None],
-            out.drafts,
-            out.draft_parents,
-        ]
-        host = torch.cat([p[:b] for p in parts], dim=1).tolist()  # CPU-GPU sync point
-        tokens, nodes, drafts = [], [], []
-        for row in host:
-            acc = row[2 * w]
-            tokens.append(row[: acc + 1])
-            nodes.append([r - 1 for r in row[w + 1 : w + 1 + acc]])
-            tail = row[2 * w + 1 :]
-            drafts.append(SeqDrafts(tail[:n], tail[n:]))
-        return StepOutput(
-            [s.request.request_id for s in seqs], tokens, num_accepted=[len(x) for x in nodes],
-            accepted_nodes=nodes, next_drafts=drafts,
-        )  # fmt: skip
+        """A decode-phase batch through the speculative step (set_speculation): verify up to k
+        drafts a sequence, accept, draft k_draft next ones, one host read (SpecStep.run)."""
+        return self.spec_step.run(batch, k, k_draft)
 
     @torch.inference_mode()
     def profile_steps(
@@ -445,20 +349,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sampler.sample_no_sync(logits, batch.seqs)
 
-    def _move_accepted_kv(self, seq: ScheduledSeq, nodes: list[int]) -> None:
-        topology = TreeTopology.from_parents(seq.drafts.parents)
-        moves = accepted_kv_moves(topology, nodes, seq.start_pos)
-        if moves:
-            bs = self.block_size
-
-            def slot(p: int) -> int:
-                return seq.block_ids[p // bs] * bs + p % bs
-
-            src = torch.tensor([slot(a) for a, _ in moves], device=self.device)
-            dst = torch.tensor([slot(b) for _, b in moves], device=self.device)
-            if self.tp_sender is not None:
-                self.tp_sender.move_kv(src, dst)
-            self.kv_pool.move_no_sync(src, dst)
+    def _move_kv(self, src: list[int], dst: list[int]) -> None:
+        """KV slot moves in this rank's pool and, under tensor parallelism, every rank's."""
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        if self.tp_sender is not None:
+            self.tp_sender.move_kv(src_t, dst_t)
+        self.kv_pool.move_no_sync(src_t, dst_t)
 
 
 def _max_model_len(requested: int | None, cfg) -> int:

@@ -22,12 +22,10 @@ Worked example, k = 3, a row at start position 10 with drafts [a, b, c], target 
 tokens [a, b, x, .], num_accepted 2, computed tokens 10 -> 13. The drafter's row 2 (position
 12, input x) gives the first next draft; chain steps run at positions 13 and 14.
 
-Under tensor parallelism every rank captures the verify graph of each (padded B, k) in the
-same order (the all-reduces inside pair up across ranks); rank 0 sends each step's buffers
-with the key before it replays, and the other ranks copy them into their own static buffers
-and replay the same graph (`replay_sent`). Their acceptance is computed and unused; the
-drafter and its graph run on rank 0 alone. Trees verify eagerly there: their accepted nodes'
-KV moves are sent to the other ranks from the host, mid-step, which no graph can do.
+The graphs, and the tensor-parallel send and replay of each step, are executor/spec_graphs.py.
+`run` is the step as the engine calls it: load, the step, and its one host read, unpacked into
+a StepOutput (chains: tokens, accept counts, next drafts, logprobs; trees: the path's tokens
+and nodes, the next trees).
 
 Slots: a row's real tokens write KV at its own slots (allocated by the scheduler: root, real
 drafts and, for a drafter, k - 1 chain positions past the verify); everything else writes to
@@ -36,23 +34,24 @@ the scratch block, whose contents nobody reads as a real token's context.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
+from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.distributed import TPGroup, single
 from outrider.executor.cuda_graph import StaticInputs
 from outrider.executor.inputs import table_slots_no_sync
-from outrider.executor.tp_channel import ALL_ROWS, SPEC_GRAPH
+from outrider.executor.sampler import logprob_rows_no_sync, unpack_logprobs
+from outrider.executor.spec_graphs import SpecGraphs
+from outrider.executor.tp_channel import ALL_ROWS
+from outrider.executor.verify_step import verify_chain_rows_no_sync
 from outrider.layers import fused
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
-from outrider.progress import progress
-from outrider.speculative.base import DeviceDrafter
+from outrider.speculative.base import DeviceDrafter, SeqDrafts
 from outrider.speculative.tree_batch import (
     TreeShape,
     accept_tree_greedy_no_sync,
@@ -60,9 +59,7 @@ from outrider.speculative.tree_batch import (
     tree_kv_moves_no_sync,
 )
 from outrider.speculative.verify import verify_chain_greedy_no_sync
-from outrider.transfer import StagedUpload
-
-log = logging.getLogger(__name__)
+from outrider.transfer import StagedUpload, to_device_no_sync
 
 
 @dataclass
@@ -94,7 +91,7 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
 
 
 class SpecStep:
-    """Static buffers, graphs and the step function for chain speculation at one max k, or for
+    """Static buffers, graphs (`graphs`) and the step for chain speculation at one max k, or for
     trees of one shape (`tree`: N nodes verified per step, the drafter growing the next tree)."""
 
     def __init__(
@@ -145,9 +142,7 @@ class SpecStep:
         self.inputs.block_tables.fill_(scratch_block)
         self._dirty = 0  # table columns that may hold real blocks, from the widest load since
         self._w = 1  # the table width the last load wrote (eager forwards read only that)
-        # (padded, k, k_draft) -> (verify, draft or None, out, the verify's collectives)
-        self.graphs: dict[tuple[int, int, int], tuple] = {}
-        self.pool = None
+        self.graphs = SpecGraphs(self)  # captured by the runner once aux streams are known
 
     # -- host -> static buffers ----------------------------------------------------------------
 
@@ -214,7 +209,7 @@ class SpecStep:
             s.block_tables[:, w : self._dirty].fill_(scratch)
         self._dirty, self._w = w, w
 
-    def _metadata(self, padded: int, k: int, full_width: bool = False) -> AttentionMetadata:
+    def metadata(self, padded: int, k: int, full_width: bool = False) -> AttentionMetadata:
         """full_width: the whole table (what a graph is captured with; kernels read only up to
         each length); eagerly, only what the last load wrote (the reference backend gathers
         every column)."""
@@ -251,7 +246,7 @@ class SpecStep:
         to the other ranks first (not while capturing: they capture alongside)."""
         t = 1 + k
         s = self.inputs
-        meta = self._metadata(padded, k, full_width)
+        meta = self.metadata(padded, k, full_width)
         self._host_lengths(meta)
         ids = s.input_ids[: padded * t]
         positions = s.positions[: padded * t]
@@ -313,7 +308,7 @@ class SpecStep:
         """Step 3: the drafter over the verify's rows, then the chain -> [padded, k_draft]."""
         t = 1 + k
         s = self.inputs
-        meta = self._metadata(padded, k, full_width)
+        meta = self.metadata(padded, k, full_width)
         self._host_lengths(meta)
         positions = s.positions[: padded * t]
         starts = positions.view(padded, t)[:, 0]
@@ -328,57 +323,6 @@ class SpecStep:
             meta.block_tables, k_draft, self.backend,
         )  # fmt: skip
 
-    # -- graphs -----------------------------------------------------------------------------
-
-    def capture_keys(self, ks: Sequence[int]) -> list[tuple[int, int]]:
-        """(padded B, k) that `capture` captures, in its order (largest first); none for trees
-        under tensor parallelism (the module's doc says why)."""
-        if self.tree is not None and self.tp.size > 1:
-            return []
-        return [(b, k) for k in sorted(ks, reverse=True) for b in reversed(self.batch_sizes)]
-
-    def capture(self, ks: Sequence[int]) -> None:
-        """Per (padded B, k): a verify graph and, with a drafter, a draft graph reading the
-        verify graph's outputs; largest first into one memory pool."""
-        if self.drafter is not None and self.drafter.sharded:  # its other ranks follow eagerly
-            from outrider.executor.drafter import SHARDED_GRAPHS
-
-            raise ValueError(SHARDED_GRAPHS)
-        if self.tree is not None and self.tp.size > 1:
-            log.info(
-                "tensor parallelism: the tree step runs eagerly (its KV moves go to the other "
-                "ranks from the host mid-step); decode graphs are still replayed"
-            )
-        keys = self.capture_keys(ks)
-        for b, k in progress(keys, "capturing speculative step graphs"):
-            self._capture(b, k)
-        if keys:
-            log.info("captured %d speculative step graphs", len(self.graphs))
-
-    def _capture(self, padded: int, k: int) -> None:
-        k_draft = k if self.drafter is not None else 0
-        self.load(ScheduledBatch(ForwardMode.VERIFY, []), k, padded)
-        with torch.inference_mode():
-            # Warm up outside the capture (autotuning, lazy inits); their collectives run,
-            # paired with the other ranks' warm-ups, and count nowhere.
-            with self.tp.recording():
-                for _ in range(2):
-                    out = self.verify_no_sync(padded, k, full_width=True, send=False)
-                    if k_draft:
-                        self.draft_no_sync(out, padded, k, k_draft, full_width=True)
-            torch.cuda.synchronize()
-            verify = torch.cuda.CUDAGraph()
-            with self.tp.recording() as counted, torch.cuda.graph(verify, pool=self.pool):
-                out = self.verify_no_sync(padded, k, full_width=True, send=False)
-            if self.pool is None:
-                self.pool = verify.pool()
-            draft = None
-            if k_draft:  # rank 0 alone: the drafter reduces nothing
-                draft = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(draft, pool=self.pool):
-                    out.drafts = self.draft_no_sync(out, padded, k, k_draft, full_width=True)
-        self.graphs[(padded, k, k_draft)] = (verify, draft, out, counted)
-
     def run_no_sync(
         self, batch: ScheduledBatch, k: int, k_draft: int, fixup=None
     ) -> tuple[SpecOutput, int]:
@@ -388,19 +332,10 @@ class SpecStep:
         plain greedy; the drafter then starts from what it decided."""
         padded = self.padded_batch(len(batch.seqs)) or len(batch.seqs)
         self.load(batch, k, padded)
-        captured = self.graphs.get((padded, k, k_draft))
+        key = (padded, k, k_draft)
+        if key in self.graphs:
+            return self.graphs.replay(key, fixup), padded
         with torch.inference_mode():
-            if captured is not None:
-                verify, draft, out, counted = captured
-                if self.sender is not None:  # the other ranks replay the same verify graph
-                    self._send(padded, k)
-                verify.replay()
-                self.tp.add_counts(counted, ForwardMode.VERIFY.value)
-                if fixup is not None:
-                    fixup(out)
-                if draft is not None:
-                    draft.replay()
-                return out, padded
             out = self.verify_no_sync(padded, k)
             if fixup is not None:
                 fixup(out)
@@ -408,43 +343,102 @@ class SpecStep:
                 out.drafts = self.draft_no_sync(out, padded, k, k_draft)
         return out, padded
 
-    def _send(self, padded: int, k: int) -> None:
-        """Rank 0: the buffers `load` wrote, and the key of the graph about to replay."""
-        t = 1 + k
-        s = self.inputs
-        meta = self._metadata(padded, k)  # the table as wide as the load wrote it
-        ids, positions = s.input_ids[: padded * t], s.positions[: padded * t]
-        key = (SPEC_GRAPH, meta.mode, padded, t)
-        self.sender.forward(ids, positions, meta, ALL_ROWS, graph=key)
+    # -- the step as the engine runs it: one host read --------------------------------------
 
-    def replay_sent(
-        self,
-        k: int,
-        input_ids: torch.Tensor,  # [padded * (1 + k)] int64
-        positions: torch.Tensor,  # [padded * (1 + k)] int64
-        slot_mapping: torch.Tensor,  # [padded * (1 + k)] int64
-        seq_lens: torch.Tensor,  # [padded] int32
-        block_tables: torch.Tensor,  # [padded, w] int32, w <= self.width
-    ) -> None:
-        """A rank > 0: rank 0's loaded buffers, as it sent them, into this rank's own, then the
-        verify graph rank 0 replays (its logits' all-gather included; nothing is read back)."""
-        padded, w = block_tables.shape
-        key = next((x for x in self.graphs if x[:2] == (padded, k)), None)
-        if key is None:
-            raise RuntimeError(
-                f"rank {self.tp.rank}: rank 0 replays the verify graph of batch {padded}, k {k}, "
-                f"which this rank did not capture (it has {sorted(x[:2] for x in self.graphs)}):"
-                " the ranks captured different graphs; run with cuda_graphs=False "
-                "(--enforce-eager) and report it"
-            )
-        n, s = input_ids.shape[0], self.inputs
-        s.input_ids[:n].copy_(input_ids)
-        s.positions[:n].copy_(positions)
-        s.slot_mapping[:n].copy_(slot_mapping)
-        s.seq_lens[:padded].copy_(seq_lens)
-        s.block_tables[:padded, :w].copy_(block_tables)
-        s.block_tables[:padded, w:].fill_(self.scratch_block)  # as rank 0's load resets them
-        verify, _, _, counted = self.graphs[key]
-        with torch.inference_mode():
-            verify.replay()
-        self.tp.add_counts(counted, ForwardMode.VERIFY.value)
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, k: int, k_draft: int) -> StepOutput:
+        """A decode-phase batch (every sequence samples; chain drafts, at most k each) through
+        the step: verify, accept and draft k_draft next drafts on the device, then one host
+        read. Rows that are not plain greedy are decided exactly between acceptance and
+        drafting (verify_chain_rows_no_sync), still on the device; rows asking for logprobs
+        get them for every emitted token from the row that predicted it. Trees: `run_tree`."""
+        if self.tree is not None:
+            return self.run_tree(batch)
+        seqs = batch.seqs
+        b, t = len(seqs), 1 + k
+        fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
+        asked = [i for i in fix if seqs[i].request.params.logprobs is not None]
+        top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
+        packed: list[torch.Tensor] = []
+
+        def fixup(out: SpecOutput) -> None:
+            dev = out.tokens.device
+            idx = to_device_no_sync(fix, torch.long, dev)
+            rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+            logits = out.logits.index_select(0, rows)  # [F * t, V]
+            drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
+            tokens, accepted = verify_chain_rows_no_sync(
+                logits, [seqs[i] for i in fix], k, drafts.index_select(0, idx),
+                self.num_drafts.index_select(0, idx),
+            )  # fmt: skip
+            out.tokens.index_copy_(0, idx, tokens)
+            out.num_accepted.index_copy_(0, idx, accepted)
+            if asked:
+                lp_rows = [fix.index(i) * t + j for i in asked for j in range(t)]
+                ids = tokens.reshape(-1)
+                packed.append(logprob_rows_no_sync(logits, ids, lp_rows, top_n))
+
+        out, _ = self.run_no_sync(batch, k, k_draft, fixup if fix else None)
+        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
+        if out.drafts is not None:
+            parts.append(out.drafts[:b].reshape(-1))
+        if packed:  # float64 carries ids and logprobs exactly: still one read
+            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
+        host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
+        host_ints = [int(x) for x in host[: b * t + b]] if packed else host
+        accepted = host_ints[b * t : b * t + b]
+        tokens = [host_ints[i * t : i * t + accepted[i] + 1] for i in range(b)]
+        pos = b * t + b
+        drafts = None
+        if out.drafts is not None:
+            kd = out.drafts.shape[1]
+            drafts = [
+                SeqDrafts.chain([int(x) for x in host[pos + i * kd : pos + (i + 1) * kd]])
+                for i in range(b)
+            ]
+            pos += b * kd
+        logprobs = None
+        if packed:
+            width = 1 + 2 * top_n
+            recs = host[pos:]
+            logprobs = [[{} for _ in tok] for tok in tokens]
+            for a, i in enumerate(asked):
+                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
+                n = seqs[i].request.params.logprobs
+                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
+        return StepOutput(
+            [s.request.request_id for s in seqs], tokens, num_accepted=accepted,
+            logprobs=logprobs, accepted_nodes=[list(range(a)) for a in accepted],
+            next_drafts=drafts,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run_tree(self, batch: ScheduledBatch) -> StepOutput:
+        """`run` for trees: every row plain greedy (the engine sends other batches through the
+        runner's eager `run`). One read: the path's tokens and rows, the accept counts, the
+        next trees."""
+        seqs = batch.seqs
+        b, n = len(seqs), self.tree.num_nodes
+        if not all(simple_greedy(s) for s in seqs):
+            raise ValueError("the tree step decides plain greedy rows only: use run()")
+        out, _ = self.run_no_sync(batch, n, n)
+        w = out.tokens.shape[1]  # 1 + S
+        parts = [
+            out.tokens,
+            out.path_rows,
+            out.num_accepted[:, None],
+            out.drafts,
+            out.draft_parents,
+        ]
+        host = torch.cat([p[:b] for p in parts], dim=1).tolist()  # CPU-GPU sync point
+        tokens, nodes, drafts = [], [], []
+        for row in host:
+            acc = row[2 * w]
+            tokens.append(row[: acc + 1])
+            nodes.append([r - 1 for r in row[w + 1 : w + 1 + acc]])
+            tail = row[2 * w + 1 :]
+            drafts.append(SeqDrafts(tail[:n], tail[n:]))
+        return StepOutput(
+            [s.request.request_id for s in seqs], tokens, num_accepted=[len(x) for x in nodes],
+            accepted_nodes=nodes, next_drafts=drafts,
+        )  # fmt: skip

@@ -239,7 +239,7 @@ def _forward(
     rows = parts[3] if n_logits > 0 else None
     qsl, seq_lens, tables = parts[3 + (n_logits > 0) : 6 + (n_logits > 0)]
     if graph == SPEC_GRAPH:  # the verify graph computes every row's logits inside
-        _spec_step(runner).replay_sent(per_seq - 1, ids, positions, slots, seq_lens, tables)
+        _spec_step(runner).graphs.replay_sent(per_seq - 1, ids, positions, slots, seq_lens, tables)
         return None
     if graph == TARGET_GRAPH:
         # A replay reads lengths from the device tensors only: no host read here, the host

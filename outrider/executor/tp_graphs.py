@@ -31,13 +31,13 @@ import torch
 
 from outrider.distributed import TPGroup
 from outrider.executor.cuda_graph import GraphRunner
-from outrider.executor.spec_step import SpecStep
+from outrider.executor.spec_graphs import SpecGraphs
 
 log = logging.getLogger(__name__)
 
 
 def plan(
-    graphs: GraphRunner | None, spec_step: SpecStep | None, ks: tuple[int, ...]
+    graphs: GraphRunner | None, spec_graphs: SpecGraphs | None, ks: tuple[int, ...]
 ) -> list[tuple]:
     """Every graph a rank is about to capture, in order, as plain tuples: ("target", mode,
     padded batch, tokens per sequence) then ("verify", padded batch, k)."""
@@ -46,8 +46,8 @@ def plan(
     keys: list[tuple] = [
         ("target", k.mode.value, k.batch, k.tokens_per_seq) for k in graphs.capture_keys()
     ]
-    if spec_step is not None:
-        keys += [("verify", b, k) for b, k in spec_step.capture_keys(ks)]
+    if spec_graphs is not None:
+        keys += [("verify", b, k) for b, k in spec_graphs.keys(ks)]
     return keys
 
 
@@ -65,16 +65,16 @@ def agree(tp: TPGroup, keys: list[tuple]) -> None:
 def agree_on_captures(
     tp: TPGroup,
     graphs: GraphRunner | None,
-    spec_step: SpecStep | None,
+    spec_graphs: SpecGraphs | None,
     ks: tuple[int, ...],
     device: torch.device,
 ) -> None:
     """Steps 2 and 3 on every rank of several, before any capture: the ranks agree on the graphs
-    `graphs` and `spec_step` (None: none) are about to capture at draft lengths `ks`, and
+    `graphs` and `spec_graphs` (None: none) are about to capture at draft lengths `ks`, and
     NCCL's communicator is created if there are any. Nothing on one rank."""
     if tp.size == 1:
         return
-    keys = plan(graphs, spec_step, ks)
+    keys = plan(graphs, spec_graphs, ks)
     agree(tp, keys)
     if keys:
         tp.warm_up(device)

@@ -20,7 +20,7 @@ from outrider.executor.sampler import (
     processed_probs,
     unpack_logprobs,
 )
-from outrider.speculative.tree import TreeTopology
+from outrider.speculative.tree import TreeTopology, accepted_kv_moves
 from outrider.speculative.verify import (
     Verdict,
     verify_chain_batch_no_sync,
@@ -141,3 +141,22 @@ def _path_tokens(topology: TreeTopology, tokens: list[int], node: int) -> list[i
         path.append(tokens[node])
         node = topology.parents[node]
     return path[::-1]
+
+
+def tree_kv_slots(
+    seqs: Sequence[ScheduledSeq], accepted: Sequence[Sequence[int]], block_size: int
+) -> tuple[list[int], list[int]]:
+    """KV slot moves (sources, destinations) that put every tree-verified sequence's accepted
+    nodes where plain decoding would have written them (speculative/tree.py's
+    accepted_kv_moves, per sequence); chains need none. The sequences' slots are disjoint, so
+    the moves of all of them apply at once (KVPool.move_no_sync reads before it writes)."""
+    src: list[int] = []
+    dst: list[int] = []
+    for s, nodes in zip(seqs, accepted):
+        if s.drafts is None or s.drafts.is_chain or not nodes:
+            continue
+        topology = TreeTopology.from_parents(s.drafts.parents)
+        for a, b in accepted_kv_moves(topology, nodes, s.start_pos):
+            src.append(s.block_ids[a // block_size] * block_size + a % block_size)
+            dst.append(s.block_ids[b // block_size] * block_size + b % block_size)
+    return src, dst

@@ -36,7 +36,7 @@ def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
     assert spec.engine.speculator.stats.num_verify_steps > 0
     # chains and trees run the speculative step's graphs, drafter included
     graphs = runner.spec_step.graphs
-    assert graphs and all(draft is not None for _, draft, *_ in graphs.values())
+    assert graphs and all(draft is not None for _, draft, *_ in graphs.captured.values())
     assert (runner.spec_step.tree is not None) == (topk > 1)
 
 

@@ -159,7 +159,7 @@ def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, ste
     llm = eagle_llm(tiny_dir, topk=topk, num_steps=steps)
     proposer, runner = llm.engine.speculator.proposer, llm.engine.runner
     seen_trees = []
-    propose, run_tree = proposer.propose, runner._run_tree
+    propose, run_spec = proposer.propose, runner.run_spec
     tree_steps = []
 
     def spy(reqs, k):
@@ -167,13 +167,13 @@ def test_eagle3_tree_greedy_equals_plain(tiny_dir, prompts, reference, topk, ste
         seen_trees.extend(d for d in out if d.num_nodes)
         return out
 
-    def spy_step(batch):
-        out = run_tree(batch)
+    def spy_step(batch, k, k_draft):
+        out = run_spec(batch, k, k_draft)
         tree_steps.append(out)
         seen_trees.extend(d for d in out.next_drafts if d.num_nodes)
         return out
 
-    proposer.propose, runner._run_tree = spy, spy_step
+    proposer.propose, runner.run_spec = spy, spy_step
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert len(tree_steps) >= 5 and any(max(o.num_accepted) > 0 for o in tree_steps)
@@ -202,15 +202,15 @@ def test_trees_grown_in_the_step_equal_the_per_sequence_proposer(tiny_dir, promp
         ]
         order = {r.request_id: j for j, r in enumerate(reqs)}
         if stepped:
-            run_tree = engine.runner._run_tree
+            run_spec = engine.runner.run_spec
 
-            def spy(batch, run_tree=run_tree, seen=trees[i], order=order):
-                out = run_tree(batch)
+            def spy(batch, k, k_draft, run_spec=run_spec, seen=trees[i], order=order):
+                out = run_spec(batch, k, k_draft)
                 for s, a, d in zip(batch.seqs, out.num_accepted, out.next_drafts):
                     seen[(order[s.request.request_id], s.start_pos + 1 + a)] = d
                 return out
 
-            engine.runner._run_tree = spy
+            engine.runner.run_spec = spy
         else:
             propose = engine.speculator.proposer.propose
 

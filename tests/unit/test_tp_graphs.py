@@ -174,7 +174,7 @@ def test_a_verify_step_sends_its_loaded_buffers_and_the_other_rank_replays_that_
     follower = _spec_step(TPGroup(rank=1, size=2, group=object()))
     # k = 2: the verify graphs of (padded 4, k 2); rank 0 drafts nothing here (n-gram).
     for step in (rank0, follower):
-        step.graphs[(4, 2, 0)] = (FakeGraph(), None, None, RECORDED)
+        step.graphs.captured[(4, 2, 0)] = (FakeGraph(), None, None, RECORDED)
     seqs = _seqs([([5, 6, 7], 6, [3, 7]), ([9, 8], 13, [1, 2, 4, 11]), ([4, 1, 2], 2, [0])], True)
     rank0.run_no_sync(ScheduledBatch(ForwardMode.VERIFY, seqs), 2, 0)
 
@@ -182,7 +182,7 @@ def test_a_verify_step_sends_its_loaded_buffers_and_the_other_rank_replays_that_
     assert header[7:] == [tp_channel.SPEC_GRAPH, list(ForwardMode).index(ForwardMode.VERIFY), 4, 3]
     runner = SimpleNamespace(graphs=None, tp=follower.tp, model=StubModel(), spec_step=follower)
     tp_channel._forward(runner, lambda shape, dtype: wire.sent[1], *header[1:])
-    assert follower.graphs[(4, 2, 0)][0].replays == 1
+    assert follower.graphs.captured[(4, 2, 0)][0].replays == 1
     n = 4 * 3
     for name in ("input_ids", "positions", "slot_mapping"):
         assert torch.equal(getattr(follower.inputs, name)[:n], getattr(rank0.inputs, name)[:n])
@@ -197,7 +197,7 @@ def test_a_follower_without_the_graph_stops_naming_it():
     with pytest.raises(RuntimeError, match=r"batch 4, k 2.*did not capture.*cuda_graphs=False"):
         ids = torch.zeros(12, dtype=torch.int64)
         tables = torch.zeros(4, 2, dtype=torch.int32)
-        follower.replay_sent(2, ids, ids, ids, torch.zeros(4, dtype=torch.int32), tables)
+        follower.graphs.replay_sent(2, ids, ids, ids, torch.zeros(4, dtype=torch.int32), tables)
 
 
 def test_a_follower_builds_rank0s_step_without_a_drafter_and_keeps_its_shard(tiny_dir):  # noqa: F811
@@ -230,13 +230,14 @@ def test_every_rank_plans_the_same_captures_from_the_capture_header():
     op, spec, mask, tree, nodes = _header(wire)[:5]
     assert (op, spec, tree, nodes) == (tp_channel.CAPTURE, 1, 0, 0)
     assert tp_channel.ks_from_mask(mask) == ks
-    rank0 = tp_graphs.plan(_graph_runner(wire), _spec_step(wire), ks)
+    steps = [_spec_step(wire), _spec_step(TPGroup(rank=1, size=2, group=object()))]
+    rank0 = tp_graphs.plan(_graph_runner(wire), steps[0].graphs, ks)
     other = TPGroup(rank=1, size=2, group=object())
-    mine = tp_graphs.plan(_graph_runner(other), _spec_step(other), tp_channel.ks_from_mask(mask))
+    mine = tp_graphs.plan(_graph_runner(other), steps[1].graphs, tp_channel.ks_from_mask(mask))
     assert mine == rank0
     assert rank0[0] == ("target", "verify", 4, 3) and rank0[-1] == ("verify", 1, 1)
     tree = _spec_step(other, tree=TreeShape(3, 2, 2))
-    assert tp_graphs.plan(_graph_runner(other), tree, (3,)) == mine[:6]
+    assert tp_graphs.plan(_graph_runner(other), tree.graphs, (3,)) == mine[:6]
     with pytest.raises(ValueError, match="num_draft_tokens <= 62"):
         tp_channel.ks_mask((4, 63))
 
