@@ -225,8 +225,9 @@ class ParallelConfig:
     on this machine; under torchrun (`--nnodes N --nproc-per-node M`, N x M ranks) every rank
     runs the same command and the world size must equal tensor_parallel_size.
 
-    collective_timeout_s bounds one collective inside a step (a rank that stops answering
-    fails the step after it); ranks waiting for the next step between requests wait without
+    collective_timeout_s bounds one eager collective inside a step (a rank that stops answering
+    fails the step after it); a collective inside a replayed CUDA graph has no such limit (a
+    rank dying mid-replay is caught by NCCL's watchdog or torchrun); ranks waiting for the next step between requests wait without
     limit, and a rank whose process ends is noticed at once (executor/tp_workers.py)."""
 
     tensor_parallel_size: int = 1

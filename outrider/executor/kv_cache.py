@@ -15,6 +15,11 @@ from outrider.layers.kv_layout import KVLayout
 
 
 class KVPool:
+    """Every attention layer's paged KV, as the model's `KVLayout` says a slot holds it (this
+    rank's K/V heads, or one MLA latent): one tensor per component, [layers, blocks,
+    block_size, *shape], so a layer's view is free and a slot is block * block_size + offset
+    in every layer at once (`move` copies slots in all layers)."""
+
     def __init__(
         self,
         layout: KVLayout,
@@ -25,7 +30,6 @@ class KVPool:
     ) -> None:
         self.layout, self.num_layers, self.device = layout, num_layers, device
         self.num_blocks, self.block_size = num_blocks, block_size
-        # One tensor per component, [layers, blocks, block_size, *shape]: per-layer views are free.
         self.tensors = {
             name: torch.zeros(
                 (num_layers, num_blocks, block_size, *shape), dtype=layout.dtype, device=device
