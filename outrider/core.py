@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,77 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output, as vLLM's `structured_outputs` names it: exactly one
+    of a JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a
+    regular expression (`regex`), one of some strings (`choice`) or a grammar (`grammar`, Lark
+    or GBNF/EBNF: rules written `name ::= ...`). The engine compiles it when the request
+    arrives (engine/structured.py); a constraint that does not compile is refused there, naming
+    the field. `disable_any_whitespace`: JSON without whitespace between its tokens."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict | bool):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            if isinstance(self.choice, str):
+                raise ValueError(
+                    f"invalid structured_outputs.choice={self.choice!r}: give a list of strings"
+                )
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name)]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs sets {given or 'nothing'}: give exactly one of json, "
+                "json_object, regex, choice or grammar"
+            )
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str), f"structured_outputs.{name}", value,
+                   "give a string" + (" or a dict (the schema)" if name == "json" else ""))  # fmt: skip
+        if self.choice is not None:
+            _check(
+                all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                self.choice,
+                "give non-empty strings",
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n))
+
+    @classmethod
+    def of(cls, value: StructuredOutputs | dict | None) -> StructuredOutputs | None:
+        """A StructuredOutputs, or one built from its fields as a dict (what a YAML file or a
+        JSON request body holds)."""
+        if value is None or isinstance(value, StructuredOutputs):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown field(s) {unknown}: use json, json_object, "
+                    "regex, choice, grammar or disable_any_whitespace"
+                )
+            return cls(**value)
+        raise ValueError(
+            f"invalid structured_outputs={value!r}: give a StructuredOutputs or a dict of its "
+            "fields"
+        )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Validated on construction.
 
@@ -69,8 +141,14 @@ class SamplingParams:
     # Completions per prompt (LLM.generate/chat: RequestOutput.outputs). The engine runs each as
     # its own request; with a seed, completion i samples with seed + i (as the server does).
     n: int = 1
+    # A JSON schema, regex, choice or grammar the output must follow (a dict of its fields is
+    # taken too): engine/structured.py.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "structured_outputs", StructuredOutputs.of(self.structured_outputs)
+        )
         # Accept lists and a single string for convenience; store tuples so params stay hashable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
