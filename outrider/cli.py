@@ -13,9 +13,11 @@ and imports no command module.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from outrider import env
@@ -66,15 +68,71 @@ def _add_generate_flags(gen: argparse.ArgumentParser) -> None:
     config_flag(
         g, "sampling.stop", "a stop string (repeatable)", action="append", shown_default="none"
     )
+    c = gen.add_argument_group("structured output (one of)")
+    c.add_argument(
+        "--json-schema", default=None, metavar="FILE",
+        help="the output is JSON valid against the JSON schema in FILE (or given inline)",
+    )  # fmt: skip
+    c.add_argument("--regex", default=None, help="the output matches this regular expression")
+    c.add_argument(
+        "--choice", action="append", default=None, help="the output is one of these (repeatable)"
+    )
+    c.add_argument(
+        "--grammar", default=None, metavar="FILE",
+        help="the output follows the Lark or GBNF grammar in FILE",
+    )  # fmt: skip
+
+
+def structured_outputs(args: argparse.Namespace) -> dict | None:
+    """The structured-output flags as SamplingParams.structured_outputs' fields; None for none.
+    A file that does not exist or a schema that is not JSON fails here, naming the flag."""
+    given = {
+        name: value
+        for name, value in (
+            ("json", args.json_schema),
+            ("regex", args.regex),
+            ("choice", args.choice),
+            ("grammar", args.grammar),
+        )  # fmt: skip
+        if value is not None
+    }
+    if not given:
+        return None
+    if len(given) > 1:
+        flags = ", ".join("--" + {"json": "json-schema"}.get(n, n) for n in given)
+        raise SystemExit(f"outrider generate: {flags}: give one structured-output flag at most")
+    if "grammar" in given:
+        given["grammar"] = _read(args.grammar, "--grammar")
+    if "json" in given:
+        text = args.json_schema
+        if not text.lstrip().startswith("{"):
+            text = _read(text, "--json-schema")
+        try:
+            given["json"] = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(
+                f"outrider generate: --json-schema {args.json_schema}: not JSON ({e})"
+            ) from None
+    return given
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise SystemExit(
+            f"outrider generate: {flag} {path}: {e.strerror}: give a readable file"
+        ) from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad value fails here, before torch is imported
+    constraint = structured_outputs(args)
 
     from outrider.core import SamplingParams
     from outrider.llm import LLM
 
-    params = SamplingParams(**given(args, "sampling"))
+    params = SamplingParams(**given(args, "sampling"), structured_outputs=constraint)
     t0 = time.perf_counter()
     llm = LLM(config=config)
     load_s = time.perf_counter() - t0

@@ -58,7 +58,9 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict | bool):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(
+                self, "json", json.dumps(self.json)
+            )  # key order kept: it is the output's
         if self.choice is not None:
             if isinstance(self.choice, str):
                 raise ValueError(
@@ -367,6 +369,9 @@ class ScheduledSeq:
     sample: bool
     # VERIFY: token_ids == [root] + drafts.token_ids, where the root is the last accepted token.
     drafts: SeqDrafts | None = None
+    # A constrained request's allowed tokens at each sampling row (engine/structured.py): [1 +
+    # draft nodes, ceil(V / 32)] int32 on the host, bit t % 32 of word t // 32 for token t.
+    token_masks: torch.Tensor | None = None
 
     @property
     def query_len(self) -> int:

@@ -25,6 +25,7 @@ from outrider.engine.limits import check_request, context_limit
 from outrider.engine.proposers import build_proposer, check_method
 from outrider.engine.scheduler import Scheduler
 from outrider.engine.speculation import Speculator
+from outrider.engine.structured import Grammars
 from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
@@ -53,6 +54,8 @@ class EngineCore:
         )
         self.vocab_size = self.checkpoint.config.vocab_size
         self._tracked: dict[str, TrackedRequest] = {}
+        # Constrained requests' grammars (engine/structured.py): masks, drafts, finishing.
+        self.grammars = Grammars(self.tokenizer, self.vocab_size)
         proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # Async scheduling (engine/overlap.py): opt-in until measured on a GPU; speculative
         # steps are not run ahead.
@@ -60,8 +63,9 @@ class EngineCore:
         self._ahead: overlap.Ahead | None = None
         self.num_steps_run_ahead = 0
         self.speculator = Speculator(
-            config.speculative, self.runner, self.block_manager, self.max_model_len, proposer
-        )
+            config.speculative, self.runner, self.block_manager, self.max_model_len, proposer,
+            self.grammars,
+        )  # fmt: skip
 
     def _start_runner(self, config: EngineConfig) -> ModelRunner:
         """The model runner, on one rank or as rank 0 of a tensor-parallel group (the other
@@ -120,8 +124,11 @@ class EngineCore:
     # -- requests ---------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the problem; the engine's state is untouched either way."""
+        """Raise ValueError naming the problem; the engine's state is untouched either way (a
+        constraint that compiles is cached for the request that follows)."""
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -140,6 +147,8 @@ class EngineCore:
             req.request_id = request_id
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.runner.device)
+        if params.structured_outputs is not None:
+            self.grammars.start(req.request_id, params.structured_outputs)
         self._tracked[req.request_id] = TrackedRequest(
             req, IncrementalDetokenizer(self.tokenizer, req), prompt
         )
@@ -150,6 +159,7 @@ class EngineCore:
         self.scheduler.abort(request_id)
         self._tracked.pop(request_id, None)
         self.speculator.forget(request_id)
+        self.grammars.forget(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -170,6 +180,8 @@ class EngineCore:
             batch = self.scheduler.schedule(max_drafts=max_drafts, lookahead=lookahead)
             if batch.is_empty:
                 return []
+            if self.grammars:
+                self.grammars.attach_masks(batch)
             speculative = self.speculator.is_speculative_step(batch)
             if speculative or not (self._async and overlap.can_run_ahead(batch)):
                 output = self.speculator.run(batch) if speculative else self.runner.run(batch)
@@ -208,8 +220,9 @@ class EngineCore:
             if tracked is None:
                 continue  # aborted while the step ran
             req = tracked.request
+            complete = self.grammars.advance(rid, new_ids)  # True: the grammar allows no more
             text, new_ids = tracked.detokenize(new_ids)
-            if tracked.detokenizer.stop_hit:
+            if tracked.detokenizer.stop_hit or complete:
                 reason = FinishReason.STOP
             else:
                 reason = check_stop(req, self.max_model_len)
@@ -219,6 +232,7 @@ class EngineCore:
                     text += tracked.detokenizer.flush()  # text held back as a stop string
                 del self._tracked[rid]
                 self.speculator.forget(rid)
+                self.grammars.forget(rid)
             deltas.append(tracked.output(text, new_ids))
         self.speculator.after_step(self.scheduler.running)
         return deltas

@@ -45,8 +45,8 @@ def can_run_ahead(batch: ScheduledBatch) -> bool:
         p = s.request.params
         if not s.sample or s.drafts is not None or s.query_len != 1:
             return False
-        if p.logprobs is not None or p.has_penalties:
-            return False
+        if p.logprobs is not None or p.has_penalties or p.structured_outputs is not None:
+            return False  # (a grammar's next mask needs this step's token on the host)
         if len(s.request.output_token_ids) < p.min_tokens:
             return False  # the sampler would count an output one token short
     return True

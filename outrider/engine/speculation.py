@@ -20,9 +20,10 @@ import time
 from collections.abc import Sequence
 
 from outrider.config import SpecConfig
-from outrider.core import ForwardMode, Request, ScheduledBatch, StepOutput
+from outrider.core import ForwardMode, Request, ScheduledBatch, SeqDrafts, StepOutput
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import count_until_stop
+from outrider.engine.structured import Grammars
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.spec_step import simple_greedy
 from outrider.speculative.base import Proposer
@@ -49,8 +50,12 @@ class Speculator:
         block_manager: BlockManager,
         max_model_len: int,
         proposer: Proposer | None,
+        grammars: Grammars | None = None,
     ) -> None:
+        """grammars: the engine's constrained requests, whose drafts are cut to what their
+        grammar allows and led by the tokens it forces (engine/structured.py)."""
         self._config = config
+        self._grammars = grammars
         self._runner = runner
         self._block_manager = block_manager
         self._max_model_len = max_model_len
@@ -199,6 +204,10 @@ class Speculator:
             self.stats.record(seq.drafts.num_nodes, accepted)
             record_verify(seq.request.metrics, seq.drafts.num_nodes, accepted)
             keep, _ = count_until_stop(seq.request, output.token_ids[i], self._max_model_len)
+            if self._grammars is not None:  # a constrained request ends with its grammar
+                keep = self._grammars.until_complete(
+                    seq.request.request_id, output.token_ids[i][:keep]
+                )
             if keep < len(output.token_ids[i]):
                 output.token_ids[i] = output.token_ids[i][:keep]
                 if output.logprobs is not None:
@@ -219,10 +228,21 @@ class Speculator:
 
     def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
         for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
-            req = seq.request
-            n = min(drafts.num_nodes, self._room(req))
-            if not req.is_finished and n > 0:
-                req.drafts = drafts.truncated(n)
+            if not seq.request.is_finished:
+                self._set_drafts(seq.request, drafts)
+
+    def _set_drafts(self, req: Request, drafts: SeqDrafts | None) -> None:
+        """A request's drafts for its next step: cut to what its grammar allows and led by the
+        tokens the grammar forces (a constrained request), then to what can still count."""
+        grammars = self._grammars
+        if grammars is not None and req.request_id in grammars:
+            if drafts is not None and drafts.num_nodes:
+                drafts = grammars.allowed_drafts(req.request_id, drafts)
+            if self._tree is None:  # chains: forced tokens ride as drafts
+                drafts, forced = grammars.forced_drafts(req.request_id, drafts, self._k)
+                self.stats.num_forced_drafts += forced
+        n = min(drafts.num_nodes, self._room(req)) if drafts is not None else 0
+        req.drafts = drafts.truncated(n) if n > 0 else None
 
     def forget(self, request_id: str) -> None:
         """Drop what the proposer and the controller hold for a finished or aborted request."""
@@ -272,8 +292,7 @@ class Speculator:
         if self.proposer.writes_kv:
             reqs = [r for r in reqs if self._reserve_draft_slots(r, k)]
         for req, drafts in zip(reqs, self.proposer.propose(reqs, k)):
-            n = min(drafts.num_nodes, self._room(req))
-            req.drafts = None if n <= 0 else drafts.truncated(n)
+            self._set_drafts(req, drafts)
 
     def _room(self, req: Request) -> int:
         """Drafts that can still count: accepted ones plus the final token never pass

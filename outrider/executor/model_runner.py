@@ -21,7 +21,7 @@ from outrider.executor import step_timing, tp_graphs
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
-from outrider.executor.sampler import Sampler
+from outrider.executor.sampler import Sampler, apply_token_bitmask_, token_bitmask
 from outrider.executor.spec_step import SpecStep
 from outrider.executor.tp_channel import TARGET_GRAPH, StepSender
 from outrider.executor.verify_step import sample_and_verify, tree_kv_slots
@@ -310,6 +310,10 @@ class ModelRunner:
         if not sampling:
             return StepOutput(request_ids=[], token_ids=[], aux_hidden=aux_hidden)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
+        rows = [1 + (s.drafts.num_nodes if s.drafts is not None else 0) for s in sampling]
+        masks = token_bitmask(sampling, rows)
+        if masks is not None:  # structured outputs: refused tokens never sampled nor verified
+            apply_token_bitmask_(logits, masks.to(logits.device, non_blocking=True))
         ids = [s.request.request_id for s in sampling]
         if batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in sampling):
             out = self.sampler(logits, sampling)

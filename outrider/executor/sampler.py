@@ -68,6 +68,38 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+# --- 0. structured outputs ----------------------------------------------------------------------
+
+
+def token_bitmask(seqs: Sequence[ScheduledSeq], rows: Sequence[int]) -> torch.Tensor | None:
+    """The allowed-token bitmask of every logits row of `seqs` (seq i owning rows[i] rows, in
+    order), on the host: each constrained sequence's ScheduledSeq.token_masks, padded with
+    all-allowed rows past its own, and all-allowed rows for the others; None when no sequence
+    is constrained."""
+    masks = [s.token_masks for s in seqs]
+    words = next((m.shape[1] for m in masks if m is not None), None)
+    if words is None:
+        return None
+    out = torch.full((sum(rows), words), -1, dtype=torch.int32)
+    start = 0
+    for m, n in zip(masks, rows):
+        if m is not None:
+            out[start : start + min(n, m.shape[0])] = m[:n]
+        start += n
+    return out
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> -inf wherever bitmask [R, W] int32 (same device) has a 0 bit (bit
+    t % 32 of word t // 32 for token t; tokens past 32 W are refused). In place; returns it."""
+    r, v = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(r, -1).bool()  # [R, 32 W]
+    if allowed.shape[1] < v:
+        allowed = torch.cat([allowed, allowed.new_zeros(r, v - allowed.shape[1])], dim=1)
+    return logits.masked_fill_(~allowed[:, :v], _NEG_INF)
+
+
 # --- 1. min_tokens ---------------------------------------------------------------------------
 
 

@@ -44,7 +44,12 @@ from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.distributed import TPGroup, single
 from outrider.executor.cuda_graph import StaticInputs
 from outrider.executor.inputs import table_slots_no_sync
-from outrider.executor.sampler import logprob_rows_no_sync, unpack_logprobs
+from outrider.executor.sampler import (
+    apply_token_bitmask_,
+    logprob_rows_no_sync,
+    token_bitmask,
+    unpack_logprobs,
+)
 from outrider.executor.spec_graphs import SpecGraphs
 from outrider.executor.tp_channel import ALL_ROWS
 from outrider.executor.verify_step import verify_chain_rows_no_sync
@@ -79,11 +84,14 @@ class SpecOutput:
 
 
 def simple_greedy(seq: ScheduledSeq) -> bool:
-    """Whether a row's token is the plain argmax: what step 2 decides on the device."""
+    """Whether a row's token is the plain argmax: what step 2 decides on the device (a
+    constrained row's is the argmax among the tokens its grammar allows: decided between the
+    replays, with the other rows that are not plain)."""
     req = seq.request
     p = req.params
     return (
         p.greedy
+        and p.structured_outputs is None
         and not p.has_penalties
         and p.logprobs is None
         and len(req.output_token_ids) >= p.min_tokens
@@ -360,12 +368,15 @@ class SpecStep:
         asked = [i for i in fix if seqs[i].request.params.logprobs is not None]
         top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
         packed: list[torch.Tensor] = []
+        masks = token_bitmask([seqs[i] for i in fix], [t] * len(fix))
 
         def fixup(out: SpecOutput) -> None:
             dev = out.tokens.device
             idx = to_device_no_sync(fix, torch.long, dev)
             rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
             logits = out.logits.index_select(0, rows)  # [F * t, V]
+            if masks is not None:  # structured outputs: each row's allowed tokens
+                apply_token_bitmask_(logits, masks.to(dev, non_blocking=True))
             drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
             tokens, accepted = verify_chain_rows_no_sync(
                 logits, [seqs[i] for i in fix], k, drafts.index_select(0, idx),

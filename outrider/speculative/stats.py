@@ -33,6 +33,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # Drafts a constrained request's grammar forced (engine/structured.py), among the drafts.
+    num_forced_drafts: int = 0
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         record_verify(self, num_drafts, num_accepted)  # same fields, same arithmetic
