@@ -169,3 +169,130 @@ def test_partial_suffix_len():
     assert partial_suffix_len("abc<tool", "<tool_call>") == 5
     assert partial_suffix_len("abc", "<tool_call>") == 0
     assert partial_suffix_len("<tool_call>", "<tool_call>") == 0  # complete is not partial
+
+
+# -- forced calls: what call_grammar accepts, extract reads back as calls --------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}
+KIMI_MARKERS = [
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """Every byte a token, Kimi's markers special tokens: any grammar can run over any text."""
+    import llguidance
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = tokenizers.Tokenizer(
+        models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
+    )
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|eos|>", *KIMI_MARKERS])
+    return backend, llguidance.LLTokenizer(
+        backend.to_str(), eos_token=backend.token_to_id("<|eos|>")
+    )
+
+
+def accepts(byte_tokenizer, grammar: str, text: str) -> bool:
+    """Whether `grammar` (Lark) takes `text` whole, as llguidance runs it token by token."""
+    from llguidance import LLMatcher
+
+    backend, tokenizer = byte_tokenizer
+    compiled = LLMatcher.grammar_from_lark(grammar)
+    assert LLMatcher.validate_grammar(compiled, tokenizer) == "", grammar
+    matcher = LLMatcher(tokenizer, compiled, log_level=0)
+    return matcher.consume_tokens(backend.encode(text).ids) and matcher.is_accepting()
+
+
+def _hermes(name: str, args: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
+
+
+def _kimi(name: str, args: str, index: int = 0) -> str:
+    return (
+        f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{args}"
+        "<|tool_call_end|>"
+    )
+
+
+def _kimi_section(*calls: str) -> str:
+    return "<|tool_calls_section_begin|>" + "".join(calls) + "<|tool_calls_section_end|>"
+
+
+FORCED = {  # parser -> (one call, two calls, a wrong name, arguments off the schema, text first)
+    "hermes": (
+        _hermes("get_weather", '{"city": "Paris", "days": 2}'),
+        _hermes("get_weather", '{"city": "Paris"}') + "\n" + _hermes("get_time", '{"tz": "UTC"}'),
+        _hermes("get_wether", '{"city": "Paris"}'),
+        _hermes("get_weather", '{"town": "Paris"}'),
+        "Sure. " + _hermes("get_weather", '{"city": "Paris"}'),
+    ),
+    "kimi_k2": (
+        _kimi_section(_kimi("get_weather", '{"city": "Paris", "days": 2}')),
+        _kimi_section(
+            _kimi("get_weather", '{"city": "Paris"}'), _kimi("get_time", '{"tz": "UTC"}', 1)
+        ),
+        _kimi_section(_kimi("get_wether", '{"city": "Paris"}')),
+        _kimi_section(_kimi("get_weather", '{"city": 7}')),
+        "Sure. " + _kimi_section(_kimi("get_weather", '{"city": "Paris"}')),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORCED))
+def test_call_grammar_takes_exactly_the_calls_the_parser_reads(byte_tokenizer, name):
+    import jsonschema
+
+    from outrider.server.parsers.base import ToolSchema
+
+    parser = build_tool_parser(name)
+    tools = [ToolSchema("get_weather", WEATHER), ToolSchema("get_time", TIME)]
+    one, two, wrong_name, wrong_args, text_first = FORCED[name]
+    several = parser.call_grammar(tools, several=True)
+    single = parser.call_grammar(tools, several=False)
+    named = parser.call_grammar(tools[:1], several=False)
+    for grammar, text in ((several, one), (several, two), (single, one), (named, one)):
+        assert accepts(byte_tokenizer, grammar, text), (grammar, text)
+        out = parser.extract(text)
+        assert out.content is None and out.tool_calls, text
+        for call in out.tool_calls:
+            schema = {"get_weather": WEATHER, "get_time": TIME}[call.name]
+            jsonschema.validate(json.loads(call.arguments), schema)
+    assert not accepts(byte_tokenizer, single, two)
+    assert not accepts(byte_tokenizer, named, two)
+    for text in (wrong_name, wrong_args, text_first):
+        assert not accepts(byte_tokenizer, several, text), text
+
+
+def test_call_grammar_keeps_the_parameters_schema_whole(byte_tokenizer):
+    """$refs resolve against the tool's own schema, and an odd name is written as JSON."""
+    from outrider.server.parsers.base import ToolSchema
+
+    refs = {
+        "$defs": {"Unit": {"enum": ["C", "F"]}},
+        "type": "object",
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["unit"],
+    }
+    name = 'odd "name" é'
+    parser = build_tool_parser("hermes")
+    grammar = parser.call_grammar([ToolSchema(name, refs)], several=False)
+    text = (
+        f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {{"unit": "C"}}}}\n</tool_call>'
+    )
+    assert accepts(byte_tokenizer, grammar, text)
+    assert not accepts(byte_tokenizer, grammar, text.replace('"C"', '"K"'))
+    [call] = parser.extract(text).tool_calls
+    assert call.name == name and json.loads(call.arguments) == {"unit": "C"}

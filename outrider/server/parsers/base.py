@@ -7,8 +7,10 @@ content.
 
 from __future__ import annotations
 
+import json
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -25,14 +27,26 @@ class ExtractedTools:
     tool_calls: list[ToolCall]
 
 
+@dataclass(frozen=True)
+class ToolSchema:
+    """A function the output may call: its name and the JSON schema of its arguments object."""
+
+    name: str
+    parameters: dict
+
+
 class ToolParser(ABC):
-    """Finds tool calls in a finished output.
+    """Finds tool calls in a finished output, and says what output is nothing but calls.
 
     Invariants: `extract` never raises; when any call in the text is malformed, it returns the
     whole text as content and no calls (a half-parsed answer is worse than plain text).
     `start_marker` is the text that opens a call section: streaming sends content up to it and
     holds everything after it back until the output ends. `needs_special_tokens` is true when
-    the markers are special tokens, which the detokenizer must then keep.
+    the markers are special tokens, which the detokenizer must then keep. Every text
+    `call_grammar(tools, several)` accepts, `extract` reads back as calls only (no content):
+    one call (one or more when `several`), each naming one of `tools`, its arguments valid
+    against that tool's parameters. It is what tool_choice "required" or a named function
+    constrains the output to.
     """
 
     start_marker: str
@@ -40,6 +54,11 @@ class ToolParser(ABC):
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedTools: ...
+
+    @abstractmethod
+    def call_grammar(self, tools: Sequence[ToolSchema], several: bool) -> str:
+        """A Lark grammar in llguidance's dialect (`%json {schema}` for a JSON value,
+        `<|name|>` for a special token)."""
 
 
 class ReasoningParser(ABC):
@@ -75,6 +94,17 @@ def partial_suffix_len(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+def lark_text(text: str) -> str:
+    """`text` as a Lark string literal: JSON's escapes are Lark's."""
+    return json.dumps(text)
+
+
+def lark_json(schema: dict) -> str:
+    """A JSON value valid against `schema`, as a Lark grammar item. The schema stays the root
+    of its own `%json`, so its `$ref`s ("#/$defs/...") resolve as the client wrote them."""
+    return "%json " + json.dumps(schema)
 
 
 def none_if_blank(text: str) -> str | None:

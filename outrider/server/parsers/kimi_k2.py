@@ -11,8 +11,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 
-from outrider.server.parsers.base import ExtractedTools, ToolCall, ToolParser, none_if_blank
+from outrider.server.parsers.base import (
+    ExtractedTools,
+    ToolCall,
+    ToolParser,
+    ToolSchema,
+    lark_json,
+    lark_text,
+    none_if_blank,
+)
 
 _SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 _CALL = re.compile(
@@ -41,6 +50,21 @@ class KimiK2ToolParser(ToolParser):
         if not calls or section.count("<|tool_call_begin|>") != len(calls):
             return ExtractedTools(content=none_if_blank(text), tool_calls=[])
         return ExtractedTools(content=none_if_blank(text[:start]), tool_calls=calls)
+
+    def call_grammar(self, tools: Sequence[ToolSchema], several: bool) -> str:
+        # The markers are special tokens: `<|name|>` in the grammar, never their text.
+        rules = [
+            "start: <|tool_calls_section_begin|> "
+            + ("call+" if several else "call")
+            + " <|tool_calls_section_end|>",
+            "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+        ]
+        for i, tool in enumerate(tools):
+            rules.append(
+                f"call_{i}: <|tool_call_begin|> {lark_text(f'functions.{tool.name}:')} /[0-9]+/ "
+                f"<|tool_call_argument_begin|> {lark_json(tool.parameters)} <|tool_call_end|>"
+            )
+        return "\n".join(rules)
 
 
 def _parse_call(call_id: str, args_text: str) -> ToolCall | None:
