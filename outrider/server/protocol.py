@@ -1,5 +1,6 @@
 """OpenAI request and response schemas (pydantic), as the official `openai` client sends and
-reads them, plus the sampling extensions vLLM users expect (top_k, min_p, ...).
+reads them, plus the sampling extensions vLLM users expect (top_k, min_p, ...) and the
+structured-output fields of OpenAI, vLLM and SGLang (read into one constraint by structured.py).
 
 Requests ignore unknown fields (clients send vendor extras) but reject wrong types, NaN and
 infinity; every semantic check beyond types (context length, vocabulary, n cap) happens
@@ -49,6 +50,38 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class JSONSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema; the alias is what clients send.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` extra field (core.StructuredOutputs' fields). Unknown fields
+    are refused, not ignored: a constraint the server does not know must not vanish."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # shadows BaseModel.json
+    regex: NonEmpty | None = None
+    choice: list[NonEmpty] | None = None
+    grammar: NonEmpty | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share."""
 
@@ -73,6 +106,17 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs (at most one of these; structured.py): OpenAI's, vLLM's, SGLang's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: list[NonEmpty] | None = None
+    guided_grammar: NonEmpty | None = None
+    guided_whitespace_pattern: str | None = None  # declared to be refused, not ignored
+    regex: NonEmpty | None = None
+    ebnf: NonEmpty | None = None
+    json_schema: dict[str, Any] | str | None = None  # SGLang's: the schema as JSON text
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -123,10 +167,6 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ResponseFormat(_Request):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -135,7 +175,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -22,6 +22,7 @@ from outrider.core import SamplingParams
 from outrider.server.errors import APIError, bad_request, clip, from_validation_error
 from outrider.server.protocol import SamplingFields
 from outrider.server.state import ServerState
+from outrider.server.structured import Constraint
 
 M = TypeVar("M", bound=BaseModel)
 _GREEDY_BELOW = 1e-5  # temperatures this small divide logits into inf: treat them as greedy
@@ -114,10 +115,12 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     choice: int,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
-    """SamplingParams for choice `choice` of a request. max_tokens defaults to what the context
-    leaves (or the server's default_max_tokens) and may not exceed it. A seeded request gives
-    choice i the seed + i, so n choices differ yet each is reproducible."""
+    """SamplingParams for choice `choice` of a request, its output held to `constraint`
+    (structured.py). max_tokens defaults to what the context leaves (or the server's
+    default_max_tokens) and may not exceed it. A seeded request gives choice i the seed + i,
+    so n choices differ yet each is reproducible."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server: drop it", "logit_bias")
     room = state.engine.max_model_len - prompt_len
@@ -163,6 +166,7 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            structured_outputs=None if constraint is None else constraint.outputs,
         )
     except ValueError as e:  # "invalid max_tokens=...: hint", from SamplingParams._check
         field = _SAMPLING_FIELD.match(str(e))
@@ -181,11 +185,20 @@ def check_n(state: ServerState, n: int) -> None:
         )
 
 
-def validate(state: ServerState, prompt_ids: list[int], params: SamplingParams, param: str):
+def validate(
+    state: ServerState,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    param: str,
+    constraint: Constraint | None = None,
+) -> None:
+    """The engine's checks as a 400: naming `param` (the prompt's field), or the field the
+    constraint came from when the engine refuses the constraint (it does not compile)."""
     try:
         state.engine.validate(prompt_ids, params)
     except ValueError as e:
-        raise bad_request(str(e), param) from None
+        refusal = constraint.refusal(e) if constraint is not None else None
+        raise (refusal or bad_request(str(e), param)) from None
 
 
 # -- logprobs ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages -> chat template (with tools) -> engine -> message,
-reasoning_content and tool_calls, whole or as SSE chunks."""
+reasoning_content and tool_calls, whole or as SSE chunks. A structured output or a forced tool
+call (structured.py) holds the output to a grammar."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from outrider.server.async_engine import EngineDeadError
 from outrider.server.choice_text import ChoiceText
 from outrider.server.errors import APIError, bad_request, clip
-from outrider.server.parsers.base import ToolCall
+from outrider.server.parsers.base import ReasoningParser, ToolCall
 from outrider.server.protocol import ChatCompletionRequest, ChatMessage, new_id
 from outrider.server.serving import (
     SSE_DONE,
@@ -32,6 +33,7 @@ from outrider.server.serving import (
     validate,
 )
 from outrider.server.state import ServerState
+from outrider.server.structured import request_constraint, tool_call_constraint
 
 
 async def create_chat_completion(state: ServerState, request: Request):
@@ -39,7 +41,8 @@ async def create_chat_completion(state: ServerState, request: Request):
     state.check_admission()
     state.check_model(req.model)
     check_n(state, req.n)
-    tools = _check_tools(state, req)
+    tools = _rendered_tools(req)
+    constraint = request_constraint(req, tool_call_constraint(req, state.tool_parser))
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
     prompt_ids = await asyncio.to_thread(render, state, req, messages, tools)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
@@ -48,39 +51,37 @@ async def create_chat_completion(state: ServerState, request: Request):
     requests = []
     for i in range(req.n):
         params = sampling_params(
-            state, req, prompt_len=len(prompt_ids), max_tokens=max_tokens, logprobs=top_n, choice=i
+            state,
+            req,
+            prompt_len=len(prompt_ids),
+            max_tokens=max_tokens,
+            logprobs=top_n,
+            choice=i,
+            constraint=constraint,
         )
         if state.tool_parser is not None and state.tool_parser.needs_special_tokens and tools:
             params = _keep_special_tokens(params)
-        validate(state, prompt_ids, params, "messages")
+        validate(state, prompt_ids, params, "messages", constraint)
         requests.append((f"{rid}-{i}", prompt_ids, params))
     parser = state.tool_parser if tools else None
+    # A constrained output has no free text to reason in: all of it is the answer (a template
+    # that opens <think> itself would otherwise make it all reasoning).
+    reasoning = state.reasoning_parser if constraint is None else None
     if req.stream:
         return StreamingResponse(
-            _stream(state, req, rid, requests, parser, top_n),
+            _stream(state, req, rid, requests, parser, reasoning, top_n),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await unless_disconnected(request, _complete(state, req, rid, requests, parser, top_n))
+    body = await unless_disconnected(
+        request, _complete(state, req, rid, requests, parser, reasoning, top_n)
+    )
     return JSONResponse(body)
 
 
-def _check_tools(state: ServerState, req: ChatCompletionRequest) -> list[dict] | None:
+def _rendered_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """The tools the template renders: none when absent or tool_choice is "none"."""
-    choice = req.tool_choice
-    if choice == "required" or (choice is not None and not isinstance(choice, str)):
-        raise bad_request(
-            f"tool_choice={choice if isinstance(choice, str) else 'a named function'!r} needs "
-            "constrained decoding, which this server does not have yet: use 'auto' or 'none'",
-            "tool_choice",
-        )
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(
-            f"response_format type {clip(req.response_format.type)} is not supported (no "
-            "constrained decoding yet): use 'text'",
-            "response_format",
-        )
-    if not req.tools or choice == "none":
+    if not req.tools or req.tool_choice == "none":
         return None
     return [t.model_dump(exclude_none=True) for t in req.tools]
 
@@ -171,14 +172,14 @@ def _tool_calls_json(calls: list[ToolCall], with_index: bool = False) -> list[di
     ]
 
 
-async def _complete(state, req, rid, requests, parser, top_n) -> dict:
+async def _complete(state, req, rid, requests, parser, reasoning, top_n) -> dict:
     done = await collect(state, requests)
     choices = []
     for i, c in enumerate(done):
         text = c.text
         if parser is not None and parser.needs_special_tokens:
             text = _strip_eos_text(state, text)
-        split = ChoiceText(state.reasoning_parser, parser)
+        split = ChoiceText(reasoning, parser)
         r1, c1 = split.feed(text)
         r2, c2, calls = split.finish()
         message: dict[str, Any] = {"role": "assistant", "content": (c1 + c2) or None}
@@ -203,7 +204,7 @@ async def _complete(state, req, rid, requests, parser, top_n) -> dict:
     return response(state, rid, "chat.completion", choices, usage=totals)
 
 
-async def _stream(state, req, rid, requests, parser, top_n):
+async def _stream(state, req, rid, requests, parser, reasoning: ReasoningParser | None, top_n):
     created, n = int(time.time()), len(requests)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     usage_field = {"usage": None} if include_usage else {}
@@ -212,7 +213,7 @@ async def _stream(state, req, rid, requests, parser, top_n):
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return sse(response(state, rid, "chat.completion.chunk", [choice], created, **usage_field))
 
-    splits = [ChoiceText(state.reasoning_parser, parser) for _ in range(n)]
+    splits = [ChoiceText(reasoning, parser) for _ in range(n)]
     completion_tokens = 0
     for i in range(n):
         yield chunk(i, {"role": "assistant", "content": ""})

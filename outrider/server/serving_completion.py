@@ -1,5 +1,6 @@
 """POST /v1/completions: prompt(s) as text or token ids -> engine -> text choices, whole or as
-SSE chunks. Choice index = prompt index * n + i, as OpenAI numbers them."""
+SSE chunks, held to a structured output when one is asked for (structured.py). Choice index =
+prompt index * n + i, as OpenAI numbers them."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from outrider.server.serving import (
     validate,
 )
 from outrider.server.state import ServerState
+from outrider.server.structured import request_constraint
 
 _MAX_PROMPTS = 64  # prompts in one request: a batch beyond this belongs in several requests
 
@@ -42,6 +44,7 @@ async def create_completion(state: ServerState, request: Request):
         raise bad_request(f"best_of={req.best_of} must equal n={req.n} here", "best_of")
     if req.echo and req.logprobs is not None:
         raise bad_request("echo with logprobs is not supported: use one or the other", "echo")
+    constraint = request_constraint(req)
     prompts = _prompt_list(req.prompt)
     if len(prompts) * req.n > max(_MAX_PROMPTS, state.config.max_n):
         raise bad_request(
@@ -61,8 +64,9 @@ async def create_completion(state: ServerState, request: Request):
                 max_tokens=req.max_tokens,
                 logprobs=req.logprobs,
                 choice=i,
+                constraint=constraint,
             )
-            validate(state, ids, params, "prompt")
+            validate(state, ids, params, "prompt", constraint)
             requests.append((f"{rid}-{p * req.n + i}", ids, params))
             echoes.append(_echo_text(state, prompts[p], ids) if req.echo else "")
     prompt_tokens = sum(len(ids) for ids in encoded)

@@ -214,6 +214,19 @@ _common = {
     "min_tokens": _ints,
     "stream": st.booleans(),
     "logit_bias": st.none() | st.dictionaries(_text, _floats, max_size=1),
+    # Structured outputs: whatever the engine makes of a schema, regex or grammar, never a 5xx.
+    "response_format": _any_json
+    | st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+        optional={"json_schema": st.fixed_dictionaries({}, optional={"schema": _any_json})},
+    ),
+    "structured_outputs": _any_json
+    | st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar"]), _text, max_size=2),
+    "guided_json": _any_json | _text,
+    "guided_regex": _text | _any_json,
+    "guided_choice": st.lists(_text, max_size=2) | _any_json,
+    "guided_grammar": _text,
+    "ebnf": _text,
 }
 CHAT_BODIES = st.fixed_dictionaries(
     {"messages": st.lists(_message, max_size=3) | _any_json},

@@ -276,7 +276,7 @@ def test_long_model_name_is_not_echoed_whole(client):
         (
             "/v1/chat/completions",
             {"messages": MSG, "response_format": {"type": "y" * 10**5}},
-            "response_format",
+            "response_format.type",
         ),
         (
             "/v1/chat/completions",
