@@ -1,16 +1,16 @@
 """Proposers by name, imported lazily: a new drafter adds a file and a registry entry (a line in
-`_BUILT_IN` for outrider's own, `register_proposer` for one that lives elsewhere). It lives in
+`_PROPOSERS` for outrider's own, `register_proposer` for one that lives elsewhere). It lives in
 the engine because a drafter that is a network is run by the executor (executor/drafter.py),
 and the speculative algorithms import nothing from the executor. Importing it imports no torch:
 the CLI lists the names for `--spec`."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from outrider.config import SpecConfig
+from outrider.registry import Registry
 
 if TYPE_CHECKING:
     from outrider.executor.model_runner import ModelRunner
@@ -21,12 +21,15 @@ if TYPE_CHECKING:
 # where no engine built them), for drafters that are networks.
 ProposerBuilder = Callable[[SpecConfig, "ModelRunner | None", "Checkpoint | None"], "Proposer"]
 
-# outrider's own, name -> "module:builder".
-_BUILT_IN: dict[str, str] = {
-    "ngram": "outrider.speculative.ngram:build_ngram_proposer",
-    "eagle3": "outrider.executor.drafter:build_eagle3_drafter",
-}
-_PROPOSERS: dict[str, str | ProposerBuilder] = dict(_BUILT_IN)
+# outrider's own, name -> "module:builder", then those register_proposer adds.
+_PROPOSERS: Registry[ProposerBuilder] = Registry(
+    "proposer",
+    {
+        "ngram": "outrider.speculative.ngram:build_ngram_proposer",
+        "eagle3": "outrider.executor.drafter:build_eagle3_drafter",
+    },
+    remover="unregister_proposer",
+)
 
 
 def register_proposer(name: str, builder: str | ProposerBuilder) -> None:
@@ -49,43 +52,22 @@ def register_proposer(name: str, builder: str | ProposerBuilder) -> None:
             f"cannot register proposer {name!r}: configs spell methods in lower case without "
             f"'-' or '_'; register it as {spelled!r}"
         )
-    if name in _PROPOSERS:
-        raise ValueError(
-            f"a proposer is already registered as {name!r} ({_PROPOSERS[name]!r}): "
-            f"choose another name, or unregister_proposer({name!r}) first"
-        )
-    if isinstance(builder, str):
-        module, _, function = builder.partition(":")
-        if not module or not function or ":" in function:
-            raise ValueError(
-                f"proposer builder {builder!r} for {name!r}: give 'module:function', e.g. "
-                f"{_BUILT_IN['ngram']!r}, or the callable itself"
-            )
-    elif not callable(builder):
+    if not isinstance(builder, str) and not callable(builder):
         raise TypeError(
             f"proposer builder for {name!r} is a {type(builder).__name__}: give a callable "
             "builder(config, runner, checkpoint) -> Proposer, or 'module:function'"
         )
-    _PROPOSERS[name] = builder
+    _PROPOSERS.register(name, builder)
 
 
 def unregister_proposer(name: str) -> None:
     """Forget a name `register_proposer` registered; outrider's own stay."""
-    if name in _BUILT_IN:
-        raise ValueError(
-            f"{name!r} is one of outrider's own proposers ({', '.join(_BUILT_IN)}) and stays "
-            "registered"
-        )
-    if name not in _PROPOSERS:
-        raise ValueError(
-            f"no proposer is registered as {name!r}: registered are {', '.join(_PROPOSERS)}"
-        )
-    del _PROPOSERS[name]
+    _PROPOSERS.unregister(name)
 
 
 def proposer_names() -> tuple[str, ...]:
     """Every registered name: outrider's own first, then the others in registration order."""
-    return tuple(_PROPOSERS)
+    return _PROPOSERS.names()
 
 
 def check_method(method: str | None) -> None:
@@ -93,7 +75,7 @@ def check_method(method: str | None) -> None:
     engines call it before loading a model."""
     if method is not None and method not in _PROPOSERS:
         raise ValueError(
-            f"unknown speculative method={method!r}: use one of {', '.join(_PROPOSERS)}, or "
+            f"unknown speculative method={method!r}: use one of {', '.join(_PROPOSERS.names())}, or "
             "None to decode without speculation (a proposer of your own serves once "
             "outrider.engine.proposers.register_proposer names it)"
         )
@@ -107,8 +89,4 @@ def build_proposer(
     if config.method is None:
         return None
     check_method(config.method)
-    builder = _PROPOSERS[config.method]
-    if isinstance(builder, str):
-        module, _, function = builder.partition(":")
-        builder = getattr(importlib.import_module(module), function)
-    return builder(config, runner, checkpoint)
+    return _PROPOSERS.get(config.method)(config, runner, checkpoint)

@@ -4,16 +4,16 @@ names)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from outrider.loaders.hf_config import supported_architectures
+from outrider.registry import Registry
 
 if TYPE_CHECKING:
     from outrider.models.protocol import CausalLM
 
 # name -> "module:Class"
-_MODELS: dict[str, str] = {
+_MODELS: Registry[type[CausalLM]] = Registry("architecture", {
     "LlamaForCausalLM": "outrider.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "outrider.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "outrider.models.llama:LlamaForCausalLM",
@@ -21,7 +21,7 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "outrider.models.deepseek_v3:DeepseekV3ForCausalLM",
     # Kimi-K2.5's vision tower is not loaded: outrider serves its DeepSeek-V3 text model.
     "KimiK25ForConditionalGeneration": "outrider.models.deepseek_v3:DeepseekV3ForCausalLM",
-}
+})  # fmt: skip
 
 
 def model_class(architecture: str) -> type[CausalLM]:
@@ -31,5 +31,4 @@ def model_class(architecture: str) -> type[CausalLM]:
             f"unsupported architecture {architecture!r}: outrider supports "
             f"{', '.join(supported_architectures())}"
         )
-    module, cls = _MODELS[architecture].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return _MODELS.get(architecture)

@@ -115,7 +115,7 @@ def test_the_registry_refuses_what_it_cannot_serve(tiny_dir, register):  # noqa:
         register_proposer("ngram", build_repeat_last)
     with pytest.raises(ValueError, match="register it as 'repeatlast'"):
         register_proposer("Repeat_Last", build_repeat_last)
-    with pytest.raises(ValueError, match="give 'module:function'"):
+    with pytest.raises(ValueError, match="'build_repeat_last' is not 'module:attribute'"):
         register_proposer("repeatlast", "build_repeat_last")
     with pytest.raises(ValueError, match="outrider's own proposers"):
         unregister_proposer("eagle3")

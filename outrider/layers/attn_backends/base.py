@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
 
 from outrider.layers.forward_context import AttentionMetadata
+from outrider.registry import Registry
 
 
 class AttentionBackend(ABC):
@@ -83,10 +83,10 @@ class AttentionBackend(ABC):
         )
 
 
-_BACKENDS = {
+_BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", {
     "torch_ref": "outrider.layers.attn_backends.torch_ref:TorchRefBackend",
     "triton": "outrider.layers.attn_backends.triton:TritonBackend",
-}
+})  # fmt: skip
 
 
 def get_backend(name: str, device_type: str = "cpu", latent: bool = False) -> AttentionBackend:
@@ -94,12 +94,7 @@ def get_backend(name: str, device_type: str = "cpu", latent: bool = False) -> At
     registered backends do: "auto" picks triton on CUDA, torch_ref elsewhere, either way)."""
     if name == "auto":
         name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch_ref"
-    if name not in _BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}: use one of {', '.join(sorted(_BACKENDS))}"
-        )
-    module, cls = _BACKENDS[name].split(":")
-    backend = getattr(importlib.import_module(module), cls)()
+    backend = _BACKENDS.get(name)()
     if latent and not backend.supports_latent:
         raise ValueError(
             f"the {name} attention backend has no latent (MLA) attention, which this model's "
