@@ -128,7 +128,11 @@ class SpecConfig:
     draft_tensor_parallel_size (vLLM's key) places an EAGLE-3 drafter under tensor
     parallelism: 1 runs it whole on rank 0 (no collective in a draft forward); the target's
     tensor_parallel_size splits it like the target, every rank running each draft forward
-    (two all-reduces a layer, the embedding's and fc's, and the head's all-gather)."""
+    (two all-reduces a layer, the embedding's and fc's, and the head's all-gather).
+
+    grammar_drafts: a constrained request's chain drafts start with the tokens its grammar
+    forces (engine/structured.py); False leaves the proposer's drafts as they are, only cut
+    where the grammar refuses them (to measure what forced drafts gain)."""
 
     method: str | None = None
     num_draft_tokens: int = 4
@@ -139,8 +143,14 @@ class SpecConfig:
     topk: int = 1
     controller: str = "adaptive"
     draft_tensor_parallel_size: int = 1
+    grammar_drafts: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.grammar_drafts, bool):
+            raise ValueError(
+                f"invalid grammar_drafts={self.grammar_drafts!r}: use true (a grammar's forced "
+                "tokens ride as drafts) or false"
+            )
         d = self.draft_tensor_parallel_size
         if isinstance(d, bool) or not (isinstance(d, int) and d >= 1):
             raise ValueError(

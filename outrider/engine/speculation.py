@@ -238,7 +238,7 @@ class Speculator:
         if grammars is not None and req.request_id in grammars:
             if drafts is not None and drafts.num_nodes:
                 drafts = grammars.allowed_drafts(req.request_id, drafts)
-            if self._tree is None:  # chains: forced tokens ride as drafts
+            if self._tree is None and self._config.grammar_drafts:  # chains: forced tokens
                 drafts, forced = grammars.forced_drafts(req.request_id, drafts, self._k)
                 self.stats.num_forced_drafts += forced
         n = min(drafts.num_nodes, self._room(req)) if drafts is not None else 0

@@ -346,6 +346,22 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
     assert not llm.engine.grammars  # every finished request's matcher is gone
 
 
+def test_grammar_drafts_can_be_turned_off_and_output_stays(tiny_json_dir, prompts):  # noqa: F811
+    specs = [TINY_SPECS[0]] * 3
+    params = _constrained(specs, max_tokens=30)
+    outs, stats = [], []
+    for forced in (True, False):
+        spec = {"method": "ngram", "num_draft_tokens": 4, "controller": "fixed",
+                "grammar_drafts": forced}  # fmt: skip
+        llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+                  speculative=spec)  # fmt: skip
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts[:3], params)])
+        stats.append(llm.engine.speculator.stats)
+    assert outs[0] == outs[1]
+    assert stats[0].num_forced_drafts > 0 and stats[1].num_forced_drafts == 0
+    assert stats[0].num_accepted_tokens > stats[1].num_accepted_tokens
+
+
 def test_sampled_constrained_output_is_valid_with_speculation(tiny_json_dir, prompts):  # noqa: F811
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(len(prompts))]
     llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
