@@ -66,7 +66,7 @@ def _run(llm: LLM, n: int) -> list:
 def test_constrained_speculation_equals_constrained_plain_fp32(name):
     plain = LLM(device="cuda", dtype="float32")
     want = {n: _run(plain, n) for n in (1, 16)}
-    for n, outs in want.items():
+    for outs in want.values():
         for i, o in enumerate(outs):
             if o.finish_reason == "stop":
                 jsonschema.validate(json.loads(o.text), SCHEMAS[i % len(SCHEMAS)])
