@@ -23,12 +23,96 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import numbers
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+
+# -- field types: checked first in every config's __post_init__ --------------------------------
+
+# What a field of each kind takes, for the message: "invalid block_size='16k': use an integer".
+_KIND_WORDS = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    tuple: "a list of strings",
+}
+
+
+def check_types(config: Any) -> None:
+    """Refuse a field of the dataclass `config` whose value is not of its annotated kind (int,
+    float, bool, str, tuple[str, ...], each maybe `| None`), so YAML's `max_num_seqs: "lots"`
+    or `block_size: true` is a ValueError naming the field and its value, not a TypeError from
+    the range check after it. A float field takes an int, a str field a path (made its str), a
+    tuple field a list (made a tuple); a bool is no int here, though Python says it is."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kept = check_value(type(config), f.name, value)
+        if kept is not value:
+            object.__setattr__(config, f.name, kept)
+
+
+def check_value(cls: type, name: str, value: Any, key: str | None = None, where: str = "") -> Any:
+    """`value` for the field `name` of the config dataclass `cls`, converted as check_types
+    says, or a ValueError naming it as `key` (default: `name`) `where` it was written and
+    quoting the value."""
+    kind, optional = _field_kinds(cls).get(name, (None, False))
+    if kind is None or (value is None and optional):
+        return value
+    if kind is str and isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if kind is tuple and isinstance(value, list | tuple):
+        value = tuple(value)
+    if _is_kind(value, kind):
+        return value
+    default = {f.name: f.default for f in dataclasses.fields(cls)}.get(name)
+    shown = default in (None, dataclasses.MISSING, ()) or kind is bool
+    example = "" if shown else f", e.g. {default!r}"
+    none = " (or null)" if optional else ""
+    raise ValueError(
+        f"invalid {key or name}={value!r} ({type(value).__name__}){where}: use "
+        f"{_KIND_WORDS[kind]}"
+        f"{none}{example}"
+    )
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind is int:
+        return isinstance(value, numbers.Integral)
+    if kind is float:
+        return isinstance(value, numbers.Real)
+    if kind is tuple:
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    return isinstance(value, kind)
+
+
+_KINDS: dict[type, dict[str, tuple[type | None, bool]]] = {}
+
+
+def _field_kinds(cls: type) -> dict[str, tuple[type | None, bool]]:
+    """{field: (kind, may be None)} of a config dataclass, read once from its annotations; a
+    kind check_types does not know (a nested config) is None and goes unchecked."""
+    if cls not in _KINDS:
+        kinds = {}
+        for name, hint in typing.get_type_hints(cls).items():
+            args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+            optional = type(None) in args
+            rest = [typing.get_origin(a) or a for a in args if a is not type(None)]
+            kind = rest[0] if len(rest) == 1 and rest[0] in _KIND_WORDS else None
+            kinds[name] = (kind, optional)
+        _KINDS[cls] = kinds
+    return _KINDS[cls]
 
 
 @dataclass(frozen=True)
@@ -47,6 +131,7 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"invalid dtype={self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.device not in DEVICES and not self.device.startswith("cuda:"):
@@ -74,6 +159,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"invalid block_size={self.block_size}: use a power of two, e.g. 16")
         if self.cpu_kv_bytes < 1:
@@ -99,6 +185,7 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        check_types(self)
         if self.max_num_seqs < 1:
             raise ValueError(f"invalid max_num_seqs={self.max_num_seqs}: use an integer >= 1")
         if self.max_num_batched_tokens < 1:
@@ -146,11 +233,7 @@ class SpecConfig:
     grammar_drafts: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.grammar_drafts, bool):
-            raise ValueError(
-                f"invalid grammar_drafts={self.grammar_drafts!r}: use true (a grammar's forced "
-                "tokens ride as drafts) or false"
-            )
+        check_types(self)
         d = self.draft_tensor_parallel_size
         if isinstance(d, bool) or not (isinstance(d, int) and d >= 1):
             raise ValueError(
@@ -244,6 +327,7 @@ class ParallelConfig:
     collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
+        check_types(self)
         if isinstance(self.tensor_parallel_size, bool) or not (
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1
         ):
@@ -300,6 +384,11 @@ class EngineConfig:
         for key, value in data.items():
             if key in SECTIONS and (value is None or isinstance(value, dict)):
                 nested[key].update(value or {})
+            elif key in SECTIONS and key != "model":  # `model: path` is the flat model field
+                raise ValueError(
+                    f"config section {key!r} must be a mapping of keys, got {value!r}: e.g. "
+                    f"`{key}: {{{dataclasses.fields(SECTIONS[key])[0].name}: ...}}`"
+                )
             else:
                 flat[key] = value
         for section, values in flat_sections(flat).items():
@@ -315,12 +404,12 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
-        import yaml
-
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} not found: pass an existing YAML path")
-        return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+        """From a YAML file; every error names the file."""
+        data = read_yaml(path)
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"config file {str(path)!r}: {e}") from None
 
     def replace(self, **sections: dict[str, Any]) -> EngineConfig:
         """A copy with some fields of some sections changed: replace(model={"dtype": "float32"})."""
@@ -337,6 +426,39 @@ class EngineConfig:
         return EngineConfig(**kwargs)
 
 
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds (an empty file: {}). A file that is missing is a
+    FileNotFoundError; one unreadable, not YAML (the line and column of the fault) or not a
+    mapping is a ValueError; each names the file."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(p)!r} not found: pass an existing YAML path")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {str(p)!r} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        where, problem = "", str(e)
+        if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+            mark = e.problem_mark
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+            problem = ": ".join(filter(None, (e.context, e.problem)))
+        raise ValueError(
+            f"config file {str(p)!r} is not valid YAML{where}: {problem} (quote a value that "
+            "holds ': ', '#' or starts with '{', '[', '*' or '&')"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"config file {str(p)!r} must hold a mapping of keys (e.g. `max_num_seqs: 64`), "
+            f"not a {type(data).__name__}: {data!r:.80}"
+        )
+    return data
+
+
 def build_section(section_cls: type, values: dict[str, Any], section: str) -> Any:
     """A config dataclass from one YAML section (keys with dashes or underscores; a section
     with a `normalize` static method translates its other spellings first); an unknown key is
@@ -350,19 +472,21 @@ def build_section(section_cls: type, values: dict[str, Any], section: str) -> An
     names = [f.name for f in dataclasses.fields(section_cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
+        spellings = [*names, *(VLLM_SPEC_KEYS if section_cls is SpecConfig else ())]
+        vllm = f", or vLLM's {sorted(VLLM_SPEC_KEYS)}" if section_cls is SpecConfig else ""
         raise ValueError(
-            f"unknown key(s) {unknown} in config section {section!r}{_close(unknown, names)}; "
-            f"its keys are {sorted(names)}"
+            f"unknown key(s) {unknown} in config section {section!r}"
+            f"{close_matches(unknown, spellings)}; its keys are {sorted(names)}{vllm}"
         )
     return section_cls(**values)
 
 
-def _close(keys: list[str], names) -> str:
+def close_matches(keys: list[str], names) -> str:
     """' (did you mean ...?)' for the keys with a close match among names, else ''."""
     hints = [
         f"{key!r} -> {match[0]!r}"
         for key in keys
-        if (match := difflib.get_close_matches(key, list(names), n=1, cutoff=0.6))
+        if (match := difflib.get_close_matches(key.replace("-", "_"), list(names), 1, 0.6))
     ]
     return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
@@ -398,17 +522,7 @@ def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
     for key, value in flat.items():
         name = str(key).replace("-", "_")
         if name == "speculative_config":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise ValueError(
-                        f"speculative_config {value!r} is not JSON ({e.msg}): e.g. "
-                        '\'{"method": "eagle3", "num_speculative_tokens": 3}\''
-                    ) from None
-            if not isinstance(value, dict):
-                raise ValueError(f"speculative_config must be a mapping, got {value!r}")
-            out["speculative"].update(SpecConfig.normalize(value))
+            out["speculative"].update(speculative_config(value))
         elif name == "enforce_eager":
             out["model"]["cuda_graphs"] = False if value else None
         elif name in FLAT_ALIASES:
@@ -419,12 +533,49 @@ def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
         else:
             unknown.append(str(key))
     if unknown:
-        known = [*owners, *FLAT_ALIASES, "speculative_config", "enforce_eager", *SECTIONS]
+        known = flat_names()
         raise ValueError(
-            f"unknown config key(s) {sorted(unknown)}{_close(sorted(unknown), known)}: use a "
+            f"unknown config key(s) {sorted(unknown)}{close_matches(sorted(unknown), known)}: use a "
             f"section ({', '.join(SECTIONS)}) or a field name, e.g. max_num_seqs"
         )
     return out
+
+
+def flat_names() -> list[str]:
+    """Every key flat_sections takes (besides their spellings with dashes)."""
+    fields = [f.name for c in SECTIONS.values() for f in dataclasses.fields(c)]
+    return list(dict.fromkeys([*fields, *FLAT_ALIASES, "speculative_config", "enforce_eager"]))
+
+
+def speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
+    """SpecConfig fields from vLLM's speculative_config, a mapping or its JSON text, in its keys
+    or outrider's. An unknown key (with the close matches among both) or a value of the wrong
+    kind is an error naming the key as written."""
+    example = '\'{"method": "eagle3", "num_speculative_tokens": 3}\''
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"speculative_config {value!r} is not JSON ({e.msg}): e.g. {example}"
+            ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a mapping, got {value!r}: e.g. {example}")
+    fields = [f.name for f in dataclasses.fields(SpecConfig)]
+    for key, item in value.items():
+        name = str(key).replace("-", "_")
+        name = VLLM_SPEC_KEYS.get(name, name)
+        if name in fields and item is not None:  # None: vLLM's default, normalize's to judge
+            check_value(SpecConfig, name, item, str(key), " in speculative_config")
+    spec = SpecConfig.normalize(value)
+    unknown = sorted(set(spec) - set(fields))
+    if unknown:
+        vllm = ["method", *VLLM_SPEC_KEYS, "draft_tensor_parallel_size"]
+        raise ValueError(
+            f"unknown key(s) {unknown} in speculative_config{close_matches(unknown, vllm + fields)}: "
+            f"vLLM's keys are {', '.join(vllm)}; outrider's {', '.join(sorted(fields))}"
+        )
+    return spec
 
 
 def defaults(section_cls: type) -> dict[str, Any]:

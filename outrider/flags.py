@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from outrider.config import (
     FLAT_ALIASES,
     SECTIONS,
     SPEC_CONTROLLERS,
+    VLLM_SPEC_KEYS,
     EngineConfig,
     SpecConfig,
     defaults,
@@ -208,7 +210,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--speculative-config", dest="speculative_config",
         default=argparse.SUPPRESS, metavar="JSON",
         help="vLLM's form: a JSON object with method, model, num_speculative_tokens, "
-        "prompt_lookup_min/max (or this group's names); the flags of this group win over it",
+        "prompt_lookup_min/max (or this group's names); this group's flags add to it, and one "
+        "that disagrees with it is an error",
     )  # fmt: skip
     config_flag(g, "speculative.num_draft_tokens", "drafts verified per step (k)", type=int)
     config_flag(
@@ -308,6 +311,8 @@ def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) ->
     overrides = engine_overrides(args)
     foreign = {k: getattr(args, k) for k in ("speculative_config",) if hasattr(args, k)}
     sections = flat_sections(foreign)
+    if "speculative_config" in foreign:
+        refuse_disagreement(foreign["speculative_config"], overrides["speculative"])
     sglang = given(args, "sglang")
     if sglang:
         native = [f"--{k.replace('_', '-')}" for k in overrides["speculative"]]
@@ -315,6 +320,34 @@ def engine_config(args: argparse.Namespace, base: EngineConfig | None = None) ->
     for name, values in sections.items():
         overrides[name] = {**values, **overrides[name]}
     return base.replace(**overrides)
+
+
+def refuse_disagreement(spec_json: str, flags: dict[str, Any]) -> None:
+    """--speculative-config merges with the speculative flags given beside it (--spec, --draft,
+    --num-draft-tokens, ...) where they set other keys or the same value; a key both set to two
+    values is an error naming both, as neither could be called the one the user meant."""
+    written = {}
+    for key in json.loads(spec_json):  # flat_sections has read it: a JSON object
+        name = str(key).replace("-", "_")
+        written[VLLM_SPEC_KEYS.get(name, name)] = str(key)
+    spec = SpecConfig.normalize(json.loads(spec_json))
+    clashes = [
+        f"{_spec_flag(name)} {flags[name]} (its {written.get(name, name)!r} is {spec[name]!r})"
+        for name in spec
+        if name in flags and flags[name] != spec[name]
+    ]
+    if clashes:
+        raise ValueError(
+            f"--speculative-config {spec_json} disagrees with {' and '.join(clashes)}: give "
+            "each setting once; flags beside --speculative-config merge with it only where "
+            "they agree or set other keys"
+        )
+
+
+def _spec_flag(field: str) -> str:
+    """The flag of a SpecConfig field: --spec for method, else --field-name."""
+    alias = next((a for a, to in FLAT_ALIASES.items() if to == ("speculative", field)), field)
+    return "--" + alias.replace("_", "-")
 
 
 def sglang_speculative(values: dict[str, Any], native: list[str] = ()) -> dict[str, Any]:

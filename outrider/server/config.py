@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.config import EngineConfig, build_section
+from outrider.config import (
+    SECTIONS,
+    EngineConfig,
+    build_section,
+    check_types,
+    close_matches,
+    flat_names,
+    read_yaml,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class ServerConfig:
     log_level: str = "warning"  # uvicorn's access and error log level
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        check_types(self)  # a list of origins becomes a tuple
         if not 0 <= self.port <= 65535:
             raise ValueError(f"invalid port={self.port}: use 0..65535 (0 picks a free port)")
         if self.api_key is not None and self.api_key_file is not None:
@@ -84,16 +92,20 @@ class ServerConfig:
 
 
 def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
-    """Both configs from one YAML file; unknown sections and keys are errors."""
-    import yaml
+    """Both configs from one YAML file; unknown sections and keys are errors, and every error
+    names the file."""
+    data = read_yaml(path)
+    try:
+        return _configs(data)
+    except ValueError as e:
+        raise ValueError(f"config file {str(path)!r}: {e}") from None
 
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(p)!r} not found: pass an existing YAML path")
-    data = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {str(p)!r} must hold a mapping of sections")
-    server = dict(data.pop("server", None) or {})
+
+def _configs(data: dict[str, Any]) -> tuple[ServerConfig, EngineConfig]:
+    server = data.pop("server", None) or {}
+    if not isinstance(server, dict):
+        raise ValueError(f"config section 'server' must be a mapping of keys, got {server!r}")
+    server = dict(server)
     # Flat server keys, as vLLM's YAML has them (`port: 8000`, `tool-call-parser: hermes`).
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     for key in list(data):
@@ -101,10 +113,18 @@ def load_yaml(path: str | Path) -> tuple[ServerConfig, EngineConfig]:
         if name in names:
             if name in server and server[name] != data[key]:
                 raise ValueError(
-                    f"server.{name} is given twice in {str(p)!r}, {server[name]!r} in the "
+                    f"server.{name} is given twice, {server[name]!r} in the "
                     f"server section and {data[key]!r} as {key!r}: keep one"
                 )
             server[name] = data.pop(key)
+    engine = [*SECTIONS, *flat_names()]
+    unknown = sorted(str(k) for k in data if str(k).replace("-", "_") not in engine)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {unknown}{close_matches(unknown, [*engine, 'server', *names])}: "
+            "use a section (server, model, cache, scheduler, speculative, parallel) or a field "
+            "name, e.g. port or max_num_seqs"
+        )
     return server_config_from_dict(server), EngineConfig.from_dict(data)
 
 
