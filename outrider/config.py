@@ -535,8 +535,8 @@ def flat_sections(flat: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if unknown:
         known = flat_names()
         raise ValueError(
-            f"unknown config key(s) {sorted(unknown)}{close_matches(sorted(unknown), known)}: use a "
-            f"section ({', '.join(SECTIONS)}) or a field name, e.g. max_num_seqs"
+            f"unknown config key(s) {sorted(unknown)}{close_matches(sorted(unknown), known)}: "
+            f"use a section ({', '.join(SECTIONS)}) or a field name, e.g. max_num_seqs"
         )
     return out
 
@@ -572,7 +572,8 @@ def speculative_config(value: str | dict[str, Any]) -> dict[str, Any]:
     if unknown:
         vllm = ["method", *VLLM_SPEC_KEYS, "draft_tensor_parallel_size"]
         raise ValueError(
-            f"unknown key(s) {unknown} in speculative_config{close_matches(unknown, vllm + fields)}: "
+            f"unknown key(s) {unknown} in speculative_config"
+            f"{close_matches(unknown, vllm + fields)}: "
             f"vLLM's keys are {', '.join(vllm)}; outrider's {', '.join(sorted(fields))}"
         )
     return spec
