@@ -39,10 +39,10 @@ SAMPLING_FLAGS: tuple[tuple[str, type, Any, str], ...] = (
     ("top_p", float, 1.0, "keep the most likely tokens up to this probability mass; 1: off"),
     ("top_k", int, -1, "keep the K most likely tokens; -1 or 0: off"),
     ("min_p", float, 0.0, "drop tokens below this fraction of the top token's probability"),
-    ("presence_penalty", float, 0.0, "in [-2, 2]"),
-    ("frequency_penalty", float, 0.0, "in [-2, 2]"),
+    ("presence_penalty", float, 0.0, "penalize every token that already appeared, in [-2, 2]"),
+    ("frequency_penalty", float, 0.0, "penalize tokens by how often they appeared, in [-2, 2]"),
     ("repetition_penalty", float, 1.0, "> 0; 1: off"),
-    ("seed", int, None, "makes sampling reproducible"),
+    ("seed", int, None, "seeds sampling so a run at temperature > 0 is reproducible"),
     ("max_tokens", int, 256, "tokens to generate at most"),
     ("min_tokens", int, 0, "tokens generated before EOS or a stop string may end it"),
 )

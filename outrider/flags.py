@@ -183,7 +183,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     config_flag(g, "model.dtype", "auto: bfloat16 on CUDA, float32 on CPU", choices=DTYPES)
     config_flag(g, "model.device", "auto, cpu, cuda or cuda:N")
     config_flag(
-        g, "model.max_model_len", "the longest sequence (default: the checkpoint's)", type=int
+        g,
+        "model.max_model_len",
+        "the longest sequence, prompt and output, in tokens (default: the checkpoint's)",
+        type=int,
     )
     config_flag(g, "scheduler.max_num_seqs", "most sequences in one batch", type=int)
     config_flag(
@@ -240,7 +243,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     for name, field, kind, doc in (
         ("algorithm", "algorithm", str, "EAGLE3 or NGRAM (--spec)"),
-        ("draft-model-path", "draft", str, "the drafter (--draft)"),
+        ("draft-model-path", "draft", str, "the EAGLE-3 drafter's directory (--draft)"),
         ("num-steps", "num_steps", int, "draft steps (--num-steps; a chain's length)"),
         ("eagle-topk", "topk", int, "candidates per step (--topk)"),
         ("num-draft-tokens", "num_draft_tokens", int, "root + drafts (--num-draft-tokens + 1)"),
@@ -255,6 +258,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 # Engine fields without a generated flag: generate's --seed is the sampling seed (serve adds
 # --seed for the engine's).
 _NOT_GENERATED = frozenset({"model.seed"})
+
+# --help of the generated flags, by field: what each does and its unit.
+_GENERATED_HELP = {
+    "model.attention_backend": "the attention kernels: auto (triton on CUDA, torch_ref on "
+    "CPU) or a registered backend's name",
+    "model.cuda_graph_max_batch": "the largest decode batch captured as a CUDA graph; larger "
+    "batches run eagerly",
+    "scheduler.enable_chunked_prefill": "prefill prompts longer than --max-num-batched-tokens "
+    "in chunks of it (--no-enable-chunked-prefill: off)",
+    "scheduler.async_scheduling": "launch the next plain decode step before reading this "
+    "one's tokens, overlapping host bookkeeping with the device (default: off)",
+    "speculative.ngram_min_n": "n-gram drafting: the shortest suffix matched in the context, "
+    "in tokens",
+    "speculative.ngram_max_n": "n-gram drafting: the longest suffix matched in the context, "
+    "in tokens",
+    "parallel.collective_timeout_s": "seconds one eager collective inside a step may wait "
+    "under tensor parallelism before the step fails",
+}
 
 
 def add_generated_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -272,10 +293,11 @@ def add_generated_engine_flags(p: argparse.ArgumentParser) -> None:
             if dest in taken or dest in _NOT_GENERATED or flag in p._option_string_actions:
                 continue
             kind = field_type(hints[f.name])
+            doc = _GENERATED_HELP.get(dest, "")
             if kind is bool:
-                config_flag(g, dest, "", flag, action=argparse.BooleanOptionalAction)
+                config_flag(g, dest, doc, flag, action=argparse.BooleanOptionalAction)
             else:
-                config_flag(g, dest, "", flag, type=kind)
+                config_flag(g, dest, doc, flag, type=kind)
 
 
 def field_type(hint: Any) -> Any:

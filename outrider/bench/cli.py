@@ -74,11 +74,18 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--base-url", required=True,
         help="the server's root, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)",
     )  # fmt: skip
-    g.add_argument("--model", default=None, help="model to request (default: /v1/models' first)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="the model id sent in each request (default: /v1/models' first)",
+    )
     g.add_argument(
         "--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: none)"
     )
-    g.add_argument("--endpoint", choices=tuple(ENDPOINTS), default=d["endpoint"])
+    g.add_argument(
+        "--endpoint", choices=tuple(ENDPOINTS), default=d["endpoint"],
+        help="the API to load: completions (/v1/completions) or chat (/v1/chat/completions)",
+    )  # fmt: skip
     g = p.add_argument_group("load")
     g.add_argument(
         "--max-concurrency", type=int, nargs="+", metavar="N",
@@ -90,7 +97,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         "--request-rate", type=float, default=d["request_rate"], metavar="R",
         help="requests/s, Poisson arrivals; inf: all at once (the concurrency bounds them)",
     )  # fmt: skip
-    g.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="per sweep point")
+    g.add_argument(
+        "--num-prompts", type=int, default=d["num_prompts"], help="requests sent per sweep point"
+    )
     g.add_argument(
         "--time-limit", type=float, default=d["time_limit_s"], metavar="S",
         help="seconds per sweep point; requests still running then are cancelled",
@@ -112,7 +121,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="--dataset random: max tokens per request",
     )  # fmt: skip
     g.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="max tokens per request")
-    g.add_argument("--temperature", type=float, default=d["temperature"])
+    g.add_argument(
+        "--temperature", type=float, default=d["temperature"],
+        help="the sampling temperature each request asks for (0: greedy)",
+    )  # fmt: skip
     g.add_argument(
         "--ignore-eos", action="store_true",
         help="ask the server to generate max tokens whatever the model says (outrider, vLLM)",
@@ -163,13 +175,16 @@ def _add_comm_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--batch", type=int, nargs="+", default=list(d["batch_sizes"]), metavar="B",
-        help="sequences per step",
+        help="sequences per step, one timing each",
     )  # fmt: skip
     g.add_argument(
         "--k", type=int, nargs="+", default=list(d["ks"]), metavar="K",
         help="drafts verified per sequence (0: decode); a step sends B(1+k) tokens",
     )  # fmt: skip
-    g.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default=d["dtype"])
+    g.add_argument(
+        "--dtype", choices=tuple(DTYPE_BYTES), default=d["dtype"],
+        help="the activations' dtype, which sets the bytes per element sent",
+    )  # fmt: skip
     g.add_argument(
         "--sizes", type=int, nargs="+", default=None, metavar="BYTES",
         help="time these sizes instead (all-reduce buffers and all-gather outputs)",

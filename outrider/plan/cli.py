@@ -38,7 +38,13 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         "with --calibrate, a checkpoint the engine loads (default: the embedded default model)",
     )  # fmt: skip
     g = p.add_argument_group("machine")
-    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size")
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="GPUs the model is split over (tensor parallelism)",
+    )
     g.add_argument(
         "--gpu", default=None,
         help=f"{', '.join(GPUS)}, or a JSON file of measured figures (`--calibrate` writes one) "
@@ -73,10 +79,12 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--expert-weights", choices=tuple(WEIGHT_FORMATS), default=None,
-        help="routed experts' format (default: the model's own)",
+        help="the routed experts' weight format (default: the model's own)",
     )  # fmt: skip
     g = p.add_argument_group("speculation")
-    g.add_argument("--spec", choices=METHODS, default="eagle3", help="the drafting method")
+    g.add_argument(
+        "--spec", choices=METHODS, default="eagle3", help="the drafting method planned for"
+    )
     g.add_argument("--k", type=int, default=3, help="the chain the headline figures describe")
     g.add_argument("--max-k", type=int, default=8, help="chains k = 1..MAX_K are compared")
     g.add_argument(
@@ -92,7 +100,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
         "--draft-intermediate", type=int, default=None, metavar="SIZE",
         help="the drafter's MLP width (default: the target's)",
     )  # fmt: skip
-    g.add_argument("--draft-vocab", type=int, default=32000, help="the drafter's vocabulary")
+    g.add_argument(
+        "--draft-vocab", type=int, default=32000, help="tokens in the drafter's vocabulary"
+    )
     g.add_argument(
         "--draft-tp", type=int, default=None, metavar="N",
         help="ranks the drafter runs on (default: --tp; 1: one rank alone)",
@@ -114,7 +124,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--calibrate-batch", type=int, nargs="+", default=[1, 4], metavar="B",
-        help="batch sizes measured",
+        help="batch sizes whose steps are measured",
     )  # fmt: skip
     g.add_argument(
         "--calibrate-k", type=int, nargs="+", default=[0, 3], metavar="K",

@@ -63,7 +63,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="accepted for vLLM's command lines: tool calls are parsed whenever --tool-parser "
         "is set",
     )  # fmt: skip
-    config_flag(group, "model.seed", "the engine's seed", type=int)
+    config_flag(
+        group, "model.seed",
+        "the engine config's seed (accepted for vLLM's command lines); a request's own seed "
+        "makes its sampling reproducible",
+        type=int,
+    )  # fmt: skip
     config_flag(
         group, "server.cors_origins",
         "allow browser calls from this origin (repeatable; default: CORS off)",
@@ -127,7 +132,10 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user", default=opts.user, help="the service's dedicated user (must exist)")
     p.add_argument("--python", default=opts.python, help="interpreter the unit runs")
     p.add_argument(
-        "--limit-nofile", type=int, default=opts.limit_nofile, help="the unit's LimitNOFILE="
+        "--limit-nofile",
+        type=int,
+        default=opts.limit_nofile,
+        help="the unit's LimitNOFILE=: open files (sockets included) the server may hold",
     )
     p.add_argument(
         "--install",

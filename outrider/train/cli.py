@@ -81,24 +81,33 @@ def _add_drafter_commands(drafter: argparse.ArgumentParser) -> None:
 def _add_datagen_flags(gen: argparse.ArgumentParser) -> None:
     from outrider.train.config import DatagenConfig
 
-    _add_config_flags(gen, DatagenConfig)
+    _add_config_flags(gen, DatagenConfig, _DATAGEN_HELP)
     _add_target_flags(gen)
-    gen.add_argument("--max-model-len", type=int, default=None, help="context for generation")
+    gen.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="the target's context while it answers, in tokens (default: the checkpoint's)",
+    )  # fmt: skip
     add_cache_flags(gen)
 
 
 def _add_train_flags(tr: argparse.ArgumentParser) -> None:
     from outrider.train.config import TrainConfig
 
-    _add_config_flags(tr, TrainConfig, choices={"dtype": DTYPES})
+    _add_config_flags(tr, TrainConfig, _TRAIN_HELP, choices={"dtype": DTYPES})
 
 
 def _add_eval_flags(ev: argparse.ArgumentParser) -> None:
     from outrider.train.config import EvalConfig
 
-    _add_config_flags(ev, EvalConfig, choices={"dtype": DTYPES})
-    ev.add_argument("--serving", type=int, default=0, help="prompts to decode speculatively")
-    ev.add_argument("--max-tokens", type=int, default=128, help="tokens per --serving prompt")
+    _add_config_flags(ev, EvalConfig, _EVAL_HELP, choices={"dtype": DTYPES})
+    ev.add_argument(
+        "--serving", type=int, default=0,
+        help="also decode this many held-out prompts speculatively and report the measured "
+        "accept length (0: off)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens generated per --serving prompt"
+    )
     add_cache_flags(ev)
 
 
@@ -107,18 +116,31 @@ def _add_export_flags(ex: argparse.ArgumentParser) -> None:
 
     ex.add_argument("drafter", help="drafter directory")
     ex.add_argument("out", help="output directory")
-    ex.add_argument("--format", choices=LAYOUTS, default="sglang", help="target engine layout")
-    ex.add_argument("--model", default=None, help="the target (default: the embedded model)")
+    ex.add_argument(
+        "--format", choices=LAYOUTS, default="sglang",
+        help="the engine whose file layout (and aux layer-id convention) the drafter is saved in",
+    )  # fmt: skip
+    ex.add_argument("--model", default=None, help=_TARGET_HELP)
 
 
 def _add_doctor_flags(doc: argparse.ArgumentParser) -> None:
     from outrider.models.eagle3_io import LAYOUTS
 
     doc.add_argument("drafter", help="drafter directory")
-    doc.add_argument("--model", default=None, help="the target (default: the embedded model)")
-    doc.add_argument("--layout", choices=LAYOUTS, default=None, help="for files without a record")
-    doc.add_argument("--min-overlap", type=float, default=0.9, help="vocabulary overlap floor")
-    doc.add_argument("--live", type=int, default=0, help="prompts to decode speculatively")
+    doc.add_argument("--model", default=None, help=_TARGET_HELP)
+    doc.add_argument(
+        "--layout", choices=LAYOUTS, default=None,
+        help="the layout to read a drafter whose files do not record theirs (default: detected)",
+    )  # fmt: skip
+    doc.add_argument(
+        "--min-overlap", type=float, default=0.9,
+        help="fail when less than this fraction of the drafter's vocabulary maps onto the "
+        "target's tokenizer (0..1)",
+    )  # fmt: skip
+    doc.add_argument(
+        "--live", type=int, default=0,
+        help="also decode this many prompts speculatively and report the accept length (0: off)",
+    )  # fmt: skip
     add_cache_flags(doc)
 
 
@@ -249,27 +271,121 @@ _COMMANDS = {
 # -- flags from dataclasses -------------------------------------------------------------------
 
 
+_TARGET_HELP = (
+    "the target model: a .gguf file, an HF directory or repo id (default: the embedded model)"
+)
+
+# --help of each config field's flag: what it does and its unit.
+_DATAGEN_HELP = {
+    "out": "the JSONL file samples are appended to (rerunning resumes it)",
+    "model": _TARGET_HELP,
+    "num_samples": "samples to write in all, every source together",
+    "max_new_tokens": "longest answer the target generates per turn, in tokens",
+    "seed_prompts": "include the built-in seed prompts (--no-seed-prompts: leave them out)",
+    "composed": "requests composed from templates and topic lists to add (0: none)",
+    "self_generated": "Magpie-style samples whose user turns the target writes itself (0: none)",
+    "user_file": "a JSON or JSONL file of prompts or conversations (ShareGPT, role/content "
+    "lists, strings); the target regenerates every answer",
+    "batch_size": "conversations the target answers together in one batch",
+    "temperature": "the target's sampling temperature for answers (0: greedy, which `drafter "
+    "eval` replays exactly)",
+    "seed": "seeds the composed prompts and sampling, for a reproducible dataset",
+    "shard": "with --num-shards N: this process writes every N-th sample starting here (0..N-1)",
+    "num_shards": "processes sharing the work, each run with its own --shard",
+}
+_TRAIN_HELP = {
+    "data": "the JSONL dataset `drafter datagen` wrote",
+    "output_dir": "where checkpoints and the final drafter (OUTPUT_DIR/drafter) are written",
+    "model": _TARGET_HELP,
+    "device": "where the target and the drafter run: auto, cpu, cuda or cuda:N",
+    "dtype": "the target's compute dtype (the drafter keeps fp32 master weights)",
+    "draft_vocab_size": "tokens in the drafter's own vocabulary, the dataset's most frequent "
+    "(default: min(32000, the target's vocabulary))",
+    "ttt_steps": "draft steps unrolled per position in training (test-time training), 1..16",
+    "step_decay": "loss weight ratio between successive draft steps: step j counts "
+    "step_decay**j, in (0, 1]",
+    "align_topk": "step j learns only where earlier steps had the target's argmax in their top "
+    "k (0: off; 1 for chains, the serving topk for trees)",
+    "hard_label": "weight of the cross-entropy on the target's argmax beside the soft "
+    "distribution's, in [0, 1]",
+    "intermediate_size": "the drafter's MLP width (default: the target's)",
+    "aux_layers": "the 3 target layers whose entering residual streams the drafter fuses "
+    "(default: EAGLE-3's 2, L//2, L-3)",
+    "max_len": "tokens per packed training row; longer samples are truncated",
+    "batch_rows": "packed rows per micro-batch",
+    "grad_accum": "micro-batches accumulated per optimizer step",
+    "holdout": "keep the dataset's last N samples out of training, for `drafter eval`",
+    "epochs": "passes over the dataset (unless --max-steps or --max-minutes stop sooner)",
+    "max_steps": "stop after this many optimizer steps (default: --epochs decide)",
+    "max_minutes": "wall-clock budget in minutes for this output dir (resumes continue its "
+    "clock; the LR schedule follows it)",
+    "lr": "peak learning rate (AdamW), reached after warm-up",
+    "warmup_ratio": "fraction of training spent warming the LR up linearly, in [0, 1)",
+    "min_lr_ratio": "the cosine schedule ends at this fraction of --lr, in [0, 1]",
+    "weight_decay": "AdamW's decoupled weight decay (0: none)",
+    "max_grad_norm": "clip the gradient to this global L2 norm",
+    "init_std": "standard deviation of the drafter's initial weights",
+    "head_from_target": "start lm_head (draft-vocabulary rows) and the final norm from the "
+    "target's own",
+    "seed": "seeds initialisation and data order, for a reproducible run",
+    "checkpoint_every": "save a checkpoint every N optimizer steps (and at the end)",
+    "keep_checkpoints": "newest checkpoints kept in the output dir; older ones are deleted",
+    "resume": "continue from the output dir's newest checkpoint",
+    "init_from": "a drafter directory to fine-tune; its weights and draft vocabulary are kept",
+    "attention": "the drafter's training attention: flex skips masked blocks (CUDA); dense "
+    "holds (j+1) T x T scores at step j; auto: flex on CUDA, dense elsewhere",
+    "feature_cache": "a directory to store the target's captured features in and reuse on "
+    "later epochs and runs (bf16 shards; default: recompute them)",
+    "layout": "the file layout of the final drafter: the engine that will load it",
+    "log_every": "print loss and per-step accuracy every N optimizer steps",
+    "target_num_blocks": "KV blocks of the target engine's own pool, which serves no request "
+    "here (feature capture uses a private pool sized to each batch)",
+}
+_EVAL_HELP = {
+    "drafter": "the drafter directory to score",
+    "data": "the JSONL dataset; its last --num-samples samples are scored",
+    "model": _TARGET_HELP,
+    "device": "where the target and the drafter run: auto, cpu, cuda or cuda:N",
+    "dtype": "the target's compute dtype; auto: bfloat16 on CUDA, float32 on CPU",
+    "num_samples": "held-out samples scored: the dataset's last ones (train with --holdout)",
+    "ttt_steps": "draft steps scored per position, 1..16",
+    "max_len": "tokens per sample scored; longer ones are truncated",
+    "chain": "length of the greedy draft chain replayed offline, 1..16 (exact on greedy "
+    "datagen samples)",
+}
+
+
 def _add_target_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help=f"{', '.join(DEVICES)} or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument(
+        "--device", default="auto", help=f"where the target runs: {', '.join(DEVICES)} or cuda:N"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPES,
+        help="the target's compute dtype; auto: bfloat16 on CUDA, float32 on CPU",
+    )  # fmt: skip
 
 
 def _add_config_flags(
-    parser: argparse.ArgumentParser, cls: type, choices: dict[str, Any] | None = None
+    parser: argparse.ArgumentParser,
+    cls: type,
+    helps: dict[str, str],
+    choices: dict[str, Any] | None = None,
 ) -> None:
     """One --flag per dataclass field, typed from its annotation, defaulting to its default
-    (cli.HelpFormatter shows it)."""
+    (cli.HelpFormatter shows it), its help from `helps` (every field has one)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         kind = field_type(hints[f.name])
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=helps[f.name]
+            )
             continue
         extra = {"choices": choices[f.name]} if choices and choices.get(f.name) else {}
         if typing.get_origin(kind) is tuple:  # tuple[int, ...]: --flag 2 15 27
             kind, extra["nargs"] = typing.get_args(kind)[0], "+"
-        parser.add_argument(flag, type=kind, default=f.default, **extra)
+        parser.add_argument(flag, type=kind, default=f.default, help=helps[f.name], **extra)
 
 
 def _config(cls: type, args: argparse.Namespace):
