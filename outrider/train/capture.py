@@ -69,7 +69,8 @@ class TargetCapture:
         if too_long:
             raise ValueError(
                 f"sequence lengths {too_long[:5]} are outside 1..max_model_len="
-                f"{self.max_model_len}: truncate the samples (max_len) or raise max_model_len"
+                f"{self.max_model_len}, the target's context: use --max-len (max_len) <= "
+                f"{self.max_model_len}, which truncates longer samples"
             )
         bs = self.block_size
         blocks_needed = sum(-(-len(s) // bs) for s in seqs)

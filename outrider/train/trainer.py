@@ -94,6 +94,27 @@ def _check_same_target(saved: dict[str, Any], now: dict[str, Any], where: Path) 
         )
 
 
+def target_llm(config: TrainConfig, device: torch.device | str):
+    """The target engine whose forwards the capture borrows. Its own KV pool
+    (target_num_blocks) serves no request: capture runs in a private pool sized to each batch,
+    up to the target's full context. The engine's warning that so small a pool lowers its
+    serving context, and that gpu_memory_utilization / cpu_kv_bytes / num_blocks would raise
+    it, is therefore silenced: it names flags `drafter train` does not have, for a limit that
+    does not bind here."""
+    from outrider.llm import LLM
+
+    limits = logging.getLogger("outrider.engine.limits")
+    level = limits.level
+    limits.setLevel(logging.ERROR)
+    try:
+        return LLM(
+            config.model, dtype=config.dtype, device=str(device),
+            num_blocks=config.target_num_blocks, cuda_graphs=False, enable_prefix_caching=False,
+        )  # fmt: skip
+    finally:
+        limits.setLevel(level)
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, llm=None) -> None:
         self.config = c = config
@@ -110,12 +131,7 @@ class Trainer:
                 dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
                 self.owns_process_group = True
         if llm is None:
-            from outrider.llm import LLM
-
-            llm = LLM(
-                c.model, dtype=c.dtype, device=str(device), num_blocks=c.target_num_blocks,
-                cuda_graphs=False, enable_prefix_caching=False,
-            )  # fmt: skip
+            llm = target_llm(c, device)
         # The drafter to fine-tune (init_from) brings its own aux layers; else the config's.
         init = self._init_drafter(c.init_from, llm.engine.checkpoint) if c.init_from else None
         self.capture = TargetCapture(llm, init.config.aux_layers if init else c.aux_layers)
