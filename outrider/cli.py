@@ -211,8 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command `args` chose, the deepest one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen(action.choices[name], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # answered with the chosen command's usage, which lists its flags
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     level = logging.INFO if getattr(args, "verbose", False) else env.log_level()
     logging.basicConfig(level=level, format="[outrider] %(levelname)s %(name)s: %(message)s")
     try:
