@@ -147,14 +147,29 @@ def _add_deploy_flags(p: argparse.ArgumentParser) -> None:
         help="an extra KEY=VALUE environment file the unit reads after outrider.env (e.g. "
         "`outrider bench comm`'s NCCL settings); installed beside it in /etc/outrider",
     )  # fmt: skip
-    p.add_argument("--root", default="/", help="install under this root (image builds)")
-    p.add_argument("--systemctl", default="systemctl", help="the systemctl to run")
+    p.add_argument(
+        "--root", default="/",
+        help="install under this root (image builds); the api_key_file is looked for there too",
+    )  # fmt: skip
+    p.add_argument("--systemctl", default="systemctl", help="the systemctl program --install runs")
+    p.add_argument(
+        "--dry-run", action="store_true",
+        help="print the unit and what would be written, copied and run (with --install), and "
+        "change nothing",
+    )  # fmt: skip
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from outrider.server.deploy import DeployOptions, install, write_bundle
+    from outrider.server.deploy import (
+        DeployOptions,
+        bundle_texts,
+        check_startable,
+        dry_run,
+        install,
+        write_bundle,
+    )
 
     server, engine = load_yaml(args.config)
     opts = DeployOptions(
@@ -163,6 +178,11 @@ def cmd_deploy(args: argparse.Namespace) -> int:
         limit_nofile=args.limit_nofile,
         env_file=Path(args.env_file) if args.env_file else None,
     )
+    check_startable(server, engine, opts, Path(args.root))
+    if args.dry_run:
+        files = bundle_texts(server, engine, opts)
+        print(dry_run(files, Path(args.output), args.install, Path(args.root), args.systemctl))
+        return 0
     bundle = write_bundle(server, engine, Path(args.output), opts)
     for path in bundle.values():
         print(f"wrote {path}")

@@ -9,6 +9,11 @@ and production notes, written to a directory; `--install` puts them in place.
     DIR/NAME.env           with --env-file: that file (e.g. `outrider bench comm`'s NCCL
                            settings), a second EnvironmentFile= read after outrider.env
 
+Before writing anything it refuses what would keep the unit from starting: a --user that does
+not exist, a model, drafter or api_key_file under /tmp or /var/tmp (PrivateTmp=true gives the
+service its own, empty ones), an api_key_file the user cannot read. `--dry-run` prints the unit
+and the install's steps and changes nothing.
+
 Installing copies them to /etc/systemd/system and /etc/outrider (under --root for image
 builds), keeps any file it replaces as NAME.bak-TIMESTAMP, and runs `systemctl daemon-reload`
 and `systemctl enable`, printing each step. The service user must already exist.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import pwd
 import shutil
 import subprocess
 import sys
@@ -91,6 +97,78 @@ def model_path(engine: EngineConfig) -> Path:
     return default_model_path().resolve()
 
 
+def drafter_path(engine: EngineConfig) -> Path | None:
+    """The EAGLE-3 drafter the config names, absolute; None without one (a method without a
+    drafter, or the one shipped for the default model, which travels with outrider)."""
+    spec = engine.speculative
+    if spec.method != "eagle3" or not spec.draft:
+        return None
+    return Path(spec.draft).resolve()
+
+
+# PrivateTmp=true mounts a private, empty /tmp and /var/tmp for the service.
+PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
+
+
+def check_startable(
+    server: ServerConfig, engine: EngineConfig, opts: DeployOptions, root: Path = Path("/")
+) -> None:
+    """Raise ValueError (FileNotFoundError for a missing file) for what would keep the unit
+    from starting, naming the value and the fix. `root`: where --install puts the files, so
+    the api_key_file is looked for there (image builds)."""
+    try:
+        user = pwd.getpwnam(opts.user)
+    except KeyError:
+        raise ValueError(
+            f"--user {opts.user!r} does not exist on this machine: create it first (sudo "
+            f"useradd --system --no-create-home {opts.user}) or pass an existing one"
+        ) from None
+    paths = {"model": model_path(engine)}
+    if (draft := drafter_path(engine)) is not None:
+        if not draft.exists():
+            raise FileNotFoundError(
+                f"drafter {str(draft)!r} not found: fix speculative.draft in the config"
+            )
+        paths["drafter"] = draft
+    if server.api_key_file:
+        paths["api_key_file"] = Path(server.api_key_file)
+    for what, path in paths.items():
+        under = next((t for t in PRIVATE_TMP if path.is_relative_to(t)), None)
+        if under is not None:
+            raise ValueError(
+                f"{what} {str(path)!r} lies under {under}, which the unit's PrivateTmp=true "
+                f"replaces with an empty private {under}: the service could not read it and "
+                "would not start; move it (e.g. to /var/lib/outrider) and point the config there"
+            )
+    if server.api_key_file:
+        key = root / Path(server.api_key_file).relative_to("/")
+        if not key.is_file():
+            raise FileNotFoundError(
+                f"api_key_file {str(key)!r} not found: write the key there (readable by "
+                f"{opts.user} only) before deploying, or drop server.api_key_file"
+            )
+        if not readable_by(key, user):
+            raise ValueError(
+                f"api_key_file {str(key)!r} is not readable by the service user {opts.user!r}: "
+                f"sudo chown {opts.user} {key} && sudo chmod 600 {key}"
+            )
+
+
+def readable_by(path: Path, user: pwd.struct_passwd) -> bool:
+    """Whether `user` may read `path` by its mode bits (root reads anything)."""
+    import grp
+
+    st = path.stat()
+    if user.pw_uid == 0:
+        return True
+    if st.st_uid == user.pw_uid:
+        return bool(st.st_mode & 0o400)
+    groups = {user.pw_gid} | {g.gr_gid for g in grp.getgrall() if user.pw_name in g.gr_mem}
+    if st.st_gid in groups:
+        return bool(st.st_mode & 0o040)
+    return bool(st.st_mode & 0o004)
+
+
 def sha256_of(path: Path) -> dict[str, str]:
     """file name -> sha256 of the model file, or of each file of a model directory."""
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
@@ -107,6 +185,8 @@ def sha256_of(path: Path) -> dict[str, str]:
 def frozen_yaml(server: ServerConfig, engine: EngineConfig, model: Path) -> str:
     """Every field spelled out, so the unit serves exactly this whatever defaults change."""
     engine = engine.replace(model={"model": str(model)})
+    if (draft := drafter_path(engine)) is not None:
+        engine = engine.replace(speculative={"draft": str(draft)})
     data = {"server": dataclasses.asdict(server), **dataclasses.asdict(engine)}
     data["server"]["cors_origins"] = list(server.cors_origins)
     return yaml.safe_dump(data, sort_keys=False)
@@ -177,6 +257,16 @@ def production_md(
         else "off (plain decoding)"
     )
     hashes = "\n".join(f"- `{name}`: `{digest}`" for name, digest in digests.items())
+    draft = drafter_path(engine)
+    if draft is not None:
+        draft_hashes = "\n".join(f"- `{n}`: `{d}`" for n, d in sha256_of(draft).items())
+        drafter = f"- Drafter: `{draft}`\n{draft_hashes}\n"
+        verify_draft = f" and `sha256sum {draft / '*' if draft.is_dir() else draft}`"
+    elif spec.method == "eagle3":
+        drafter = "- Drafter: the one shipped with outrider for the default model\n"
+        verify_draft = ""
+    else:
+        drafter = verify_draft = ""
     auth = (
         f"API key from `{server.api_key_file}`"
         if server.api_key_file
@@ -193,7 +283,7 @@ Generated by `outrider deploy systemd` on {time.strftime("%Y-%m-%d %H:%M:%S %Z")
 
 - Model: `{model}`
 {hashes}
-- dtype `{engine.model.dtype}`, device `{engine.model.device}`, max_model_len
+{drafter}- dtype `{engine.model.dtype}`, device `{engine.model.device}`, max_model_len
   `{engine.model.max_model_len or "from the checkpoint"}`
 - Speculative decoding: {spec_line}
 - KV cache: block size {engine.cache.block_size}, CPU budget {engine.cache.cpu_kv_bytes} bytes,
@@ -220,7 +310,8 @@ The complete configuration is `{ETC}/server.yaml`; the unit is `{UNIT_DIR / UNIT
     curl -s http://{server.host}:{server.port}/health      # 200 while the engine makes progress
     curl -s -H "Authorization: Bearer $KEY" http://{server.host}:{server.port}/metrics
 
-Verify the model has not changed: `sha256sum {model}` against the hashes above.
+Verify the model has not changed: `sha256sum {model}`{verify_draft} against the hashes
+above.
 
 ## Roll back
 
@@ -236,14 +327,11 @@ that file on disk until the new model has proven itself).
 """
 
 
-def write_bundle(
-    server: ServerConfig, engine: EngineConfig, output: Path, opts: DeployOptions
-) -> dict[str, Path]:
-    """Write the four files into `output`; returns name -> path."""
+def bundle_texts(server: ServerConfig, engine: EngineConfig, opts: DeployOptions) -> dict[str, str]:
+    """The bundle's files, name -> text, written nowhere."""
     model = model_path(engine)
     if not model.exists():
         raise FileNotFoundError(f"model {str(model)!r} not found: fix model.model in the config")
-    output.mkdir(parents=True, exist_ok=True)
     files = {
         UNIT_NAME: unit_text(server, opts, model),
         "outrider.env": env_text(),
@@ -252,11 +340,52 @@ def write_bundle(
     }
     if opts.env_file is not None:
         files[env_file_name(opts)] = read_env_file(opts.env_file)
+    return files
+
+
+def write_bundle(
+    server: ServerConfig, engine: EngineConfig, output: Path, opts: DeployOptions
+) -> dict[str, Path]:
+    """Write the bundle's files into `output`; returns name -> path."""
+    files = bundle_texts(server, engine, opts)
+    output.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, text in files.items():
         paths[name] = output / name
         paths[name].write_text(text)
     return paths
+
+
+def install_targets(names, root: Path = Path("/")) -> dict[str, Path]:
+    """Bundle file name -> where --install puts it under `root`."""
+    targets = {UNIT_NAME: UNIT_DIR / UNIT_NAME}
+    for name in names:
+        if name != UNIT_NAME:
+            targets[name] = ETC / name  # outrider.env, server.yaml, production.md, --env-file
+    return {name: root / target.relative_to("/") for name, target in targets.items()}
+
+
+def dry_run(
+    files: dict[str, str],
+    output: Path,
+    install: bool,
+    root: Path = Path("/"),
+    systemctl: str = "systemctl",
+) -> str:
+    """What `deploy` would do with `files`, as text: the unit, then each step as a shell
+    command would read (nothing is written or run)."""
+    lines = [f"# {UNIT_NAME} (dry run: nothing written, nothing run)", files[UNIT_NAME]]
+    lines += [f"would write {output / name}" for name in files]
+    if install:
+        for name, dest in install_targets(files, root).items():
+            if dest.exists():
+                lines.append(f"would keep {dest} as {dest.name}.bak-TIMESTAMP")
+            lines.append(f"would cp {output / name} {dest}")
+        lines += [
+            f"would run {systemctl} daemon-reload",
+            f"would run {systemctl} enable {UNIT_NAME}",
+        ]
+    return "\n".join(lines)
 
 
 def install(
@@ -269,16 +398,7 @@ def install(
     """Copy the bundle into place under `root`, keeping replaced files, then reload and enable
     the unit. Each action is printed as a shell command would read."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    targets = {
-        UNIT_NAME: UNIT_DIR / UNIT_NAME,
-        "outrider.env": ETC / "outrider.env",
-        "server.yaml": ETC / "server.yaml",
-        "production.md": ETC / "production.md",
-    }
-    for name in bundle:
-        targets.setdefault(name, ETC / name)  # the --env-file
-    for name, target in targets.items():
-        dest = root / target.relative_to("/")
+    for name, dest in install_targets(bundle, root).items():
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.exists():
             backup = dest.with_name(f"{dest.name}.bak-{stamp}")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pwd
 import stat
+
+import pytest
 
 from outrider.cli import main
 from outrider.loaders.checkpoint import default_model_path
@@ -18,6 +21,22 @@ speculative: {method: ngram, num_draft_tokens: 3}
 """
 
 
+ME = pwd.getpwuid(os.getuid()).pw_name  # a user that exists, to run the service as
+
+
+def _deployable(tmp_path, yaml: str = YAML) -> list[str]:
+    """`deploy systemd` arguments for a config whose api_key_file exists, under a scratch
+    --root, readable by the service user."""
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml)
+    key = tmp_path / "root/etc/outrider/key"
+    key.parent.mkdir(parents=True, exist_ok=True)
+    key.write_text("sk-test\n")
+    key.chmod(0o600)
+    root = str(tmp_path / "root")
+    return ["deploy", "systemd", "--config", str(config), "--user", ME, "--root", root]
+
+
 def _stub_systemctl(tmp_path):
     log = tmp_path / "systemctl.log"
     stub = tmp_path / "systemctl"
@@ -27,17 +46,15 @@ def _stub_systemctl(tmp_path):
 
 
 def test_deploy_writes_unit_env_config_and_notes(tmp_path, capsys):
-    config = tmp_path / "server.yaml"
-    config.write_text(YAML)
     out = tmp_path / "out"
-    rc = main(["deploy", "systemd", "--config", str(config), "--output", str(out), "--user", "llm"])
+    rc = main(_deployable(tmp_path) + ["--output", str(out)])
     assert rc == 0
     unit = (out / "outrider.service").read_text()
     for line in (
         "Type=notify",
         "Restart=on-failure",
         "WantedBy=multi-user.target",
-        "User=llm",
+        f"User={ME}",
         "EnvironmentFile=/etc/outrider/outrider.env",
         "LimitNOFILE=65536",
         "TimeoutStopSec=50",  # shutdown_timeout 20 + margin
@@ -59,12 +76,10 @@ def test_deploy_writes_unit_env_config_and_notes(tmp_path, capsys):
 
 
 def test_deploy_install_copies_backs_up_and_enables(tmp_path, capsys):
-    config = tmp_path / "server.yaml"
-    config.write_text(YAML)
     stub, log = _stub_systemctl(tmp_path)
     root = tmp_path / "root"
-    args = ["deploy", "systemd", "--config", str(config), "--output", str(tmp_path / "out")]
-    args += ["--install", "--root", str(root), "--systemctl", str(stub)]
+    args = _deployable(tmp_path) + ["--output", str(tmp_path / "out")]
+    args += ["--install", "--systemctl", str(stub)]
     assert main(args) == 0
     printed = capsys.readouterr().out
     unit = root / "etc/systemd/system/outrider.service"
@@ -79,9 +94,8 @@ def test_deploy_install_copies_backs_up_and_enables(tmp_path, capsys):
 
 
 def test_deploy_refuses_a_missing_model(tmp_path, capsys):
-    config = tmp_path / "server.yaml"
-    config.write_text("model: {model: /nonexistent/m.gguf}\n")
-    rc = main(["deploy", "systemd", "--config", str(config), "--output", str(tmp_path / "o")])
+    args = _deployable(tmp_path, "model: {model: /nonexistent/m.gguf}\n")
+    rc = main(args + ["--output", str(tmp_path / "o")])
     assert rc == 2 and "/nonexistent/m.gguf" in capsys.readouterr().err
 
 
@@ -94,10 +108,8 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
     assert tool, (
         "systemd-analyze is missing: install Debian's systemd package (apt-get install systemd)"
     )
-    config = tmp_path / "server.yaml"
-    config.write_text(YAML)
     out = tmp_path / "out"
-    assert main(["deploy", "systemd", "--config", str(config), "--output", str(out)]) == 0
+    assert main(_deployable(tmp_path) + ["--output", str(out)]) == 0
     proc = subprocess.run(
         [tool, "verify", str(out / "outrider.service")], capture_output=True, text=True, timeout=60
     )
@@ -105,3 +117,89 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path):
     # systemd only warns (exit 0) on an unknown key or a bad value: any remark about the unit
     # file itself is a failure ("outrider.service:9: Failed to parse service type, ignoring").
     assert "outrider.service:" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_dry_run_prints_the_unit_and_the_steps_and_changes_nothing(tmp_path, capsys):
+    stub, log = _stub_systemctl(tmp_path)
+    out = tmp_path / "out"
+    args = _deployable(tmp_path) + ["--output", str(out), "--install", "--systemctl", str(stub)]
+    assert main(args + ["--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "Type=notify" in printed and f"User={ME}" in printed
+    assert f"would write {out / 'server.yaml'}" in printed
+    unit = tmp_path / "root/etc/systemd/system/outrider.service"
+    assert f"would cp {out / 'outrider.service'} {unit}" in printed
+    assert f"would run {stub} daemon-reload" in printed
+    assert not out.exists() and not unit.exists() and not log.exists()
+
+
+def test_a_wrong_flag_shows_deploys_usage(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(_deployable(tmp_path) + ["--output", str(tmp_path / "o"), "--dry-rnu"])
+    err = capsys.readouterr().err
+    assert "usage: outrider deploy" in err and "--dry-rnu" in err
+
+
+def test_refuses_a_model_or_drafter_under_private_tmp(tmp_path, capsys):
+    model = tmp_path / "m.gguf"  # pytest's tmp_path lies under /tmp
+    assert str(model.resolve()).startswith(("/tmp/", "/var/tmp/")), "tmp_path is not in /tmp"
+    model.write_bytes(b"GGUF")
+    args = _deployable(tmp_path, f"model: {{model: {model}}}\n")
+    assert main(args + ["--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert str(model.resolve()) in err and "PrivateTmp=true" in err
+    draft = tmp_path / "drafter"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    args = _deployable(tmp_path, f"speculative: {{method: eagle3, draft: {draft}}}\n")
+    assert main(args + ["--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "drafter" in err and str(draft.resolve()) in err and "PrivateTmp=true" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_refuses_a_user_that_does_not_exist(tmp_path, capsys):
+    args = _deployable(tmp_path) + ["--output", str(tmp_path / "o"), "--user", "no-such-usr-x"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "'no-such-usr-x' does not exist" in err and "useradd" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_refuses_an_api_key_file_missing_or_unreadable(tmp_path, capsys):
+    args = _deployable(tmp_path) + ["--output", str(tmp_path / "o")]
+    key = tmp_path / "root/etc/outrider/key"
+    key.chmod(0o000)
+    if os.getuid() != 0:  # root reads anything: only the mode check is skipped
+        assert main(args) == 2
+        assert "not readable by the service user" in capsys.readouterr().err
+    key.unlink()
+    assert main(args) == 2
+    assert f"api_key_file {str(key)!r} not found" in capsys.readouterr().err
+
+
+def test_production_notes_record_the_drafter_and_its_sha256(tmp_path):
+    from pathlib import Path
+
+    import outrider
+    from outrider.server.deploy import drafter_path
+
+    draft = Path(outrider.__file__).parent / "data/smollm2-135m-eagle3"  # outside /tmp
+    out = tmp_path / "out"
+    yaml = YAML.replace(
+        "{method: ngram, num_draft_tokens: 3}", f"{{method: eagle3, draft: {draft}}}"
+    )
+    assert main(_deployable(tmp_path, yaml) + ["--output", str(out)]) == 0
+    notes = (out / "production.md").read_text()
+    some = sorted(p for p in draft.iterdir() if p.is_file())[0]
+    assert f"Drafter: `{draft.resolve()}`" in notes
+    assert hashlib.sha256(some.read_bytes()).hexdigest() in notes
+    _, engine = load_yaml(out / "server.yaml")
+    assert drafter_path(engine) == draft.resolve()
+
+
+def test_the_example_server_yaml_loads():
+    from pathlib import Path
+
+    server, engine = load_yaml(Path(__file__).parents[2] / "docs/examples/server.yaml")
+    assert server.api_key_file and engine.speculative.method
