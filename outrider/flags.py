@@ -269,6 +269,8 @@ _GENERATED_HELP = {
     "in chunks of it (--no-enable-chunked-prefill: off)",
     "scheduler.async_scheduling": "launch the next plain decode step before reading this "
     "one's tokens, overlapping host bookkeeping with the device (default: off)",
+    "speculative.grammar_drafts": "structured outputs: a constrained request's drafts start "
+    "with the tokens its grammar forces (--no-grammar-drafts: the proposer's own only)",
     "speculative.ngram_min_n": "n-gram drafting: the shortest suffix matched in the context, "
     "in tokens",
     "speculative.ngram_max_n": "n-gram drafting: the longest suffix matched in the context, "
