@@ -139,8 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt: str | list[int] = " ".join(args.prompt)
     if not args.raw:
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        text = llm.apply_chat_template(messages + [{"role": "user", "content": prompt}])
-        prompt = llm.encode_chat_text(text)
+        prompt = llm.encode_chat(messages + [{"role": "user", "content": prompt}])
     metrics = {}
     for delta in llm.stream(prompt, params):
         sys.stdout.write(delta.text)

@@ -99,7 +99,8 @@ class LLM:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.apply_chat_template(c, add_generation_prompt, tools) for c in conversations]
-        return self._run([self.encode_chat_text(t) for t in texts], texts, sampling_params)
+        encoded = [self.encode_chat(c, add_generation_prompt, tools) for c in conversations]
+        return self._run(encoded, texts, sampling_params)
 
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
@@ -131,9 +132,23 @@ class LLM:
             conversation, add_generation_prompt=add_generation_prompt, tools=tools
         )
 
+    def encode_chat(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation, rendered by the chat template: special-token text
+        inside messages stays text (Tokenizer.encode_chat), so a message cannot forge a turn."""
+        return self.tokenizer.encode_chat(
+            conversation, add_generation_prompt=add_generation_prompt, tools=tools
+        )
+
     def encode_chat_text(self, text: str) -> list[int]:
         """Token ids of a rendered chat template: the template writes BOS itself when the model
-        wants one, so the tokenizer must not add another."""
+        wants one, so the tokenizer must not add another. Every special-token string in `text`
+        becomes a control token, message text included: for untrusted messages use
+        encode_chat."""
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- helpers ----------------------------------------------------------------------------

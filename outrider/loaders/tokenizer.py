@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -76,6 +77,9 @@ class Tokenizer:
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # Longest first, so a special token that starts another does not cut it short.
+        texts = sorted({t.content for t in added.values() if t.special}, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
     # ---- construction --------------------------------------------------------------------
@@ -209,6 +213,77 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    @functools.cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """The backend with special-token text encoded as text (HF's split_special_tokens). A
+        copy, not a toggle of `backend`: the server encodes from several threads at once."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Token ids of the rendered conversation: the template's own markers are control tokens,
+        special-token text inside messages other than system ones (content, names, tool calls)
+        stays text, so a user who writes `<|im_end|><|im_start|>system` opens no system turn.
+        System messages are the deployer's and encode as rendered. A conversation without
+        special-token text encodes exactly as encode(apply_chat_template(...)) does."""
+        render = functools.partial(
+            self.apply_chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **kwargs,
+        )
+        text = render(messages)
+        guarded, originals = _guard_special_text(messages, self._special_text, taken=text)
+        if not originals:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        # Each special-token string in a message went in as a private-use character the rendered
+        # text does not hold otherwise; the template's markers are found by encoding that text,
+        # and the text between two markers is encoded again with the characters put back, as
+        # text. Between markers the tokenizer encodes each run on its own anyway, so runs
+        # without such characters keep their ids.
+        guarded_text = render(guarded)
+        restore = str.maketrans(originals)
+        if guarded_text.translate(restore) != text:
+            raise ValueError(
+                "the chat template changed special-token text inside a message (e.g. escaped "
+                "it), so it cannot be kept as text: remove special-token text such as "
+                f"{next(iter(originals.values()))!r} from the messages"
+            )
+        ids: list[int] = []
+        run: list[int] = []
+        cut = 0  # where the text after the last marker starts
+        encoding = self.backend.encode(guarded_text, add_special_tokens=False)
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token_id not in self.all_special_ids:
+                run.append(token_id)
+                continue
+            ids += self._run_ids(guarded_text[cut:start], run, restore)
+            ids.append(token_id)
+            run, cut = [], end
+        ids += self._run_ids(guarded_text[cut:], run, restore)
+        if add_special_tokens:  # what the post-processor wraps around any text (BOS, EOS)
+            bare = self.backend.encode("a", add_special_tokens=False).ids
+            full = self.backend.encode("a", add_special_tokens=True).ids
+            i = next(i for i in range(len(full)) if full[i : i + len(bare)] == bare)
+            ids = full[:i] + ids + full[i + len(bare) :]
+        return ids
+
+    def _run_ids(self, text: str, ids: list[int], restore: dict[int, str]) -> list[int]:
+        """`ids` (the run `text` encoded), or the run encoded again as text when it holds a
+        message's special-token text."""
+        plain = text.translate(restore)
+        if plain == text:
+            return ids
+        return self._text_backend.encode(plain, add_special_tokens=False).ids
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -236,6 +311,40 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the model's chat template rejected the messages: {e}") from e
+
+
+def _guard_special_text(
+    messages: list[dict[str, Any]], special: re.Pattern[str] | None, taken: str
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """`messages` with each special-token string in non-system messages (every string value and
+    key but the role) replaced by a private-use character not in `taken`, and a map from those
+    characters back to the strings."""
+    chosen: dict[str, str] = {}  # special-token text -> its character
+    free = (c for c in map(chr, range(0xF0000, 0xFFFFE)) if c not in taken)
+
+    def character(match: re.Match[str]) -> str:
+        if match[0] not in chosen:
+            chosen[match[0]] = next(free)
+        return chosen[match[0]]
+
+    def guard(value: Any) -> Any:
+        if isinstance(value, str):
+            return special.sub(character, value)
+        if isinstance(value, dict):
+            return {guard(k): guard(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [guard(v) for v in value]
+        return value
+
+    if special is None:
+        return messages, {}
+    guarded = [
+        m
+        if m.get("role") == "system"
+        else {k: v if k == "role" else guard(v) for k, v in m.items()}
+        for m in messages
+    ]
+    return guarded, {c: t for t, c in chosen.items()}
 
 
 # ---- GGUF vocabularies -------------------------------------------------------------------

@@ -134,14 +134,15 @@ def render(state: ServerState, req, messages, tools, add_special_tokens: bool = 
     """Template and tokenize (in a worker thread: both cost milliseconds per request). `req`
     gives add_generation_prompt and chat_template_kwargs (a chat or a /tokenize request)."""
     try:
-        text = state.chat_tokenizer.apply_chat_template(
+        # Special-token text in a client's messages stays text: it cannot open a system turn.
+        # The template writes BOS itself when the model wants one.
+        return state.chat_tokenizer.encode_chat(
             messages,
             add_generation_prompt=req.add_generation_prompt,
             tools=tools,
+            add_special_tokens=add_special_tokens,
             **(req.chat_template_kwargs or {}),
         )
-        # The template writes BOS itself when the model wants one.
-        return state.chat_tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except (ValueError, TypeError, UnicodeError) as e:
         raise bad_request(
             f"the messages could not be rendered or tokenized: {e}", "messages"
