@@ -144,7 +144,9 @@ def _open_hf(path: Path) -> Checkpoint:
     resolve_architecture(hf_config)  # fail on the architecture before reading anything else
     weights = SafetensorsCheckpoint(path)
     tokenizer = Tokenizer.from_hf_dir(path)
-    return _checkpoint(path, "hf", hf_config, tokenizer, weights)
+    checkpoint = _checkpoint(path, "hf", hf_config, tokenizer, weights)
+    weights.check_vocab_rows(checkpoint.config.vocab_size, path / "config.json")
+    return checkpoint
 
 
 def _checkpoint(
