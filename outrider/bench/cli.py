@@ -47,9 +47,9 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
         "plot",
         _add_plot_flags,
         help="draw PNG charts from result files, overlaid by label",
-        description="Throughput and TPOT against concurrency, and per-user speed against "
-        "total throughput, one line per result file (vLLM's --save-result files sharing a "
-        "label join one line).",
+        description="Throughput, TPOT, TTFT and accept length against concurrency, and "
+        "per-user speed against total throughput, one line per run in one colour across the "
+        "charts (vLLM's --save-result files sharing a label join one line).",
     )
     add_command(
         sub,
@@ -143,7 +143,18 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="time per output token at most (default: no SLO)",
     )
     g = p.add_argument_group("output")
-    g.add_argument("--out-dir", default="bench-results", help="where the JSON and PNGs go")
+    g.add_argument(
+        "--out-dir", "--result-dir", dest="out_dir", default="bench-results",
+        help="where the JSON and PNGs go (--result-dir: vLLM's name)",
+    )  # fmt: skip
+    g.add_argument(
+        "--result-filename", default=None, metavar="NAME",
+        help="the JSON's file name in --out-dir (default: serve-LABEL-TIME.json)",
+    )  # fmt: skip
+    g.add_argument(
+        "--save-result", action="store_true",
+        help="accepted for `vllm bench serve` command lines: the result is always saved",
+    )  # fmt: skip
     g.add_argument("--label", default=None, help="names the run in plots (default: the model)")
     g.add_argument("--no-plot", action="store_true", help="write the JSON only")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -298,7 +309,7 @@ def _serve(args: argparse.Namespace) -> int:
     result = run(
         cfg, prompts, label=args.label, on_point=_print_point, progress=not args.no_progress
     )
-    path = write_result(result, args.out_dir)
+    path = write_result(result, args.out_dir, args.result_filename)
     print(f"wrote {path}")
     if not args.no_plot:
         from outrider.bench.plot import load_results, plot_results
@@ -310,18 +321,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _print_point(p: dict) -> None:
     """One line per sweep point on stderr, as it finishes."""
+    from outrider.bench.stats import accept_summary
 
     def ms(key: str) -> str:
         return "-" if p[key] is None else f"{p[key]:.1f}"
 
-    accept = "" if p["accept_length"] is None else f", accept length {p['accept_length']:.2f}"
     limited = " (time limit)" if p["time_limited"] else ""
     print(
         f"[bench] concurrency {p['max_concurrency']}: {p['completed']}/{p['num_prompts']} "
         f"completed, {p['failed']} failed{limited} in {p['duration']:.1f} s; "
         f"{p['request_throughput']:.2f} req/s, {p['output_throughput']:.1f} output tok/s; "
         f"TTFT p50 {ms('median_ttft_ms')} p99 {ms('p99_ttft_ms')} ms, "
-        f"TPOT p50 {ms('median_tpot_ms')} p99 {ms('p99_tpot_ms')} ms{accept}",
+        f"TPOT p50 {ms('median_tpot_ms')} p99 {ms('p99_tpot_ms')} ms; "
+        f"accept length {accept_summary(p)}",
         file=sys.stderr,
     )
     for error, count in p["errors"].items():
@@ -334,6 +346,7 @@ def _plot(args: argparse.Namespace) -> int:
     paths = [Path(r) for r in args.results]
     series = load_results(paths)
     prefix = paths[0].stem + "-" if len(paths) == 1 else "compare-"
-    for png in plot_results(series, args.out_dir or paths[0].parent, prefix=prefix):
+    out_dir = args.out_dir or paths[0].parent
+    for png in plot_results(series, out_dir, prefix=prefix, say=lambda line: print(line)):
         print(f"wrote {png}")
     return 0

@@ -3,12 +3,17 @@ against plain, outrider against another server):
 
     throughput.png    output tokens/s against concurrency
     tpot.png          time per output token (median solid, p90 dotted) against concurrency
+    ttft.png          time to first token (median solid, p90 dotted) against concurrency
     per_user.png      per-user speed (1000 / median TPOT) against total output tokens/s: the
                       trade-off curve; each point is marked with its concurrency
-    accept_length.png accept length against concurrency (only when a run reported one)
+    accept_length.png accept length against concurrency (only when a run reported one), each
+                      point marked with the verify steps it averages; runs without one are
+                      named in the legend, not left out unsaid
 
-`vllm bench serve --save-result` files hold one point each, at their top level: those sharing a
-label join one line, so a vLLM sweep run point by point overlays an outrider sweep.
+One run keeps one colour in every chart of a set. `vllm bench serve --save-result` files hold
+one point each, at their top level: those sharing a label join one line, so a vLLM sweep run
+point by point overlays an outrider sweep. A file with `runs` ({label: result}, as
+benchmarks/spec_serve.py writes) gives one line per run.
 
 matplotlib is imported inside `plot_results` (the object API, no pyplot and no global backend),
 so the CLI's parser never pays for it.
@@ -20,6 +25,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from outrider.bench.stats import accept_summary, spec_share
 
 FIGSIZE = (7.0, 4.5)  # inches; at DPI a PNG is 700 x 450 pixels
 DPI = 100
@@ -39,14 +46,18 @@ def load_results(paths: list[str | Path]) -> list[Series]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
         label = str(data.get("label") or data.get("model_id") or data.get("model") or path.stem)
-        if isinstance(data.get("points"), list):
+        runs = data.get("runs")
+        if isinstance(runs, dict) and all(isinstance(r.get("points"), list) for r in runs.values()):
+            series += [(name, run["points"]) for name, run in runs.items()]
+        elif isinstance(data.get("points"), list):
             series.append((label, data["points"]))
         elif "output_throughput" in data:
             flat.setdefault(label, []).append(data)
         else:
             raise ValueError(
                 f"{path} is not a benchmark result: expected `outrider bench serve`'s JSON "
-                "(a 'points' list) or `vllm bench serve --save-result`'s (output_throughput)"
+                "(a 'points' list, or 'runs' of them) or `vllm bench serve --save-result`'s "
+                "(output_throughput)"
             )
     series += flat.items()
     return [(label, sorted(pts, key=_concurrency)) for label, pts in _unique(series)]
@@ -67,8 +78,15 @@ def _concurrency(point: dict) -> float:
     return float("inf") if c is None else c  # vLLM: None = unbounded
 
 
-def plot_results(series: list[Series], out_dir: str | Path, prefix: str = "") -> list[Path]:
-    """Write the charts for `series` to `out_dir`/<prefix><chart>.png; returns their paths."""
+def plot_results(
+    series: list[Series],
+    out_dir: str | Path,
+    prefix: str = "",
+    say: Callable[[str], None] | None = None,
+) -> list[Path]:
+    """Write the charts for `series` to `out_dir`/<prefix><chart>.png; returns their paths.
+    `say` gets one line per run about its accept length (what it rests on, or that it has none)
+    when any run has one."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -78,9 +96,11 @@ def plot_results(series: list[Series], out_dir: str | Path, prefix: str = "") ->
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    charts: list[tuple[str, Callable[[Any, list[Series]], bool]]] = [
+    colors = {label: f"C{i % 10}" for i, (label, _) in enumerate(series)}
+    charts: list[tuple[str, Chart]] = [
         ("throughput", _throughput),
         ("tpot", _tpot),
+        ("ttft", _ttft),
         ("per_user", _per_user),
         ("accept_length", _accept_length),
     ]
@@ -88,14 +108,23 @@ def plot_results(series: list[Series], out_dir: str | Path, prefix: str = "") ->
     for name, draw in charts:
         fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
         ax = fig.add_subplot()
-        if not draw(ax, series):
+        if not draw(ax, series, colors):
             continue  # nothing to show (accept length of runs without speculation)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
         path = out / f"{prefix}{name}.png"
         fig.savefig(path, dpi=DPI)
         written.append(path)
+    if say is not None and _has_accept_length(series):
+        for label, points in series:
+            for p in points:
+                say(f"[plot] {label} at concurrency {p.get('max_concurrency')}: accept length "
+                    f"{accept_summary(p)}")  # fmt: skip
     return written
+
+
+Colors = dict[str, str]  # label -> matplotlib colour, the same in every chart of a set
+Chart = Callable[[Any, list[Series], Colors], bool]
 
 
 def _xy(points: list[dict], x: Callable[[dict], Any], y: Callable[[dict], Any]):
@@ -119,43 +148,52 @@ def _concurrency_axis(ax, series: list[Series]) -> None:
     ax.set_xlabel("max concurrency (requests in flight)")
 
 
-def _by_concurrency(ax, series: list[Series], key: str, **style) -> bool:
+def _by_concurrency(ax, series: list[Series], colors: Colors, key: str) -> bool:
     drew = False
     for label, points in series:
         xs, ys, _ = _xy(points, lambda p: p.get("max_concurrency"), lambda p: p.get(key))
         if xs:
-            ax.plot(xs, ys, marker="o", label=label, **style)
+            ax.plot(xs, ys, marker="o", label=label, color=colors[label])
             drew = True
     _concurrency_axis(ax, series)
     return drew
 
 
-def _throughput(ax, series: list[Series]) -> bool:
-    ax.set_title("Output throughput")
-    ax.set_ylabel("output tokens/s (all requests)")
-    drew = _by_concurrency(ax, series, "output_throughput")
-    ax.set_ylim(bottom=0)
-    return drew
-
-
-def _tpot(ax, series: list[Series]) -> bool:
-    ax.set_title("Time per output token (median solid, p90 dotted)")
-    ax.set_ylabel("TPOT (ms)")
+def _median_and_p90(ax, series: list[Series], colors: Colors, metric: str) -> bool:
     drew = False
-    for i, (label, points) in enumerate(series):
-        color = f"C{i}"
-        for key, style in (("median_tpot_ms", "-"), ("p90_tpot_ms", ":")):
+    for label, points in series:
+        for key, style in ((f"median_{metric}_ms", "-"), (f"p90_{metric}_ms", ":")):
             xs, ys, _ = _xy(points, lambda p: p.get("max_concurrency"), lambda p, k=key: p.get(k))
             if xs:
                 name = label if style == "-" else None
-                ax.plot(xs, ys, style, marker="o", color=color, label=name)
+                ax.plot(xs, ys, style, marker="o", color=colors[label], label=name)
                 drew = True
     _concurrency_axis(ax, series)
+    ax.set_ylim(bottom=0)  # from 0: a 5% difference drawn as a cliff misleads
+    return drew
+
+
+def _throughput(ax, series: list[Series], colors: Colors) -> bool:
+    ax.set_title("Output throughput")
+    ax.set_ylabel("output tokens/s (all requests)")
+    drew = _by_concurrency(ax, series, colors, "output_throughput")
     ax.set_ylim(bottom=0)
     return drew
 
 
-def _per_user(ax, series: list[Series]) -> bool:
+def _tpot(ax, series: list[Series], colors: Colors) -> bool:
+    ax.set_title("Time per output token (median solid, p90 dotted)")
+    ax.set_ylabel("TPOT (ms)")
+    return _median_and_p90(ax, series, colors, "tpot")
+
+
+def _ttft(ax, series: list[Series], colors: Colors) -> bool:
+    ax.set_title("Time to first token (median solid, p90 dotted)")
+    ax.set_ylabel("TTFT (ms)")
+    return _median_and_p90(ax, series, colors, "ttft")
+
+
+def _per_user(ax, series: list[Series], colors: Colors) -> bool:
     ax.set_title("Per-user speed against total throughput (points: concurrency)")
     ax.set_xlabel("output tokens/s (all requests)")
     ax.set_ylabel("tokens/s per user (1000 / median TPOT)")
@@ -167,15 +205,52 @@ def _per_user(ax, series: list[Series]) -> bool:
             lambda p: 1000 / p["median_tpot_ms"] if p.get("median_tpot_ms") else None,
         )
         if xs:
-            ax.plot(xs, ys, marker="o", label=label)
+            ax.plot(xs, ys, marker="o", label=label, color=colors[label])
             for x, y, p in zip(xs, ys, kept):
                 ax.annotate(str(p.get("max_concurrency")), (x, y), textcoords="offset points",
                             xytext=(4, 4), fontsize="x-small")  # fmt: skip
             drew = True
+    ax.margins(0.08)  # room for the concurrency marks at the edges
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     return drew
 
 
-def _accept_length(ax, series: list[Series]) -> bool:
+def _has_accept_length(series: list[Series]) -> bool:
+    return any(_num(p.get("accept_length")) for _, points in series for p in points)
+
+
+def _accept_length(ax, series: list[Series], colors: Colors) -> bool:
+    """Each point labelled with the verify steps it averages (n=) and how much of the run
+    speculated; runs without an accept length get a legend entry saying so."""
+    if not _has_accept_length(series):
+        return False
     ax.set_title("Accept length under load (tokens per verify step, from /metrics)")
-    ax.set_ylabel("accept length")
-    return _by_concurrency(ax, series, "accept_length")
+    ax.set_ylabel("accept length (n = verify steps averaged)")
+    top = 2.0
+    for label, points in series:
+        xs, ys, kept = _xy(
+            points, lambda p: p.get("max_concurrency"), lambda p: p.get("accept_length")
+        )
+        if not xs:
+            ax.plot([], [], " ", label=f"{label}: no speculation (no accept length)")
+            continue
+        missing = len(points) - len(kept)
+        note = f" ({missing} point{'s' if missing > 1 else ''} without)" if missing else ""
+        ax.plot(xs, ys, marker="o", label=label + note, color=colors[label])
+        for x, y, p in zip(xs, ys, kept):
+            ax.annotate(_point_note(p), (x, y), textcoords="offset points", xytext=(5, -12),
+                        fontsize="x-small", color=colors[label])  # fmt: skip
+        top = max(top, *ys)
+    _concurrency_axis(ax, series)
+    ax.margins(x=0.2)  # room for the last point's note
+    ax.set_ylim(1, top + 0.15 * (top - 1) + 0.1)  # 1 is no speed-up: the floor of the scale
+    return True
+
+
+def _point_note(p: dict) -> str:
+    """n=<verify steps>, and the share that speculated, for one accept-length point."""
+    n = (p.get("spec_decode") or {}).get("num_drafts")
+    share = spec_share(p)
+    note = "" if n is None else f"n={n}"
+    return note if share is None else f"{note}, {share[0]:.0%} of {share[1]}"

@@ -238,6 +238,10 @@ async def run_point(
         time_limited = True
     duration = time.perf_counter() - start
     bar.close()
+    if progress and not sys.stderr.isatty():
+        # Off a terminal tqdm's last "\r"-redrawn line has no newline: end it, so what is
+        # printed next (the point's summary) starts on its own line in a log.
+        print(file=sys.stderr)
     after = await scrape_metrics(client, cfg.root)
     spec = spec_delta(spec_counters(before), spec_counters(after))
     return {
@@ -348,11 +352,13 @@ def run(cfg: BenchConfig, prompts: list[Prompt], **kwargs: Any) -> dict[str, Any
     return asyncio.run(run_sweep(cfg, prompts, **kwargs))
 
 
-def write_result(result: dict[str, Any], out_dir: str | Path) -> Path:
-    """`out_dir`/serve-<label>-<UTC time>.json."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", result["label"]).strip("_") or "run"
-    stamp = datetime.datetime.fromisoformat(result["date"]).strftime("%Y%m%d-%H%M%S")
-    path = Path(out_dir) / f"serve-{safe}-{stamp}.json"
+def write_result(result: dict[str, Any], out_dir: str | Path, filename: str | None = None) -> Path:
+    """`out_dir`/`filename`, by default serve-<label>-<UTC time>.json."""
+    if filename is None:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", result["label"]).strip("_") or "run"
+        stamp = datetime.datetime.fromisoformat(result["date"]).strftime("%Y%m%d-%H%M%S")
+        filename = f"serve-{safe}-{stamp}.json"
+    path = Path(out_dir) / filename
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path

@@ -22,6 +22,7 @@ from outrider.bench.prompts import Prompt, arrival_times, file_prompts, load_pro
 from outrider.bench.request import RequestResult, sse_lines
 from outrider.bench.serve import BenchConfig, BenchError, run, summarize
 from outrider.bench.stats import (
+    accept_summary,
     parse_prometheus,
     percentile,
     spec_counters,
@@ -580,21 +581,111 @@ def test_cli_writes_json_and_pngs_and_sends_the_api_key(fake, tmp_path, capsys):
     assert {"command", "date", "commit", "machine", "versions"} <= result.keys()
     assert [(p["max_concurrency"], p["completed"]) for p in result["points"]] == [(1, 4), (2, 4)]
     pngs = sorted(x.name.removeprefix(path.stem + "-") for x in out.glob("*.png"))
-    assert pngs == ["accept_length.png", "per_user.png", "throughput.png", "tpot.png"]
+    assert pngs == ["accept_length.png", "per_user.png", "throughput.png", "tpot.png", "ttft.png"]
     stdout = capsys.readouterr().out
-    assert str(path) in stdout and stdout.count(".png") == 4
+    assert str(path) in stdout and stdout.count(".png") == 5
+
+
+def test_point_summaries_start_on_their_own_line_under_a_progress_bar_off_a_terminal(fake, capsys):
+    def say(p: dict) -> None:
+        print(f"[bench] concurrency {p['max_concurrency']}: done", file=sys.stderr)
+
+    run(_cfg(fake, max_concurrency=(1, 2)), [Prompt("ttft=0.01 n=2", 8)] * 2, on_point=say)
+    err = capsys.readouterr().err
+    summaries = [line for line in err.split("\n") if "[bench]" in line]
+    assert summaries == ["[bench] concurrency 1: done", "[bench] concurrency 2: done"], err
+
+
+def test_vllm_save_result_flags_name_the_result_file(fake, tmp_path):
+    from outrider.cli import build_parser
+
+    argv = ["bench", "serve", "--base-url", fake.url, "--save-result", "--result-dir",
+            str(tmp_path / "r"), "--result-filename", "mine.json"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert (args.out_dir, args.result_filename, args.save_result) == (
+        str(tmp_path / "r"), "mine.json", True
+    )  # fmt: skip
+    argv += ["--num-prompts", "2", "--max-concurrency", "1", "--no-plot", "--no-progress"]
+    assert main(argv) == 0
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["mine.json"]
 
 
 # -- plots -------------------------------------------------------------------------------------
 
 
 def _result(label: str, accept: float | None) -> dict:
+    spec = None if accept is None else {"num_drafts": 40, "num_accepted_tokens": 56}
     points = [
         {"max_concurrency": c, "output_throughput": 20.0 * c**0.8, "median_tpot_ms": 40 + c,
-         "p90_tpot_ms": 45 + c, "accept_length": accept}
+         "p90_tpot_ms": 45 + c, "median_ttft_ms": 90 + c, "p90_ttft_ms": 99 + c,
+         "accept_length": accept, "spec_decode": spec, "total_output_tokens": 128}
         for c in (1, 2, 4, 8)
     ]  # fmt: skip
     return {"label": label, "points": points}
+
+
+def test_every_chart_of_a_set_gives_a_run_one_colour_and_axes_from_their_floor(
+    tmp_path, monkeypatch, capsys
+):
+    from matplotlib.figure import Figure
+
+    from outrider.bench.plot import load_results, plot_results
+
+    saved: dict[str, Figure] = {}
+    real = Figure.savefig
+
+    def savefig(fig, path, **kw):
+        saved[Path(path).stem] = fig
+        real(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    # Plain first: it takes C0, so a chart that started its own cycle at the first run it
+    # draws would give eagle3 plain's colour there.
+    both = tmp_path / "both.json"
+    runs = {"plain": _result("x", None), "eagle3": _result("y", 2.4)}
+    both.write_text(json.dumps({"runs": runs}))
+    lines = []
+    plot_results(load_results([both]), tmp_path, say=lines.append)
+    assert sorted(saved) == ["accept_length", "per_user", "throughput", "tpot", "ttft"]
+    colours: dict[str, set] = {}
+    for fig in saved.values():
+        for line in fig.axes[0].get_lines():
+            if line.get_xdata().size and not line.get_label().startswith("_"):  # p90: no label
+                colours.setdefault(line.get_label().split(" ")[0], set()).add(line.get_color())
+    assert colours == {"plain": {"C0"}, "eagle3": {"C1"}}
+    # Axes start at their floor, not at a sliver around the data.
+    for name in ("throughput", "tpot", "ttft", "per_user"):
+        assert saved[name].axes[0].get_ylim()[0] == 0, name
+    accept = saved["accept_length"].axes[0]
+    assert accept.get_ylim()[0] == 1 and accept.get_ylim()[1] > 2.4
+    # The run without speculation is named, and each point says what it averages.
+    legend = [t.get_text() for t in accept.get_legend().get_texts()]
+    assert "plain: no speculation (no accept length)" in legend
+    notes = {t.get_text() for t in accept.texts}
+    assert notes == {"n=40, 75% of tokens"}  # (40 + 56) / 128 tokens from verify steps
+    assert "[plot] plain at concurrency 1: accept length none (no speculative" in lines[0]
+    assert (
+        "[plot] eagle3 at concurrency 8: accept length 2.40 over 40 verify steps, 75% of "
+        "output tokens from verify steps" in lines
+    )
+
+
+def test_accept_summary_prefers_outrider_step_counters():
+    text = (
+        'outrider:spec_decode_num_drafts_total{model_name="m"} 10\n'
+        'outrider:spec_decode_num_draft_tokens_total{model_name="m"} 30\n'
+        'outrider:spec_decode_num_accepted_tokens_total{model_name="m"} 20\n'
+        'outrider:spec_decode_steps_total{model_name="m",k="0"} 3\n'
+        'outrider:spec_decode_steps_total{model_name="m",k="3"} 7\n'
+    )
+    before = spec_counters(text)
+    assert (before["plain_steps"], before["spec_steps"]) == (3.0, 7.0)
+    after = before | {"num_drafts": 12, "num_accepted_tokens": 26}
+    after |= {"spec_steps": 9, "plain_steps": 9}
+    d = spec_delta(before, after)
+    assert d["accept_length"] == 4.0 and d["spec_step_share"] == 0.25
+    point = {"accept_length": 4.0, "spec_decode": d, "total_output_tokens": 100}
+    assert accept_summary(point) == "4.00 over 2 verify steps, 25% of decode steps speculative"
 
 
 def test_plot_overlays_results_into_pngs_of_the_expected_size(tmp_path, capsys):
@@ -623,7 +714,7 @@ def test_plot_overlays_results_into_pngs_of_the_expected_size(tmp_path, capsys):
     )
     names = sorted(p.name for p in out.iterdir())
     assert names == [
-        f"compare-{n}.png" for n in ("accept_length", "per_user", "throughput", "tpot")
+        f"compare-{n}.png" for n in ("accept_length", "per_user", "throughput", "tpot", "ttft")
     ]
     for png in out.iterdir():
         image = imread(png)
@@ -632,9 +723,9 @@ def test_plot_overlays_results_into_pngs_of_the_expected_size(tmp_path, capsys):
     # Without any accept length there is no accept-length chart; one file is named after itself.
     assert main(["bench", "plot", str(plain)]) == 0
     assert sorted(p.name for p in tmp_path.glob("plain-*.png")) == [
-        "plain-per_user.png", "plain-throughput.png", "plain-tpot.png"
+        "plain-per_user.png", "plain-throughput.png", "plain-tpot.png", "plain-ttft.png"
     ]  # fmt: skip
-    assert capsys.readouterr().out.count("wrote") == 7
+    assert capsys.readouterr().out.count("wrote") == 9
 
 
 def test_plot_refuses_files_that_are_not_results(tmp_path, capsys):
