@@ -32,6 +32,11 @@ _SERVER_FLAGS: tuple[tuple[str, type, str], ...] = (
         "thread has not shown progress this long (at least; longer if its steps are that slow)",
     ),
     ("log_level", str, "uvicorn log level: critical, error, warning, info, debug"),
+    (
+        "metrics_prefix",
+        str,
+        "name /metrics series outrider:* or vllm:* (vllm: vLLM's dashboards read them as is)",
+    ),
 )
 
 

@@ -24,6 +24,8 @@ from outrider.config import (
     read_yaml,
 )
 
+METRICS_PREFIXES = ("outrider", "vllm")  # of /metrics series: vllm for vLLM's dashboards
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -48,6 +50,7 @@ class ServerConfig:
     # watchdog (pings stop) call a stall; a model with slower steps raises it (async_engine.py).
     health_stall_s: float = 30.0
     log_level: str = "warning"  # uvicorn's access and error log level
+    metrics_prefix: str = "outrider"  # "vllm": /metrics as vllm:*, for vLLM's dashboards
 
     def __post_init__(self) -> None:
         check_types(self)  # a list of origins becomes a tuple
@@ -63,6 +66,10 @@ class ServerConfig:
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(
                 f"invalid default_max_tokens={self.default_max_tokens}: use an integer >= 1 or None"
+            )
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(
+                f"invalid metrics_prefix={self.metrics_prefix!r}: use one of {METRICS_PREFIXES}"
             )
         from outrider.server.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 

@@ -1,4 +1,5 @@
-"""Prometheus metrics, named after vLLM's with an `outrider:` prefix.
+"""Prometheus metrics, named after vLLM's with an `outrider:` prefix, or `vllm:` under
+`--metrics-prefix vllm` (METRICS_PREFIXES), so vLLM's Grafana dashboards read outrider unchanged.
 
 Each server owns its own CollectorRegistry (no process globals: two servers in one test process
 do not share counts). Request-level series are observed from the engine thread as deltas
@@ -37,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from outrider.core import RequestOutput
 from outrider.server.async_engine import EngineStats
+from outrider.server.config import METRICS_PREFIXES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -45,18 +47,22 @@ _LONG_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 3
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats], prefix: str = "outrider"
+    ) -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix {prefix!r}: use one of {', '.join(METRICS_PREFIXES)}")
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name}
         self._labels = labels
         names = ("model_name",)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
-            return Counter(f"outrider:{name}", doc, names + extra, registry=self.registry)
+            return Counter(f"{prefix}:{name}", doc, names + extra, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(
-                f"outrider:{name}", doc, names, buckets=buckets, registry=self.registry
+                f"{prefix}:{name}", doc, names, buckets=buckets, registry=self.registry
             )
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.").labels(**labels)
@@ -73,7 +79,7 @@ class ServerMetrics:
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Request latency, arrival to finish.", _LONG_BUCKETS
         ).labels(**labels)
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, prefix))
 
     # Called from the engine thread (prometheus_client is thread-safe).
     def on_delta(self, out: RequestOutput, since_last: float | None) -> None:
@@ -103,20 +109,21 @@ class ServerMetrics:
 class _EngineCollector:
     """Engine-wide series read from the latest snapshot at scrape time."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self._stats, self._model = stats, model_name
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, prefix: str) -> None:
+        self._stats, self._model, self._prefix = stats, model_name, prefix
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        p = self._prefix
         labels = ["model_name"]
 
         def gauge(name: str, doc: str, value: float) -> Metric:
-            g = GaugeMetricFamily(f"outrider:{name}", doc, labels=labels)
+            g = GaugeMetricFamily(f"{p}:{name}", doc, labels=labels)
             g.add_metric([self._model], value)
             return g
 
         def counter(name: str, doc: str, value: float) -> Metric:
-            c = CounterMetricFamily(f"outrider:{name}", doc, labels=labels)
+            c = CounterMetricFamily(f"{p}:{name}", doc, labels=labels)
             c.add_metric([self._model], value)
             return c
 
@@ -133,7 +140,7 @@ class _EngineCollector:
             "spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_num_accepted_tokens
         )
         per_pos = CounterMetricFamily(
-            "outrider:spec_decode_num_accepted_tokens_per_pos",
+            f"{p}:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first after the root).",
             labels=["model_name", "position"],
         )
@@ -146,7 +153,7 @@ class _EngineCollector:
             s.spec_k,
         )
         by_k = CounterMetricFamily(
-            "outrider:spec_decode_steps",
+            f"{p}:spec_decode_steps",
             "Decode steps by the number of drafts verified in them (0: a plain step).",
             labels=["model_name", "k"],
         )
@@ -155,12 +162,12 @@ class _EngineCollector:
         yield by_k
         yield gauge("tensor_parallel_size", "Ranks the model is split over.", s.tp_size)
         calls = CounterMetricFamily(
-            "outrider:collective_calls",
+            f"{p}:collective_calls",
             "Tensor-parallel collectives rank 0 ran, by forward mode and collective.",
             labels=["model_name", "mode", "op"],
         )
         nbytes = CounterMetricFamily(
-            "outrider:collective_bytes",
+            f"{p}:collective_bytes",
             "Bytes of those collectives, as the planner counts them (per rank; an all-gather "
             "counts its gathered output).",
             labels=["model_name", "mode", "op"],
@@ -171,7 +178,7 @@ class _EngineCollector:
         yield calls
         yield nbytes
         forwards = CounterMetricFamily(
-            "outrider:forwards",
+            f"{p}:forwards",
             "Target forwards sent to the other tensor-parallel ranks, by mode.",
             labels=["model_name", "mode"],
         )

@@ -39,7 +39,7 @@ class ServerState:
                 )
             chat_tokenizer = copy.copy(engine.tokenizer)
             chat_tokenizer.chat_template = path.read_text()
-        metrics = ServerMetrics(model_name, lambda: engine.stats)
+        metrics = ServerMetrics(model_name, lambda: engine.stats, config.metrics_prefix)
         engine.observer = metrics
         return cls(
             engine=engine,

@@ -24,6 +24,7 @@ from outrider.server.config import ServerConfig, load_yaml
         ({"default_max_tokens": 0}, "default_max_tokens"),
         ({"tool_parser": "xml"}, "unknown tool_parser='xml'.*hermes"),
         ({"reasoning_parser": "nope"}, "unknown reasoning_parser"),
+        ({"metrics_prefix": "sglang"}, "metrics_prefix='sglang'.*vllm"),
     ],
 )
 def test_server_config_rejects(kwargs, match):
@@ -150,3 +151,29 @@ def test_metrics_render_engine_snapshot():
         'outrider:request_success_total{finished_reason="stop",model_name="m"} 1.0',
     ):
         assert line in text, line
+
+
+def test_metrics_prefix_vllm_names_the_series_vllm_dashboards_read():
+    from outrider.core import RequestOutput
+    from outrider.server.metrics import ServerMetrics
+
+    server, _ = configs_from_args(build_parser().parse_args(["serve", "--metrics-prefix", "vllm"]))
+    assert server.metrics_prefix == "vllm" and ServerConfig().metrics_prefix == "outrider"
+    stats = EngineStats(num_running=2, num_free_blocks=25, num_blocks=100, spec_num_drafts=10)
+    m = ServerMetrics("m", lambda: stats, server.metrics_prefix)
+    out = RequestOutput("r", None, [1, 2], "ab", [5, 6], True, "stop", {"num_prompt_tokens": 2})
+    m.on_delta(out, None)
+    m.on_delta(out, 0.2)
+    m.on_finished(out)
+    text = m.render().decode()
+    # The series of vLLM's Grafana dashboard (examples/online_serving/dashboards) outrider has.
+    for name in (
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+        "prompt_tokens_total", "generation_tokens_total", "request_success_total",
+        "num_preemptions_total", "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+        "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+    ):  # fmt: skip
+        assert f"\nvllm:{name}{{" in text, name
+    assert "outrider:" not in text
