@@ -281,7 +281,7 @@ def cpu_profile(threads: int, memory_gb: float) -> Gpu:
     """A starting profile for the CPU, which has no datasheet row: ~20 GB/s of memory
     bandwidth and ~50 GFLOP/s fp32 a thread (AVX2 FMA at ~3 GHz, half of peak). The fit
     scales both through the efficiencies."""
-    return Gpu(f"cpu ({threads} threads)", 20.0, 0.05 * threads, 0.0, memory_gb)
+    return Gpu(f"cpu ({threads} threads)", 20.0, 0.05 * threads, 0.0, round(memory_gb, 1))
 
 
 # -- measuring: the engine's own step timings (imports torch) --------------------------------

@@ -11,6 +11,7 @@ import json
 from outrider.flags import add_command
 
 DEFAULT_TREES = ("16,4,5",)
+EMBEDDED_MODEL = "smollm2-135m"  # the planner's shape of the checkpoint embedded in outrider
 
 
 def add_plan_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -142,23 +143,21 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(args)
-    if args.model is None:
-        raise ValueError(
-            "no MODEL given: pass a built-in name, a config.json or a model directory (or "
-            "--calibrate to measure this machine)"
-        )
+    from outrider.env import default_model
     from outrider.plan.costmodel import Setup
     from outrider.plan.hardware import load_gpu, load_link
     from outrider.plan.models import load_model
     from outrider.plan.planner import Drafter, Tree, drafter_model, plan_batch
-    from outrider.plan.report import table, to_json, write_png
+    from outrider.plan.report import machine, table, to_json, write_png
 
     for name in ("k", "max_k", "context", "draft_layers", "draft_vocab"):
         if getattr(args, name) < (0 if name == "context" else 1):
             raise ValueError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}")
     if any(b < 1 for b in args.batch):
         raise ValueError(f"invalid --batch {args.batch}: use sizes >= 1")
-    model = load_model(args.model).with_weights(args.weights, args.expert_weights)
+    # No MODEL: OUTRIDER_MODEL, else the embedded default's shape, as --help says.
+    name = args.model or default_model() or EMBEDDED_MODEL
+    model = load_model(name).with_weights(args.weights, args.expert_weights)
     link = load_link(args.link)
     if args.nccl_channels is not None:
         link = link.with_channels(args.nccl_channels)
@@ -187,7 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(table(setup, drafter, plans, k, args.context))
     if args.png:
-        title = f"{model.name}, {args.tp} x {setup.gpu.name}, {link.name}"
+        title = f"{model.name} on {machine(setup)}, context {args.context}, {drafter.method}"
         out = write_png(args.png, plans, title)
         if not args.json:
             print(f"\nchart: {out}")
@@ -215,7 +214,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     model = args.model
     key = ALIASES.get((model or "").lower(), (model or "").lower())
-    if key == "smollm2-135m":
+    if key == EMBEDDED_MODEL:
         model = None  # the embedded default is that model
     elif key in BUILTIN:
         raise ValueError(

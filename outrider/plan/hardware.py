@@ -67,6 +67,11 @@ class Gpu:
     # host CPU more than the GPU; `outrider plan --calibrate` measures it with the rest.
     eager_host_us: float = 19.0
 
+    @property
+    def is_cpu(self) -> bool:
+        """A host CPU's profile (calibrate.cpu_profile names it "cpu (N threads)"), not a GPU."""
+        return self.name.lower().startswith("cpu")
+
     def __post_init__(self) -> None:
         for f in ("mem_gbs", "bf16_tflops", "memory_gb"):
             if getattr(self, f) <= 0:

@@ -86,16 +86,32 @@ def _row(name: str, c: StepCost) -> str:
     )
 
 
+def machine(setup: Setup) -> str:
+    """What the plan is for: "cpu (16 threads)", "1 x H200", "8 x H200, link nvlink4 (...)".
+    The link only where there are ranks to link: one device sends nothing over it."""
+    if setup.gpu.is_cpu and setup.tp == 1:
+        return setup.gpu.name
+    text = f"{setup.tp} x {setup.gpu.name}"
+    if setup.tp > 1:
+        text += f", link {setup.link.name}"
+        text += f" ({setup.link.channels} NCCL channels)" if setup.link.per_channel else ""
+    return text
+
+
+def _gb(x: float) -> str:
+    return f"{x:.2f} GB" if x < 1 else f"{x:.1f}".removesuffix(".0") + " GB"
+
+
 def table(setup: Setup, drafter: Drafter, plans: list[BatchPlan], k: int, context: int) -> str:
     m = setup.model
     gb = weights_per_gpu_gb(setup)
+    memory = _gb(setup.gpu.memory_gb)
+    held = f"of {memory} memory" if setup.gpu.is_cpu else f"per GPU of {memory}"
     lines = [
-        f"{m.name} on {setup.tp} x {setup.gpu.name}, link {setup.link.name}"
-        + (f" ({setup.link.channels} NCCL channels)" if setup.link.per_channel else "")
-        + f", context {context}, {drafter.method}",
+        f"{m.name} on {machine(setup)}, context {context}, {drafter.method}",
         f"weights {m.weights}"
         + (f", routed experts {m.expert_weights}" if m.moe and m.expert_weights else "")
-        + f": {gb:.1f} GB per GPU of {setup.gpu.memory_gb:g}"
+        + f": {_gb(gb)} {held}"
         + ("" if gb < setup.gpu.memory_gb else "  (does not fit: raise --tp)"),
         f"all-reduces per forward: {layer_allreduces(m) if setup.tp > 1 else 0} in the layers"
         + (" + 1 embedding all-reduce + 1 LM-head all-gather" if setup.tp > 1 else ""),
@@ -126,9 +142,11 @@ def table(setup: Setup, drafter: Drafter, plans: list[BatchPlan], k: int, contex
     return "\n".join(lines)
 
 
-def write_png(path: str | Path, plans: list[BatchPlan], title: str) -> Path:
-    """Speedup against accept length: one line per k and tree (speedup is linear in L), the
-    break-even line at 1, and each option's expected L marked."""
+def write_png(path: str | Path, plans: list[BatchPlan], title: str, shown_options: int = 3) -> Path:
+    """Speedup against accept length, one panel per batch size (the first four): the best
+    `shown_options` options by predicted speedup, the best one bold with a star at its expected
+    accept length, and the break-even line at 1 (plain decode). Speedup is linear in L, so ten
+    options draw ten near-coincident lines; the table lists every one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,19 +155,36 @@ def write_png(path: str | Path, plans: list[BatchPlan], title: str) -> Path:
     shown = plans[:4]
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), squeeze=False)
     for ax, p in zip(axes[0], shown):
-        for o in p.chains + p.trees:
+        options = sorted(p.chains + p.trees, key=lambda o: -o.speedup)
+        for rank, o in enumerate(options[:shown_options]):
             top = o.k + 1 if o in p.chains else _depth(o) + 1
             xs = [1.0, float(top)]
             ys = [x * p.decode.ms / o.spec_ms for x in xs]
+            best = rank == 0 and o is p.best
+            label = (
+                ("best " if best else "")
+                + f"{o.label}: {o.speedup:.2f}x at L={o.expected_tokens:.2f} "
+                + f"(b/e {o.break_even:.2f})"
+            )
             style = "-" if o in p.chains else "--"
-            (line,) = ax.plot(xs, ys, style, label=f"{o.label} (b/e {o.break_even:.2f})")
-            ax.plot([o.expected_tokens], [o.speedup], "o", color=line.get_color())
-        ax.axhline(1.0, color="black", linewidth=1, label="break-even")
+            (line,) = ax.plot(xs, ys, style, linewidth=2.5 if best else 1.2, label=label)
+            ax.plot([o.expected_tokens], [o.speedup], "*" if best else "o",
+                    markersize=14 if best else 6, color=line.get_color())  # fmt: skip
+        ax.axhline(1.0, color="black", linewidth=1, label="plain decode (break-even)")
+        if len(options) > shown_options:
+            hidden = len(options) - shown_options
+            ax.plot([], [], " ", label=f"{hidden} slower options: see the table")
         ax.set_xlabel("accept length (tokens per step)")
         ax.set_ylabel("speedup over plain decode")
-        ax.set_title(f"batch {p.batch}")
+        verdict = (
+            f"best {p.best.label}, {p.best.speedup:.2f}x"
+            if p.best
+            else "plain decode: no option pays"
+        )
+        ax.set_title(f"batch {p.batch}: {verdict}")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
     out = Path(path)

@@ -59,3 +59,45 @@ print(json.dumps(sorted(m for m in ("torch", "numpy", "matplotlib") if m in sys.
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[-1]) == []
+
+
+def test_no_model_plans_the_embedded_default(monkeypatch, capsys):
+    monkeypatch.delenv("OUTRIDER_MODEL", raising=False)
+    assert main(["plan", "--batch", "1"]) == 0
+    first, weights = capsys.readouterr().out.splitlines()[:2]
+    # One GPU: no link in the header, as nothing crosses one.
+    assert first == "smollm2-135m on 1 x H200, context 2048, eagle3"
+    assert weights == "weights bf16: 0.27 GB per GPU of 141 GB"
+
+
+def test_a_cpu_plan_says_cpu_and_its_chart_marks_the_best_few(tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    from matplotlib.figure import Figure
+
+    from outrider.plan.calibrate import cpu_profile
+
+    profile = tmp_path / "cpu.json"
+    profile.write_text(json.dumps(dataclasses.asdict(cpu_profile(16, 25.2762))))
+    figures = []
+    real = Figure.savefig
+
+    def savefig(fig, *a, **kw):
+        figures.append(fig)
+        return real(fig, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    png = tmp_path / "plan.png"
+    argv = ["plan", "smollm2-135m", "--gpu", str(profile), "--batch", "1", "--png", str(png)]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [
+        "smollm2-135m on cpu (16 threads), context 2048, eagle3",
+        "weights bf16: 0.27 GB of 25.3 GB memory",
+    ]
+    (fig,) = figures
+    assert fig._suptitle.get_text() == "smollm2-135m on cpu (16 threads), context 2048, eagle3"
+    (ax,) = fig.axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[0].startswith("best ") and ax.get_title().startswith("batch 1: best ")
+    assert len(legend) == 5 and legend[-1] == "6 slower options: see the table"
