@@ -40,14 +40,29 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    # The index in the output of the token this row draws (a seeded row's noise is keyed by it,
+    # `keyed_noise_no_sync`); None: len(output_token_ids).
+    position: int | None = None
 
     @classmethod
     def of(cls, seq: ScheduledSeq) -> SamplingRow:
-        return cls.of_request(seq.request)
+        # From the step, not the request's list: a step launched ahead of the last one's read
+        # samples one past the tokens the request holds (engine/overlap.py).
+        r = seq.request
+        return cls(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids,
+                   r.generator, seq.context_len - len(r.prompt_token_ids))  # fmt: skip
 
     @classmethod
     def of_request(cls, r) -> SamplingRow:
         return cls(r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids, r.generator)
+
+    @property
+    def key(self) -> tuple[int, int] | None:
+        """(seed, output position) of a seeded sampled row, whose noise is keyed by them."""
+        if self.params.seed is None or self.params.greedy:
+            return None
+        pos = len(self.output_token_ids) if self.position is None else self.position
+        return self.params.seed, pos
 
 
 @dataclass
@@ -291,17 +306,68 @@ def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     return _sampled_probs(logits.float(), rows)
 
 
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical shift right of int64 bits (torch's >> keeps the sign)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bits (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def keyed_noise_no_sync(
+    keys: Sequence[tuple[int, int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise [R, V] float32 that is a function of each row's (seed, output position)
+    alone: splitmix64 of (seed, position, token) as 53 uniform bits, then -log(1 - u). A seeded
+    request draws the token at output position p with the noise (seed, p) whatever its batch,
+    the step that draws it or the drafts beside it, so plain decoding and a speculative step
+    that accepts a draft exactly when it equals that draw (`keyed_draws_no_sync`) emit the
+    same text. The same bits on every device: the arithmetic is int64 wrapping."""
+    seeds = to_device_no_sync([k[0] for k in keys], torch.long, device)
+    pos = to_device_no_sync([k[1] for k in keys], torch.long, device)
+    row = _splitmix(_splitmix(seeds) ^ (pos + 1) * _GOLDEN)  # [R]: unrelated across keys
+    z = _splitmix(row[:, None] + (torch.arange(vocab, device=device) + 1) * _GOLDEN)
+    u = _shr(z, 11).double() * 2.0**-53  # [0, 1)
+    return (-torch.log1p(-u)).float().clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def keyed_draws_no_sync(probs: torch.Tensor, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """One draw per row of probs [R, V] with keyed noise -> ids [R] long: row r's token is the
+    one the sampler draws for that request at that position (exactly p's law)."""
+    noise = keyed_noise_no_sync(keys, probs.shape[-1], probs.device)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
 def sample_from_probs_no_sync(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    keys: Sequence[tuple[int, int] | None] | None = None,
 ) -> torch.Tensor:
     """One draw per row from probs [R, V] -> ids [R] long, without a host sync.
 
     Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i
-    exactly (min of independent Exp(p_i) variables). Rows with a generator draw their noise
-    from it alone, so a seeded row's tokens do not depend on its batch neighbours."""
+    exactly (min of independent Exp(p_i) variables). Rows with a key (seed, position) draw
+    keyed noise (`keyed_noise_no_sync`); rows with a generator draw their noise from it alone,
+    so a seeded row's tokens do not depend on its batch neighbours."""
     noise = torch.empty_like(probs, dtype=torch.float32).exponential_()
+    keyed = {i for i, k in enumerate(keys or ()) if k is not None}
+    if keyed:
+        order = sorted(keyed)
+        idx = to_device_no_sync(order, torch.long, probs.device)
+        rows = keyed_noise_no_sync([keys[i] for i in order], probs.shape[-1], probs.device)
+        noise.index_copy_(0, idx, rows)
     for i, gen in enumerate(generators):
-        if gen is None:
+        if gen is None or i in keyed:
             continue
         if gen.device.type != probs.device.type:
             raise ValueError(
@@ -399,16 +465,11 @@ class Sampler:
         plain = not any(r.params.has_penalties for r in rows) and not _any_min_tokens_active(rows)
         if plain and all(r.params.greedy for r in rows):
             return logits.argmax(dim=-1)  # fast path: one argmax for the batch
-        for r in rows:
-            if r.params.seed is not None and r.generator is None and not r.params.greedy:
-                # Falling back to the shared RNG would silently break reproducibility.
-                raise ValueError(
-                    f"a request with seed={r.params.seed} has no generator: set "
-                    "request.generator = make_generator(seed, logits.device) when adding it"
-                )
         ids, sampled, idx_t, probs = _prepare(logits, rows)
         if probs is not None:
-            drawn = sample_from_probs_no_sync(probs, [rows[i].generator for i in sampled])
+            drawn = sample_from_probs_no_sync(
+                probs, [rows[i].generator for i in sampled], [rows[i].key for i in sampled]
+            )
             ids = drawn if ids is None else ids.index_copy(0, idx_t, drawn)
         return ids
 

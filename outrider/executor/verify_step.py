@@ -16,6 +16,7 @@ from outrider.core import ScheduledSeq
 from outrider.executor.sampler import (
     Sampler,
     SamplingRow,
+    keyed_draws_no_sync,
     logprob_rows_no_sync,
     processed_probs,
     unpack_logprobs,
@@ -27,6 +28,7 @@ from outrider.speculative.verify import (
     verify_greedy,
     verify_sampled,
 )
+from outrider.transfer import to_device_no_sync
 
 
 def verify_seq(logits: torch.Tensor, seq: ScheduledSeq) -> Verdict:
@@ -54,6 +56,13 @@ def verify_seq(logits: torch.Tensor, seq: ScheduledSeq) -> Verdict:
         for node in range(-1, drafts.num_nodes)
     ]
     target = processed_probs(logits, rows)  # [1 + N, vocab]
+    if params.seed is not None and drafts.draft_probs is None:
+        # Coupled: every row's token is the one plain sampling draws at that position (keyed
+        # noise); a draft is accepted exactly when it is that token. Output equals plain
+        # sampling's for the seed; a deterministic draft is accepted with probability p(x), as
+        # rejection sampling accepts it.
+        draws = keyed_draws_no_sync(target, [r.key for r in rows]).tolist()  # CPU-GPU sync point
+        return verify_greedy(topology, drafts.token_ids, draws)
     return verify_sampled(topology, drafts.token_ids, target, drafts.draft_probs, req.generator)
 
 
@@ -131,7 +140,20 @@ def verify_chain_rows_no_sync(
                                         req.eos_token_ids, req.generator))  # fmt: skip
     target = processed_probs(logits, rows).view(len(seqs), 1 + k, -1)
     gens = [s.request.generator for s in seqs]
-    return verify_chain_batch_no_sync(target, draft_tokens, num_drafts, None, gens)
+    tokens, accepted = verify_chain_batch_no_sync(target, draft_tokens, num_drafts, None, gens)
+    keyed = [i for i, s in enumerate(seqs) if s.request.params.seed is not None
+             and not s.request.params.greedy]  # fmt: skip
+    if keyed:  # coupled (verify_seq says why): the draws plain sampling makes, drafts matched
+        keys = [(seqs[i].request.params.seed, len(seqs[i].request.output_token_ids) + j)
+                for i in keyed for j in range(1 + k)]  # fmt: skip
+        idx = to_device_no_sync(keyed, torch.long, target.device)
+        draws = keyed_draws_no_sync(target.index_select(0, idx).flatten(0, 1), keys)
+        draws = draws.view(len(keyed), 1 + k)
+        real = torch.arange(k, device=draws.device) < num_drafts.index_select(0, idx)[:, None]
+        same = (draft_tokens.index_select(0, idx) == draws[:, :k]) & real
+        tokens.index_copy_(0, idx, draws)
+        accepted.index_copy_(0, idx, same.long().cumprod(1).sum(1))
+    return tokens, accepted
 
 
 def _path_tokens(topology: TreeTopology, tokens: list[int], node: int) -> list[int]:

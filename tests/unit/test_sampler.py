@@ -153,9 +153,9 @@ def test_seeded_tokens_do_not_depend_on_the_batch(device: str) -> None:
     torch.manual_seed(7)
     vocab, steps = 400, 12
     target_logits = torch.randn(steps, vocab, device=device) * 2
-    params = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
 
     def run(seed: int, position: int, others: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
         gen = make_generator(seed, device)
         neighbours = [
             SamplingParams(temperature=0.5, top_k=20),
@@ -277,9 +277,19 @@ def test_shape_mismatch_names_both_sizes() -> None:
         Sampler()(torch.zeros(3, 10), [seq(SamplingParams())] * 2)
 
 
-def test_seeded_request_without_generator_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"seed=5 has no generator.*make_generator"):
-        Sampler()(torch.zeros(1, 10), [seq(SamplingParams(seed=5))])
+def test_a_seeded_row_draws_by_its_seed_and_position_alone() -> None:
+    """No generator needed: the noise is keyed by (seed, output position), so the same logits
+    give the same token, and another position or seed its own draw."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0)).repeat(40, 1)
+
+    def draws(seed: int, output: tuple[int, ...]) -> list[int]:
+        rows = [SamplingRow(SamplingParams(seed=seed + i), (1, 2), output) for i in range(40)]
+        return Sampler()(logits, rows).token_ids
+
+    first = draws(5, ())
+    assert draws(5, ()) == first
+    assert draws(5, (9,)) != first and draws(6, ()) != first
+    assert draws(6, ())[:-1] == first[1:]  # row i of seed 6 is seed 7 + i - 1's draw
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
