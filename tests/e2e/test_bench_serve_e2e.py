@@ -62,6 +62,6 @@ def test_bench_serve_sweeps_a_live_outrider_server(served, tmp_path, capsys):
         assert p["spec_decode"]["num_drafts"] > 0
         assert 1.0 <= p["accept_length"] <= 5.0
     pngs = sorted(tmp_path.glob("*.png"))
-    assert len(pngs) == 4  # throughput, TPOT, per-user and accept length
+    assert len(pngs) == 5  # throughput, TPOT, TTFT, per-user and accept length
     for png in pngs:
         assert imread(png).shape == (450, 700, 4)
