@@ -5,6 +5,8 @@ its settings."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import shutil
 import subprocess
 
@@ -19,6 +21,7 @@ from outrider.plan.models import load_model
 
 HIDDEN, VOCAB, LAYERS = 4096, 128256, 32  # llama-3.1-8b
 YAML = "server: {port: 8080}\nmodel: {dtype: float32}\n"
+ME = pwd.getpwuid(os.getuid()).pw_name  # deploy refuses a --user that does not exist
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,7 @@ def test_systemd_unit_includes_the_env_file(measured, tmp_path, capsys):
     config = tmp_path / "server.yaml"
     config.write_text(YAML)
     bundle = tmp_path / "bundle"
-    argv = ["deploy", "systemd", "--config", str(config), "--output", str(bundle),
+    argv = ["deploy", "systemd", "--config", str(config), "--output", str(bundle), "--user", ME,
             "--env-file", str(env_file)]  # fmt: skip
     assert main(argv) == 0
     unit = (bundle / "outrider.service").read_text()
@@ -148,7 +151,8 @@ def test_env_file_errors_name_the_fix(tmp_path, capsys):
     config.write_text(YAML)
     bad = tmp_path / "nccl.env"
     bad.write_text("# fine\nNCCL_PROTO=LL\nNCCL PROTO\n")
-    argv = ["deploy", "systemd", "--config", str(config), "--output", str(tmp_path / "o")]
+    argv = ["deploy", "systemd", "--config", str(config), "--output", str(tmp_path / "o"),
+            "--user", ME]  # fmt: skip
     assert main([*argv, "--env-file", str(bad)]) == 2
     assert "nccl.env:3: 'NCCL PROTO' is not KEY=VALUE" in capsys.readouterr().err
     clash = tmp_path / "outrider.env"
