@@ -18,6 +18,7 @@ from outrider.cli import main
 from outrider.plan.costmodel import Setup, decode_cost, verify_cost
 from outrider.plan.hardware import load_gpu, load_link
 from outrider.plan.models import load_model
+from outrider.server import deploy
 
 HIDDEN, VOCAB, LAYERS = 4096, 128256, 32  # llama-3.1-8b
 YAML = "server: {port: 8080}\nmodel: {dtype: float32}\n"
@@ -114,6 +115,13 @@ def test_planner_reads_the_measured_link(measured):
         decode_cost(Setup(load_model("llama-3.1-8b"), load_gpu("h200"), link, tp=4), 1, 0)
 
 
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """The unit's private /tmp at tmp_path: the embedded model may lie under /tmp (a clone)."""
+    monkeypatch.setattr(deploy, "PRIVATE_TMP", (tmp_path,))
+
+
+@pytest.mark.usefixtures("private_tmp")
 def test_systemd_unit_includes_the_env_file(measured, tmp_path, capsys):
     _, out = measured
     env_file = out / "comm.env"
@@ -146,6 +154,7 @@ def test_systemd_unit_includes_the_env_file(measured, tmp_path, capsys):
     assert "comm.env" not in (tmp_path / "plain" / "outrider.service").read_text()
 
 
+@pytest.mark.usefixtures("private_tmp")
 def test_env_file_errors_name_the_fix(tmp_path, capsys):
     config = tmp_path / "server.yaml"
     config.write_text(YAML)

@@ -12,6 +12,7 @@ import pytest
 
 from outrider.cli import main
 from outrider.loaders.checkpoint import default_model_path
+from outrider.server import deploy
 from outrider.server.config import load_yaml
 
 YAML = """
@@ -22,6 +23,18 @@ speculative: {method: ngram, num_draft_tokens: 3}
 
 
 ME = pwd.getpwuid(os.getuid()).pw_name  # a user that exists, to run the service as
+REAL_PRIVATE_TMP = deploy.PRIVATE_TMP
+
+
+@pytest.fixture(autouse=True)
+def private_tmp(tmp_path, monkeypatch):
+    """The unit's private /tmp stands at the test's own tmp_path: the repository, and the
+    embedded model in its .venv, may themselves lie under /tmp (a clone there)."""
+    monkeypatch.setattr(deploy, "PRIVATE_TMP", (tmp_path,))
+
+
+def test_the_private_tmp_dirs_are_systemds():
+    assert tuple(map(str, REAL_PRIVATE_TMP)) == ("/tmp", "/var/tmp")
 
 
 def _deployable(tmp_path, yaml: str = YAML) -> list[str]:
