@@ -1,0 +1,454 @@
+"""Structured outputs as a user runs them (`outrider.LLM`): every case of
+benchmarks/structured_schemas.json (JSON schemas, regexes, choices) asked as a one-turn chat,
+without and with its constraint (SamplingParams.structured_outputs), by plain decoding, n-gram
+and EAGLE-3 (chain of k), greedy and sampled, over a concurrency sweep.
+
+    python benchmarks/structured.py [--configs ngram eagle3] [--concurrency 1 16 64]
+        [--temperatures 0 0.8] [--max-tokens 200] [--num-schemas N] [--rounds 3] [--k 4]
+        [--cases PATH] [--model DIR] [--draft DIR] [--dtype auto] [--device cuda]
+        [--out NAME] [--out-dir DIR] [--plot PATH]
+
+Every configuration is built first (plain always). Before any constrained request, the plain
+engine measures the first constrained request's cost: one-token requests of the same prompt
+with and without a constraint it has not seen (the first pays whatever the engine sets up once,
+the next ones a schema's compilation). Then each (temperature, C) slot runs plain unconstrained
+(the baseline), then `--rounds` rounds of every other (configuration, constrained) pair in a
+rotated order, each round followed by plain unconstrained again; a run's speedup is over the
+mean of the plain runs around its round, the median over rounds is reported (as
+benchmarks/spec_gpu.py does, whose helpers this imports). A run serves all cases in batches of
+C requests (cases cycled so every batch holds C); a sampled request's seed is its case's index.
+
+Per (configuration, constrained, temperature, C) it reports valid_fraction (outputs that parse
+with json.loads and validate against their schema, fullmatch their regex or equal one of their
+choices; unconstrained outputs are checked too, to show what the constraint buys),
+valid_fraction_finished (among outputs that ended on their own rather than at max_tokens),
+tok/s, speedup over plain unconstrained, the step split (runner and host milliseconds per
+step: masks are computed on the host), accept length and every counter of the engine's
+SpecStats over the run (grammar-drafted tokens among them where the engine counts them), and
+at temperature 0 the fraction of outputs identical to plain's under the same constraint.
+Writes benchmarks/results/structured.json (CPU: structured_cpu.json) and a PNG of tok/s
+against C, per configuration, constrained and not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+from spec_gpu import (  # noqa: E402
+    _clock,
+    _sync,
+    batches,
+    identity_summary,
+    spec_configs,
+    step_split,
+    summarize,
+)
+from structured_cases import CASES, Case, load_cases  # noqa: E402
+
+CONFIGS = ("plain", "ngram", "eagle3")
+CONSTRAINTS = ("unconstrained", "constrained")
+
+
+def engine_configs(k: int, draft: str | None) -> dict[str, dict | None]:
+    """Config name -> `speculative=` for LLM: spec_gpu's plain, ngram and eagle3_chain (fixed
+    k, so accept lengths compare across constrained and not)."""
+    specs = spec_configs(k, draft)
+    return {"plain": specs["plain"], "ngram": specs["ngram"], "eagle3": specs["eagle3_chain"]}
+
+
+def request_params(
+    case_index: int, case: Case, constrained: bool, temperature: float, max_tokens: int
+):
+    from outrider import SamplingParams
+
+    return SamplingParams(
+        temperature=temperature,
+        max_tokens=max_tokens,
+        seed=case_index if temperature > 0 else None,
+        structured_outputs=case.structured_outputs() if constrained else None,
+    )
+
+
+def validity(cases: list[Case], texts: list[str], finished: list[bool]) -> dict:
+    """Counts over outputs (cases[i] asked, texts[i] answered; finished[i]: it ended on its own,
+    not at max_tokens): valid, finished, valid among finished, and the invalid cases' names."""
+    if not len(cases) == len(texts) == len(finished):
+        raise ValueError(f"{len(cases)} cases, {len(texts)} outputs, {len(finished)} finish flags")
+    ok = [c.is_valid(t) for c, t in zip(cases, texts)]
+    return {
+        "n": len(cases),
+        "valid": sum(ok),
+        "finished": sum(finished),
+        "valid_finished": sum(v and f for v, f in zip(ok, finished)),
+        "invalid": sorted({c.name for c, v in zip(cases, ok) if not v}),
+    }
+
+
+def validity_row(counts: list[dict]) -> dict:
+    """Fractions over the counts of every round of one run."""
+    n, valid, fin, vfin = (
+        sum(c[k] for c in counts) for k in ("n", "valid", "finished", "valid_finished")
+    )
+    return {
+        "valid_fraction": round(valid / n, 4) if n else None,
+        "valid_fraction_finished": round(vfin / fin, 4) if fin else None,
+        "finished_fraction": round(fin / n, 4) if n else None,
+        "invalid": sorted({name for c in counts for name in c["invalid"]}),
+    }
+
+
+def spec_counters(stats) -> dict:
+    """Every field of the engine's SpecStats (those the engine adds for grammars too) and its
+    accept length."""
+    out = dataclasses.asdict(stats)
+    out["accept_length"] = None if stats.accept_length is None else round(stats.accept_length, 3)
+    return out
+
+
+def timed_run(
+    llm,
+    constrained: bool,
+    cases: list[Case],
+    temperature: float,
+    c: int,
+    max_tokens: int,
+    device: str,
+) -> dict:
+    """Every case once (cycled to full batches of c); tok/s over the timed part, validity
+    counts, the engine's speculation counters and step split over it."""
+    idx = [i for batch in batches(list(range(len(cases))), c) for i in batch]
+    params = {i: request_params(i, cases[i], constrained, temperature, max_tokens) for i in idx}
+    engine = llm.engine
+    engine.speculator.reset_stats()
+    before = _clock(engine)
+    _sync(device)
+    outs, t0 = [], time.perf_counter()
+    for batch in batches(idx, c):
+        convs = [[{"role": "user", "content": cases[i].prompt}] for i in batch]
+        outs += llm.chat(convs, [params[i] for i in batch])
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    stats = spec_counters(engine.speculator.stats)
+    counts = validity(
+        [cases[i] for i in idx],
+        [o.text for o in outs],
+        [str(o.finish_reason) == "stop" for o in outs],
+    )
+    return {
+        "requests": len(outs),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 2),
+        "spec_stats": stats,
+        "accept_length": stats["accept_length"],
+        "step_split": step_split(before, _clock(engine)),
+        "validity_counts": counts,
+        "ids": [o.token_ids for o in outs],
+    }
+
+
+def compile_cost(llm, cases: list[Case], fresh: int = 3, repeats: int = 3) -> dict:
+    """On an engine that has served no constrained request yet: the time of one-token requests
+    with a constraint minus the same request without (median of `repeats`), for the first
+    constrained request the engine serves (cases[0]: it pays what the engine sets up once) and
+    for `fresh` more cases with constraints it has not seen (their compilation)."""
+    from outrider import SamplingParams
+
+    def seconds(case: Case, constrained: bool) -> float:
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=1,
+            structured_outputs=(case.structured_outputs() if constrained else None),
+        )
+        t0 = time.perf_counter()
+        llm.chat([[{"role": "user", "content": case.prompt}]], params)
+        return time.perf_counter() - t0
+
+    def free(case: Case) -> float:
+        return statistics.median(seconds(case, False) for _ in range(repeats))
+
+    first_free = free(cases[0])
+    first = seconds(cases[0], True) - first_free
+    rows = []
+    for case in cases[1 : 1 + fresh]:
+        base = free(case)
+        rows.append(
+            {
+                "case": case.name,
+                "kind": case.kind,
+                "ms": round((seconds(case, True) - base) * 1e3, 3),
+            }
+        )
+    return {
+        "first_request_ms": round(first * 1e3, 3),
+        "first_case": cases[0].name,
+        "unconstrained_request_ms": round(first_free * 1e3, 3),
+        "fresh_constraint_ms": rows,
+        "fresh_constraint_median_ms": statistics.median(r["ms"] for r in rows) if rows else None,
+        "method": "end to end: one-token LLM.chat with the constraint minus the same request "
+        "without it, on the plain engine before any other constrained request",
+    }
+
+
+def slot_rows(plains: list[dict], tries: dict, greedy: bool) -> dict:
+    """One (temperature, C) slot's rows {config: {constraint: row}} from its plain unconstrained
+    runs (the first, then one after every round) and `tries` {(config, constraint): [runs with
+    plain_around]}: spec_gpu's summarize per pair (speedup over plain unconstrained), validity
+    over every round, the constrained-over-unconstrained tok/s of each config, and at
+    temperature 0 each output's identity with plain's under the same constraint."""
+    first = {k: v for k, v in plains[0].items() if k not in ("ids", "validity_counts")}
+    plain_tps = [p["tok_per_s"] for p in plains]
+    first.update(
+        tok_per_s=round(statistics.median(plain_tps), 2),
+        tok_per_s_runs=plain_tps,
+        speedup=1.0,
+        **validity_row([p["validity_counts"] for p in plains]),
+    )
+    rows: dict = {"plain": {"unconstrained": first}}
+    ids = {("plain", "unconstrained"): plains[0]["ids"]}
+    for (cfg, constraint), runs in tries.items():
+        row = summarize(runs)
+        ids[(cfg, constraint)] = row.pop("ids")
+        row.pop("validity_counts")
+        row.update(validity_row([r["validity_counts"] for r in runs]))
+        rows.setdefault(cfg, {})[constraint] = row
+    for (cfg, constraint), own in ids.items():
+        row = rows[cfg][constraint]
+        plain = ids.get(("plain", constraint))
+        if cfg != "plain" and greedy and plain is not None:
+            # bf16 batched verify may flip near-tie argmaxes: a measure, not a check
+            row.update(identity_summary(own, plain))
+    for by_constraint in rows.values():
+        if set(CONSTRAINTS) <= set(by_constraint):
+            free, fixed = (by_constraint[k]["tok_per_s"] for k in CONSTRAINTS)
+            by_constraint["constrained"]["vs_unconstrained"] = round(fixed / free, 3)
+    return rows
+
+
+def sweep(
+    llms: dict,
+    cases: list[Case],
+    temperatures: list[float],
+    concurrency: list[int],
+    rounds: int,
+    max_tokens: int,
+    device: str,
+) -> dict:
+    """Every (temperature, C) slot: plain unconstrained, then `rounds` rounds of every other
+    (config, constraint) pair in a rotated order, each round followed by plain unconstrained;
+    returns {f"t{T}_c{C}": slot_rows(...)}."""
+    pairs = [(cfg, k) for cfg in llms for k in CONSTRAINTS if (cfg, k) != ("plain", CONSTRAINTS[0])]
+    print(
+        f"{'config':8s} {'constraint':13s} {'run':10s} {'tok/s':>9s} {'speedup':>8s} "
+        f"{'valid':>6s} {'accept':>7s} {'same':>6s}",
+        flush=True,
+    )
+    runs: dict = {}
+    for temperature in temperatures:
+        for c in concurrency:
+            key = f"t{temperature:g}_c{c}"
+            args = (cases, temperature, c, max_tokens, device)
+            plains = [timed_run(llms["plain"], False, *args)]
+            tries: dict = {pair: [] for pair in pairs}
+            for r in range(rounds):
+                for cfg, constraint in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
+                    row = timed_run(llms[cfg], constraint == "constrained", *args)
+                    row["plain_around"] = [plains[-1]]  # and the plain run after: below
+                    tries[(cfg, constraint)].append(row)
+                plains.append(timed_run(llms["plain"], False, *args))
+                for pair in pairs:
+                    tries[pair][-1]["plain_around"].append(plains[-1])
+            runs[key] = slot_rows(plains, tries, greedy=temperature == 0)
+            for cfg, by_constraint in runs[key].items():
+                for constraint, row in by_constraint.items():
+                    acc, same = row["accept_length"], row.get("same_output_fraction")
+                    print(
+                        f"{cfg:8s} {constraint:13s} {key:10s} {row['tok_per_s']:>9.1f} "
+                        f"{row['speedup']:>8.2f} {row['valid_fraction']:>6} "
+                        f"{'-' if acc is None else acc:>7} {'-' if same is None else same:>6}",
+                        flush=True,
+                    )
+    return runs
+
+
+def summary_tables(runs: dict) -> dict:
+    """From runs {f"t{T}_c{C}": {config: {constraint: row}}}: per metric, temperature, config
+    and constraint, the value by C (C and T as strings: JSON keys)."""
+    metrics = ("tok_per_s", "speedup", "valid_fraction", "accept_length")
+    out: dict = {m: {} for m in metrics}
+    for key, rows in runs.items():
+        t, c = key.rsplit("_c", 1)
+        for cfg, by_constraint in rows.items():
+            for constraint, row in by_constraint.items():
+                for m in metrics:
+                    if row.get(m) is not None:
+                        table = out[m].setdefault(t[1:], {}).setdefault(cfg, {})
+                        table.setdefault(constraint, {})[c] = row[m]
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+        return
+    by_t = summary["tok_per_s"]
+    fig, axes = plt.subplots(1, len(by_t), figsize=(6 * len(by_t), 4.5), squeeze=False)
+    for ax, (t, by_cfg) in zip(axes[0], sorted(by_t.items(), key=lambda kv: float(kv[0]))):
+        ticks = set()
+        for i, (cfg, by_constraint) in enumerate(by_cfg.items()):
+            for constraint, by_c in by_constraint.items():
+                cs = sorted(by_c, key=int)
+                ticks |= {int(x) for x in cs}
+                ax.plot(
+                    [int(x) for x in cs],
+                    [by_c[x] for x in cs],
+                    marker="o",
+                    color=f"C{i}",
+                    linestyle="--" if constraint == "constrained" else "-",
+                    label=f"{cfg} {constraint}",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
+        ax.set(title=f"temperature {t}", xlabel="concurrency (requests per batch)", ylabel="tok/s")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help="configurations to run (plain always runs: the baseline)",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="requests per batch (default GPU 1 16 64, CPU 1 4)",
+    )
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="0 is greedy; e.g. --temperatures 0 0.8",
+    )
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument(
+        "--num-schemas",
+        type=int,
+        default=None,
+        help="cap on the cases of each kind (schemas, regexes, choices)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per (temperature, C) (default GPU 3, CPU 1)",
+    )
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    ap.add_argument("--cases", default=str(CASES), help="the case set (JSON)")
+    ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
+    ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="result name (default structured / _cpu)")
+    ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
+    ap.add_argument("--plot", default=None, help="PNG path (default: beside the JSON)")
+    args = ap.parse_args()
+
+    from outrider import LLM, SamplingParams
+
+    cuda = args.device.startswith("cuda")
+    concurrency = args.concurrency or ([1, 16, 64] if cuda else [1, 4])
+    rounds = args.rounds or (3 if cuda else 1)
+    if rounds < 1:
+        ap.error(f"--rounds {rounds}: use 1 or more")
+    name = args.out or ("structured" if cuda else "structured_cpu")
+    cases = load_cases(args.cases, args.num_schemas)
+    all_specs = engine_configs(args.k, args.draft)
+    specs = {n: all_specs[n] for n in dict.fromkeys(["plain", *args.configs])}
+    # A fixed pool (4096 blocks of 16 tokens, 1.5 GiB for the default model) lets the three
+    # engines share a GPU, as in spec_gpu.py.
+    memory = {"num_blocks": 4096} if cuda else {}
+    llms, errors = {}, {}
+    for cfg, spec in specs.items():
+        try:
+            llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **memory)
+        except Exception as e:  # record and go on: one drafter missing should not cost the sweep
+            if cfg == "plain":
+                raise
+            errors[cfg] = f"{type(e).__name__}: {e}"
+            print(f"{cfg:8s} failed to build: {errors[cfg]}", flush=True)
+            continue
+        warm = [
+            [{"role": "user", "content": cases[i % len(cases)].prompt}]
+            for i in range(max(concurrency))
+        ]
+        llm.chat(warm, SamplingParams(temperature=0, max_tokens=16))  # kernels, graphs, autotune
+        llms[cfg] = llm
+    compile_ms = compile_cost(llms["plain"], cases)
+    print(
+        f"first constrained request: +{compile_ms['first_request_ms']:.1f} ms; a fresh "
+        f"constraint: +{compile_ms['fresh_constraint_median_ms']} ms",
+        flush=True,
+    )
+    for llm in llms.values():  # what an engine sets up on its first constrained request
+        llm.chat(
+            [[{"role": "user", "content": cases[-1].prompt}]],
+            request_params(0, cases[-1], True, 0.0, 16),
+        )
+    runs = sweep(llms, cases, args.temperatures, concurrency, rounds, args.max_tokens, args.device)
+    del llms
+    gc.collect()
+    result = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "concurrency": concurrency,
+        "temperatures": args.temperatures,
+        "k": args.k,
+        "rounds": rounds,
+        "cases": {
+            "file": Path(args.cases).name,
+            "names": [c.name for c in cases],
+            "by_kind": {k: sum(c.kind == k for c in cases) for k in ("json", "regex", "choice")},
+        },
+        "configs": specs,
+        "errors": errors,
+        "compile_cost": compile_ms,
+        "runs": runs,
+        **summary_tables(runs),
+    }
+    path = write_result(name, result, args.out_dir)
+    print(f"wrote {path}", flush=True)
+    plot(result, Path(args.plot) if args.plot else path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
