@@ -2,8 +2,8 @@
 with the default model's tokenizer, over every case of benchmarks/structured_schemas.json.
 
     python benchmarks/grammar_backends.py [--xgrammar-path /tmp/xg] [--wheel-dir /tmp/xgw]
-        [--libraries llguidance xgrammar] [--num-schemas N] [--k 4] [--repeats 3]
-        [--out NAME] [--out-dir DIR]
+        [--libraries llguidance xgrammar] [--whitespace engine] [--num-schemas N] [--k 4]
+        [--repeats 3] [--out NAME] [--out-dir DIR]
 
 xgrammar is not one of outrider's dependencies and is not installed beside it: put its wheel
 and apache-tvm-ffi's in a directory of their own and name it with --xgrammar-path, e.g.
@@ -13,24 +13,28 @@ and apache-tvm-ffi's in a directory of their own and name it with --xgrammar-pat
 
 (its other needs, torch, transformers, triton, numpy and pydantic, are outrider's already).
 
-Per library: the import (a fresh interpreter, alone and after torch), the tokenizer setup
-(once per model), and per case: compile (schema, regex or choice to a matcher; median of
+llguidance runs as the engine runs it (engine/structured.py: its grammar text, pointer masks,
+its executor); xgrammar is given the same language: JSON spelled with ", " and ": " and no other
+whitespace (--whitespace flexible: both libraries' any-whitespace JSON instead), a choice as
+literal alternatives. Per library: the import (a fresh interpreter, alone and after torch), the
+tokenizer setup (once per model), and per case: compile (the constraint to a matcher; median of
 --repeats, each from scratch), the first next-token bitmask (a matcher computes some of its
 tables on first use), the median next-token bitmask and token consume along the tokens of the
 case's valid example (the default tokenizer's tokens of it, then EOS), and the masks of one
-speculative step of k drafts: the root's and each draft's, the drafts being the example's next k
-tokens (all valid: the most masks a step computes), through the library's own call
-(llguidance's fill_next_token_bitmask_par_with_draft_tokens, xgrammar's traverse_draft_tree on
-a chain) and by hand (mask, consume, ..., rollback). Where both run, how many positions' masks
-agree bit for bit. And each library's footprint: its wheel and installed size, its runtime
-dependencies and their installed sizes here. Writes
-benchmarks/results/grammar_backends_cpu.json.
+speculative step of k drafts: the root's and each draft's, the drafts being the example's next
+k tokens (all valid: the most masks a step computes), through the library's own call
+(llguidance's unsafe_compute_mask_ptr_with_draft_token, as the engine calls it; xgrammar's
+traverse_draft_tree on a chain) and by hand (mask, consume, ..., rollback). Where both run, how
+many positions' masks agree bit for bit. And each library's footprint: its wheel and installed
+size, its runtime dependencies and their installed sizes here. Writes
+benchmarks/results/grammar_backends_cpu.json (_flexible: any whitespace).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import statistics
 import subprocess
@@ -56,11 +60,6 @@ SUMMARY = (
 )
 
 
-def choice_regex(choices: tuple[str, ...]) -> str:
-    """One regex of the alternatives, each literal: how both libraries are given a choice."""
-    return "|".join(re.escape(c) for c in choices)
-
-
 def popcount(row) -> int:
     """Allowed tokens in one bitmask row (int32 words)."""
     import numpy as np
@@ -69,39 +68,47 @@ def popcount(row) -> int:
 
 
 class Llguidance:
-    """llguidance's LLMatcher behind the calls the walk makes."""
+    """llguidance as the engine runs it (engine/structured.py): the grammar text the engine
+    compiles for the constraint (`grammar_text`; with `whitespace` "flexible", JSON in
+    llguidance's default any-whitespace instead), masks written through pointers, a chain's
+    draft masks in an LLExecutor of half the cores."""
 
     name = "llguidance"
-    # llguidance.torch's bitmask helpers; importing it costs torch._dynamo's import (its
-    # apply kernel is decorated with torch.compile), seconds that llguidance alone does not.
-    modules = ("llguidance", "llguidance.torch")
+    modules = ("llguidance",)
 
-    def __init__(self, backend, vocab_size: int, eos: list[int]) -> None:
+    def __init__(self, backend, vocab_size: int, eos: list[int], whitespace: str = "engine"):
+        import os
+
         import llguidance
-        import llguidance.torch as llt
 
-        self._ll, self._llt = llguidance, llt
+        self._ll = llguidance
         self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
-        self.vocab_size = vocab_size
-        self.executor = llguidance.LLExecutor()
+        self.words = -(-vocab_size // 32)
+        self.executor = llguidance.LLExecutor(
+            num_threads=max(1, min(16, (os.cpu_count() or 2) // 2))
+        )
+        self.whitespace = whitespace
 
     def compile(self, case: Case):
-        m = self._ll.LLMatcher
-        if case.kind == "json":
-            grammar = m.grammar_from_json_schema(case.spec)
+        from outrider.core import StructuredOutputs
+        from outrider.engine.structured import grammar_text
+
+        if case.kind == "json" and self.whitespace == "flexible":
+            grammar = self._ll.LLMatcher.grammar_from_json_schema(case.spec)
         else:
-            rx = case.spec if case.kind == "regex" else choice_regex(case.spec)
-            grammar = m.grammar_from_regex(rx)
-        matcher = m(self.tokenizer, grammar, log_level=0)
+            grammar = grammar_text(StructuredOutputs.of(case.structured_outputs()))
+        matcher = self._ll.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{case.name}: llguidance refused it: {matcher.get_error()}")
         return matcher
 
     def alloc(self, rows: int):
-        return self._llt.allocate_token_bitmask(rows, self.vocab_size)
+        import torch
+
+        return torch.zeros(rows, self.words, dtype=torch.int32)
 
     def fill(self, matcher, mask, row: int = 0) -> None:
-        self._llt.fill_next_token_bitmask(matcher, mask, row)
+        matcher.unsafe_compute_mask_ptr(mask[row].data_ptr(), self.words * 4)
 
     def consume(self, matcher, token: int) -> bool:
         return matcher.consume_token(token)
@@ -112,21 +119,23 @@ class Llguidance:
     def draft(self, matcher, root: int, drafts: list[int], mask) -> None:
         """Masks after the root (row 0) and after each draft (row i + 1); the matcher is left
         where it was."""
-        fill = self._llt.fill_next_token_bitmask_par_with_draft_tokens
-        fill(self.executor, [(matcher, 0, drafts)], mask)
+        self.executor.unsafe_compute_mask_ptr_with_draft_token(
+            [(matcher, 0, drafts)], mask.data_ptr(), self.words * 4, mask.shape[0]
+        )
 
     def done(self, matcher) -> bool:
         return matcher.is_stopped() and not matcher.is_error()
 
 
 class Xgrammar:
-    """xgrammar's GrammarMatcher behind the same calls; a compiler without its cache, so every
-    compile is a first one."""
+    """xgrammar given what the engine gives llguidance: JSON with ", " and ": " and no other
+    whitespace (any whitespace with `whitespace` "flexible"), a choice as a grammar of literal
+    alternatives; a compiler without its cache, so every compile is a first one."""
 
     name = "xgrammar"
     modules = ("xgrammar",)
 
-    def __init__(self, backend, vocab_size: int, eos: list[int]) -> None:
+    def __init__(self, backend, vocab_size: int, eos: list[int], whitespace: str = "engine"):
         import transformers
         import xgrammar
 
@@ -137,15 +146,21 @@ class Xgrammar:
         )
         self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         self.vocab_size = vocab_size
+        self.whitespace = whitespace
 
     def compile(self, case: Case):
         c = self.compiler
         if case.kind == "json":
-            compiled = c.compile_json_schema(case.spec)
+            if self.whitespace == "flexible":
+                compiled = c.compile_json_schema(case.spec)
+            else:
+                compiled = c.compile_json_schema(
+                    case.spec, any_whitespace=False, separators=(", ", ": ")
+                )
+        elif case.kind == "regex":
+            compiled = c.compile_regex(case.spec)
         else:
-            compiled = c.compile_regex(
-                case.spec if case.kind == "regex" else choice_regex(case.spec)
-            )
+            compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in case.spec))
         return self._xg.GrammarMatcher(compiled)
 
     def alloc(self, rows: int):
@@ -369,8 +384,18 @@ def main() -> None:
     ap.add_argument("--cases", default=str(CASES))
     ap.add_argument("--num-schemas", type=int, default=None, help="cap on the cases of each kind")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per speculative step")
+    ap.add_argument(
+        "--whitespace",
+        choices=("engine", "flexible"),
+        default="engine",
+        help="JSON as the engine spells it (', ' and ': ', nothing else) or any whitespace",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="walks per case and library")
-    ap.add_argument("--out", default="grammar_backends_cpu")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="result name (default grammar_backends_cpu, with _flexible for --whitespace flexible)",
+    )
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     if args.repeats < 1:
@@ -394,7 +419,7 @@ def main() -> None:
         runs = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            lib = classes[name](backend, vocab, eos)
+            lib = classes[name](backend, vocab, eos, args.whitespace)
             runs.append(time.perf_counter() - t0)
         libs[name] = lib
         setup[name] = {
@@ -452,6 +477,7 @@ def main() -> None:
     result = {
         "k": args.k,
         "repeats": args.repeats,
+        "whitespace": args.whitespace,
         "cases": {
             "file": Path(args.cases).name,
             "count": len(cases),
@@ -464,10 +490,13 @@ def main() -> None:
         "errors": errors,
         "rows": rows,
         "notes": "medians over cases of each case's median; masks on the CPU, one matcher, "
-        "its thread; llguidance's draft call runs on its LLExecutor's pool; xgrammar's "
-        "compiler uses its default threads (max_threads=8) and no cache",
+        "its thread; llguidance's draft call runs on the engine's LLExecutor (half the cores); "
+        "xgrammar's compiler uses its default threads (max_threads=8) and no cache",
     }
-    path = write_result(args.out, result, args.out_dir)
+    name = args.out or "grammar_backends_cpu" + (
+        "_flexible" if args.whitespace == "flexible" else ""
+    )
+    path = write_result(name, result, args.out_dir)
     print(f"wrote {path}", flush=True)
 
 

@@ -5,8 +5,6 @@ computed by hand, the per-case rows and summary, and the footprint it records.""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -38,12 +36,6 @@ def _ids(ck, eos, case):
     return ck.tokenizer.backend.encode(case.example, add_special_tokens=False).ids + eos[:1]
 
 
-def test_choice_regex_escapes_each_alternative(bench):
-    rx = bench.choice_regex(("a.b", "c+", "d"))
-    assert re.fullmatch(rx, "a.b") and re.fullmatch(rx, "c+") and re.fullmatch(rx, "d")
-    assert not re.fullmatch(rx, "axb") and not re.fullmatch(rx, "cc")
-
-
 def test_walk_times_every_position_and_ends_the_grammar(bench, llg, cases):
     lib, ck, eos = llg
     case = cases["person"]
@@ -60,6 +52,17 @@ def test_walk_times_every_position_and_ends_the_grammar(bench, llg, cases):
     assert row["positions"] == len(ids) and row["compile_ms_runs"] == [row["compile_ms"]] * 2
     ready = row["compile_ms"] + row["first_mask_us"] / 1e3
     assert row["ready_ms"] == pytest.approx(ready, abs=2e-3)  # from the unrounded parts
+
+
+def test_json_is_spelled_as_the_engine_spells_it_unless_flexible(bench, llg, cases):
+    lib, ck, eos = llg
+    flexible = bench.Llguidance(ck.tokenizer.backend, ck.config.vocab_size, eos, "flexible")
+    case = cases["person"]
+    compact = ck.tokenizer.backend.encode('{"name":"Al","age":3,"city":"X"}').ids + eos[:1]
+    with pytest.raises(ValueError, match="refused token"):
+        bench.walk(lib, case, compact, k=2)  # the engine writes ", " and ": " only
+    assert bench.walk(flexible, case, compact, k=2)["consume_us"]
+    assert bench.walk(lib, case, _ids(ck, eos, case), k=2)["consume_us"]
 
 
 def test_a_wrong_example_is_refused_by_name(bench, llg, cases):
