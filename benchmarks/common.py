@@ -87,3 +87,14 @@ def write_result(name: str, payload: dict, directory: str | Path | None = None) 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**metadata(), **payload}, indent=2) + "\n")
     return path
+
+
+def save_figure(fig, path: Path) -> None:
+    """Lay out, write (making its folder) and close a matplotlib figure, and say where."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import save_figure, write_result  # noqa: E402
 
 CONFIGS = ("ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3")
 SUMMARY_KEYS = {"heldout": "speedup", "grounded": "speedup_grounded"}
@@ -225,11 +225,7 @@ def plot(runs_summary: dict, sets: list[str], path: Path) -> None:
         ax.set_xticks(ticks, [str(c) for c in ticks])
         ax.set(title=set_name, xlabel="concurrency (requests per batch)", ylabel="speedup vs plain")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import save_figure, write_result  # noqa: E402
 from spec_gpu import (  # noqa: E402
     _clock,
     _sync,
@@ -329,11 +329,7 @@ def plot(summary: dict, path: Path) -> None:
         ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])
         ax.set(title=f"temperature {t}", xlabel="concurrency (requests per batch)", ylabel="tok/s")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, path)
 
 
 def main() -> None:
