@@ -310,9 +310,9 @@ class ModelRunner:
         if not sampling:
             return StepOutput(request_ids=[], token_ids=[], aux_hidden=aux_hidden)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
-        rows = [1 + (s.drafts.num_nodes if s.drafts is not None else 0) for s in sampling]
-        masks = token_bitmask(sampling, rows)
-        if masks is not None:  # structured outputs: refused tokens never sampled nor verified
+        if any(s.token_masks is not None for s in sampling):  # structured outputs: refused
+            rows = [1 + (s.drafts.num_nodes if s.drafts else 0) for s in sampling]  # tokens
+            masks = token_bitmask(sampling, rows)  # are never sampled nor verified
             apply_token_bitmask_(logits, masks.to(logits.device, non_blocking=True))
         ids = [s.request.request_id for s in sampling]
         if batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in sampling):
