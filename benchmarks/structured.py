@@ -1,9 +1,11 @@
 """Structured outputs as a user runs them (`outrider.LLM`): every case of
 benchmarks/structured_schemas.json (JSON schemas, regexes, choices) asked as a one-turn chat,
 without and with its constraint (SamplingParams.structured_outputs), by plain decoding, n-gram
-and EAGLE-3 (chain of k), greedy and sampled, over a concurrency sweep.
+and EAGLE-3 (chain of k; each also without grammar drafts, `_nogd`, constrained only), greedy
+and sampled, over a concurrency sweep.
 
-    python benchmarks/structured.py [--configs ngram eagle3] [--concurrency 1 16 64]
+    python benchmarks/structured.py [--configs ngram eagle3 ngram_nogd eagle3_nogd]
+        [--concurrency 1 16 64]
         [--temperatures 0 0.8] [--max-tokens 200] [--num-schemas N] [--rounds 3] [--k 4]
         [--cases PATH] [--model DIR] [--draft DIR] [--dtype auto] [--device cuda]
         [--out NAME] [--out-dir DIR] [--plot PATH]
@@ -54,15 +56,17 @@ from spec_gpu import (  # noqa: E402
 )
 from structured_cases import CASES, Case, load_cases  # noqa: E402
 
-CONFIGS = ("plain", "ngram", "eagle3")
+CONFIGS = ("plain", "ngram", "eagle3", "ngram_nogd", "eagle3_nogd")
 CONSTRAINTS = ("unconstrained", "constrained")
 
 
 def engine_configs(k: int, draft: str | None) -> dict[str, dict | None]:
     """Config name -> `speculative=` for LLM: spec_gpu's plain, ngram and eagle3_chain (fixed
-    k, so accept lengths compare across constrained and not)."""
+    k, so accept lengths compare across constrained and not), and the two speculative ones
+    again without grammar drafts (`_nogd`: what the forced tokens add to the accept length)."""
     specs = spec_configs(k, draft)
-    return {"plain": specs["plain"], "ngram": specs["ngram"], "eagle3": specs["eagle3_chain"]}
+    ours = {"plain": specs["plain"], "ngram": specs["ngram"], "eagle3": specs["eagle3_chain"]}
+    return ours | {f"{n}_nogd": {**ours[n], "grammar_drafts": False} for n in ("ngram", "eagle3")}
 
 
 def request_params(
@@ -250,9 +254,16 @@ def sweep(
     """Every (temperature, C) slot: plain unconstrained, then `rounds` rounds of every other
     (config, constraint) pair in a rotated order, each round followed by plain unconstrained;
     returns {f"t{T}_c{C}": slot_rows(...)}."""
-    pairs = [(cfg, k) for cfg in llms for k in CONSTRAINTS if (cfg, k) != ("plain", CONSTRAINTS[0])]
+    # Plain unconstrained is the baseline run around every round; a _nogd engine differs from
+    # its twin only on constrained requests.
+    pairs = [
+        (cfg, k)
+        for cfg in llms
+        for k in CONSTRAINTS
+        if k == "constrained" or not (cfg == "plain" or cfg.endswith("_nogd"))
+    ]
     print(
-        f"{'config':8s} {'constraint':13s} {'run':10s} {'tok/s':>9s} {'speedup':>8s} "
+        f"{'config':11s} {'constraint':13s} {'run':10s} {'tok/s':>9s} {'speedup':>8s} "
         f"{'valid':>6s} {'accept':>7s} {'same':>6s}",
         flush=True,
     )
@@ -276,7 +287,7 @@ def sweep(
                 for constraint, row in by_constraint.items():
                     acc, same = row["accept_length"], row.get("same_output_fraction")
                     print(
-                        f"{cfg:8s} {constraint:13s} {key:10s} {row['tok_per_s']:>9.1f} "
+                        f"{cfg:11s} {constraint:13s} {key:10s} {row['tok_per_s']:>9.1f} "
                         f"{row['speedup']:>8.2f} {row['valid_fraction']:>6} "
                         f"{'-' if acc is None else acc:>7} {'-' if same is None else same:>6}",
                         flush=True,

@@ -216,10 +216,14 @@ def test_summary_tables_by_temperature_config_constraint_and_c(bench):
 
 def test_configs_are_spec_gpus_chains(bench):
     specs = bench.engine_configs(4, None)
-    assert list(specs) == ["plain", "ngram", "eagle3"] and specs["plain"] is None
+    assert list(specs) == ["plain", "ngram", "eagle3", "ngram_nogd", "eagle3_nogd"]
+    assert specs["plain"] is None
     assert specs["ngram"] == {"method": "ngram", "num_draft_tokens": 4, "controller": "fixed"}
     assert specs["eagle3"]["method"] == "eagle3" and specs["eagle3"]["num_draft_tokens"] == 4
     assert specs["eagle3"].get("topk", 1) == 1
+    for name in ("ngram", "eagle3"):  # the twin differs only in grammar drafts
+        assert specs[f"{name}_nogd"] == {**specs[name], "grammar_drafts": False}
+        assert specs[name].get("grammar_drafts", True)
 
 
 # -- end to end on the CPU ------------------------------------------------------------------
