@@ -53,6 +53,19 @@ class LatentAttention(nn.Module):
         self.num_heads, self.v_head_dim, self.scale = num_heads, v_head_dim, scale
         self.kv_cache: dict[str, torch.Tensor] = {}
 
+    def latent_sink(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(latent cache, slot_mapping) where whoever makes this step's latents may store them
+        (fused.mla_prep_), then call forward with written=True: absorbed steps on a backend
+        that takes written latents. None elsewhere: forward writes them."""
+        ctx = get_forward_context()
+        if (
+            not self.kv_cache
+            or ctx.attn.mode not in self.absorb_modes
+            or not ctx.backend.takes_written_latents
+        ):
+            return None
+        return self.kv_cache["latent"], ctx.attn.slot_mapping
+
     def forward(
         self,
         q_nope: torch.Tensor,  # [T, heads, d_n]
@@ -60,6 +73,7 @@ class LatentAttention(nn.Module):
         latent: torch.Tensor,  # [T, r + d_r]
         expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
         absorbed: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+        written: bool = False,  # stored at latent_sink() already
     ) -> torch.Tensor:  # [T, heads * v_head_dim]
         if not self.kv_cache:
             raise RuntimeError(
@@ -77,7 +91,7 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = absorbed()  # [heads, d_n, r], [heads, d_v, r]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, heads, r]
         out_lat = ctx.backend.forward_latent_absorbed(
-            q_lat, q_pe, latent, self.kv_cache, ctx.attn, self.scale
+            q_lat, q_pe, latent, self.kv_cache, ctx.attn, self.scale, written=written
         )  # [T, heads, r]
         out = torch.einsum("thr,hvr->thv", out_lat, w_uv)
         return out.reshape(t, self.num_heads * self.v_head_dim)

@@ -84,10 +84,14 @@ def mla_prep_(
     cos: torch.Tensor,  # [max_positions, half] float32
     sin: torch.Tensor,
     interleaved: bool,
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cache, slot_mapping)
 ) -> torch.Tensor:  # [T, rank + 2 * half] the latent to cache: [rmsnorm(c_kv) | rope(k_pe)]
     """An MLA layer's glue between its projections and attention in one launch: the latent's
     norm, the shared key's rotary and every head's query rotary (with interleaved pairs
-    deinterleaved as they are rotated), as rms_norm and rotary_ round them."""
+    deinterleaved as they are rotated), as rms_norm and rotary_ round them. `sink`: the paged
+    latent cache [num_blocks, block_size, rank + 2 * half] and this step's slots [T] int64
+    (negative: none), where the same launch stores each token's latent as
+    write_latent_cache would."""
     k = _kernels()
     tokens, heads, width = q.shape
     half = cos.shape[-1]
@@ -98,12 +102,22 @@ def mla_prep_(
             f"a nope part before the {2 * half} rotary dims"
         )
     latent = torch.empty(tokens, rank + 2 * half, dtype=kv.dtype, device=kv.device)
+    # With no sink the cache arguments are any tensors of the right kind (CACHE is off).
+    cache, slots = sink if sink is not None else (latent.unsqueeze(0), positions)
+    if cache.dim() != 3 or cache.shape[-1] != latent.shape[-1] or cache.dtype != latent.dtype:
+        raise ValueError(
+            f"mla_prep_: latents [{tokens}, {latent.shape[-1]}] {latent.dtype} do not fit the "
+            f"latent cache {tuple(cache.shape)} {cache.dtype}"
+        )
     if tokens:
         k.mla_prep_kernel[(tokens,)](
-            q, kv, latent, norm_weight, positions, cos, sin,
-            q.stride(0), q.stride(1), kv.stride(0), latent.stride(0), cos.stride(0), eps,
+            q, kv, latent, norm_weight, positions, cos, sin, cache, slots,
+            q.stride(0), q.stride(1), kv.stride(0), latent.stride(0), cos.stride(0),
+            cache.stride(0), cache.stride(1), eps,
             HEADS=heads, HEADS_PAD=k.next_pow2(heads), NOPE=width - 2 * half, RANK=rank,
-            RANK_PAD=k.next_pow2(rank), HALF=half, INTERLEAVED=interleaved, num_warps=4,
+            RANK_PAD=k.next_pow2(rank), HALF=half, INTERLEAVED=interleaved,
+            CACHE=sink is not None, PAGE_SIZE=cache.shape[1] if sink is not None else 1,
+            num_warps=4,
         )  # fmt: skip
     return latent
 

@@ -250,15 +250,18 @@ def grow_select_kernel(
 
 @triton.jit
 def mla_prep_kernel(
-    q_ptr, kv_ptr, latent_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kv, stride_lat, stride_cos, eps,
+    q_ptr, kv_ptr, latent_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kv, stride_lat, stride_cos, stride_cb, stride_cs, eps,
     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, NOPE: tl.constexpr, RANK: tl.constexpr,
     RANK_PAD: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+    CACHE: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):  # fmt: skip
     # One program per token. kv row: [c_kv (RANK) | k_pe (2 HALF)]; q row: HEADS heads of
     # [nope (NOPE) | pe (2 HALF)]. Writes latent = [rmsnorm(c_kv) * w | rope(k_pe)] and ropes
     # every head's pe in place. INTERLEAVED: pe pairs are (2i, 2i + 1) and come out as
-    # rotate-half on [evens | odds], the order the cached keys keep.
+    # rotate-half on [evens | odds], the order the cached keys keep. CACHE: the latent row goes
+    # to the paged cache's slot too (none where the slot is negative), as _write_latent_kernel
+    # would store it.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dims = tl.arange(0, HALF)
@@ -277,11 +280,21 @@ def mla_prep_kernel(
     normed = (h * inv).to(c.dtype)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     out = latent_ptr + t * stride_lat
-    tl.store(out + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(c.dtype), mask=ok)
+    c_out = (normed.to(tl.float32) * w.to(tl.float32)).to(c.dtype)
+    tl.store(out + cols, c_out, mask=ok)
     k1 = tl.load(kv_ptr + t * stride_kv + RANK + first).to(tl.float32)
     k2 = tl.load(kv_ptr + t * stride_kv + RANK + second).to(tl.float32)
-    tl.store(out + RANK + dims, (k1 * cos - k2 * sin).to(c.dtype))
-    tl.store(out + RANK + HALF + dims, (k2 * cos + k1 * sin).to(c.dtype))
+    pe1, pe2 = (k1 * cos - k2 * sin).to(c.dtype), (k2 * cos + k1 * sin).to(c.dtype)
+    tl.store(out + RANK + dims, pe1)
+    tl.store(out + RANK + HALF + dims, pe2)
+    if CACHE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        page = tl.maximum(slot, 0)
+        row = cache_ptr + (page // PAGE_SIZE) * stride_cb + (page % PAGE_SIZE) * stride_cs
+        keep = slot >= 0
+        tl.store(row + cols, c_out, mask=ok & keep)
+        tl.store(row + RANK + dims, pe1, mask=(dims < HALF) & keep)
+        tl.store(row + RANK + HALF + dims, pe2, mask=(dims < HALF) & keep)
     # 2. Every head's query pe, in place: all of a head's pairs are read before any is written.
     heads = tl.arange(0, HEADS_PAD)[:, None]
     hok = heads < HEADS

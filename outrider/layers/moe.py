@@ -92,6 +92,17 @@ class GroupedTopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(num_experts, **f32), requires_grad=False
         )
+        # The weight in bf16 where that loses nothing (checkpoints store the router in bf16),
+        # on a device whose GEMM takes bf16 in and gives fp32 out (moe_fused.mm_fp32_out):
+        # bf16 activations' logits then come from one GEMM, with fp32 products and sums as the
+        # fp32 GEMV, instead of a cast, a GEMV and its reduce.
+        self.weight_bf16: torch.Tensor | None = None
+
+    def after_load(self) -> None:
+        w = self.weight
+        low = w.to(torch.bfloat16)
+        exact = bool(torch.equal(low.float(), w))
+        self.weight_bf16 = low if exact and moe_fused.mm_fp32_out(w.device) else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> weights [T, top_k + always] float32, expert ids [T, top_k + always]
@@ -99,9 +110,11 @@ class GroupedTopkRouter(nn.Module):
         (choices then come in descending biased score, ties to the lower id); else these torch
         ops."""
         if fused.use_fused(x):
+            low = self.weight_bf16 if x.dtype == torch.bfloat16 else None
             return moe_fused.moe_route_no_sync(
                 x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, self.always,
+                router_bf16=low,
             )  # fmt: skip
         scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
         biased = scores + self.e_score_correction_bias

@@ -209,6 +209,20 @@ def moe_gemm(
     return out
 
 
+@functools.cache
+def mm_fp32_out(device: torch.device) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) takes bf16 a and b on `device` (CUDA
+    in torch >= 2.8; not the CPU)."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+    try:
+        out = torch.mm(a, a.t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return out.dtype == torch.float32 and bool((out == 8).all())
+
+
 def moe_route_no_sync(
     x: torch.Tensor,  # [T, H] the MoE block's input
     router: torch.Tensor,  # [E, H] float32 router weight
@@ -219,6 +233,7 @@ def moe_route_no_sync(
     norm_topk_prob: bool,
     scale: float,
     always: int = 0,
+    router_bf16: torch.Tensor | None = None,  # [E, H] the router weight, exact in bf16
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights, ids: [T, top_k + always] float32, int64
     """DeepSeek-V3's noaux_tc routing: logits x W^T in fp32, then in one launch sigmoid scores,
     the bias added for choosing only, the best topk_group groups by the sum of their two best
@@ -227,7 +242,9 @@ def moe_route_no_sync(
     with weight 1. Choices come in descending biased score, ties to the lower expert id
     (torch's topk leaves both unspecified). The logits' GEMV stays cuBLAS's: in one program
     a token's read of even a 512 KB router (Moonlight's) took 23 us on the H200, four times
-    the cast, GEMV and reduce it would replace."""
+    the cast, GEMV and reduce it would replace. With `router_bf16` (x bf16, mm_fp32_out) the
+    logits are one GEMM of bf16 inputs with fp32 products, sums and output: the same values
+    as the fp32 GEMV up to the order of the sums."""
     t = x.shape[0]
     experts = router.shape[0]
     if experts % n_group or not 1 <= topk_group <= n_group:
@@ -243,7 +260,10 @@ def moe_route_no_sync(
     ids = torch.empty(t, top_k + always, dtype=torch.int64, device=x.device)
     if not t:
         return weights, ids
-    logits = torch.nn.functional.linear(x.float(), router)  # [T, E]
+    if router_bf16 is not None and x.dtype == torch.bfloat16:
+        logits = torch.mm(x, router_bf16.t(), out_dtype=torch.float32)  # [T, E]
+    else:
+        logits = torch.nn.functional.linear(x.float(), router)
     _kernels().moe_route_kernel[(t,)](
         logits, bias, weights, ids, logits.stride(0), scale,
         GROUPS=n_group, GROUP_SIZE=size, KEEP_GROUPS=topk_group, TOP_K=top_k,

@@ -37,6 +37,7 @@ import re
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from outrider.distributed import TPGroup, single
@@ -110,24 +111,44 @@ class DeepseekV3Attention(nn.Module):
         )
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, h, bias=cfg.attention_bias, tp=tp)
         self.attn = LatentAttention(self.num_heads, self.v_head_dim, cfg.softmax_scale)
+        # Both projections of the layer's input in one GEMM (after_load): [q_a_proj or this
+        # rank's q_proj rows | kv_a_proj_with_mqa], whose weights become views of it.
+        self.input_proj: torch.Tensor | None = None
+
+    def after_load(self) -> None:
+        first, kv_a = self.q_a_proj if self.q_lora else self.q_proj, self.kv_a_proj_with_mqa
+        if first.bias is not None or kv_a.bias is not None:
+            return  # biased projections keep their own GEMMs
+        w = torch.cat([first.weight, kv_a.weight])
+        first.weight.data, kv_a.weight.data = w[: first.weight.shape[0]], w[first.weight.shape[0] :]
+        self.input_proj = w
 
     def forward(self, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
-        if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        if self.input_proj is not None:
+            q, kv = F.linear(hidden, self.input_proj).split(
+                [first.weight.shape[0], self.kv_lora_rank + self.rope_dim], dim=-1
+            )
         else:
-            q = self.q_proj(hidden)
+            q, kv = first(hidden), self.kv_a_proj_with_mqa(hidden)  # kv: [T, r + d_r]
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.num_heads, self.qk_head_dim)
-        kv = self.kv_a_proj_with_mqa(hidden)  # [T, r + d_r]
         if rope.fused:
-            # One launch: the latent's norm and both rotaries, q's in place.
+            # One launch: the latent's norm and both rotaries, q's in place, and on absorbed
+            # steps the latents' store into the cache.
             norm = self.kv_a_layernorm
+            sink = self.attn.latent_sink()
             latent = fused.mla_prep_(
                 q, kv, norm.weight, norm.eps, rope.positions, rope.cos, rope.sin,
-                self.interleaved,
+                self.interleaved, sink,
             )  # fmt: skip
             q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-            return self.o_proj(self.attn(q_nope, q_pe, latent, self.expand, self.absorbed))
+            out = self.attn(
+                q_nope, q_pe, latent, self.expand, self.absorbed, written=sink is not None
+            )
+            return self.o_proj(out)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())  # [T, r]

@@ -26,7 +26,8 @@ def load_weights(model: PagedModel, tensors: Iterable[tuple[str, torch.Tensor]])
     model whose checkpoint names need more than that (stacked experts, a name prefix, tensors
     to skip) answers them in `map_weight_name(name)`: (parameter name, shard id), a new
     checkpoint name (then mapped as usual), SKIP, or None (the usual mapping). A parameter
-    whose shards are not in the packed table lists them in `param.expected_shards`.
+    whose shards are not in the packed table lists them in `param.expected_shards`. Then
+    every submodule with an `after_load()` derives what its forward needs from its weights.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = model.packed_modules_mapping
@@ -88,3 +89,7 @@ def load_weights(model: PagedModel, tensors: Iterable[tuple[str, torch.Tensor]])
             f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}: "
             f"is it complete and for this architecture ({type(model).__name__})?"
         )
+    for module in model.modules():  # what layers derive from their loaded weights
+        after_load = getattr(module, "after_load", None)
+        if callable(after_load):
+            after_load()

@@ -336,6 +336,20 @@ def test_auto_backend_serves_the_latent_cache():
     assert get_backend("auto", "cpu", latent=True).name == "torch_ref"
 
 
+def test_both_input_projections_load_into_one_gemms_weight(tiny_ds):
+    """After loading, q_a_proj (or q_proj) and kv_a_proj_with_mqa are views of one weight that
+    a single GEMM reads (DeepseekV3Attention.after_load), holding the checkpoint's values."""
+    model, _ = _outrider(tiny_ds[0])
+    for layer, hf_layer in zip(model.model.layers, tiny_ds[1].model.layers):
+        attn, hf = layer.self_attn, hf_layer.self_attn
+        first, hf_first = (attn.q_a_proj, hf.q_a_proj) if attn.q_lora else (attn.q_proj, hf.q_proj)
+        w = attn.input_proj
+        want = torch.cat([hf_first.weight, hf.kv_a_proj_with_mqa.weight]).float()
+        assert w is not None and torch.equal(w, want)
+        assert first.weight.data_ptr() == w.data_ptr()
+        assert attn.kv_a_proj_with_mqa.weight.data_ptr() == w[len(first.weight) :].data_ptr()
+
+
 def test_graph_safe_iff_every_moe_layer_takes_the_fused_path(tiny_ds, monkeypatch):
     from outrider.layers import moe_fused
 

@@ -118,6 +118,31 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         emit(name=f"gated-{name}", scaled=diff / want.abs().max().item(), shape=list(got.shape))
     fused.use_fused = real
 
+    # mla_prep_ storing each token's latent into the paged cache at its slot (negative: none)
+    # in the same launch, against its latent scattered by write_latent_cache.
+    from outrider.layers.attn_backends.triton_mla import write_latent_cache
+
+    tokens, heads, rank, half = 5, 3, 32, 4
+    q0 = torch.randn(tokens, heads, 16 + 2 * half, generator=gen)
+    kv = torch.randn(tokens, rank + 2 * half, generator=gen)
+    norm_w = torch.rand(rank, generator=gen) + 0.5
+    positions = torch.tensor([0, 3, 9, 2, 7])
+    angles = torch.rand(16, half, generator=gen) * 6
+    slots = torch.tensor([3, 7, -1, 12, 0])
+    want_cache = torch.full((4, 4, rank + 2 * half), 7.0)
+    q_want, q_got, got_cache = q0.clone(), q0.clone(), want_cache.clone()
+    prep = (norm_w, 1e-6, positions, angles.cos(), angles.sin(), True)
+    latent = fused.mla_prep_(q_want, kv, *prep)
+    write_latent_cache(latent, want_cache, slots)
+    got = fused.mla_prep_(q_got, kv, *prep, sink=(got_cache, slots))
+    emit(
+        name="mla-prep-sink",
+        same_latent=bool(torch.equal(got, latent)),
+        same_q=bool(torch.equal(q_got, q_want)),
+        same_cache=bool(torch.equal(got_cache, want_cache)),
+        untouched=int((got_cache == 7.0).all(-1).sum()),
+    )
+
     # A whole tiny DeepSeek-V3 prefill (MoE layers routed, laid out, combined; every MLA
     # layer's norm and rotaries in mla_prep_), kernels forced on against off, interleaved
     # rotary pairs and not.
@@ -208,6 +233,12 @@ def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interle
     # fp32: only sums' order differs (the norm, the top_k sum, the GEMMs' K tiles).
     r = results[f"deepseek-forward-{interleave}"]
     assert r["scaled"] <= 1e-5, r
+
+
+def test_mla_prep_stores_the_latents_where_write_latent_cache_would(results):
+    r = results["mla-prep-sink"]
+    assert r["same_latent"] and r["same_q"] and r["same_cache"], r
+    assert r["untouched"] == 4 * 4 - 4, r  # four slots written, slot -1 none
 
 
 def test_route_refuses_groups_that_do_not_divide_the_experts():

@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     # Whether `forward_latent` and `forward_latent_absorbed` are implemented (MLA models'
     # latent KV cache).
     supports_latent: bool = False
+    # Whether `forward_latent_absorbed(..., written=True)` may be told that this step's latents
+    # are in the cache already (stored at meta.slot_mapping by the kernel that made them).
+    takes_written_latents: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive per-step data once (into meta.backend_data) instead of once per layer.
@@ -71,8 +74,10 @@ class AttentionBackend(ABC):
         kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, r + d_r]
         meta: AttentionMetadata,
         scale: float,
+        written: bool = False,  # the latents are at meta.slot_mapping already
     ) -> torch.Tensor:  # [num_tokens, num_heads, r]
-        """Weight-absorbed MLA: write this step's latents at meta.slot_mapping, then attend as
+        """Weight-absorbed MLA: write this step's latents at meta.slot_mapping (unless
+        `written`, where takes_written_latents allows it), then attend as
         `forward` does with one KV head shared by every query head, the query [q_lat | q_pe],
         each key the whole cached latent and each value its first r (kv_lora_rank) columns.
         The two query parts come apart (views of the projections are fine): no copy joins

@@ -24,14 +24,15 @@ class TorchRefBackend(AttentionBackend):
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
         return latent_expanded(q, latent, kv_cache, meta, scale, expand)
 
-    def forward_latent_absorbed(self, q_lat, q_pe, latent, kv_cache, meta, scale):
+    def forward_latent_absorbed(self, q_lat, q_pe, latent, kv_cache, meta, scale, written=False):
         # The latent cache is multi-query attention as it stands: one KV head of width
         # r + d_r, keys the whole latent, values its first r columns. Values are read as the
         # whole latent and the roped columns dropped after (d_r / r extra, 1/8 at DeepSeek-V3's
         # ranks), so the decode and per-sequence GQA paths serve unchanged, tree masks included.
         q = torch.cat([q_lat, q_pe], dim=-1)  # [T, heads, r + d_r], the latents' order
         cache = kv_cache["latent"]
-        cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
+        if not written:
+            cache.view(-1, cache.shape[-1]).index_copy_(0, meta.slot_mapping, latent)
         kv = cache.unsqueeze(2)  # [num_blocks, block_size, 1, width]
         if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
             out = _decode(q, kv, kv, meta, scale)

@@ -9,7 +9,8 @@ Both read every length from device tensors, and a tree mask's shape follows the 
 alone, so CUDA graphs captured once serve any context: DECODE and chain VERIFY graphs both work.
 
 MLA models (a latent cache, {"latent": [num_blocks, block_size, r + d_r]}) take the same route
-in their absorbed form (DECODE, VERIFY): one small kernel writes the step's latents, then
+in their absorbed form (DECODE, VERIFY): the step's latents are written (by the MLA glue
+kernel that makes them, fused.mla_prep_, or else one small kernel here), then
 triton_mla.latent_attention attends over them, one kernel for one- and multi-token queries
 alike, causal or under a tree mask, split along the context as decode is. Their expanded form
 (prefill chunks) runs the reference's PyTorch code (see forward_latent).
@@ -79,6 +80,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
     supports_latent = True
+    takes_written_latents = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         """num_splits: force this many context splits in every step (tuning, debugging);
@@ -145,9 +147,11 @@ class TritonBackend(AttentionBackend):
         kv_cache: dict[str, torch.Tensor],  # "latent": [num_blocks, block_size, r + d_r]
         meta: AttentionMetadata,
         scale: float,
+        written: bool = False,  # stored at meta.slot_mapping by fused.mla_prep_
     ) -> torch.Tensor:  # [num_tokens, num_heads, r]
         cache = kv_cache["latent"]
-        write_latent_cache(latent, cache, meta.slot_mapping)
+        if not written:
+            write_latent_cache(latent, cache, meta.slot_mapping)
         plan = self._plan(meta)
         num_tokens, num_heads, v_dim = q_lat.shape
         key = ("latent", num_heads)
