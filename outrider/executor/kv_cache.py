@@ -70,10 +70,13 @@ def num_blocks_for_budget(
         return cache.num_blocks
     block_bytes = layout.bytes_per_token * num_layers * cache.block_size
     if device.type == "cuda":
+        # Memory torch's allocator holds but no tensor uses (a freed earlier engine) is ours,
+        # but only once it is back with the device: the pool is one allocation, which the
+        # allocator's cached segments cannot serve however much of them is idle (counting
+        # them asked for 114 GiB where 100 were free after a run of other engines).
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        # Memory torch's allocator holds but no tensor uses (a freed earlier engine) is ours.
-        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        used = total - free - idle
+        used = total - free
         budget = int(total * cache.gpu_memory_utilization) - used
         where = f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total / 2**30:.1f} GiB"
     else:
