@@ -10,7 +10,7 @@ import enum
 import itertools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -389,6 +389,16 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq]
     # Requests preempted (KV freed, to be recomputed) while building this batch.
     preempted: list[Request] = field(default_factory=list)
+    # Computes the contents of the sequences' token_masks (allocated, not yet filled) on the
+    # host. The runner calls it (ready_masks) once the step's forward is queued on the device,
+    # so the grammar works while the GPU does.
+    fill_masks: Callable[[], None] | None = None
+
+    def ready_masks(self) -> None:
+        """Fill every ScheduledSeq.token_masks of the batch (once); read them only after."""
+        fill, self.fill_masks = self.fill_masks, None
+        if fill is not None:
+            fill()
 
     @property
     def num_tokens(self) -> int:

@@ -121,13 +121,15 @@ class Grammars:
 
     def attach_masks(self, batch: ScheduledBatch) -> None:
         """ScheduledSeq.token_masks for every sampling sequence of a constrained request: one
-        row for its next token, and one per draft node (the mask after the path to it)."""
+        row for its next token, and one per draft node (the mask after the path to it). They
+        are allocated here and computed by batch.fill_masks, which the runner calls once the
+        step's forward is on the device (ScheduledBatch.ready_masks)."""
         seqs = [s for s in batch.seqs if s.sample and s.request.request_id in self._matchers]
         if not seqs:
             return
         rows = [1 + (s.drafts.num_nodes if s.drafts is not None else 0) for s in seqs]
         masks = torch.zeros(sum(rows), self.words, dtype=torch.int32)
-        alone, chains, start = [], [], 0
+        alone, chains, trees, start = [], [], [], 0
         for s, n in zip(seqs, rows):
             matcher = self._matchers[s.request.request_id]
             if s.drafts is None or not s.drafts.num_nodes:
@@ -135,16 +137,22 @@ class Grammars:
             elif s.drafts.is_chain:
                 chains.append((matcher, start, list(s.drafts.token_ids)))
             else:
-                _tree_masks(matcher, s.drafts, masks[start : start + n])
+                trees.append((matcher, s.drafts, masks[start : start + n]))
             s.token_masks = masks[start : start + n]
             start += n
-        # Every sequence's rows at once, in llguidance's threads (a chain's row 1 + j after
-        # its drafts 0..j, the matcher rolled back after).
-        size = (masks.data_ptr(), self.words * 4, masks.shape[0])
-        if alone:
-            self._executor.unsafe_compute_mask_ptr(alone, *size)
-        if chains:
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(chains, *size)
+
+        def fill() -> None:
+            # Every sequence's rows at once, in llguidance's threads (a chain's row 1 + j
+            # after its drafts 0..j, the matcher rolled back after).
+            size = (masks.data_ptr(), self.words * 4, masks.shape[0])
+            if alone:
+                self._executor.unsafe_compute_mask_ptr(alone, *size)
+            if chains:
+                self._executor.unsafe_compute_mask_ptr_with_draft_token(chains, *size)
+            for matcher, drafts, out in trees:
+                _tree_masks(matcher, drafts, out)
+
+        batch.fill_masks = fill
 
     def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
         """The tokens a step emitted for the request, in order; True when its grammar is

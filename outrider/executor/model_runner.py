@@ -310,6 +310,7 @@ class ModelRunner:
         if not sampling:
             return StepOutput(request_ids=[], token_ids=[], aux_hidden=aux_hidden)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
+        batch.ready_masks()  # on the host while the device runs the forward
         if any(s.token_masks is not None for s in sampling):  # structured outputs: refused
             rows = [1 + (s.drafts.num_nodes if s.drafts else 0) for s in sampling]  # tokens
             masks = token_bitmask(sampling, rows)  # are never sampled nor verified

@@ -368,9 +368,10 @@ class SpecStep:
         asked = [i for i in fix if seqs[i].request.params.logprobs is not None]
         top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
         packed: list[torch.Tensor] = []
-        masks = token_bitmask([seqs[i] for i in fix], [t] * len(fix))
 
         def fixup(out: SpecOutput) -> None:
+            batch.ready_masks()  # on the host while the device verifies
+            masks = token_bitmask([seqs[i] for i in fix], [t] * len(fix))
             dev = out.tokens.device
             idx = to_device_no_sync(fix, torch.long, dev)
             rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)

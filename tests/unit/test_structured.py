@@ -131,15 +131,21 @@ def test_each_rows_mask_is_what_the_grammar_allows_after_the_drafts_before_it(de
     assert len(drafts) >= 2
     seq = ScheduledSeq(req, [5, *drafts], 2, [0], True, SeqDrafts.chain(drafts))
     plain = ScheduledSeq(req, [5], 2, [0], True)  # the same request, no drafts
-    grammars.attach_masks(ScheduledBatch(ForwardMode.VERIFY, [seq]))
+    batch = ScheduledBatch(ForwardMode.VERIFY, [seq])
+    grammars.attach_masks(batch)
     assert seq.token_masks.shape == (1 + len(drafts), grammars.words)
+    assert not seq.token_masks.any()  # allocated; computed once the forward is queued
+    batch.ready_masks()
+    assert batch.fill_masks is None
     first = _allowed(seq.token_masks[0])
     assert drafts[0] in first and tok.encode("yes")[0] in first
     assert len(first) < 20  # the prefixes of three words, not the vocabulary
     for j in range(1, len(drafts)):
         assert drafts[j] in _allowed(seq.token_masks[j])
     assert _allowed(seq.token_masks[-1]) == set(tok.eos_token_ids)  # "no way" is complete
-    grammars.attach_masks(ScheduledBatch(ForwardMode.DECODE, [plain]))
+    batch = ScheduledBatch(ForwardMode.DECODE, [plain])
+    grammars.attach_masks(batch)
+    batch.ready_masks()
     assert torch.equal(plain.token_masks[0], seq.token_masks[0])  # the matcher rolled back
     grammars.forget("mask-chain")
 
@@ -168,7 +174,9 @@ def test_tree_rows_are_masked_after_the_path_to_each_node(default_grammars):
     a, b = tok.encode("a")[0], tok.encode("b")[0]
     drafts = SeqDrafts([a, b, b], [-1, -1, 0])  # a, b, a->b
     seq = ScheduledSeq(req, [5, a, b, b], 2, [0], True, drafts)
-    grammars.attach_masks(ScheduledBatch(ForwardMode.VERIFY, [seq]))
+    batch = ScheduledBatch(ForwardMode.VERIFY, [seq])
+    grammars.attach_masks(batch)
+    batch.ready_masks()
     rows = [_allowed(seq.token_masks[i]) for i in range(4)]
     assert {a, b} <= rows[0]
     assert b in rows[1] and tok.encode("c")[0] in rows[1]  # after "a": b or c
