@@ -18,7 +18,7 @@ from outrider.core import (
     ScheduledBatch,
     StepOutput,
 )
-from outrider.engine import overlap
+from outrider.engine import overlap, stop_strings
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
 from outrider.engine.limits import check_request, context_limit
@@ -125,10 +125,13 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem; the engine's state is untouched either way (a
-        constraint that compiles is cached for the request that follows)."""
+        constraint that compiles, and the stop strings' automaton, are cached for the request
+        that follows: the server validates off the engine thread)."""
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
+        if params.stop:
+            stop_strings.automaton(params.stop)
 
     def add_request(
         self,
