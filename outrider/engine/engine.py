@@ -44,7 +44,8 @@ class EngineCore:
         self.tokenizer = self.checkpoint.tokenizer
         self.runner = self._start_runner(config)
         # Within the KV pool, so check_stop's context limit also keeps every request in it.
-        self.max_model_len = context_limit(self.runner, config)
+        self.context = context_limit(self.runner, config)
+        self.max_model_len = self.context.tokens
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -127,7 +128,7 @@ class EngineCore:
         """Raise ValueError naming the problem; the engine's state is untouched either way (a
         constraint that compiles, and the stop strings' automaton, are cached for the request
         that follows: the server validates off the engine thread)."""
-        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        check_request(prompt_token_ids, params, self.vocab_size, self.context)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
         if params.stop:

@@ -123,11 +123,12 @@ def sampling_params(
     so n choices differ yet each is reproducible."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server: drop it", "logit_bias")
-    room = state.engine.max_model_len - prompt_len
+    context = state.engine.context
+    room = context.tokens - prompt_len
     if room < 1:
         raise bad_request(
-            f"the prompt has {prompt_len} tokens but the context holds "
-            f"{state.engine.max_model_len}, leaving no room to generate: shorten the prompt",
+            f"the prompt has {prompt_len} tokens but {context.context}, leaving no room to "
+            f"generate: shorten the prompt{context.remedy}",
             "messages" if hasattr(req, "messages") else "prompt",
         )
     if max_tokens is None:
@@ -135,8 +136,8 @@ def sampling_params(
     elif max_tokens > room:
         raise bad_request(
             f"max_tokens={max_tokens} is more than the context leaves: the prompt has "
-            f"{prompt_len} tokens and max_model_len is {state.engine.max_model_len}, so at most "
-            f"{room}; lower max_tokens or shorten the prompt",
+            f"{prompt_len} tokens and {context.context}, so at most {room}; lower max_tokens or "
+            f"shorten the prompt{context.remedy}",
             "max_tokens",
         )
     bad_ids = [t for t in req.stop_token_ids or () if not 0 <= t < state.engine.vocab_size]
