@@ -3,8 +3,8 @@ reads them, plus the sampling extensions vLLM users expect (top_k, min_p, ...) a
 structured-output fields of OpenAI, vLLM and SGLang (read into one constraint by structured.py).
 
 Requests ignore unknown fields (clients send vendor extras) but reject wrong types, NaN and
-infinity; every semantic check beyond types (context length, vocabulary, n cap) happens
-where the value is used, with a message naming it. Token ids are strict integers: JSON true
+infinity; every semantic check beyond types (context length, vocabulary, the server's
+per-request limits in limits.py) happens where the value is used, with a message naming it. Token ids are strict integers: JSON true
 is not token 1, nor 1.0 or "1" a token id.
 """
 
@@ -170,7 +170,7 @@ class NamedToolChoice(_Request):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=_MAX_INT)  # at most max_logprobs (limits.py)
     max_completion_tokens: Int | None = Field(None, ge=1, le=2**62)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -240,7 +240,7 @@ class CompletionRequest(SamplingFields):
         Field(union_mode="left_to_right"),
         WrapValidator(_prompt_shape),
     ]
-    logprobs: Int | None = Field(None, ge=0, le=20)
+    logprobs: Int | None = Field(None, ge=0, le=_MAX_INT)  # at most max_logprobs (limits.py)
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = Field(None, ge=1, le=_MAX_INT)

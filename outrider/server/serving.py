@@ -177,15 +177,6 @@ def sampling_params(
 _SAMPLING_FIELD = re.compile(r"invalid (\w+)=")
 
 
-def check_n(state: ServerState, n: int) -> None:
-    if n > state.config.max_n:
-        raise bad_request(
-            f"n={n} is more than this server allows ({state.config.max_n}): ask for fewer "
-            "choices, or raise max_n in the server config",
-            "n",
-        )
-
-
 def validate(
     state: ServerState,
     prompt_ids: list[int],
