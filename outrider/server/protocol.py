@@ -19,6 +19,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     WrapValidator,
@@ -38,8 +39,19 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def _not_a_bool_number(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("float_type", "Input should be a valid number, not a boolean")
+    return value
+
+
 # Counts and ids: integers (2.0 and "2" still read as 2, as pydantic reads ints), never booleans.
 Int = Annotated[int, BeforeValidator(_not_a_bool)]
+# Numbers (temperature, penalties): 0.7 or "0.7", never true/false (true read as 1.0).
+Float = Annotated[float, BeforeValidator(_not_a_bool_number)]
+# Switches: JSON true or false only. pydantic's own bool reads "yes", "off", 1 and 0 too:
+# "stream": "yes" streamed.
+Bool = StrictBool
 
 
 class _Request(BaseModel):
@@ -47,7 +59,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -58,7 +70,7 @@ class JSONSchemaFormat(_Request):
     description: str | None = None
     # "schema" would shadow BaseModel.schema; the alias is what clients send.
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Request):
@@ -78,32 +90,32 @@ class StructuredOutputsField(_Request):
     regex: NonEmpty | None = None
     choice: list[NonEmpty] | None = None
     grammar: NonEmpty | None = None
-    json_object: bool = False
-    disable_any_whitespace: bool = False
+    json_object: Bool = False
+    disable_any_whitespace: Bool = False
 
 
 class SamplingFields(_Request):
     """Fields both endpoints share."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: Float | None = Field(None, ge=0, le=100)
+    top_p: Float | None = Field(None, gt=0, le=1)
     top_k: Int | None = Field(None, ge=-1, le=_MAX_INT)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    min_p: Float | None = Field(None, ge=0, le=1)
+    presence_penalty: Float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Float | None = Field(None, ge=0.01, le=100)
     seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     n: Int = Field(1, ge=1, le=_MAX_INT)
     max_tokens: Int | None = Field(None, ge=1, le=2**62)
     min_tokens: Int = Field(0, ge=0, le=_MAX_INT)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    logit_bias: dict[str, Float] | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Structured outputs (at most one of these; structured.py): OpenAI's, vLLM's, SGLang's.
@@ -169,13 +181,13 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=_MAX_INT)  # at most max_logprobs (limits.py)
     max_completion_tokens: Int | None = Field(None, ge=1, le=2**62)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
+    parallel_tool_calls: Bool | None = None
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -221,10 +233,10 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(_Request):
@@ -241,7 +253,7 @@ class CompletionRequest(SamplingFields):
         WrapValidator(_prompt_shape),
     ]
     logprobs: Int | None = Field(None, ge=0, le=_MAX_INT)  # at most max_logprobs (limits.py)
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None
     best_of: Int | None = Field(None, ge=1, le=_MAX_INT)
 

@@ -1,0 +1,107 @@
+"""Request validation says what it refused: JSON types are taken strictly (true is not 1.0, "yes"
+is not true), and a refusal quotes the value it refused (clipped). The app is the real one over
+a scripted engine."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from tests.unit.test_server_errors_unit import AUTH, FakeCore, fake_app
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def app():
+    with fake_app(FakeCore(tokens=1)) as a:
+        yield a
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return TestClient(app, headers=AUTH)
+
+
+def body_for(path: str, **fields) -> dict:
+    return {"messages": MSG, **fields} if path == CHAT else {"prompt": "hi", **fields}
+
+
+def error(r, param: str, *words: str) -> str:
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err["message"]
+
+
+# -- booleans are not numbers, strings are not booleans --------------------------------------
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    "field",
+    ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+     "repetition_penalty"],
+)  # fmt: skip
+def test_true_is_not_a_number(client, path, field):
+    r = client.post(path, json=body_for(path, **{field: True}))
+    error(r, field, "not a boolean", "(got true)")
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [(CHAT, "stream"), (COMPLETIONS, "stream"), (CHAT, "logprobs"), (COMPLETIONS, "echo"),
+     (CHAT, "add_generation_prompt"), (COMPLETIONS, "ignore_eos"),
+     (COMPLETIONS, "skip_special_tokens"), (CHAT, "include_stop_str_in_output"),
+     (CHAT, "parallel_tool_calls")],
+)  # fmt: skip
+@pytest.mark.parametrize(("value", "shown"), [("yes", '"yes"'), ("false", '"false"'), (1, "1")])
+def test_only_true_and_false_are_booleans(client, path, field, value, shown):
+    r = client.post(path, json=body_for(path, **{field: value}))
+    error(r, field, "valid boolean", f"(got {shown})")
+
+
+def test_stream_options_and_structured_switches_are_strict_too(client):
+    r = client.post(CHAT, json=body_for(CHAT, stream=True, stream_options={"include_usage": 1}))
+    error(r, "stream_options.include_usage", "valid boolean")
+    r = client.post(CHAT, json=body_for(CHAT, structured_outputs={"json_object": "on"}))
+    error(r, "structured_outputs.json_object", "valid boolean", '(got "on")')
+
+
+def test_numbers_and_booleans_of_the_right_type_still_pass(client):
+    for path in (CHAT, COMPLETIONS):
+        body = body_for(path, temperature=0.5, top_p="0.9", stream=False, max_tokens=1)
+        assert client.post(path, json=body).status_code == 200
+    r = client.post(CHAT, json=body_for(CHAT, temperature=0, stream=True, max_tokens=1))
+    assert r.status_code == 200 and "data: [DONE]" in r.text
+
+
+# -- a refusal quotes the value, clipped --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "shown"),
+    [
+        (COMPLETIONS, {"temperature": "hot"}, "temperature", '(got "hot")'),
+        (COMPLETIONS, {"max_tokens": 10**30}, "max_tokens", f"(got {10**30})"),
+        (COMPLETIONS, {"n": -1}, "n", "(got -1)"),
+        (CHAT, {"messages": [{"role": "wizard"}]}, "messages.0.role", '(got "wizard")'),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "(got 5)"),
+        (CHAT, {"tool_choice": "maybe"}, "tool_choice", '(got "maybe")'),
+    ],
+)
+def test_a_refusal_names_field_and_value(client, path, fields, param, shown):
+    error(client.post(path, json=body_for(path, **fields)), param, f"invalid {param}", shown)
+
+
+def test_a_long_value_is_quoted_clipped_and_a_missing_one_not_at_all(client):
+    r = client.post(CHAT, json=body_for(CHAT, response_format={"type": "y" * 100_000}))
+    message = error(r, "response_format.type", '(got "yyy', "… (100000 characters)")
+    assert len(message) < 500
+    r = client.post(CHAT, json=body_for(CHAT, stop={"a": "x" * 100_000}))
+    assert len(error(r, "stop", "characters of JSON")) < 500
+    message = error(client.post(COMPLETIONS, json={}), "prompt", "Field required")
+    assert "got" not in message  # nothing was sent: pydantic's input is the whole body
