@@ -351,6 +351,8 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
     add("huge:stop_300_chars", COMPLETIONS, completion_body(stop=["s" * 300]), _expect("400"))
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
     add("huge:tools_200", CHAT, chat_body(tools=tools), _expect("400"))
+    digits = b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    add("number:5000_digits", COMPLETIONS, digits, _expect("400"))  # JSON, not for int()
     add(
         "unknown_field:100k_list",
         COMPLETIONS,

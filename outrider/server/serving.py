@@ -9,8 +9,9 @@ import contextlib
 import json
 import math
 import re
+import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,7 +48,7 @@ async def read_body(request: Request, model: type[M]) -> M:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid UTF-8 JSON: {e}") from None
+        raise _unparsable(body, e) from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     if json.detect_encoding(body) != "utf-8" or _SURROGATE_HINT.search(body):
@@ -58,6 +59,47 @@ async def read_body(request: Request, model: type[M]) -> M:
         raise from_validation_error(e) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+
+
+class _LongNumber:
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
+def _unparsable(body: bytes, error: Exception) -> APIError:
+    """The 400 for a body json.loads refused. An integer longer than Python reads
+    (sys.int_max_str_digits, 4,300 digits; its error names that setting) is reported at its
+    field; the body is parsed again for it, with such numbers as markers, only on this path."""
+    most = sys.get_int_max_str_digits()
+    if most:
+        try:
+            data = json.loads(body, parse_int=lambda t: _LongNumber(t) if len(t) > most else 0)
+        except (ValueError, RecursionError) as again:
+            error = again  # what else is wrong with it, the number aside
+        else:
+            for path, value in _values(data):
+                if isinstance(value, _LongNumber) and value.digits > most:
+                    return bad_request(
+                        f"invalid {path or 'request'}: a number with {value.digits} digits is "
+                        "larger than any this server takes: send a number in the field's range",
+                        path or None,
+                    )
+    return bad_request(f"the request body is not valid UTF-8 JSON: {error}")
+
+
+def _values(data: object) -> Iterator[tuple[str, object]]:
+    """(path, value) of `data` and every value inside it, the outermost first; paths dotted as
+    pydantic names fields ("messages.0.content"), a key cut to 64 characters."""
+    todo: collections.deque[tuple[str, object]] = collections.deque([("", data)])
+    while todo:
+        path, value = todo.popleft()
+        yield path, value
+        if isinstance(value, dict):
+            for k, v in value.items():
+                k = k if len(k) <= 64 else f"{k[:64]}…"  # a path, not an echo of the key
+                todo.append((f"{path}.{k}" if path else k, v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
 
 
 def _check_content_type(value: str | None) -> None:
@@ -82,18 +124,12 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 def _check_unicode(data: dict) -> None:
     """400 naming a field (dotted, as pydantic names them) whose text holds a lone surrogate,
     the outermost first."""
-    todo: collections.deque[tuple[str, object]] = collections.deque([("", data)])
-    while todo:
-        path, value = todo.popleft()
+    for path, value in _values(data):
         if isinstance(value, str):
             _no_surrogate(value, path, path)
         elif isinstance(value, dict):
-            for k, v in value.items():
+            for k in value:
                 _no_surrogate(k, f"a key in {path or 'the request body'}", path)
-                k = k if len(k) <= 64 else f"{k[:64]}…"  # a path, not an echo of the key
-                todo.append((f"{path}.{k}" if path else k, v))
-        elif isinstance(value, list):
-            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
 
 
 def _no_surrogate(text: str, name: str, param: str) -> None:

@@ -1,6 +1,6 @@
 """Request validation says what it refused: JSON types are taken strictly (true is not 1.0, "yes"
-is not true), and a refusal quotes the value it refused (clipped). The app is the real one over
-a scripted engine."""
+is not true), a refusal quotes the value it refused (clipped), and a number too long for Python
+is a 400 at its field. The app is the real one over a scripted engine."""
 
 from __future__ import annotations
 
@@ -105,3 +105,37 @@ def test_a_long_value_is_quoted_clipped_and_a_missing_one_not_at_all(client):
     assert len(error(r, "stop", "characters of JSON")) < 500
     message = error(client.post(COMPLETIONS, json={}), "prompt", "Field required")
     assert "got" not in message  # nothing was sent: pydantic's input is the whole body
+
+
+# -- numbers Python would not read ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (COMPLETIONS, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "max_tokens"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -'
+         + b"1" * 5000 + b"}", "temperature"),
+        (COMPLETIONS, b'{"prompt": [1, 2, ' + b"3" * 4301 + b"]}", "prompt.2"),
+        (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+         b'{"x": ' + b"7" * 5000 + b"}}", "chat_template_kwargs.x"),
+    ],
+)  # fmt: skip
+def test_a_5000_digit_number_is_a_400_at_its_field(client, path, raw, param):
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    message = error(r, param, "digits", "in the field's range")
+    assert "sys." not in message and "int_max_str_digits" not in message
+
+
+def test_a_long_number_in_broken_json_reports_the_json_error_only(client):
+    raw = b'{"prompt": ' + b"9" * 5000 + b", "
+    r = client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "not valid UTF-8 JSON" in message and "sys." not in message
+
+
+def test_numbers_python_reads_still_reach_the_field_check(client):
+    raw = b'{"prompt": "hi", "max_tokens": ' + b"9" * 4000 + b"}"
+    r = client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+    error(r, "max_tokens", "less than or equal to")
