@@ -100,6 +100,7 @@ c 400 {"n": 1.5}
 c 400 {"stream": "yes"}
 c 400 {"stream": 1}
 c 400 {"temperature": true}
+h 400 {"chat_template_kwargs": {"self": 1}}
 c 400 {"stream": {}}
 c 400 {"stop": 5}
 c 400 {"stop": [1, 2]}

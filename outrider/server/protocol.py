@@ -15,6 +15,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -52,6 +53,33 @@ Float = Annotated[float, BeforeValidator(_not_a_bool_number)]
 # Switches: JSON true or false only. pydantic's own bool reads "yes", "off", 1 and 0 too:
 # "stream": "yes" streamed.
 Bool = StrictBool
+
+
+# The chat renderer's own arguments (Tokenizer.encode_chat and apply_chat_template, which pass
+# chat_template_kwargs on as template variables): a variable of one of these names would
+# collide with them ("got multiple values for argument 'self'") or, as add_special_tokens,
+# quietly change the encoding. messages, tools and add_generation_prompt are request fields.
+RENDERER_ARGUMENTS = frozenset(
+    {"self", "messages", "tools", "add_generation_prompt", "add_special_tokens"}
+)
+
+
+def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(RENDERER_ARGUMENTS & value.keys())
+    if taken:
+        raise PydanticCustomError(
+            "reserved_name",
+            "{names} cannot be a template variable: the chat renderer takes {reserved} itself; "
+            "send messages, tools and add_generation_prompt as the request's own fields",
+            {
+                "names": ", ".join(map(repr, taken)),
+                "reserved": ", ".join(sorted(RENDERER_ARGUMENTS)),
+            },
+        )
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 
 
 class _Request(BaseModel):
@@ -188,7 +216,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
     add_generation_prompt: Bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 # -- completions --------------------------------------------------------------------------------
@@ -235,7 +263,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: Bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: Bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     return_token_strs: Bool = False
 
 

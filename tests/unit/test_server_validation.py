@@ -1,12 +1,16 @@
 """Request validation says what it refused: JSON types are taken strictly (true is not 1.0, "yes"
-is not true), a refusal quotes the value it refused (clipped), and a number too long for Python
-is a 400 at its field. The app is the real one over a scripted engine."""
+is not true), a refusal quotes the value it refused (clipped), a number too long for Python is
+a 400 at its field, and chat_template_kwargs cannot reach the renderer's own arguments. The app
+is the real one over a scripted engine."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 from starlette.testclient import TestClient
 
+from outrider.server.protocol import RENDERER_ARGUMENTS
 from tests.unit.test_server_errors_unit import AUTH, FakeCore, fake_app
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -139,3 +143,29 @@ def test_numbers_python_reads_still_reach_the_field_check(client):
     raw = b'{"prompt": "hi", "max_tokens": ' + b"9" * 4000 + b"}"
     r = client.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
     error(r, "max_tokens", "less than or equal to")
+
+
+# -- chat_template_kwargs cannot reach the renderer's arguments ---------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(RENDERER_ARGUMENTS))
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_reserved_template_variables_are_refused_by_name(client, path, name):
+    body = {"messages": MSG, "chat_template_kwargs": {name: 1, "enable_thinking": False}}
+    message = error(client.post(path, json=body), "chat_template_kwargs", repr(name))
+    assert "multiple values" not in message and "Tokenizer" not in message
+
+
+def test_other_template_variables_still_reach_the_template(client):
+    body = {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False, "x": [1]}}
+    assert client.post("/tokenize", json=body).status_code == 200
+
+
+def test_reserved_names_are_the_renderers_arguments():
+    from outrider.loaders.tokenizer import Tokenizer
+
+    names = set()
+    for method in (Tokenizer.encode_chat, Tokenizer.apply_chat_template):
+        params = inspect.signature(method).parameters.values()
+        names |= {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert names == RENDERER_ARGUMENTS
