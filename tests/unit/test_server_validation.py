@@ -1,11 +1,12 @@
 """Request validation says what it refused: JSON types are taken strictly (true is not 1.0, "yes"
 is not true), a refusal quotes the value it refused (clipped), a number too long for Python is
-a 400 at its field, and chat_template_kwargs cannot reach the renderer's own arguments. The app
-is the real one over a scripted engine."""
+a 400 at its field, chat_template_kwargs cannot reach the renderer's own arguments, and HEAD
+/health answers like GET. The app is the real one over a scripted engine."""
 
 from __future__ import annotations
 
 import inspect
+import json
 
 import pytest
 from starlette.testclient import TestClient
@@ -169,3 +170,14 @@ def test_reserved_names_are_the_renderers_arguments():
         params = inspect.signature(method).parameters.values()
         names |= {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
     assert names == RENDERER_ARGUMENTS
+
+
+# -- HEAD /health --------------------------------------------------------------------------------
+
+
+def test_head_health_answers_like_get_without_a_key(app):
+    bare = TestClient(app)
+    get, head = bare.get("/health"), bare.head("/health")
+    assert get.status_code == head.status_code == 200
+    assert json.loads(get.content)["status"] == "ok" and head.content == b""
+    assert bare.head("/v1/models").status_code == 401  # the key still guards the rest
