@@ -33,8 +33,8 @@ REQUEST_LIMITS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_i
 @dataclass(frozen=True)
 class ServerConfig:
     """Invariants after construction: 0 <= port <= 65535, at most one of api_key and
-    api_key_file, every limit positive, parsers named in the registries. cors_origins empty
-    means no CORS headers at all."""
+    api_key_file, every limit positive (max_logprobs in 0..20), parsers named in the
+    registries. cors_origins empty means no CORS headers at all."""
 
     host: str = "127.0.0.1"
     port: int = 8000
