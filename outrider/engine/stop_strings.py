@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 # Automata kept for the requests that follow their check (EngineCore.validate builds one where
 # the request is checked, so the engine thread finds it built): a 64 x 256-character set is
-# ~16K nodes, ~10 ms to build and ~2 MB (benchmarks/stop_strings.py).
+# ~16K nodes, 10-30 ms to build and ~2 MB (benchmarks/stop_strings.py).
 MAX_CACHED = 16
 _SPAN = 0x110000  # code points: a transition's key is node * _SPAN + ord(character)
 
@@ -32,7 +32,7 @@ _SPAN = 0x110000  # code points: a transition's key is node * _SPAN + ord(charac
 class StopAutomaton:
     """The trie of a set of stop strings, its failure links and the match at each node;
     immutable once built, shared by every request with the same stop strings. Flat lists and
-    one dict of int keys, no object per node: ~16K nodes build in ~10 ms, and the collector has
+    one dict of int keys, no object per node: ~16K nodes build in 10-30 ms, and the collector has
     nothing new to walk."""
 
     def __init__(self, stops: Sequence[str]) -> None:
