@@ -4,8 +4,9 @@ structured-output fields of OpenAI, vLLM and SGLang (read into one constraint by
 
 Requests ignore unknown fields (clients send vendor extras) but reject wrong types, NaN and
 infinity; every semantic check beyond types (context length, vocabulary, the server's
-per-request limits in limits.py) happens where the value is used, with a message naming it. Token ids are strict integers: JSON true
-is not token 1, nor 1.0 or "1" a token id.
+per-request limits in limits.py) happens where the value is used, with a message naming it.
+Token ids are strict integers: JSON true is not token 1, nor 1.0 or "1" a token id; numbers
+are never booleans, and booleans only true or false.
 """
 
 from __future__ import annotations
