@@ -97,7 +97,10 @@ c 400 {"temperature": []}
 c 400 {"top_p": {}}
 c 400 {"n": "two"}
 c 400 {"n": 1.5}
-c any {"stream": "yes"}
+c 400 {"stream": "yes"}
+c 400 {"stream": 1}
+c 400 {"temperature": true}
+h 400 {"chat_template_kwargs": {"self": 1}}
 c 400 {"stream": {}}
 c 400 {"stop": 5}
 c 400 {"stop": [1, 2]}
@@ -343,7 +346,14 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
         chat_body(messages=chat_body()["messages"] * context),
         _expect("400"),
     )
-    add("huge:stop_10k", COMPLETIONS, completion_body(stop=[f"s{i}" for i in range(10_000)]))
+    # past the server's per-request limits (server/limits.py): refused before any work
+    stops = [f"s{i}" for i in range(10_000)]
+    add("huge:stop_10k", COMPLETIONS, completion_body(stop=stops), _expect("400"))
+    add("huge:stop_300_chars", COMPLETIONS, completion_body(stop=["s" * 300]), _expect("400"))
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
+    add("huge:tools_200", CHAT, chat_body(tools=tools), _expect("400"))
+    digits = b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}"
+    add("number:5000_digits", COMPLETIONS, digits, _expect("400"))  # JSON, not for int()
     add(
         "unknown_field:100k_list",
         COMPLETIONS,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from outrider.core import FinishReason, Request, SamplingParams
+from outrider.engine.stop_strings import StopStrings
 
 # Prompt tokens decoded ahead of the output so the first output token is read in context
 # (SentencePiece drops a word's leading space when it starts the decoded text). vLLM uses 5.
@@ -52,11 +53,10 @@ class IncrementalDetokenizer:
         self.stop_hit = False
         self.stop_str: str | None = None
         self._emitted = 0  # characters of `text` already returned as deltas
-        self._stops: tuple[str, ...] = self._params.stop
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._stops = StopStrings(self._params.stop) if self._params.stop else None
         # With the stop string kept in the output, streaming its first characters early is
         # harmless: the final text contains them too. Only a cut needs the hold-back.
-        self._held_stops = () if self._params.include_stop_str_in_output else self._stops
+        self._hold = not self._params.include_stop_str_in_output
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._params.skip_special_tokens)
@@ -90,9 +90,10 @@ class IncrementalDetokenizer:
         return out
 
     def _append(self, delta: str) -> str:
-        old_len = len(self.text)
         self.text += delta
-        hit = self._find_stop(old_len)
+        # The earliest-starting match that ends in `delta` (stop_strings.py: the text is fed
+        # once, so a step costs its new characters, not the number of stop strings).
+        hit = self._stops.feed(delta) if self._stops is not None else None
         if hit is not None:
             start, stop = hit
             keep = start + len(stop) if self._params.include_stop_str_in_output else start
@@ -102,33 +103,12 @@ class IncrementalDetokenizer:
             self.stop_hit, self.stop_str = True, stop
             stable = len(self.text)
         else:
-            stable = len(self.text) - self._stop_prefix_len()
+            # The longest tail of `text` that is a proper prefix of a stop string.
+            held = self._stops.pending if self._stops is not None and self._hold else 0
+            stable = len(self.text) - held
         out = self.text[self._emitted : stable]
         self._emitted = max(self._emitted, stable)
         return out
-
-    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
-        """Earliest stop string match that ends in text[old_len:]; on a tie of start positions
-        the shorter one (it completed first). Searches only where a new match can lie."""
-        if not self._stops:
-            return None
-        begin = max(0, old_len - self._max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            i = self.text.find(stop, begin)
-            if i >= 0 and (best is None or (i, len(stop)) < (best[0], len(best[1]))):
-                best = (i, stop)
-        return best
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        hold = 0
-        for stop in self._held_stops:
-            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return hold
 
 
 def _stop_reason(

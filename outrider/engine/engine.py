@@ -18,7 +18,7 @@ from outrider.core import (
     ScheduledBatch,
     StepOutput,
 )
-from outrider.engine import overlap
+from outrider.engine import overlap, stop_strings
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
 from outrider.engine.limits import check_request, context_limit
@@ -44,7 +44,8 @@ class EngineCore:
         self.tokenizer = self.checkpoint.tokenizer
         self.runner = self._start_runner(config)
         # Within the KV pool, so check_stop's context limit also keeps every request in it.
-        self.max_model_len = context_limit(self.runner, config)
+        self.context = context_limit(self.runner, config)
+        self.max_model_len = self.context.tokens
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -125,10 +126,13 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the problem; the engine's state is untouched either way (a
-        constraint that compiles is cached for the request that follows)."""
-        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        constraint that compiles, and the stop strings' automaton, are cached for the request
+        that follows: the server validates off the engine thread)."""
+        check_request(prompt_token_ids, params, self.vocab_size, self.context)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
+        if params.stop:
+            stop_strings.automaton(params.stop)
 
     def add_request(
         self,

@@ -4,6 +4,7 @@ within the KV pool) and the check every request passes before it is queued."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -14,7 +15,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def context_limit(runner: ModelRunner, config: EngineConfig) -> int:
+@dataclass(frozen=True)
+class ContextLimit:
+    """The context one request may use (tokens, prompt and output), and what sets it, as
+    messages name it: `context` "the context is 1024 tokens, all the KV cache holds (...)",
+    `remedy` what would raise it (", or ..."; empty when only a shorter prompt helps)."""
+
+    tokens: int
+    context: str
+    remedy: str
+
+
+def context_limit(runner: ModelRunner, config: EngineConfig) -> ContextLimit:
     """The context one request may use: the configured (or the model's) limit, capped by what
     the whole KV pool holds, so an admitted request always runs to its end (alone, by
     preempting the others) instead of being cut short. Only the engine's limit drops: the
@@ -23,9 +35,14 @@ def context_limit(runner: ModelRunner, config: EngineConfig) -> int:
     limit = runner.max_model_len
     cache = config.cache
     pool = runner.num_blocks * cache.block_size
-    if limit <= pool:
-        return limit
     held = f"{runner.num_blocks} blocks of {cache.block_size} tokens"
+    if limit <= pool:
+        if config.model.max_model_len is not None:
+            return ContextLimit(
+                limit, f"the context is {limit} tokens (max_model_len, as configured)",
+                ", or raise max_model_len",
+            )  # fmt: skip
+        return ContextLimit(limit, f"the context is {limit} tokens (the model's max_model_len)", "")
     if config.model.max_model_len is not None:
         raise ValueError(
             f"max_model_len={limit} does not fit the KV cache, which holds {pool} tokens "
@@ -38,11 +55,16 @@ def context_limit(runner: ModelRunner, config: EngineConfig) -> int:
         "num_blocks) for the full context",
         limit, pool, held,
     )  # fmt: skip
-    return pool
+    return ContextLimit(
+        pool,
+        f"the context is {pool} tokens, all the KV cache holds ({held}; the model's "
+        f"max_model_len is {limit})",
+        ", or give the KV cache more memory (gpu_memory_utilization / cpu_kv_bytes / num_blocks)",
+    )
 
 
 def check_request(
-    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, context: ContextLimit
 ) -> None:
     """Raise ValueError naming what is wrong with a request and what to do instead."""
     if params.n != 1:
@@ -58,12 +80,11 @@ def check_request(
         raise ValueError(
             f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {vocab_size})"
         )
-    # max_model_len is within the KV pool (context_limit): what passes here fits.
-    if n >= max_model_len:
+    # The context is within the KV pool (context_limit): what passes here fits.
+    if n >= context.tokens:
         raise ValueError(
-            f"the prompt has {n} tokens but the context holds {max_model_len}, which must "
-            f"include at least one generated token: shorten the prompt, or raise max_model_len "
-            f"/ give the KV cache more memory"
+            f"the prompt has {n} tokens but {context.context}, which must include at least one "
+            f"generated token: shorten the prompt{context.remedy}"
         )
     # prompt + max_tokens past the context: the server refuses it (400, serving.py, as vLLM's
     # does); here, as in vLLM's offline API, generation stops at the context's end with

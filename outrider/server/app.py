@@ -1,6 +1,6 @@
 """The FastAPI app: routes, guards and error handlers around one ServerState.
 
-    GET  /health               200 while the engine thread makes progress, else 503
+    GET  /health               200 while the engine thread makes progress, else 503 (HEAD too)
     GET  /metrics              Prometheus text
     GET  /v1/models            the served model
     POST /v1/chat/completions  serving_chat.py
@@ -58,7 +58,8 @@ def build_app(state: ServerState, api_key: str | None) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    # HEAD too: load balancers and uptime checks probe with it.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         engine = state.engine
         if state.draining:

@@ -7,7 +7,7 @@
 
 Invariants: only the engine thread touches EngineCore's mutable state (the scheduler, block
 manager, detokenizers); the event loop reads only immutable fields (tokenizer, vocab_size,
-max_model_len) and the `stats` snapshot, which the engine thread replaces after every step.
+max_model_len, context) and the `stats` snapshot, which the engine thread replaces after every step.
 A generate() that ends early (client gone, cancelled) aborts its unfinished requests.
 
 Liveness: the engine thread beats a Heartbeat at every loop turn (at least every
@@ -148,6 +148,7 @@ class AsyncEngine:
         self.core = core
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
+        self.context = core.context  # what sets max_model_len, for messages
         self.vocab_size = core.vocab_size
         self.observer = observer
         self.stats = self._snapshot()

@@ -20,6 +20,22 @@ _SERVER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("served_model_name", str, "the model id clients send (default: the checkpoint's name)"),
     ("max_body_bytes", int, "larger request bodies get 413"),
     ("max_n", int, "most choices (n) per request"),
+    ("max_stop_strings", int, "most stop strings per request (each is matched every step)"),
+    ("max_stop_string_chars", int, "most characters in one stop string"),
+    ("max_stop_token_ids", int, "most stop_token_ids per request"),
+    ("max_tools", int, "most tools per chat request"),
+    (
+        "max_tools_chars",
+        int,
+        "most characters in a chat request's tools, as JSON (they are rendered into the prompt)",
+    ),
+    ("max_logprobs", int, "most top logprobs per token a request may ask for (20 at most)"),
+    (
+        "max_prompt_chars",
+        int,
+        "most characters of text in a prompt or in all of a chat's messages, checked before "
+        "tokenizing",
+    ),
     ("default_max_tokens", int, "max_tokens when a request gives none (default: the context)"),
     ("shutdown_timeout", float, "seconds SIGTERM waits for in-flight requests before aborting"),
     ("tool_parser", str, "parse tool calls: hermes, qwen or kimi_k2"),

@@ -25,13 +25,16 @@ from outrider.config import (
 )
 
 METRICS_PREFIXES = ("outrider", "vllm")  # of /metrics series: vllm for vLLM's dashboards
+# Bounds on one request that must be positive (max_logprobs may be 0: no top logprobs).
+REQUEST_LIMITS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                  "max_tools", "max_tools_chars", "max_prompt_chars")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Invariants after construction: 0 <= port <= 65535, at most one of api_key and
-    api_key_file, every limit positive, parsers named in the registries. cors_origins empty
-    means no CORS headers at all."""
+    api_key_file, every limit positive (max_logprobs in 0..20), parsers named in the
+    registries. cors_origins empty means no CORS headers at all."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -39,6 +42,16 @@ class ServerConfig:
     api_key_file: str | None = None  # a file whose stripped content is the key (keeps it out of ps)
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_n: int = 8  # choices per request
+    # What one request may ask for (server/limits.py, checked before any tokenizer or engine
+    # work). Each bounds work that grows with it: stop strings are matched on the engine thread
+    # every step, tools and prompts are rendered and tokenized, logprobs decoded per token.
+    max_stop_strings: int = 64  # OpenAI allows 4, vLLM any number
+    max_stop_string_chars: int = 256  # characters in one stop string
+    max_stop_token_ids: int = 256
+    max_tools: int = 128  # OpenAI's own limit
+    max_tools_chars: int = 256 << 10  # characters of all the tools' JSON (names, schemas)
+    max_logprobs: int = 20  # top logprobs per token; SamplingParams computes at most 20
+    max_prompt_chars: int = 2 << 20  # a prompt's or all messages' text, before tokenizing
     default_max_tokens: int | None = None  # when a request gives none; None: up to the context
     cors_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests, then aborts
@@ -60,9 +73,15 @@ class ServerConfig:
             raise ValueError("give api_key or api_key_file, not both: prefer api_key_file")
         if self.api_key == "":
             raise ValueError("invalid api_key='': use a non-empty key, or None for no auth")
-        for name in ("max_body_bytes", "max_n", "shutdown_timeout", "health_stall_s"):
+        for name in ("max_body_bytes", "max_n", "shutdown_timeout", "health_stall_s",
+                     *REQUEST_LIMITS):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: use a positive value")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(
+                f"invalid max_logprobs={self.max_logprobs!r}: use 0..20 (the engine computes at "
+                "most 20 top logprobs per token)"
+            )
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(
                 f"invalid default_max_tokens={self.default_max_tokens}: use an integer >= 1 or None"

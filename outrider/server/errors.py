@@ -11,6 +11,7 @@ every message besides: a 1 MB `model` must not come back as a 1 MB error.
 
 from __future__ import annotations
 
+import json
 import re
 
 from fastapi.responses import JSONResponse
@@ -69,6 +70,15 @@ def clip(value: object, limit: int = ECHO_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters of repr)"
 
 
+def clip_json(value: object, limit: int = ECHO_CHARS) -> str:
+    """A value the client sent, as the JSON it sent, for a message; cut like clip():
+    clip_json(True) == "true", clip_json("yes") == '"yes"'."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{json.dumps(value[:limit], ensure_ascii=False)}… ({len(value)} characters)"
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters of JSON)"
+
+
 def _cap(message: str) -> str:
     """The last line against echoed input that did not pass through clip() (a message built
     in state.py or the engine, an exception's repr): keep the head and the tail, which says
@@ -108,7 +118,7 @@ def from_validation_error(exc) -> APIError:
     reported (the member the client most likely meant: a content list whose part lacks `type`
     says so, not "Input should be a valid string"), or all of them where none is deeper."""
     try:
-        errors = exc.errors(include_url=False, include_input=False)
+        errors = exc.errors(include_url=False)
     except TypeError:  # FastAPI's RequestValidationError.errors() takes no options
         errors = exc.errors()
     if not errors:
@@ -118,6 +128,10 @@ def from_validation_error(exc) -> APIError:
     same = [f for f in found if f[0].split(".")[0] == field]
     param = max((p for p, _ in same), key=lambda p: p.count("."))  # the first of the deepest
     msg = ", or ".join(dict.fromkeys(m for p, m in same if p == param))
+    # The value at fault, unless it is missing (pydantic then gives the object around it).
+    first = next(e for e, (p, _) in zip(errors, found) if p == param)
+    shown = first.get("type") != "missing" and "input" in first
+    got = f" (got {clip_json(first['input'])})" if shown else ""
     others = len({p.split(".")[0] for p, _ in found} - {field})
     more = f" (and problems in {others} more field(s))" if others else ""
-    return bad_request(f"invalid {param or 'request'}: {msg}{more}", param=param or None)
+    return bad_request(f"invalid {param or 'request'}: {msg}{got}{more}", param=param or None)

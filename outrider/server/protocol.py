@@ -3,9 +3,10 @@ reads them, plus the sampling extensions vLLM users expect (top_k, min_p, ...) a
 structured-output fields of OpenAI, vLLM and SGLang (read into one constraint by structured.py).
 
 Requests ignore unknown fields (clients send vendor extras) but reject wrong types, NaN and
-infinity; every semantic check beyond types (context length, vocabulary, n cap) happens
-where the value is used, with a message naming it. Token ids are strict integers: JSON true
-is not token 1, nor 1.0 or "1" a token id.
+infinity; every semantic check beyond types (context length, vocabulary, the server's
+per-request limits in limits.py) happens where the value is used, with a message naming it.
+Token ids are strict integers: JSON true is not token 1, nor 1.0 or "1" a token id; numbers
+are never booleans, and booleans only true or false.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     WrapValidator,
@@ -38,8 +41,46 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def _not_a_bool_number(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise PydanticCustomError("float_type", "Input should be a valid number, not a boolean")
+    return value
+
+
 # Counts and ids: integers (2.0 and "2" still read as 2, as pydantic reads ints), never booleans.
 Int = Annotated[int, BeforeValidator(_not_a_bool)]
+# Numbers (temperature, penalties): 0.7 or "0.7", never true/false (true read as 1.0).
+Float = Annotated[float, BeforeValidator(_not_a_bool_number)]
+# Switches: JSON true or false only. pydantic's own bool reads "yes", "off", 1 and 0 too:
+# "stream": "yes" streamed.
+Bool = StrictBool
+
+
+# The chat renderer's own arguments (Tokenizer.encode_chat and apply_chat_template, which pass
+# chat_template_kwargs on as template variables): a variable of one of these names would
+# collide with them ("got multiple values for argument 'self'") or, as add_special_tokens,
+# quietly change the encoding. messages, tools and add_generation_prompt are request fields.
+RENDERER_ARGUMENTS = frozenset(
+    {"self", "messages", "tools", "add_generation_prompt", "add_special_tokens"}
+)
+
+
+def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(RENDERER_ARGUMENTS & value.keys())
+    if taken:
+        raise PydanticCustomError(
+            "reserved_name",
+            "{names} cannot be a template variable: the chat renderer takes {reserved} itself; "
+            "send messages, tools and add_generation_prompt as the request's own fields",
+            {
+                "names": ", ".join(map(repr, taken)),
+                "reserved": ", ".join(sorted(RENDERER_ARGUMENTS)),
+            },
+        )
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 
 
 class _Request(BaseModel):
@@ -47,7 +88,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
@@ -58,7 +99,7 @@ class JSONSchemaFormat(_Request):
     description: str | None = None
     # "schema" would shadow BaseModel.schema; the alias is what clients send.
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Request):
@@ -78,32 +119,32 @@ class StructuredOutputsField(_Request):
     regex: NonEmpty | None = None
     choice: list[NonEmpty] | None = None
     grammar: NonEmpty | None = None
-    json_object: bool = False
-    disable_any_whitespace: bool = False
+    json_object: Bool = False
+    disable_any_whitespace: Bool = False
 
 
 class SamplingFields(_Request):
     """Fields both endpoints share."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: Float | None = Field(None, ge=0, le=100)
+    top_p: Float | None = Field(None, gt=0, le=1)
     top_k: Int | None = Field(None, ge=-1, le=_MAX_INT)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
+    min_p: Float | None = Field(None, ge=0, le=1)
+    presence_penalty: Float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Float | None = Field(None, ge=0.01, le=100)
     seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     n: Int = Field(1, ge=1, le=_MAX_INT)
     max_tokens: Int | None = Field(None, ge=1, le=2**62)
     min_tokens: Int = Field(0, ge=0, le=_MAX_INT)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    logit_bias: dict[str, Float] | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Structured outputs (at most one of these; structured.py): OpenAI's, vLLM's, SGLang's.
@@ -169,14 +210,14 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=_MAX_INT)  # at most max_logprobs (limits.py)
     max_completion_tokens: Int | None = Field(None, ge=1, le=2**62)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
+    add_generation_prompt: Bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 # -- completions --------------------------------------------------------------------------------
@@ -221,10 +262,10 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    add_special_tokens: Bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: Bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(_Request):
@@ -240,8 +281,8 @@ class CompletionRequest(SamplingFields):
         Field(union_mode="left_to_right"),
         WrapValidator(_prompt_shape),
     ]
-    logprobs: Int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=_MAX_INT)  # at most max_logprobs (limits.py)
+    echo: Bool = False
     suffix: str | None = None
     best_of: Int | None = Field(None, ge=1, le=_MAX_INT)
 

@@ -9,8 +9,9 @@ import contextlib
 import json
 import math
 import re
+import sys
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,7 +48,7 @@ async def read_body(request: Request, model: type[M]) -> M:
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid UTF-8 JSON: {e}") from None
+        raise _unparsable(body, e) from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     if json.detect_encoding(body) != "utf-8" or _SURROGATE_HINT.search(body):
@@ -58,6 +59,47 @@ async def read_body(request: Request, model: type[M]) -> M:
         raise from_validation_error(e) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
+
+
+class _LongNumber:
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
+def _unparsable(body: bytes, error: Exception) -> APIError:
+    """The 400 for a body json.loads refused. An integer longer than Python reads
+    (sys.int_max_str_digits, 4,300 digits; its error names that setting) is reported at its
+    field; the body is parsed again for it, with such numbers as markers, only on this path."""
+    most = sys.get_int_max_str_digits()
+    if most:
+        try:
+            data = json.loads(body, parse_int=lambda t: _LongNumber(t) if len(t) > most else 0)
+        except (ValueError, RecursionError) as again:
+            error = again  # what else is wrong with it, the number aside
+        else:
+            for path, value in _values(data):
+                if isinstance(value, _LongNumber) and value.digits > most:
+                    return bad_request(
+                        f"invalid {path or 'request'}: a number with {value.digits} digits is "
+                        "larger than any this server takes: send a number in the field's range",
+                        path or None,
+                    )
+    return bad_request(f"the request body is not valid UTF-8 JSON: {error}")
+
+
+def _values(data: object) -> Iterator[tuple[str, object]]:
+    """(path, value) of `data` and every value inside it, the outermost first; paths dotted as
+    pydantic names fields ("messages.0.content"), a key cut to 64 characters."""
+    todo: collections.deque[tuple[str, object]] = collections.deque([("", data)])
+    while todo:
+        path, value = todo.popleft()
+        yield path, value
+        if isinstance(value, dict):
+            for k, v in value.items():
+                k = k if len(k) <= 64 else f"{k[:64]}…"  # a path, not an echo of the key
+                todo.append((f"{path}.{k}" if path else k, v))
+        elif isinstance(value, list):
+            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
 
 
 def _check_content_type(value: str | None) -> None:
@@ -82,18 +124,12 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 def _check_unicode(data: dict) -> None:
     """400 naming a field (dotted, as pydantic names them) whose text holds a lone surrogate,
     the outermost first."""
-    todo: collections.deque[tuple[str, object]] = collections.deque([("", data)])
-    while todo:
-        path, value = todo.popleft()
+    for path, value in _values(data):
         if isinstance(value, str):
             _no_surrogate(value, path, path)
         elif isinstance(value, dict):
-            for k, v in value.items():
+            for k in value:
                 _no_surrogate(k, f"a key in {path or 'the request body'}", path)
-                k = k if len(k) <= 64 else f"{k[:64]}…"  # a path, not an echo of the key
-                todo.append((f"{path}.{k}" if path else k, v))
-        elif isinstance(value, list):
-            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
 
 
 def _no_surrogate(text: str, name: str, param: str) -> None:
@@ -123,11 +159,12 @@ def sampling_params(
     so n choices differ yet each is reproducible."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported by this server: drop it", "logit_bias")
-    room = state.engine.max_model_len - prompt_len
+    context = state.engine.context
+    room = context.tokens - prompt_len
     if room < 1:
         raise bad_request(
-            f"the prompt has {prompt_len} tokens but the context holds "
-            f"{state.engine.max_model_len}, leaving no room to generate: shorten the prompt",
+            f"the prompt has {prompt_len} tokens but {context.context}, leaving no room to "
+            f"generate: shorten the prompt{context.remedy}",
             "messages" if hasattr(req, "messages") else "prompt",
         )
     if max_tokens is None:
@@ -135,8 +172,8 @@ def sampling_params(
     elif max_tokens > room:
         raise bad_request(
             f"max_tokens={max_tokens} is more than the context leaves: the prompt has "
-            f"{prompt_len} tokens and max_model_len is {state.engine.max_model_len}, so at most "
-            f"{room}; lower max_tokens or shorten the prompt",
+            f"{prompt_len} tokens and {context.context}, so at most {room}; lower max_tokens or "
+            f"shorten the prompt{context.remedy}",
             "max_tokens",
         )
     bad_ids = [t for t in req.stop_token_ids or () if not 0 <= t < state.engine.vocab_size]
@@ -174,15 +211,6 @@ def sampling_params(
 
 
 _SAMPLING_FIELD = re.compile(r"invalid (\w+)=")
-
-
-def check_n(state: ServerState, n: int) -> None:
-    if n > state.config.max_n:
-        raise bad_request(
-            f"n={n} is more than this server allows ({state.config.max_n}): ask for fewer "
-            "choices, or raise max_n in the server config",
-            "n",
-        )
 
 
 def validate(

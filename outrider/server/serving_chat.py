@@ -17,12 +17,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from outrider.server.async_engine import EngineDeadError
 from outrider.server.choice_text import ChoiceText
 from outrider.server.errors import APIError, bad_request, clip
+from outrider.server.limits import check_chat
 from outrider.server.parsers.base import ReasoningParser, ToolCall
 from outrider.server.protocol import ChatCompletionRequest, ChatMessage, new_id
 from outrider.server.serving import (
     SSE_DONE,
     chat_logprobs,
-    check_n,
     collect,
     read_body,
     response,
@@ -40,7 +40,7 @@ async def create_chat_completion(state: ServerState, request: Request):
     req = await read_body(request, ChatCompletionRequest)
     state.check_admission()
     state.check_model(req.model)
-    check_n(state, req.n)
+    check_chat(state.config, req)
     tools = _rendered_tools(req)
     constraint = request_constraint(req, tool_call_constraint(req, state.tool_parser))
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]

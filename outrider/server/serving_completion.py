@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from outrider.server.async_engine import EngineDeadError
 from outrider.server.errors import APIError, bad_request
+from outrider.server.limits import check_completion
 from outrider.server.protocol import CompletionRequest, new_id
 from outrider.server.serving import (
     SSE_DONE,
-    check_n,
     collect,
     completion_logprobs,
     read_body,
@@ -37,7 +37,7 @@ async def create_completion(state: ServerState, request: Request):
     req = await read_body(request, CompletionRequest)
     state.check_admission()
     state.check_model(req.model)
-    check_n(state, req.n)
+    check_completion(state.config, req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server: drop it", "suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from outrider import __version__
 from outrider.server.errors import bad_request
+from outrider.server.limits import check_tokenize
 from outrider.server.protocol import DetokenizeRequest, TokenizeRequest
 from outrider.server.serving import read_body
 from outrider.server.serving_chat import render, template_message
@@ -21,6 +22,7 @@ async def tokenize(state: ServerState, request: Request) -> JSONResponse:
     state.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give either prompt or messages (one of them) to tokenize", "prompt")
+    check_tokenize(state.config, req)
     ids = await asyncio.to_thread(_tokenize, state, req)
     body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     if req.return_token_strs:

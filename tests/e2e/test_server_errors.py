@@ -72,6 +72,8 @@ def test_no_key_is_401_everywhere_but_health(server, method, path):
         err = _assert_error(r, 401, "API key")
         assert err["code"] == "invalid_api_key"
     assert httpx.get(server.base + "/health").status_code == 200
+    head = httpx.head(server.base + "/health")  # load balancers probe with HEAD
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_wrong_key_raises_authentication_error(server):

@@ -56,6 +56,9 @@ def test_default_context_is_capped_by_the_pool(long_dir, tiny_dir, caplog):  # n
     with caplog.at_level(logging.WARNING, logger="outrider.engine.engine"):
         small = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64)
     assert small.engine.max_model_len == 512 and not caplog.records
+    # Refusals name the bound: the pool, the model or the configuration.
+    assert "all the KV cache holds" in llm.engine.context.context
+    assert small.engine.context.context == "the context is 512 tokens (the model's max_model_len)"
 
 
 def test_explicit_max_model_len_beyond_the_pool_fails_at_start(long_dir):
@@ -65,6 +68,8 @@ def test_explicit_max_model_len_beyond_the_pool_fails_at_start(long_dir):
     assert "max_model_len=2048" in msg and str(POOL) in msg and "num_blocks" in msg
     fits = LLM(str(long_dir), dtype="float32", device="cpu", num_blocks=64, max_model_len=POOL)
     assert fits.engine.max_model_len == POOL
+    with pytest.raises(ValueError, match=r"\(max_model_len, as configured\).*raise max_model_len"):
+        fits.generate([[42] * POOL], SamplingParams(max_tokens=1))
 
 
 def test_a_prompt_past_the_context_is_refused_and_generation_stops_at_its_end(llm):
@@ -72,8 +77,9 @@ def test_a_prompt_past_the_context_is_refused_and_generation_stops_at_its_end(ll
     prompt + max_tokens past the context generates up to the context's end, the whole context
     the pool really holds (before the cap: 24 of 100 tokens under a reported 2048), and says
     "length". The server refuses such a request instead (test below)."""
-    with pytest.raises(ValueError, match="context holds 1024"):
+    with pytest.raises(ValueError, match="context is 1024 tokens, all the KV cache holds") as e:
         llm.generate([[42] * POOL], SamplingParams(max_tokens=1))
+    assert "64 blocks of 16 tokens" in str(e.value) and "cpu_kv_bytes" in str(e.value)
     assert _idle(llm)
     over = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     out = llm.generate([[42] * 1000], over)[0]
@@ -128,6 +134,7 @@ def test_server_refuses_with_400_and_reports_the_effective_context(long_dir):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert "max_tokens=100" in err["message"] and str(POOL) in err["message"]
+        assert "all the KV cache holds" in err["message"]  # the bound is the pool, not the model
         r = c.post("/completions", json={**body, "max_tokens": 24})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from outrider.core import RequestOutput, SamplingParams
+from outrider.engine.limits import ContextLimit
 from outrider.server.async_engine import AsyncEngine, EngineDeadError
 
 
@@ -20,6 +21,7 @@ class FakeCore:
     def __init__(self, tokens: int = 3, fail_at_step: int | None = None) -> None:
         self.tokenizer = SimpleNamespace(bos_token_id=1)
         self.max_model_len, self.vocab_size = 64, 100
+        self.context = ContextLimit(64, "the context is 64 tokens (the model's max_model_len)", "")
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
         self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
         stats = SimpleNamespace(

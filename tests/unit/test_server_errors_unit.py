@@ -272,7 +272,8 @@ def test_long_model_name_is_not_echoed_whole(client):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", {"prompt": "hi", "stop": ["", "x" * 100_000]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["", "x" * 100_000]}, "stop.1"),  # too long
+        ("/v1/completions", {"prompt": "hi", "stop": ["", *["x" * 256] * 63]}, "stop"),  # empty
         (
             "/v1/chat/completions",
             {"messages": MSG, "response_format": {"type": "y" * 10**5}},
