@@ -14,8 +14,8 @@ Every configuration is built first (plain always). Before any constrained reques
 engine times what a constraint costs before its first token: `EngineCore.validate`, which
 compiles it (the first also builds the engine's llguidance view of the tokenizer), for fresh
 constraints and a cached one, and a one-token request with a fresh constraint against the same
-request without. Then each (temperature, C) slot runs plain unconstrained (the baseline), then
-`--rounds` rounds of every other (configuration, constrained) pair in a rotated order, each
+request without. Then each (temperature, C) slot runs plain unconstrained (the baseline) and
+plain constrained once (untimed: the lengths of plain matched), then `--rounds` rounds of every other (configuration, constrained) pair in a rotated order, each
 round followed by plain unconstrained again; a run's speedup is over the mean of the plain runs
 around its round, the median over rounds is reported (as benchmarks/spec_gpu.py does, whose
 helpers this imports). A run serves all cases in batches of C requests (cases cycled so every
@@ -25,10 +25,13 @@ Per (configuration, constrained, temperature, C) it reports valid_fraction (outp
 with json.loads and validate against their schema, fullmatch their regex or equal one of their
 choices; unconstrained outputs are checked too, to show what the constraint buys),
 valid_fraction_finished (among outputs that ended on their own rather than at max_tokens),
-tok/s, speedup over plain unconstrained, the step split (runner and host milliseconds per
-step: masks are computed on the host), accept length and every counter of the engine's
-SpecStats over the run (num_forced_drafts: drafts the grammar forced), and
-at temperature 0 the fraction of outputs identical to plain's under the same constraint.
+tok/s, speedup over plain unconstrained, vs_plain_matched (constrained tok/s over plain
+unconstrained requests made exactly as long as plain constrained ones, "plain matched": the
+grammar's cost for plain, speculation's gain under it otherwise; constrained outputs end
+early, so their runs weigh prefill more than unconstrained ones), the step split (runner and
+host milliseconds per step: masks are computed on the host), accept length and every counter
+of the engine's SpecStats over the run (num_forced_drafts: drafts the grammar forced), and at
+temperature 0 the fraction of outputs identical to plain's under the same constraint.
 Writes benchmarks/results/structured.json (CPU: structured_cpu.json) and a PNG of tok/s
 against C, per configuration, constrained and not.
 """
@@ -58,6 +61,9 @@ from structured_cases import CASES, Case, load_cases  # noqa: E402
 
 CONFIGS = ("plain", "ngram", "eagle3", "ngram_nogd", "eagle3_nogd")
 CONSTRAINTS = ("unconstrained", "constrained")
+# Plain unconstrained requests made exactly as long as plain constrained ones (ignore_eos):
+# constrained outputs end early, and a run of short outputs weighs its prefills more.
+MATCHED = "matched"
 
 
 def engine_configs(k: int, draft: str | None) -> dict[str, dict | None]:
@@ -70,13 +76,20 @@ def engine_configs(k: int, draft: str | None) -> dict[str, dict | None]:
 
 
 def request_params(
-    case_index: int, case: Case, constrained: bool, temperature: float, max_tokens: int
+    case_index: int,
+    case: Case,
+    constrained: bool,
+    temperature: float,
+    max_tokens: int,
+    length: int | None = None,
 ):
+    """`length`: exactly this many tokens (ignore_eos), the length-matched baseline."""
     from outrider import SamplingParams
 
     return SamplingParams(
         temperature=temperature,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens if length is None else length,
+        ignore_eos=length is not None,
         seed=case_index if temperature > 0 else None,
         structured_outputs=case.structured_outputs() if constrained else None,
     )
@@ -126,19 +139,34 @@ def timed_run(
     c: int,
     max_tokens: int,
     device: str,
+    lengths: list[int] | None = None,
 ) -> dict:
     """Every case once (cycled to full batches of c); tok/s over the timed part, validity
-    counts, the engine's speculation counters and step split over it."""
+    counts, the engine's speculation counters and step split over it. `lengths` (one per
+    request, in run order): each request makes exactly that many tokens, unconstrained."""
     idx = [i for batch in batches(list(range(len(cases))), c) for i in batch]
-    params = {i: request_params(i, cases[i], constrained, temperature, max_tokens) for i in idx}
+    if lengths is not None and len(lengths) != len(idx):
+        raise ValueError(f"{len(lengths)} lengths for a run of {len(idx)} requests")
+    params = [
+        request_params(
+            i,
+            cases[i],
+            constrained,
+            temperature,
+            max_tokens,
+            None if lengths is None else lengths[n],
+        )  # fmt: skip
+        for n, i in enumerate(idx)
+    ]
     engine = llm.engine
     engine.speculator.reset_stats()
     before = _clock(engine)
     _sync(device)
     outs, t0 = [], time.perf_counter()
-    for batch in batches(idx, c):
+    for start in range(0, len(idx), c):
+        batch = idx[start : start + c]
         convs = [[{"role": "user", "content": cases[i].prompt}] for i in batch]
-        outs += llm.chat(convs, [params[i] for i in batch])
+        outs += llm.chat(convs, params[start : start + c])
     _sync(device)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
@@ -235,10 +263,16 @@ def slot_rows(plains: list[dict], tries: dict, greedy: bool) -> dict:
         if cfg != "plain" and greedy and plain is not None:
             # bf16 batched verify may flip near-tie argmaxes: a measure, not a check
             row.update(identity_summary(own, plain))
+    matched = rows["plain"].get(MATCHED, {}).get("tok_per_s")
     for by_constraint in rows.values():
         if set(CONSTRAINTS) <= set(by_constraint):
             free, fixed = (by_constraint[k]["tok_per_s"] for k in CONSTRAINTS)
             by_constraint["constrained"]["vs_unconstrained"] = round(fixed / free, 3)
+        if "constrained" in by_constraint and matched:
+            # Over plain decoding of the same lengths unconstrained: what the grammar costs
+            # (plain) or what speculation gains under it, with prefill weighing the same.
+            row = by_constraint["constrained"]
+            row["vs_plain_matched"] = round(row["tok_per_s"] / matched, 3)
     return rows
 
 
@@ -261,10 +295,10 @@ def sweep(
         for cfg in llms
         for k in CONSTRAINTS
         if k == "constrained" or not (cfg == "plain" or cfg.endswith("_nogd"))
-    ]
+    ] + [("plain", MATCHED)]
     print(
         f"{'config':11s} {'constraint':13s} {'run':10s} {'tok/s':>9s} {'speedup':>8s} "
-        f"{'valid':>6s} {'accept':>7s} {'same':>6s}",
+        f"{'valid':>6s} {'accept':>7s} {'same':>6s} {'vs_pm':>6s}",
         flush=True,
     )
     runs: dict = {}
@@ -273,10 +307,13 @@ def sweep(
             key = f"t{temperature:g}_c{c}"
             args = (cases, temperature, c, max_tokens, device)
             plains = [timed_run(llms["plain"], False, *args)]
+            # The lengths plain constrained decoding gives (fixed: greedy, or seeded).
+            lengths = [len(ids) for ids in timed_run(llms["plain"], True, *args)["ids"]]
             tries: dict = {pair: [] for pair in pairs}
             for r in range(rounds):
                 for cfg, constraint in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
-                    row = timed_run(llms[cfg], constraint == "constrained", *args)
+                    length = lengths if constraint == MATCHED else None
+                    row = timed_run(llms[cfg], constraint == "constrained", *args, length)
                     row["plain_around"] = [plains[-1]]  # and the plain run after: below
                     tries[(cfg, constraint)].append(row)
                 plains.append(timed_run(llms["plain"], False, *args))
@@ -289,7 +326,8 @@ def sweep(
                     print(
                         f"{cfg:11s} {constraint:13s} {key:10s} {row['tok_per_s']:>9.1f} "
                         f"{row['speedup']:>8.2f} {row['valid_fraction']:>6} "
-                        f"{'-' if acc is None else acc:>7} {'-' if same is None else same:>6}",
+                        f"{'-' if acc is None else acc:>7} {'-' if same is None else same:>6} "
+                        f"{row.get('vs_plain_matched', '-'):>6}",
                         flush=True,
                     )
     return runs
@@ -298,7 +336,7 @@ def sweep(
 def summary_tables(runs: dict) -> dict:
     """From runs {f"t{T}_c{C}": {config: {constraint: row}}}: per metric, temperature, config
     and constraint, the value by C (C and T as strings: JSON keys)."""
-    metrics = ("tok_per_s", "speedup", "valid_fraction", "accept_length")
+    metrics = ("tok_per_s", "speedup", "valid_fraction", "accept_length", "vs_plain_matched")
     out: dict = {m: {} for m in metrics}
     for key, rows in runs.items():
         t, c = key.rsplit("_c", 1)
@@ -333,7 +371,7 @@ def plot(summary: dict, path: Path) -> None:
                     [by_c[x] for x in cs],
                     marker="o",
                     color=f"C{i}",
-                    linestyle="--" if constraint == "constrained" else "-",
+                    linestyle={"constrained": "--", MATCHED: ":"}.get(constraint, "-"),
                     label=f"{cfg} {constraint}",
                 )
         ax.set_xscale("log", base=2)

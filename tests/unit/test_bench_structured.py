@@ -291,9 +291,15 @@ def test_end_to_end_on_a_tiny_model_every_constrained_output_is_valid(
     assert set(result["runs"]) == {"t0_c1", "t0_c3", "t0.8_c1", "t0.8_c3"}
     for key, rows in result["runs"].items():
         assert {c: set(r) for c, r in rows.items()} == {
-            "plain": {"unconstrained", "constrained"},
+            "plain": {"unconstrained", "constrained", "matched"},
             "ngram": {"unconstrained", "constrained"},
         }, key
+        # Plain matched makes exactly the tokens plain constrained made, unconstrained.
+        matched, fixed = rows["plain"]["matched"], rows["plain"]["constrained"]
+        assert matched["tokens"] == fixed["tokens"] and matched["valid_fraction"] < 1, key
+        want = round(fixed["tok_per_s"] / matched["tok_per_s"], 3)
+        assert fixed["vs_plain_matched"] == want, key
+        assert rows["ngram"]["constrained"]["vs_plain_matched"] > 0, key
         for cfg, by_constraint in rows.items():
             row = by_constraint["constrained"]
             # The regex and the choice end well inside 32 tokens; whatever ended, is valid.
