@@ -133,7 +133,7 @@ def _open_gguf(path: Path) -> Checkpoint:
 
     gguf_file = GGUFFile(path)
     hf_config = gguf_file.hf_config()
-    tokenizer = Tokenizer.from_gguf_fields(gguf_file.tokenizer_fields())
+    tokenizer = Tokenizer.from_gguf_fields(gguf_file.tokenizer_fields(), path)
     return _checkpoint(path, "gguf", hf_config, tokenizer, gguf_file)
 
 

@@ -3,22 +3,18 @@ from an HF directory (tokenizer.json & co.) or from a GGUF file's `tokenizer.*` 
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 import logging
 import re
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from outrider.loaders.chat_template import TemplateLimits, render_chat_template
 from outrider.loaders.vocab_common import byte_alphabet, read_json, token_content
 
 logger = logging.getLogger(__name__)
@@ -53,11 +49,15 @@ _BPE_PRE: dict[str, tuple[str, ...]] = {  # pre type -> regexes, applied in turn
 _LLAMA3_LIKE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"})
 
 
+_TRIAL_CONVERSATION = [{"role": "user", "content": "Hello!"}]
+
+
 class Tokenizer:
     """Text <-> ids for one model, and its chat template.
 
     Invariants: `eos_token_ids` holds every id that ends generation (EOS, end-of-turn); ids in
-    `all_special_ids` are dropped by decode(skip_special_tokens=True).
+    `all_special_ids` are dropped by decode(skip_special_tokens=True); the chat template renders
+    within `chat_limits`.
     """
 
     def __init__(
@@ -68,9 +68,12 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         special_tokens: dict[str, str] | None = None,
+        chat_template_origin: str = "the model's chat template",
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
+        self.chat_template_origin = chat_template_origin  # where it came from, for errors
+        self.chat_limits = TemplateLimits()
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         # bos_token / eos_token / ... as chat templates see them.
@@ -110,8 +113,10 @@ class Tokenizer:
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
+        origin = f"the chat_template in {str(path / 'tokenizer_config.json')!r}"
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
+            origin = f"the chat template {str(path / 'chat_template.jinja')!r}"
         specials = {
             name: token_content(tok_cfg[name])
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -132,15 +137,18 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_ids=eos,
             special_tokens=specials,
+            chat_template_origin=origin,
         )
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+    def from_gguf_fields(cls, fields: dict[str, Any], path: str | Path | None = None) -> Tokenizer:
         """From a GGUF's `tokenizer.*` metadata (keys as in the file, e.g. "tokenizer.ggml.tokens").
+        `path` names the file in errors.
 
         tokenizer.ggml.model "gpt2" is byte-level BPE, pre-tokenized per tokenizer.ggml.pre;
         "llama" is SentencePiece-style BPE with byte fallback.
         """
+        where = f"GGUF file {str(path)!r}" if path is not None else "the GGUF"
         kind = fields.get("tokenizer.ggml.model")
         tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or ())
         if not tokens:
@@ -194,6 +202,7 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_ids=[i for i in ends if i is not None],
             special_tokens={k: t for k, v in names.items() if (t := token(f"{v}_token_id"))},
+            chat_template_origin=f"the tokenizer.chat_template in {where}",
         )
 
     # ---- use -----------------------------------------------------------------------------
@@ -301,16 +310,35 @@ class Tokenizer:
         # Keys set to None (OpenAI clients send content=None, tool_calls=None) are dropped, as
         # transformers does: templates test for presence and would render "None".
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        variables = {**self.special_tokens, "documents": None, **kwargs}
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the model's chat template rejected the messages: {e}") from e
+        variables = dict(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, "documents": None, **kwargs},
+        )  # a TypeError when kwargs repeat one of the first three
+        return render_chat_template(self.chat_template, self.chat_limits, variables)
+
+    def with_chat_template(
+        self, limits: TemplateLimits, template: str | None = None, origin: str | None = None
+    ) -> Tokenizer:
+        """A copy whose chat template (`template` from `origin`, or this one's own) renders
+        within `limits`, once it has rendered a one-message conversation: a template that does
+        not compile, or fails on that, is an error naming where it came from, at start-up rather
+        than on every request."""
+        chat = copy.copy(self)
+        chat.chat_limits = limits
+        if template is not None:
+            chat.chat_template = template
+            chat.chat_template_origin = origin or "the chat template"
+        if chat.chat_template:
+            try:
+                chat.apply_chat_template(_TRIAL_CONVERSATION)
+            except ValueError as e:
+                raise ValueError(
+                    f"{chat.chat_template_origin} cannot render a one-message conversation "
+                    f"({e}): fix the template, or pass a working one with --chat-template"
+                ) from None
+        return chat
 
 
 def _guard_special_text(
@@ -429,44 +457,3 @@ def _add_gguf_special_tokens(
             f"GGUF special tokens {grown[:5]} are not in the file's own vocabulary under the same "
             f"spelling: the tokenizer metadata is inconsistent; use the model's HF directory"
         )
-
-
-# ---- chat templates ----------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it for
-    training masks): rendered as its body, so templates using it compile."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # jinja's own tojson escapes HTML (<, >, &), which would change prompts.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    # Sandboxed: chat templates come with checkpoints and are untrusted code.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
