@@ -149,16 +149,10 @@ class Tokenizer:
         "llama" is SentencePiece-style BPE with byte fallback.
         """
         where = f"GGUF file {str(path)!r}" if path is not None else "the GGUF"
+        _check_gguf_fields(fields, where)
         kind = fields.get("tokenizer.ggml.model")
-        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or ())
-        if not tokens:
-            raise ValueError("the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        if len(types) != len(tokens):
-            raise ValueError(
-                f"the GGUF lists {len(tokens)} tokens but {len(types)} token types: the tokenizer "
-                f"metadata is broken; re-convert the model with llama.cpp's convert_hf_to_gguf.py"
-            )
         pre = fields.get("tokenizer.ggml.pre", "default")
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or [], pre)
@@ -169,10 +163,10 @@ class Tokenizer:
             default_bos = True
         else:
             raise ValueError(
-                f"the GGUF's tokenizer.ggml.model is {kind!r}: outrider builds 'gpt2' (byte-level "
+                f"{where} has tokenizer.ggml.model={kind!r}: outrider builds 'gpt2' (byte-level "
                 f"BPE) and 'llama' (SentencePiece BPE) tokenizers; use the model's HF directory"
             )
-        _add_gguf_special_tokens(backend, tokens, types)
+        _add_gguf_special_tokens(backend, tokens, types, where)
 
         def token(key: str) -> str | None:
             i = fields.get(f"tokenizer.ggml.{key}")
@@ -377,6 +371,51 @@ def _guard_special_text(
 
 # ---- GGUF vocabularies -------------------------------------------------------------------
 
+# Ids the tokenizer reads from the metadata: each must name a token in tokenizer.ggml.tokens.
+_GGUF_TOKEN_IDS = ("bos", "eos", "eot", "eom", "unknown")
+
+
+def _check_gguf_fields(fields: dict[str, Any], where: str) -> None:
+    """The tokenizer metadata has the kinds and lengths from_gguf_fields reads, so a corrupt
+    file is an error naming the key, not an IndexError or a vocabulary of single letters."""
+
+    def bad(key: str, expected: str) -> ValueError:
+        value = fields[key]
+        shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:80]
+        return ValueError(
+            f"{where} has {key} = {shown}, expected {expected}: the tokenizer metadata is "
+            "corrupt; re-convert the model with llama.cpp's convert_hf_to_gguf.py"
+        )
+
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{where} has no tokenizer.ggml.tokens: it carries no tokenizer")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise bad("tokenizer.ggml.tokens", "a non-empty list of strings")
+    n = len(tokens)
+    for key, kind, expected in (
+        ("tokenizer.ggml.token_type", int, f"a list of {n} integers, one per token"),
+        ("tokenizer.ggml.scores", (int, float), f"a list of {n} numbers, one per token"),
+    ):
+        value = fields.get(key)
+        if value is not None and not (
+            isinstance(value, list) and len(value) == n and all(isinstance(v, kind) for v in value)
+        ):
+            raise bad(key, expected)
+    merges = fields.get("tokenizer.ggml.merges")
+    if merges is not None and not (
+        isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)
+    ):
+        raise bad("tokenizer.ggml.merges", "a list of 'left right' strings")
+    for name in _GGUF_TOKEN_IDS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = fields.get(key)
+        if value is not None and not (isinstance(value, int) and 0 <= value < n):
+            raise bad(key, f"a token id in 0..{n - 1}")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if fields.get(key) is not None and not isinstance(fields[key], str):
+            raise bad(key, "a string")
+
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
     spelling = byte_alphabet()
@@ -441,7 +480,7 @@ def _sentencepiece_bpe(
 
 
 def _add_gguf_special_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]
+    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], where: str
 ) -> None:
     """CONTROL tokens become special tokens, USER_DEFINED ones added tokens, each keeping the id
     the file gives it (the content is found in the vocabulary, so no new id is made)."""
@@ -454,6 +493,6 @@ def _add_gguf_special_tokens(
     if backend.get_vocab_size(with_added_tokens=True) != before:
         grown = [t.content for t in control + user if backend.token_to_id(t.content) >= before]
         raise ValueError(
-            f"GGUF special tokens {grown[:5]} are not in the file's own vocabulary under the same "
-            f"spelling: the tokenizer metadata is inconsistent; use the model's HF directory"
+            f"{where} has special tokens {grown[:5]} that are not in its own vocabulary under the "
+            f"same spelling: the tokenizer metadata is inconsistent; use the model's HF directory"
         )
