@@ -103,17 +103,29 @@ class Tokenizer:
                 "tokenizer.json with transformers: AutoTokenizer.from_pretrained(dir)"
                 ".save_pretrained(dir)"
             )
-        return cls._from_dir(path, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise ValueError(
+                f"{str(path / 'tokenizer.json')!r} is not a tokenizer file tokenizers can read "
+                f"({str(e)[:200]}): re-download it"
+            ) from None
+        return cls._from_dir(path, backend)
 
     @classmethod
     def _from_dir(cls, path: Path, backend: tokenizers.Tokenizer) -> Tokenizer:
         tok_cfg = read_json(path / "tokenizer_config.json")
         template = tok_cfg.get("chat_template")
         # Several named templates: [{"name": "default", "template": ...}, {"name": "tool_use"...}]
-        if isinstance(template, list):
+        if isinstance(template, list) and all(isinstance(t, dict) for t in template):
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
         origin = f"the chat_template in {str(path / 'tokenizer_config.json')!r}"
+        if template is not None and not isinstance(template, str):
+            raise ValueError(
+                f"{origin} is {str(template)[:80]!r}, expected a jinja string or a list of "
+                "{name, template} objects: fix or re-download tokenizer_config.json"
+            )
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
             origin = f"the chat template {str(path / 'chat_template.jinja')!r}"
@@ -122,10 +134,22 @@ class Tokenizer:
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
             if tok_cfg.get(name) is not None
         }
+        for name, text in specials.items():
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{str(path / 'tokenizer_config.json')!r} has {name} {str(text)[:80]!r}, "
+                    "expected a token's text (or {content: text}): fix or re-download it"
+                )
         eos: list[int] = []
-        for cfg in (read_json(path / "generation_config.json"), read_json(path / "config.json")):
-            value = cfg.get("eos_token_id")
-            eos += value if isinstance(value, list) else [] if value is None else [value]
+        for name in ("generation_config.json", "config.json"):
+            value = read_json(path / name).get("eos_token_id")
+            ids = value if isinstance(value, list) else [] if value is None else [value]
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+                raise ValueError(
+                    f"{str(path / name)!r} has eos_token_id {str(value)[:80]}, expected a token "
+                    "id or a list of them: fix or re-download it"
+                )
+            eos += ids
         if (eos_id := backend.token_to_id(specials.get("eos_token", ""))) is not None:
             eos.append(eos_id)
         bos_id = backend.token_to_id(specials.get("bos_token", ""))

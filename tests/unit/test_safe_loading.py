@@ -143,6 +143,34 @@ def test_a_vocab_size_that_disagrees_with_the_embedding_rows(tmp_path):
     _raises(tmp_path, "config.json", "vocab_size 48", "embed_tokens.weight", "[64, 16]")
 
 
+@pytest.mark.parametrize(
+    ("file", "write", "words"),
+    [
+        ("config.json", "{oops", ["config.json", "not valid JSON"]),
+        ("config.json", "[1, 2]", ["config.json", "JSON list, not an object"]),
+        ("config.json", {"hidden_size": -16}, ["config.json", "hidden_size is -16", "positive"]),
+        ("config.json", {"num_attention_heads": "4"}, ["num_attention_heads is '4'"]),
+        ("config.json", {"num_hidden_layers": None}, ["config.json", "lacks 'num_hidden_layers'"]),
+        ("config.json", {"eos_token_id": "x"}, ["config.json", "eos_token_id x"]),
+        ("tokenizer.json", "{garbage", ["tokenizer.json", "tokenizers can read"]),
+        ("tokenizer.json", b"\xff\xfe", ["tokenizer.json", "valid UTF-8"]),
+        ("tokenizer_config.json", "[]", ["tokenizer_config.json", "JSON list"]),
+        ("tokenizer_config.json", {"chat_template": 5}, ["chat_template", "jinja string"]),
+        ("tokenizer_config.json", {"eos_token": 7}, ["eos_token '7'", "token's text"]),
+        ("generation_config.json", "{", ["generation_config.json", "not valid JSON"]),
+    ],
+)
+def test_a_broken_config_or_tokenizer_file_is_named(tmp_path, file, write, words):
+    write_hf_dir(tmp_path)
+    path = tmp_path / file
+    if isinstance(write, dict):  # merged into the file's own JSON
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **write}))
+    else:
+        path.write_bytes(write if isinstance(write, bytes) else write.encode())
+    _raises(tmp_path, *words)
+
+
 # ---- GGUF ----------------------------------------------------------------------------------
 # A valid tiny GGUF (test_loaders.write_gguf, through gguf.GGUFWriter) with one field rewritten
 # in place: every count, length, type and offset the reader would trust.
