@@ -133,7 +133,7 @@ def _open_gguf(path: Path) -> Checkpoint:
 
     gguf_file = GGUFFile(path)
     hf_config = gguf_file.hf_config()
-    tokenizer = Tokenizer.from_gguf_fields(gguf_file.tokenizer_fields())
+    tokenizer = Tokenizer.from_gguf_fields(gguf_file.tokenizer_fields(), path)
     return _checkpoint(path, "gguf", hf_config, tokenizer, gguf_file)
 
 
@@ -157,5 +157,8 @@ def _checkpoint(
     own = hf_config.get("eos_token_id")
     own = own if isinstance(own, list) else [] if own is None else [own]
     hf_config = {**hf_config, "eos_token_id": list(dict.fromkeys([*own, *tokenizer.eos_token_ids]))}
-    config = config_from_hf(hf_config)
+    try:
+        config = config_from_hf(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{str(path / 'config.json' if fmt == 'hf' else path)!r}: {e}") from None
     return Checkpoint(path, fmt, hf_config, config, tokenizer, source)

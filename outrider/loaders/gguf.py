@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 import torch
 
+from outrider.loaders.gguf_layout import check_layout
+
 Q = gguf.GGMLQuantizationType
 
 # general.architecture -> HF architecture name. Mistral GGUFs say "llama" (llama.cpp converts
@@ -78,6 +80,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        check_layout(self.path)
         try:
             self._reader = _Reader(self.path)
         except (ValueError, OSError, IndexError, KeyError) as e:  # what a broken file raises
@@ -96,7 +99,15 @@ class GGUFFile:
                 f"{self.metadata['split.count']}-file split GGUF: merge the parts into one file "
                 f"with llama.cpp's `llama-gguf-split --merge FIRST_PART OUT.gguf` and pass that"
             )
-        self.architecture: str = self.metadata.get("general.architecture", "<missing>")
+        architecture = self.metadata.get("general.architecture")
+        if not isinstance(architecture, str):
+            found = "lacks" if architecture is None else f"has {architecture!r:.80} as"
+            raise ValueError(
+                f"{str(self.path)!r} {found} metadata general.architecture, the model's "
+                "architecture name: the file is incomplete; re-convert it with llama.cpp's "
+                "convert_hf_to_gguf.py"
+            )
+        self.architecture: str = architecture
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"{str(self.path)!r} has general.architecture={self.architecture!r}: outrider "
@@ -123,28 +134,22 @@ class GGUFFile:
         """The metadata as a config.json-shaped dict (TransformerConfig.from_hf_dict's input)."""
         heads = self._require("attention.head_count")
         hidden = self._require("embedding_length")
-        # The embedding's rows are what the weights hold (token lists may be padded or short).
-        embd = self._tensors.get("token_embd.weight")
-        vocab = int(embd.shape[-1]) if embd is not None else None  # ne order: [hidden, vocab]
-        vocab = (
-            vocab or self._get("vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens", ()))
-        )
-        head_dim = self._get("attention.key_length") or hidden // heads
-        theta = _f32(self._get("rope.freq_base", 10000.0))
+        head_dim = self._positive("attention.key_length") or hidden // heads
+        theta = _f32(self._positive("rope.freq_base", float) or 10000.0)
         return {
             "architectures": [SUPPORTED_ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
-            "vocab_size": int(vocab),
+            "vocab_size": self._vocab_rows(),
             "hidden_size": hidden,
             "intermediate_size": self._require("feed_forward_length"),
             "num_hidden_layers": self._require("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": self._get("attention.head_count_kv") or heads,
+            "num_key_value_heads": self._positive("attention.head_count_kv") or heads,
             "head_dim": head_dim,
-            "rms_norm_eps": _f32(self._get("attention.layer_norm_rms_epsilon", 1e-5)),
+            "rms_norm_eps": _f32(self._positive("attention.layer_norm_rms_epsilon", float) or 1e-5),
             "rope_theta": theta,
             "rope_scaling": self._rope_scaling(theta, head_dim),
-            "max_position_embeddings": self._get("context_length", 2048),
+            "max_position_embeddings": self._positive("context_length") or 2048,
             # llama.cpp writes no output.weight when lm_head shares the embedding.
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "attention_bias": "blk.0.attn_q.bias" in self._tensors,
@@ -154,14 +159,61 @@ class GGUFFile:
             "eos_token_id": self.metadata.get("tokenizer.ggml.eos_token_id"),
         }
 
-    def _require(self, key: str) -> Any:
-        value = self._get(key)
+    def _require(self, key: str) -> int:
+        value = self._positive(key)
         if value is None:
             raise ValueError(
                 f"{str(self.path)!r} lacks metadata {self.architecture}.{key}: the file is "
                 f"incomplete; re-convert it with llama.cpp's convert_hf_to_gguf.py"
             )
         return value
+
+    def _positive(self, key: str, kind: type = int) -> Any:
+        """The metadata value of `key`, a positive integer (or number, for kind float), or None
+        when the file has none."""
+        value = self._get(key)
+        kinds = (int, float) if kind is float else (int,)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+            raise ValueError(
+                f"{str(self.path)!r} has metadata {self.architecture}.{key} = {value!r:.80}, "
+                f"expected a positive {'number' if kind is float else 'integer'}: the file is "
+                "corrupt; re-convert it with llama.cpp's convert_hf_to_gguf.py"
+            )
+        return value
+
+    def _vocab_rows(self) -> int:
+        """The embedding's rows, which the output matrix's rows, the vocab_size metadata and the
+        tokenizer's token count must fit: a model built to one of them and loaded with another
+        has its tensors cut, or refuses prompts whose ids it cannot embed."""
+        embd = self._tensors.get("token_embd.weight")
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        tokens = len(tokens) if isinstance(tokens, list) else 0  # the tokenizer checks its kind
+        declared = self._positive("vocab_size")
+        if embd is None:
+            return declared or tokens
+        where = f"{str(self.path)!r}: tensor 'token_embd.weight' has shape {embd.shape.tolist()}"
+        if len(embd.shape) != 2:
+            raise ValueError(f"{where}, expected [hidden, vocab]: the file is corrupt")
+        rows = int(embd.shape[1])  # GGUF lists dims fastest first: [hidden, vocab]
+        out = self._tensors.get("output.weight")
+        if out is not None and out.shape.tolist()[1:] != [rows]:
+            raise ValueError(
+                f"{where}, but 'output.weight' has {out.shape.tolist()}: their vocab rows "
+                "differ; the file mixes two models' weights, re-convert it"
+            )
+        if declared is not None and declared != rows:
+            raise ValueError(
+                f"{where}, but its metadata {self.architecture}.vocab_size is {declared}: the "
+                "config and the weights disagree; re-convert the model"
+            )
+        if tokens > rows:
+            raise ValueError(
+                f"{where}, but tokenizer.ggml.tokens lists {tokens} tokens: ids past {rows - 1} "
+                "would have no embedding; the tokenizer is of another model, re-convert it"
+            )
+        return rows
 
     def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
         kind = self._get("rope.scaling.type")
@@ -194,7 +246,7 @@ class GGUFFile:
         """(HF name, float32 CPU tensor in HF shape and layout), one tensor at a time."""
         permuted = self.architecture in _PERMUTED_ARCHITECTURES
         heads = self._require("attention.head_count")
-        kv_heads = self._get("attention.head_count_kv") or heads
+        kv_heads = self._positive("attention.head_count_kv") or heads
         for t in self._reader.tensors:
             if t.name in _CONFIG_TENSORS:
                 continue

@@ -5,7 +5,6 @@ architecture: the one its model (models/registry.py, by the same names) declares
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 from outrider.loaders.compressed_tensors import Int4Scheme, parse_quantization_config, split_unit
 from outrider.loaders.fp8_blocks import Fp8BlockScheme, is_fp8, parse_fp8_config
+from outrider.loaders.vocab_common import read_json
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ class TransformerConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> TransformerConfig:
         arch = resolve_architecture(d)
-        heads = d["num_attention_heads"]
-        hidden = d["hidden_size"]
+        heads = _positive(d, "num_attention_heads")
+        hidden = _positive(d, "hidden_size")
         rope = d.get("rope_parameters") or d.get("rope_scaling")  # transformers 5 / 4 spelling
         rope_theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -88,17 +88,17 @@ class TransformerConfig:
             raise ValueError(f"{arch}: {e}") from None
         return cls(
             architecture=arch,
-            vocab_size=d["vocab_size"],
+            vocab_size=_positive(d, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
+            intermediate_size=_positive(d, "intermediate_size"),
+            num_hidden_layers=_positive(d, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or hidden // heads,
+            num_key_value_heads=_positive(d, "num_key_value_heads", heads),
+            head_dim=_positive(d, "head_dim", hidden // heads),
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=float(rope_theta),
             rope_scaling=dict(rope) if rope else None,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=_positive(d, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -108,6 +108,19 @@ class TransformerConfig:
             sliding_window=sliding,
             fp8_blocks=fp8_blocks,
         )
+
+
+def _positive(d: dict[str, Any], key: str, default: int | None = None) -> int:
+    """config.json's `key`, a positive integer (`default` when it is missing, null or 0)."""
+    value = d.get(key) or default
+    if value is None:
+        raise ValueError(f"the config lacks {key!r}: the checkpoint's config.json is incomplete")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"the config's {key} is {value!r:.80}, expected a positive integer: the "
+            "checkpoint's config.json is corrupt"
+        )
+    return value
 
 
 # DeepSeek-V3 keys with no default we could guess without changing the model's math.
@@ -132,6 +145,13 @@ _DEEPSEEK_REQUIRED = {
     "routed_scaling_factor": "the routed experts' output scale",
     "norm_topk_prob": "whether the chosen experts' weights are renormalised",
 }
+# Those of them that are sizes or counts (q_lora_rank may be null, the rest 0).
+_DEEPSEEK_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group",
+    "topk_group",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -268,6 +288,8 @@ class DeepseekV3Config:
                 f"the {arch} config lacks {what}: the checkpoint's config.json is incomplete; "
                 f"copy the field(s) from the model's published config.json"
             )
+        for key in _DEEPSEEK_SIZES:
+            _positive(text, key)
         rope = text.get("rope_parameters") or text.get("rope_scaling")
         rope_theta = text.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         if rope is not None and rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -310,8 +332,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
             f"{str(path)!r} not found: an HF model directory needs config.json beside its "
             f"*.safetensors files; or pass a .gguf file"
         )
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
 
 
 # What a model's `config_class` can be; the EAGLE-3 code reads only the fields both share.

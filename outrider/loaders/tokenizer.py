@@ -3,22 +3,18 @@ from an HF directory (tokenizer.json & co.) or from a GGUF file's `tokenizer.*` 
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 import logging
 import re
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from outrider.loaders.chat_template import TemplateLimits, render_chat_template
 from outrider.loaders.vocab_common import byte_alphabet, read_json, token_content
 
 logger = logging.getLogger(__name__)
@@ -53,11 +49,15 @@ _BPE_PRE: dict[str, tuple[str, ...]] = {  # pre type -> regexes, applied in turn
 _LLAMA3_LIKE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"})
 
 
+_TRIAL_CONVERSATION = [{"role": "user", "content": "Hello!"}]
+
+
 class Tokenizer:
     """Text <-> ids for one model, and its chat template.
 
     Invariants: `eos_token_ids` holds every id that ends generation (EOS, end-of-turn); ids in
-    `all_special_ids` are dropped by decode(skip_special_tokens=True).
+    `all_special_ids` are dropped by decode(skip_special_tokens=True); the chat template renders
+    within `chat_limits`.
     """
 
     def __init__(
@@ -68,9 +68,12 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         special_tokens: dict[str, str] | None = None,
+        chat_template_origin: str = "the model's chat template",
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
+        self.chat_template_origin = chat_template_origin  # where it came from, for errors
+        self.chat_limits = TemplateLimits()
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
         # bos_token / eos_token / ... as chat templates see them.
@@ -100,27 +103,53 @@ class Tokenizer:
                 "tokenizer.json with transformers: AutoTokenizer.from_pretrained(dir)"
                 ".save_pretrained(dir)"
             )
-        return cls._from_dir(path, tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise ValueError(
+                f"{str(path / 'tokenizer.json')!r} is not a tokenizer file tokenizers can read "
+                f"({str(e)[:200]}): re-download it"
+            ) from None
+        return cls._from_dir(path, backend)
 
     @classmethod
     def _from_dir(cls, path: Path, backend: tokenizers.Tokenizer) -> Tokenizer:
         tok_cfg = read_json(path / "tokenizer_config.json")
         template = tok_cfg.get("chat_template")
         # Several named templates: [{"name": "default", "template": ...}, {"name": "tool_use"...}]
-        if isinstance(template, list):
+        if isinstance(template, list) and all(isinstance(t, dict) for t in template):
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default", next(iter(named.values()), None))
+        origin = f"the chat_template in {str(path / 'tokenizer_config.json')!r}"
+        if template is not None and not isinstance(template, str):
+            raise ValueError(
+                f"{origin} is {str(template)[:80]!r}, expected a jinja string or a list of "
+                "{name, template} objects: fix or re-download tokenizer_config.json"
+            )
         if template is None and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
+            origin = f"the chat template {str(path / 'chat_template.jinja')!r}"
         specials = {
             name: token_content(tok_cfg[name])
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
             if tok_cfg.get(name) is not None
         }
+        for name, text in specials.items():
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{str(path / 'tokenizer_config.json')!r} has {name} {str(text)[:80]!r}, "
+                    "expected a token's text (or {content: text}): fix or re-download it"
+                )
         eos: list[int] = []
-        for cfg in (read_json(path / "generation_config.json"), read_json(path / "config.json")):
-            value = cfg.get("eos_token_id")
-            eos += value if isinstance(value, list) else [] if value is None else [value]
+        for name in ("generation_config.json", "config.json"):
+            value = read_json(path / name).get("eos_token_id")
+            ids = value if isinstance(value, list) else [] if value is None else [value]
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+                raise ValueError(
+                    f"{str(path / name)!r} has eos_token_id {str(value)[:80]}, expected a token "
+                    "id or a list of them: fix or re-download it"
+                )
+            eos += ids
         if (eos_id := backend.token_to_id(specials.get("eos_token", ""))) is not None:
             eos.append(eos_id)
         bos_id = backend.token_to_id(specials.get("bos_token", ""))
@@ -132,25 +161,22 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_ids=eos,
             special_tokens=specials,
+            chat_template_origin=origin,
         )
 
     @classmethod
-    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+    def from_gguf_fields(cls, fields: dict[str, Any], path: str | Path | None = None) -> Tokenizer:
         """From a GGUF's `tokenizer.*` metadata (keys as in the file, e.g. "tokenizer.ggml.tokens").
+        `path` names the file in errors.
 
         tokenizer.ggml.model "gpt2" is byte-level BPE, pre-tokenized per tokenizer.ggml.pre;
         "llama" is SentencePiece-style BPE with byte fallback.
         """
+        where = f"GGUF file {str(path)!r}" if path is not None else "the GGUF"
+        _check_gguf_fields(fields, where)
         kind = fields.get("tokenizer.ggml.model")
-        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or ())
-        if not tokens:
-            raise ValueError("the GGUF has no tokenizer.ggml.tokens: it carries no tokenizer")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
         types = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        if len(types) != len(tokens):
-            raise ValueError(
-                f"the GGUF lists {len(tokens)} tokens but {len(types)} token types: the tokenizer "
-                f"metadata is broken; re-convert the model with llama.cpp's convert_hf_to_gguf.py"
-            )
         pre = fields.get("tokenizer.ggml.pre", "default")
         if kind == "gpt2":
             backend = _byte_level_bpe(tokens, fields.get("tokenizer.ggml.merges") or [], pre)
@@ -161,10 +187,10 @@ class Tokenizer:
             default_bos = True
         else:
             raise ValueError(
-                f"the GGUF's tokenizer.ggml.model is {kind!r}: outrider builds 'gpt2' (byte-level "
+                f"{where} has tokenizer.ggml.model={kind!r}: outrider builds 'gpt2' (byte-level "
                 f"BPE) and 'llama' (SentencePiece BPE) tokenizers; use the model's HF directory"
             )
-        _add_gguf_special_tokens(backend, tokens, types)
+        _add_gguf_special_tokens(backend, tokens, types, where)
 
         def token(key: str) -> str | None:
             i = fields.get(f"tokenizer.ggml.{key}")
@@ -194,6 +220,7 @@ class Tokenizer:
             bos_token_id=bos_id,
             eos_token_ids=[i for i in ends if i is not None],
             special_tokens={k: t for k, v in names.items() if (t := token(f"{v}_token_id"))},
+            chat_template_origin=f"the tokenizer.chat_template in {where}",
         )
 
     # ---- use -----------------------------------------------------------------------------
@@ -301,16 +328,35 @@ class Tokenizer:
         # Keys set to None (OpenAI clients send content=None, tool_calls=None) are dropped, as
         # transformers does: templates test for presence and would render "None".
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        variables = {**self.special_tokens, "documents": None, **kwargs}
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the model's chat template rejected the messages: {e}") from e
+        variables = dict(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, "documents": None, **kwargs},
+        )  # a TypeError when kwargs repeat one of the first three
+        return render_chat_template(self.chat_template, self.chat_limits, variables)
+
+    def with_chat_template(
+        self, limits: TemplateLimits, template: str | None = None, origin: str | None = None
+    ) -> Tokenizer:
+        """A copy whose chat template (`template` from `origin`, or this one's own) renders
+        within `limits`, once it has rendered a one-message conversation: a template that does
+        not compile, or fails on that, is an error naming where it came from, at start-up rather
+        than on every request."""
+        chat = copy.copy(self)
+        chat.chat_limits = limits
+        if template is not None:
+            chat.chat_template = template
+            chat.chat_template_origin = origin or "the chat template"
+        if chat.chat_template:
+            try:
+                chat.apply_chat_template(_TRIAL_CONVERSATION)
+            except ValueError as e:
+                raise ValueError(
+                    f"{chat.chat_template_origin} cannot render a one-message conversation "
+                    f"({e}): fix the template, or pass a working one with --chat-template"
+                ) from None
+        return chat
 
 
 def _guard_special_text(
@@ -348,6 +394,51 @@ def _guard_special_text(
 
 
 # ---- GGUF vocabularies -------------------------------------------------------------------
+
+# Ids the tokenizer reads from the metadata: each must name a token in tokenizer.ggml.tokens.
+_GGUF_TOKEN_IDS = ("bos", "eos", "eot", "eom", "unknown")
+
+
+def _check_gguf_fields(fields: dict[str, Any], where: str) -> None:
+    """The tokenizer metadata has the kinds and lengths from_gguf_fields reads, so a corrupt
+    file is an error naming the key, not an IndexError or a vocabulary of single letters."""
+
+    def bad(key: str, expected: str) -> ValueError:
+        value = fields[key]
+        shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:80]
+        return ValueError(
+            f"{where} has {key} = {shown}, expected {expected}: the tokenizer metadata is "
+            "corrupt; re-convert the model with llama.cpp's convert_hf_to_gguf.py"
+        )
+
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{where} has no tokenizer.ggml.tokens: it carries no tokenizer")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise bad("tokenizer.ggml.tokens", "a non-empty list of strings")
+    n = len(tokens)
+    for key, kind, expected in (
+        ("tokenizer.ggml.token_type", int, f"a list of {n} integers, one per token"),
+        ("tokenizer.ggml.scores", (int, float), f"a list of {n} numbers, one per token"),
+    ):
+        value = fields.get(key)
+        if value is not None and not (
+            isinstance(value, list) and len(value) == n and all(isinstance(v, kind) for v in value)
+        ):
+            raise bad(key, expected)
+    merges = fields.get("tokenizer.ggml.merges")
+    if merges is not None and not (
+        isinstance(merges, list) and all(isinstance(m, str) and " " in m for m in merges)
+    ):
+        raise bad("tokenizer.ggml.merges", "a list of 'left right' strings")
+    for name in _GGUF_TOKEN_IDS:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = fields.get(key)
+        if value is not None and not (isinstance(value, int) and 0 <= value < n):
+            raise bad(key, f"a token id in 0..{n - 1}")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if fields.get(key) is not None and not isinstance(fields[key], str):
+            raise bad(key, "a string")
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
@@ -413,7 +504,7 @@ def _sentencepiece_bpe(
 
 
 def _add_gguf_special_tokens(
-    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]
+    backend: tokenizers.Tokenizer, tokens: list[str], types: list[int], where: str
 ) -> None:
     """CONTROL tokens become special tokens, USER_DEFINED ones added tokens, each keeping the id
     the file gives it (the content is found in the vocabulary, so no new id is made)."""
@@ -426,47 +517,6 @@ def _add_gguf_special_tokens(
     if backend.get_vocab_size(with_added_tokens=True) != before:
         grown = [t.content for t in control + user if backend.token_to_id(t.content) >= before]
         raise ValueError(
-            f"GGUF special tokens {grown[:5]} are not in the file's own vocabulary under the same "
-            f"spelling: the tokenizer metadata is inconsistent; use the model's HF directory"
+            f"{where} has special tokens {grown[:5]} that are not in its own vocabulary under the "
+            f"same spelling: the tokenizer metadata is inconsistent; use the model's HF directory"
         )
-
-
-# ---- chat templates ----------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers marks assistant spans with it for
-    training masks): rendered as its body, so templates using it compile."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # jinja's own tojson escapes HTML (<, >, &), which would change prompts.
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str) -> jinja2.Template:
-    # Sandboxed: chat templates come with checkpoints and are untrusted code.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)

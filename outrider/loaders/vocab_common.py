@@ -25,11 +25,21 @@ def byte_alphabet() -> dict[int, str]:
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` ({} when there is no such file); anything else in it is an error
+    naming the file."""
     if not path.is_file():
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{str(path)!r} is not valid JSON ({e}): re-download it") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{str(path)!r} holds a JSON {type(value).__name__}, not an object: re-download it"
+        )
+    return value
 
 
 def token_content(value: str | dict[str, Any]) -> str:
-    return value["content"] if isinstance(value, dict) else value
+    return value.get("content") if isinstance(value, dict) else value

@@ -42,6 +42,17 @@ _SERVER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("reasoning_parser", str, "split reasoning_content: think or deepseek_r1"),
     ("chat_template", str, "a jinja chat template file replacing the checkpoint's"),
     (
+        "chat_template_timeout_s",
+        float,
+        "seconds one render of the chat template may take; a request past it gets 400",
+    ),
+    (
+        "chat_template_max_chars",
+        int,
+        "characters one render of the chat template may write or build (each string it makes "
+        "counts); a request past it gets 400",
+    ),
+    (
         "health_stall_s",
         float,
         "/health fails (and the systemd watchdog stops) when the engine "

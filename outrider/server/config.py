@@ -23,6 +23,7 @@ from outrider.config import (
     flat_names,
     read_yaml,
 )
+from outrider.loaders.chat_template import TemplateLimits
 
 METRICS_PREFIXES = ("outrider", "vllm")  # of /metrics series: vllm for vLLM's dashboards
 # Bounds on one request that must be positive (max_logprobs may be 0: no top logprobs).
@@ -59,6 +60,10 @@ class ServerConfig:
     tool_parser: str | None = None  # e.g. "hermes", "kimi_k2" (see parsers/registry.py)
     reasoning_parser: str | None = None  # e.g. "think"
     chat_template: str | None = None  # a jinja file replacing the checkpoint's chat template
+    # What one render of the chat template may cost (loaders/chat_template.py): wall time, and
+    # characters written or built; past either, the request gets 400.
+    chat_template_timeout_s: float = TemplateLimits.timeout_s
+    chat_template_max_chars: int = TemplateLimits.max_chars
     # The least heartbeat silence of the engine thread that /health (503) and the systemd
     # watchdog (pings stop) call a stall; a model with slower steps raises it (async_engine.py).
     health_stall_s: float = 30.0
@@ -74,6 +79,7 @@ class ServerConfig:
         if self.api_key == "":
             raise ValueError("invalid api_key='': use a non-empty key, or None for no auth")
         for name in ("max_body_bytes", "max_n", "shutdown_timeout", "health_stall_s",
+                     "chat_template_timeout_s", "chat_template_max_chars",
                      *REQUEST_LIMITS):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: use a positive value")
@@ -98,6 +104,9 @@ class ServerConfig:
         ):
             if value is not None and value not in known:
                 raise ValueError(f"unknown {name}={value!r}: use one of {sorted(known)}, or None")
+
+    def template_limits(self) -> TemplateLimits:
+        return TemplateLimits(self.chat_template_timeout_s, self.chat_template_max_chars)
 
     def resolve_api_key(self) -> str | None:
         """The key requests must carry, read from api_key_file when that is set."""

@@ -31,7 +31,7 @@ from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
 from outrider.server.guards import JSONErrorH11Protocol
-from outrider.server.state import ServerState
+from outrider.server.state import ServerState, read_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,8 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         log.warning(
             "serving on %s without an API key: anyone who reaches it can use it", server_config.host
         )
+    if server_config.chat_template is not None:  # a typo in it fails before a model loads
+        read_chat_template(server_config.chat_template)
     core = load_engine(engine_config)
     server, state = build_server(server_config, core)
     state.engine.start()

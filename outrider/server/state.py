@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
+from outrider.loaders.chat_template import check_chat_template_syntax
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
 from outrider.server.errors import APIError, clip
@@ -29,16 +29,13 @@ class ServerState:
 
     @classmethod
     def build(cls, engine: AsyncEngine, config: ServerConfig, model_name: str) -> ServerState:
-        chat_tokenizer = engine.tokenizer
+        template = origin = None
         if config.chat_template is not None:
-            path = Path(config.chat_template)
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"chat_template {str(path)!r} not found: pass a jinja file, or drop the option "
-                    "to use the checkpoint's own template"
-                )
-            chat_tokenizer = copy.copy(engine.tokenizer)
-            chat_tokenizer.chat_template = path.read_text()
+            template, origin = read_chat_template(config.chat_template)
+        # Tried on a one-message conversation here, so a broken template stops start-up.
+        chat_tokenizer = engine.tokenizer.with_chat_template(
+            config.template_limits(), template, origin
+        )
         metrics = ServerMetrics(model_name, lambda: engine.stats, config.metrics_prefix)
         engine.observer = metrics
         return cls(
@@ -73,3 +70,20 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+
+def read_chat_template(path: str) -> tuple[str, str]:
+    """The text of the operator's chat template file and how errors name it; a file that is not
+    there, or does not compile, is an error here (serve calls this before loading a model)."""
+    origin = f"chat_template {path!r}"
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"{origin} not found: pass a jinja file, or drop the option to use the checkpoint's "
+            "own template"
+        )
+    source = Path(path).read_text()
+    try:
+        check_chat_template_syntax(source)
+    except ValueError as e:
+        raise ValueError(f"{origin}: {e}") from None
+    return source, origin

@@ -1,7 +1,7 @@
 """A checkpoint's files are data to check, not to trust: an index cannot point outside the model
-directory, and a truncated or forged safetensors file, or a config whose vocab_size disagrees
-with the embedding, is a one-line error naming the file and the field, before any tensor is
-read."""
+directory, and a truncated or forged safetensors or GGUF file, or a config whose vocab_size
+disagrees with the embedding, is a one-line error naming the file and the field, before any
+tensor is read or anything large allocated."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from outrider.loaders.checkpoint import open_checkpoint
-from tests.unit.test_loaders import write_hf_dir
+from tests.unit.test_loaders import VOCAB, write_gguf, write_hf_dir
 
 INDEX = "model.safetensors.index.json"
 SHARD = "model-00001-of-00002.safetensors"
@@ -141,3 +141,235 @@ def test_a_vocab_size_that_disagrees_with_the_embedding_rows(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 48}))
     _raises(tmp_path, "config.json", "vocab_size 48", "embed_tokens.weight", "[64, 16]")
+
+
+@pytest.mark.parametrize(
+    ("file", "write", "words"),
+    [
+        ("config.json", "{oops", ["config.json", "not valid JSON"]),
+        ("config.json", "[1, 2]", ["config.json", "JSON list, not an object"]),
+        ("config.json", {"hidden_size": -16}, ["config.json", "hidden_size is -16", "positive"]),
+        ("config.json", {"num_attention_heads": "4"}, ["num_attention_heads is '4'"]),
+        ("config.json", {"num_hidden_layers": None}, ["config.json", "lacks 'num_hidden_layers'"]),
+        ("config.json", {"eos_token_id": "x"}, ["config.json", "eos_token_id x"]),
+        ("tokenizer.json", "{garbage", ["tokenizer.json", "tokenizers can read"]),
+        ("tokenizer.json", b"\xff\xfe", ["tokenizer.json", "valid UTF-8"]),
+        ("tokenizer_config.json", "[]", ["tokenizer_config.json", "JSON list"]),
+        ("tokenizer_config.json", {"chat_template": 5}, ["chat_template", "jinja string"]),
+        ("tokenizer_config.json", {"eos_token": 7}, ["eos_token '7'", "token's text"]),
+        ("generation_config.json", "{", ["generation_config.json", "not valid JSON"]),
+    ],
+)
+def test_a_broken_config_or_tokenizer_file_is_named(tmp_path, file, write, words):
+    write_hf_dir(tmp_path)
+    path = tmp_path / file
+    if isinstance(write, dict):  # merged into the file's own JSON
+        old = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**old, **write}))
+    else:
+        path.write_bytes(write if isinstance(write, bytes) else write.encode())
+    _raises(tmp_path, *words)
+
+
+# ---- GGUF ----------------------------------------------------------------------------------
+# A valid tiny GGUF (test_loaders.write_gguf, through gguf.GGUFWriter) with one field rewritten
+# in place: every count, length, type and offset the reader would trust.
+
+TOKEN_EMBD, OUTPUT = b"token_embd.weight", b"output.weight"
+
+
+def _gguf(tmp_path: Path, **kwargs) -> Path:
+    path = tmp_path / "m.gguf"
+    write_gguf(path, **kwargs)
+    return path
+
+
+def _after(path: Path, name: bytes) -> int:
+    """The offset just after `name`, a metadata key or tensor name, in the file's header."""
+    data = path.read_bytes()
+    return data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+
+
+def _patch(path: Path, offset: int, fmt: str, value: int) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, offset, value)
+    path.write_bytes(bytes(data))
+
+
+def _refused(path: Path, *words: str) -> str:
+    message = _raises(path, *words)
+    assert str(path) in message, message
+    return message
+
+
+def test_a_good_tiny_gguf_still_loads(tmp_path):
+    expected = write_gguf(tmp_path / "m.gguf", tied=False)
+    ckpt = open_checkpoint(tmp_path / "m.gguf")
+    assert ckpt.config.vocab_size == VOCAB
+    assert set(dict(ckpt.iter_tensors())) == set(expected)
+
+
+def test_a_gguf_shorter_than_its_header(tmp_path):
+    path = _gguf(tmp_path)
+    path.write_bytes(b"GGUF\x03\x00")
+    _refused(path, "truncated", "24 bytes")
+
+
+def test_a_truncated_gguf_names_the_tensor_past_its_end(tmp_path):
+    path = _gguf(tmp_path)
+    path.write_bytes(path.read_bytes()[:-100])
+    _refused(path, "tensor", "data", "to end inside the file")
+
+
+def test_a_gguf_cut_inside_its_metadata(tmp_path):
+    path = _gguf(tmp_path)
+    path.write_bytes(path.read_bytes()[:2000])
+    _refused(path, "bytes left in the file")
+
+
+def test_garbage_magic_and_an_unknown_version(tmp_path):
+    path = _gguf(tmp_path)
+    good = path.read_bytes()
+    path.write_bytes(b"\x89PNG" + good[4:])
+    _refused(path, "b'\\x89PNG'", "not the GGUF magic")
+    path.write_bytes(good)
+    _patch(path, 4, "<I", 7)
+    _refused(path, "GGUF version 7", "versions 2 and 3")
+
+
+@pytest.mark.parametrize(("offset", "what"), [(8, "the tensor count"), (16, "the metadata count")])
+def test_a_count_the_file_cannot_hold(tmp_path, offset, what):
+    path = _gguf(tmp_path)
+    _patch(path, offset, "<Q", 2**60)
+    _refused(path, f"{what} is 1,152,921,504,606,846,976", "at most")
+
+
+def test_a_string_length_past_the_end(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, b"general.architecture") + 4, "<Q", 2**62)
+    _refused(path, "metadata 'general.architecture'", "4,611,686,018,427,387,904 bytes")
+    _patch(path, 24, "<Q", 2**62)  # the first key's name
+    _refused(path, "the name of metadata entry 0 is 4,611,686,018,427,387,904 bytes")
+
+
+def test_an_array_length_past_the_end(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, b"tokenizer.ggml.tokens") + 8, "<Q", 10**12)
+    _refused(path, "the length of metadata 'tokenizer.ggml.tokens'", "1,000,000,000,000 items")
+    # A byte array running past the end: gguf.GGUFReader reads nothing for each item and loops.
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a"
+    path.write_bytes(header + struct.pack("<IIQ", 9, 0, 2**40))  # ARRAY of UINT8, 2^40 items
+    _refused(path, "the length of metadata 'a' is 1,099,511,627,776 items", "at most 0")
+
+
+def test_an_unknown_value_type(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, b"llama.block_count"), "<I", 99)
+    _refused(path, "the value type of metadata 'llama.block_count' is 99", "types 0-12")
+
+
+def test_a_tensor_offset_outside_the_file(tmp_path):
+    path = _gguf(tmp_path)
+    n_dims = _after(path, TOKEN_EMBD)
+    _patch(path, n_dims + 4 + 2 * 8 + 4, "<Q", 2**40)
+    _refused(path, "tensor 'token_embd.weight'", "to end inside the file")
+    _patch(path, n_dims + 4 + 2 * 8 + 4, "<Q", 4)
+    _refused(path, "data offset of tensor 'token_embd.weight' is 4", "multiple of 32")
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+def test_zero_or_negative_dimensions(tmp_path, dim):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, TOKEN_EMBD) + 4 + 8, "<q", dim)
+    _refused(path, f"shape of tensor 'token_embd.weight' is [256, {dim}]", "at least 1")
+
+
+def test_too_many_dimensions(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, TOKEN_EMBD), "<I", 9)
+    _refused(path, "dimension count of tensor 'token_embd.weight' is 9", "1 to 4")
+
+
+def test_a_dtype_the_loader_does_not_know(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, TOKEN_EMBD) + 4 + 2 * 8, "<I", 200)
+    _refused(path, "type of tensor 'token_embd.weight' is 200", "no GGML type")
+
+
+def _rename(path: Path, key: bytes) -> None:
+    """Hides metadata `key` by changing its last letter (same length, so nothing moves)."""
+    data = path.read_bytes()
+    i = _after(path, key) - 1
+    path.write_bytes(data[:i] + b"~" + data[i + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("key", "words"),
+    [
+        (b"llama.block_count", ["lacks metadata llama.block_count"]),
+        (b"general.architecture", ["lacks metadata general.architecture"]),
+        (b"tokenizer.ggml.tokens", ["no tokenizer.ggml.tokens"]),
+    ],
+)
+def test_missing_required_metadata(tmp_path, key, words):
+    path = _gguf(tmp_path)
+    _rename(path, key)
+    _refused(path, *words)
+
+
+def test_metadata_of_the_wrong_kind(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, b"tokenizer.ggml.eos_token_id") + 4, "<I", 10**6)
+    _refused(path, "tokenizer.ggml.eos_token_id = 1000000", "a token id in 0..299")
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"tokenizer.ggml.tokens": "abc"}, ["tokenizer.ggml.tokens = 'abc'", "list of strings"]),
+        ({"tokenizer.ggml.token_type": [1]}, ["token_type = a list of 1", "3 integers"]),
+        ({"tokenizer.ggml.scores": ["x", "y", "z"]}, ["scores", "3 numbers"]),
+        ({"tokenizer.ggml.merges": [1]}, ["merges", "'left right' strings"]),
+        ({"tokenizer.ggml.bos_token_id": 3}, ["bos_token_id = 3", "0..2"]),
+        ({"tokenizer.ggml.unknown_token_id": -1}, ["unknown_token_id = -1"]),
+        ({"tokenizer.chat_template": 5}, ["tokenizer.chat_template = 5", "a string"]),
+    ],
+)
+def test_gguf_tokenizer_metadata_of_the_wrong_kind(fields, words):
+    from outrider.loaders.tokenizer import Tokenizer
+
+    good = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"]}
+    with pytest.raises(ValueError) as e:
+        Tokenizer.from_gguf_fields({**good, **fields}, "/m.gguf")
+    assert "GGUF file '/m.gguf'" in str(e.value)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_a_vocab_size_that_disagrees_with_the_gguf_embedding(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, b"llama.vocab_size") + 4, "<I", 48)
+    _refused(path, "'token_embd.weight' has shape [256, 300]", "llama.vocab_size is 48")
+
+
+def test_an_output_matrix_of_another_vocabulary(tmp_path):
+    path = _gguf(tmp_path, tied=False)
+    _patch(path, _after(path, OUTPUT) + 4 + 8, "<Q", 200)
+    _refused(path, "'output.weight' has [256, 200]", "differ")
+
+
+def test_more_tokens_than_embedding_rows(tmp_path):
+    path = _gguf(tmp_path)
+    _patch(path, _after(path, TOKEN_EMBD) + 4 + 8, "<Q", 200)
+    _patch(path, _after(path, b"llama.vocab_size") + 4, "<I", 200)
+    _refused(path, "tokenizer.ggml.tokens lists 300 tokens", "no embedding")
+
+
+def test_the_cli_exits_2_naming_the_broken_gguf(tmp_path, capsys):
+    from outrider.cli import main
+
+    path = _gguf(tmp_path)
+    _patch(path, 8, "<Q", 2**60)
+    assert main(["generate", "--model", str(path), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "the tensor count" in err and "Traceback" not in err
