@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from outrider.core import SamplingParams, ScheduledSeq
+from outrider.layers import fused
 from outrider.transfer import to_device_no_sync
 
 _NEG_INF = float("-inf")
@@ -106,7 +107,10 @@ def token_bitmask(seqs: Sequence[ScheduledSeq], rows: Sequence[int]) -> torch.Te
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> -inf wherever bitmask [R, W] int32 (same device) has a 0 bit (bit
-    t % 32 of word t // 32 for token t; tokens past 32 W are refused). In place; returns it."""
+    t % 32 of word t // 32 for token t; tokens past 32 W are refused). In place; returns it.
+    One launch where the fused kernels serve (fused.token_bitmask_)."""
+    if fused.token_bitmask_(logits, bitmask):
+        return logits
     r, v = logits.shape
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(r, -1).bool()  # [R, 32 W]

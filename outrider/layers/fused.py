@@ -122,6 +122,22 @@ def mla_prep_(
     return latent
 
 
+def token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    """logits [R, V] (rows contiguous) -> -inf wherever bitmask [R, W] int32 on the same
+    device has a 0 bit (bit t % 32 of word t // 32 for token t; tokens past 32 W refused), in
+    place and in one launch; False (nothing done) where the fused path does not serve."""
+    if not use_fused(logits) or logits.stride(-1) != 1 or bitmask.stride(-1) != 1:
+        return False
+    rows, vocab = logits.shape
+    if rows:
+        block = 1024
+        _kernels().token_bitmask_kernel[(rows, -(-vocab // block))](
+            logits, bitmask, logits.stride(0), bitmask.stride(0), vocab, bitmask.shape[1],
+            BLOCK=block,
+        )  # fmt: skip
+    return True
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] packed gate|up -> silu(gate) * up: [T, I]."""
     k = _kernels()

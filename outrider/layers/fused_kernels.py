@@ -306,3 +306,19 @@ def mla_prep_kernel(
     tl.store(base + dims[None, :], (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=hok)
     tl.store(base + HALF + dims[None, :], (b * cos[None, :] + a * sin[None, :]).to(x1.dtype),
              mask=hok)  # fmt: skip
+
+
+@triton.jit
+def token_bitmask_kernel(
+    logits_ptr, mask_ptr, stride_l, stride_m, vocab, words, BLOCK: tl.constexpr
+):  # fmt: skip
+    # Program (row, block): tokens [block * BLOCK, +BLOCK) of a row become -inf where bit
+    # t % 32 of the row's word t // 32 is 0; tokens past 32 words are refused.
+    row = tl.program_id(0).to(tl.int64)
+    toks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = toks < vocab
+    word = toks // 32
+    bits = tl.load(mask_ptr + row * stride_m + word, mask=ok & (word < words), other=0)
+    allowed = ((bits >> (toks % 32)) & 1) != 0
+    dst = logits_ptr + row * stride_l + toks
+    tl.store(dst, tl.full((BLOCK,), float("-inf"), tl.float32), mask=ok & ~allowed)

@@ -252,6 +252,28 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     model, _ = outrider_model(cfg, state)
     report("llama-forward-f32", run_forward(model, prefill_batch(prompts)), plain)
 
+    # Structured outputs' token bitmask in one launch against the torch ops (use_fused is
+    # forced on from here).
+    from outrider.executor import sampler
+
+    gen = torch.Generator().manual_seed(3)
+    for vocab, words in ((100, 4), (1000, 30)):  # 1000 > 30 * 32: the last tokens refused
+        logits = torch.randn(6, vocab, generator=gen)
+        bits = torch.randint(-(2**31), 2**31 - 1, (6, words), generator=gen).to(torch.int32)
+        bits[0] = -1  # a row that allows every token its words cover
+        got = sampler.apply_token_bitmask_(logits.clone(), bits)
+        want = logits.clone()
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(6, -1).bool()
+        allowed = torch.cat([allowed, allowed.new_zeros(6, max(0, vocab - 32 * words))], 1)
+        want.masked_fill_(~allowed[:, :vocab], float("-inf"))
+        emit(
+            name=f"bitmask-{vocab}",
+            same=bool(torch.equal(got, want)),
+            refused=int(torch.isinf(want).sum()),
+            tail_refused=bool(torch.isinf(got[:, 32 * words :]).all()),
+        )
+
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
@@ -263,6 +285,12 @@ BF16_STEPS = 2**-6  # two bfloat16 rounding steps, relative to the largest value
 
 def _close(r: dict, dtype: str) -> bool:
     return r["diff"] <= 1e-5 if dtype == "float32" else r["scaled"] <= BF16_STEPS
+
+
+@pytest.mark.parametrize("vocab", [100, 1000])
+def test_token_bitmask_in_one_launch_matches_the_torch_ops(results, vocab):
+    r = results[f"bitmask-{vocab}"]
+    assert r["same"] and r["refused"] > 0 and r["tail_refused"], r
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
