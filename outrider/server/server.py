@@ -116,7 +116,9 @@ def load_engine(engine_config: EngineConfig) -> EngineCore:
 
 
 def _warm_up(core: EngineCore) -> None:
-    """One short generation before READY: the first forward allocates and (on GPU) compiles."""
+    """One short generation before READY: the first forward allocates and (on GPU) compiles.
+    The tokenizer's length bound too (~0.1 s, once), not at the first request on the loop."""
+    core.tokenizer.least_tokens("")
     req = core.add_request([core.tokenizer.bos_token_id or 0], SamplingParams(max_tokens=2))
     while not req.is_finished:
         core.step()
@@ -163,6 +165,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     try:
         server.run()
     finally:
+        state.offload.close()
         state.engine.stop()
     return 1 if server.engine_failed else 0
 
@@ -201,5 +204,6 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self._thread.join(30)
+        self.state.offload.close()
         self.state.engine.stop()
         self._sock.close()
