@@ -13,7 +13,9 @@ WatchdogSec=, the WATCHDOG=1 pings stop so that systemd restarts it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -30,12 +32,13 @@ from outrider.server import sdnotify
 from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
-from outrider.server.guards import JSONErrorH11Protocol
+from outrider.server.guards import GuardedH11Protocol
 from outrider.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
 _ABORT_GRACE_S = 5.0  # after aborting leftovers, time for their last chunks to reach clients
+_OWN_FILES = 256  # open files the process needs beside its connections: model, logs, pipes
 
 
 class OutriderServer(uvicorn.Server):
@@ -137,15 +140,19 @@ def build_server(
     engine = AsyncEngine(core, stall_s=server_config.health_stall_s)
     state = ServerState.build(engine, server_config, model_name(server_config, core))
     app = build_app(state, server_config.resolve_api_key())
+    # h11 (what uvicorn runs without httptools, which outrider does not install), guarded
+    protocol = functools.partial(
+        GuardedH11Protocol,
+        header_timeout=server_config.header_timeout,
+        max_connections=server_config.max_connections,
+    )
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         log_level=server_config.log_level,
         lifespan="off",
-        # h11 (what uvicorn runs without httptools, which outrider does not install), answering
-        # requests it cannot parse with the error JSON too
-        http=JSONErrorH11Protocol,
+        http=protocol,
         timeout_graceful_shutdown=int(_ABORT_GRACE_S),
         access_log=server_config.log_level in ("debug", "info"),
     )
@@ -159,6 +166,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         log.warning(
             "serving on %s without an API key: anyone who reaches it can use it", server_config.host
         )
+    open_files_for(server_config.max_connections + _OWN_FILES)
     core = load_engine(engine_config)
     server, state = build_server(server_config, core)
     state.engine.start()
@@ -168,6 +176,24 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         state.offload.close()
         state.engine.stop()
     return 1 if server.engine_failed else 0
+
+
+def open_files_for(needed: int) -> None:
+    """Raise the soft limit on open files to `needed` (at most the hard limit): each connection
+    is one, and at the limit new ones fail in accept() before any request can be refused. Many
+    systems start processes at 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised < needed:
+        log.warning(
+            "open files are limited to %d (hard limit), below the %d that max_connections needs: "
+            "raise the limit (LimitNOFILE= in the unit, ulimit -Hn) or lower max_connections",
+            raised,
+            needed,
+        )
 
 
 class ServerThread:

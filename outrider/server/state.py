@@ -27,7 +27,7 @@ class ServerState:
     reasoning_parser: ReasoningParser | None
     offload: Offload
     draining: bool = False
-    in_flight: int = 0  # POST /v1/* requests between arrival and their last byte (event loop)
+    in_flight: int = 0  # POST requests between arrival and their last byte (event loop)
 
     @classmethod
     def build(cls, engine: AsyncEngine, config: ServerConfig, model_name: str) -> ServerState:
