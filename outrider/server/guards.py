@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from outrider.server.state import ServerState
 
 OPEN_PATHS = frozenset({"/health"})  # reachable without the key (load balancers, systemd)
+_DRAIN_POLL_S = 0.25  # how often a request waiting for its body looks for a shutdown
 
 
 async def _send_error(
@@ -134,7 +135,9 @@ class BodyLimitGuard:
 class InFlightGuard:
     """Counts POST requests from arrival until their response's last byte (a stream's ASGI call
     returns only when the stream ends): what a graceful shutdown waits for. Beyond the server's
-    max_concurrent_requests a request gets 503 at once."""
+    max_concurrent_requests a request gets 503 at once. Once the server drains, a request still
+    waiting for its body gets 503 too, within _DRAIN_POLL_S: it would be refused on arrival
+    anyway, and an upload may not finish before the process must exit."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -154,9 +157,30 @@ class InFlightGuard:
             return
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, self._body_unless_draining(receive), send)
         finally:
             self.state.in_flight -= 1
+
+    def _body_unless_draining(self, receive):
+        body_done = False
+
+        async def receive_body():
+            nonlocal body_done
+            while not body_done:
+                if self.state.draining:
+                    raise APIError(
+                        503,
+                        "the server is shutting down and takes no new requests: retry on another",
+                    )
+                try:  # cancelling uvicorn's receive() while it waits loses no message
+                    message = await asyncio.wait_for(receive(), _DRAIN_POLL_S)
+                except TimeoutError:
+                    continue
+                body_done = message["type"] != "http.request" or not message.get("more_body")
+                return message
+            return await receive()  # after the body: only the client's going away is left
+
+        return receive_body
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -1,10 +1,11 @@
 """Running the server: load and warm the engine, start its thread, serve HTTP with uvicorn,
 and shut down gracefully.
 
-Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /health 503),
-systemd hears STOPPING=1, in-flight requests get up to `shutdown_timeout` seconds to finish,
-then whatever is left is aborted (its clients get finish_reason "abort"), uvicorn closes and
-the process exits 0. A second SIGINT exits at once. If the engine thread dies, the server
+Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /health 503, a
+request still uploading its body 503 too), systemd hears STOPPING=1, in-flight requests get up
+to `shutdown_timeout` seconds to finish, then whatever is left is aborted (its clients get
+finish_reason "abort"), uvicorn closes and the process exits 0. A second SIGINT exits at once,
+with 130 when that cut requests off. If the engine thread dies, the server
 shuts down and exits 1, for the service manager to restart it. If it is alive but stuck (no
 heartbeat within its stall limit), /health says 503 "stalled" and, under a unit with
 WatchdogSec=, the WATCHDOG=1 pings stop so that systemd restarts it.
@@ -48,6 +49,7 @@ class OutriderServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.engine_failed = False
+        self.cut_off = False  # a second SIGINT ended requests still in flight
         # Ticked from on_tick, which uvicorn calls only once startup is done: after READY=1,
         # when systemd starts expecting pings.
         self.watchdog = sdnotify.Watchdog.from_env(lambda: state.engine.is_responsive)
@@ -84,6 +86,7 @@ class OutriderServer(uvicorn.Server):
         # Not uvicorn's: it would re-raise the signal after shutdown, exiting non-zero.
         if self.state.draining:
             if sig == signal.SIGINT:
+                self.cut_off = self.state.in_flight > 0
                 self.force_exit = self.should_exit = True
             return
         self.begin_drain()
@@ -175,7 +178,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     finally:
         state.offload.close()
         state.engine.stop()
-    return 1 if server.engine_failed else 0
+    return 1 if server.engine_failed else 130 if server.cut_off else 0
 
 
 def open_files_for(needed: int) -> None:
