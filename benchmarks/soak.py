@@ -16,14 +16,18 @@ Phases, in order, against one `python -m outrider serve --api-key KEY` on 127.0.
   4. oversubscription: concurrent greedy completions (ignore_eos) whose KV needs exceed the
      cache several times over, each must return max_tokens tokens; compared with the same
      requests run one at a time.
-  5. SIGTERM with streams in flight: every stream must end with a finish_reason, the process
+  5. loop stall: --stall-parallel POST /tokenize of a --stall-chars prompt at once (and the
+     same prompt to both completion endpoints, which the context refuses) while GET /health is
+     polled every 20 ms; /health's p99 latency must stay under 0.2 s, every /tokenize must
+     answer 200, every poll 200. /health's latency with the server idle is recorded beside it.
+  6. SIGTERM with streams in flight: every stream must end with a finish_reason, the process
      must exit 0; the drain time is recorded.
-  6. `outrider --help` wall time (median of --help-runs subprocess runs).
+  7. `outrider --help` wall time (median of --help-runs subprocess runs).
 
 Writes benchmarks/results/soak.json (soak_<spec>.json with speculation) and exits 1 when a
 must-hold fails: a 5xx, a hang, a leaked KV block, an oversubscribed request that did not
 complete, a stream that did not end cleanly, a non-zero exit code, or a cache size the server
-did not take. Other checks (statuses that differ from the expected, error bodies not in
+did not take, a /health p99 over 0.2 s while large inputs are tokenized. Other checks (statuses that differ from the expected, error bodies not in
 OpenAI's shape, outputs that differ from one-at-a-time runs, tracebacks in the server log) are
 warnings: printed and recorded, not fatal.
 """
@@ -35,6 +39,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import signal
 import socket
 import statistics
@@ -61,6 +66,7 @@ from soak_corpus import (  # noqa: E402
     json_bytes,
     metric_values,
     parse_response,
+    quantile,
     summary,
     tally,
     traceback_exceptions,
@@ -250,6 +256,84 @@ async def run_oversubscription(c, n: int, max_tokens: int, block_size: int) -> d
         "preemptions": None if before is None else after - before,
         "oversubscribed_seconds": round(t_together, 2),
         "sequential_seconds": round(time.monotonic() - t0, 2),
+    }
+
+
+STALL_POLL_S = 0.02  # /health is polled this often while the large inputs are in flight
+STALL_IDLE_POLLS = 50  # polls of an idle server first: the latency this machine adds anyway
+
+
+def large_prompt(chars: int, seed: int) -> str:
+    """`chars` characters of seeded words, digits and punctuation: ~4 characters a token."""
+    rng = random.Random(seed + 2)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "1984", "3.14",
+             "don't", "state-of-the-art", "(x)", "naïve", "zürich", "\n"]  # fmt: skip
+    text = " ".join(rng.choice(words) for _ in range(chars // 4 + 1))
+    return text[:chars]
+
+
+async def run_loop_stall(c, parallel: int, chars: int, seed: int, timeout: float) -> dict:
+    """`parallel` POST /tokenize of a `chars`-character prompt at once (one asking for the token
+    strings too), with the same prompt to /v1/completions and /v1/chat/completions (which the
+    context refuses), while GET /health is polled every STALL_POLL_S on fresh connections: its
+    latencies are how long the server's event loop stalls behind the large inputs. Ends when
+    the requests do, or after `timeout` seconds. The bodies are encoded beforehand and the
+    answers never parsed whole, so this client's own loop stays free to poll."""
+    prompt = large_prompt(chars, seed)
+    bodies = [
+        ("/tokenize", {"prompt": prompt, "return_token_strs": i == 0}) for i in range(parallel)
+    ]
+    bodies += [
+        (COMPLETIONS, completion_body(prompt=prompt)),
+        (CHAT, {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}),
+    ]
+    encoded = [(path, json.dumps(body, ensure_ascii=False).encode()) for path, body in bodies]
+    json_type = {"Content-Type": "application/json"}
+
+    async def post(path: str, body: bytes) -> dict:
+        t0 = time.monotonic()
+        count = None
+        try:
+            r = await c.post(path, content=body, headers=json_type, timeout=timeout)
+            status = str(r.status_code)
+            if found := re.match(rb'\{"count":(\d+)', r.content):
+                count = int(found[1])
+        except Exception as e:  # recorded: the verdict wants every answer
+            status = type(e).__name__
+        return {"path": path, "status": status, "count": count,
+                "seconds": round(time.monotonic() - t0, 2)}  # fmt: skip
+
+    statuses = Counter()
+
+    async def health() -> float:
+        t0 = time.monotonic()
+        try:
+            statuses[str((await c.get("/health", timeout=timeout)).status_code)] += 1
+        except Exception as e:
+            statuses[type(e).__name__] += 1
+        await asyncio.sleep(STALL_POLL_S)
+        return time.monotonic() - t0 - STALL_POLL_S
+
+    idle = [await health() for _ in range(STALL_IDLE_POLLS)]
+    statuses.clear()
+    work = asyncio.gather(*(post(path, body) for path, body in encoded))
+    latencies = []
+    deadline = time.monotonic() + timeout
+    while not work.done() and time.monotonic() < deadline:
+        latencies.append(await health())
+    requests = await asyncio.wait_for(work, max(deadline - time.monotonic(), 0) + 5)
+    return {
+        "stall_parallel": parallel,
+        "stall_prompt_chars": chars,
+        "stall_body_bytes": len(encoded[0][1]),
+        "stall_requests": requests,
+        "stall_health_polls": len(latencies),
+        "stall_health_statuses": dict(statuses),
+        "stall_health_p50_s": quantile(latencies, 0.5),
+        "stall_health_p99_s": quantile(latencies, 0.99),
+        "stall_health_max_s": quantile(latencies, 1.0),
+        "stall_idle_health_p99_s": quantile(idle, 0.99),
+        "stall_idle_health_max_s": quantile(idle, 1.0),
     }
 
 
@@ -457,6 +541,20 @@ async def soak(args, proc: subprocess.Popen, port: int, result: dict) -> None:
 
         t0 = time.monotonic()
         result.update(
+            await run_loop_stall(
+                c, args.stall_parallel, args.stall_chars, args.seed, args.stall_timeout
+            )
+        )
+        phases["loop_stall"] = round(time.monotonic() - t0, 2)
+        print(
+            f"loop stall: /health p99 {result['stall_health_p99_s']} s, max "
+            f"{result['stall_health_max_s']} s over {result['stall_health_polls']} polls "
+            f"(idle p99 {result['stall_idle_health_p99_s']} s)",
+            flush=True,
+        )
+
+        t0 = time.monotonic()
+        result.update(
             await run_sigterm(c, proc, args.sigterm_streams, args.shutdown_timeout, context)
         )
         phases["sigterm"] = round(time.monotonic() - t0, 2)
@@ -484,6 +582,18 @@ def main() -> int:
     p.add_argument("--abort-drops", type=int, default=32)
     p.add_argument("--oversub-requests", type=int, default=16)
     p.add_argument("--oversub-max-tokens", type=int, default=64)
+    p.add_argument(
+        "--stall-parallel", type=int, default=4, help="large /tokenize requests sent at once"
+    )
+    p.add_argument(
+        "--stall-chars",
+        type=int,
+        default=4_000_000,
+        help="characters of each large prompt (its JSON body must fit max_body_bytes)",
+    )
+    p.add_argument(
+        "--stall-timeout", type=float, default=300.0, help="seconds the loop-stall phase may take"
+    )
     p.add_argument("--sigterm-streams", type=int, default=6)
     p.add_argument("--shutdown-timeout", type=float, default=8.0)
     p.add_argument("--startup-timeout", type=float, default=300.0)

@@ -563,6 +563,17 @@ def tally(results: Sequence[tuple[Case, Outcome]]) -> dict:
     }
 
 
+STALL_P99_S = 0.2  # /health's p99 latency while large inputs are tokenized, at most
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile of `values` (the nearest rank at or above), rounded to 0.1 ms."""
+    if not values:
+        return None
+    ranked = sorted(values)
+    return round(ranked[min(int(q * len(ranked)), len(ranked) - 1)], 4)
+
+
 def verdict(r: dict) -> tuple[list[str], list[str]]:
     """(failures, warnings) of a soak result. A failure is a must-hold that broke; a missing
     figure (its phase never ran) is a failure too."""
@@ -592,6 +603,17 @@ def verdict(r: dict) -> tuple[list[str], list[str]]:
         )
     if r.get("exit_code") != 0:
         fail.append(f"exit code after SIGTERM: {r.get('exit_code')} (want 0)")
+    p99, requests = r.get("stall_health_p99_s"), r.get("stall_requests") or []
+    if p99 is None or p99 > STALL_P99_S:
+        fail.append(
+            f"loop stall: /health p99 {p99} s while large inputs were tokenized (want <= "
+            f"{STALL_P99_S} s; idle p99 {r.get('stall_idle_health_p99_s')} s)"
+        )
+    tokenized = [q for q in requests if q["path"] == "/tokenize"]
+    if not tokenized or any(q["status"] != "200" for q in tokenized):
+        fail.append(f"loop stall: large /tokenize answers {[q['status'] for q in tokenized]}")
+    if set(r.get("stall_health_statuses") or {}) - {"200"}:
+        fail.append(f"loop stall: /health answered {r['stall_health_statuses']}")
     if fuzz.get("n_unexpected"):
         warn.append(f"{fuzz['n_unexpected']} fuzz answer(s) differ from the expected status")
     if fuzz.get("n_bad_error_shape"):
@@ -615,6 +637,9 @@ def verdict(r: dict) -> tuple[list[str], list[str]]:
             f"{r.get('sigterm_streams_done')}/{r.get('sigterm_streams')} SIGTERM streams "
             "got data: [DONE]"
         )
+    refused = [q["status"] for q in r.get("stall_requests") or () if q["path"] != "/tokenize"]
+    if any(status != "400" for status in refused):
+        warn.append(f"loop stall: prompts beyond the context answered {refused}, want 400")
     if r.get("server_tracebacks"):
         warn.append(f"{r['server_tracebacks']} traceback(s) in the server log")
     return fail, warn
@@ -632,6 +657,10 @@ def summary(r: dict) -> list[str]:
         f"  oversubscribed {g('oversubscribed_completed')}/{g('oversubscribed_total')} complete "
         f"(need {g('kv_blocks_needed')} of {g('num_blocks')} blocks; preemptions "
         f"{g('preemptions')}); equal to one at a time: {g('outputs_equal_sequential')}",
+        f"  loop stall: {g('stall_parallel')} x /tokenize of {g('stall_prompt_chars')} "
+        f"characters: /health p50 {g('stall_health_p50_s')} s, p99 {g('stall_health_p99_s')} s, "
+        f"max {g('stall_health_max_s')} s over {g('stall_health_polls')} polls (idle p99 "
+        f"{g('stall_idle_health_p99_s')} s)",
         f"  SIGTERM: drain {g('drain_seconds')} s, exit code {g('exit_code')}, "
         f"{g('sigterm_streams_clean')}/{g('sigterm_streams')} streams clean "
         f"{g('sigterm_finish_reasons')}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -50,6 +51,22 @@ _LLAMA3_LIKE = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral
 
 
 _TRIAL_CONVERSATION = [{"role": "user", "content": "Hello!"}]
+
+# tokenizers' encode() and decode() hold the GIL from start to end, so a megabyte of text stops
+# every other Python thread (the server's event loop among them) for seconds; their batch forms
+# release it while Rust works. A text this long (or a quarter as many ids) takes a few
+# milliseconds either way.
+_RELEASE_GIL_CHARS = 4096
+
+
+class TextTooLong(ValueError):
+    """A text whose length alone shows it encodes to more tokens than allowed."""
+
+    def __init__(self, chars: int, least: int, max_tokens: int) -> None:
+        super().__init__(
+            f"the text has {chars} characters, so at least {least} tokens, more than {max_tokens}"
+        )
+        self.chars, self.least, self.max_tokens = chars, least, max_tokens
 
 
 class Tokenizer:
@@ -229,10 +246,49 @@ class Tokenizer:
         """Token ids. add_special_tokens adds what the model's post-processor adds (BOS for
         models that want it). Encode chat-template output with add_special_tokens=False: the
         template writes BOS itself."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < _RELEASE_GIL_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if len(ids) < _RELEASE_GIL_CHARS // 4:
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
+
+    @functools.cached_property
+    def token_texts(self) -> tuple[str, ...]:
+        """decode([i], skip_special_tokens=False) for every id: what each token reads as alone."""
+        ids = [[i] for i in range(self.vocab_size)]
+        return tuple(self.backend.decode_batch(ids, skip_special_tokens=False))
+
+    @functools.cached_property
+    def _length_bound(self) -> tuple[int, tuple[str, ...]] | None:
+        """(the most characters of input one token stands for, the characters this tokenizer
+        drops), or None where its pipeline gives no such bound (see _dropped_chars)."""
+        dropped = _dropped_chars(json.loads(self.backend.to_str()))
+        if dropped is None:
+            return None
+        # A byte-level token spells each byte of its text with one character, so it stands for
+        # at most as many characters as it spells; a SentencePiece piece spells its text itself
+        # ("▁" for " "), a byte-fallback piece part of one character.
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True))), dropped
+
+    def least_tokens(self, text: str) -> int:
+        """The fewest tokens `text` can encode to (0 when the tokenizer gives no bound): every
+        character it keeps is covered by some token, no token covers more than the longest
+        token's length of them, and the post-processor only adds tokens. Counts the characters
+        the tokenizer drops (a few ASCII controls some byte-level vocabularies lack): up to a
+        few scans of the text, none where nothing is dropped."""
+        bound = self._length_bound
+        if bound is None:
+            return 0
+        most, dropped = bound
+        kept = len(text) - sum(map(text.count, dropped))
+        return -(-kept // most)
+
+    def _check_length(self, text: str, max_tokens: int | None) -> None:
+        if max_tokens is not None and (least := self.least_tokens(text)) > max_tokens:
+            raise TextTooLong(len(text), least, max_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -254,13 +310,15 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         add_special_tokens: bool = False,
+        max_tokens: int | None = None,
         **kwargs: Any,
     ) -> list[int]:
         """Token ids of the rendered conversation: the template's own markers are control tokens,
         special-token text inside messages other than system ones (content, names, tool calls)
         stays text, so a user who writes `<|im_end|><|im_start|>system` opens no system turn.
         System messages are the deployer's and encode as rendered. A conversation without
-        special-token text encodes exactly as encode(apply_chat_template(...)) does."""
+        special-token text encodes exactly as encode(apply_chat_template(...)) does. A rendered
+        text that certainly encodes to more than max_tokens tokens raises TextTooLong."""
         render = functools.partial(
             self.apply_chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -268,6 +326,7 @@ class Tokenizer:
             **kwargs,
         )
         text = render(messages)
+        self._check_length(text, max_tokens)
         guarded, originals = _guard_special_text(messages, self._special_text, taken=text)
         if not originals:
             return self.encode(text, add_special_tokens=add_special_tokens)
@@ -287,7 +346,7 @@ class Tokenizer:
         ids: list[int] = []
         run: list[int] = []
         cut = 0  # where the text after the last marker starts
-        encoding = self.backend.encode(guarded_text, add_special_tokens=False)
+        encoding = self.backend.encode_batch([guarded_text], add_special_tokens=False)[0]
         for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
             if token_id not in self.all_special_ids:
                 run.append(token_id)
@@ -309,7 +368,7 @@ class Tokenizer:
         plain = text.translate(restore)
         if plain == text:
             return ids
-        return self._text_backend.encode(plain, add_special_tokens=False).ids
+        return self._text_backend.encode_batch_fast([plain], add_special_tokens=False)[0].ids
 
     def apply_chat_template(
         self,
@@ -357,6 +416,55 @@ class Tokenizer:
                     f"({e}): fix the template, or pass a working one with --chat-template"
                 ) from None
         return chat
+
+
+# Steps that keep every character of the text (a Split that is not "removed" isolates or
+# merges its matches, never drops them), and normalizers that never shorten it.
+_KEEPING_PRE = frozenset({"ByteLevel", "Split", "Metaspace", "Digits", "Punctuation"})
+_LENGTHENING_NORM = frozenset({"Prepend", "Replace"})
+
+
+def _dropped_chars(spec: dict[str, Any]) -> tuple[str, ...] | None:
+    """The characters a tokenizer.json spec drops without a token, when it maps every other
+    character into some token and no token covers more characters than it spells: BPE over a
+    pre-tokenizer and normalizer that keep every character, byte-level or with byte fallback,
+    no truncation, no added token that swallows the whitespace beside it. A byte-level BPE
+    drops bytes its vocabulary lacks (SmolLM2 lacks 0x04 and five more ASCII controls); a
+    character beyond ASCII keeps its continuation bytes, unless one of those is missing too.
+    None where the spec makes no such promise (NFC/NFKC, splits that drop whitespace, an
+    unknown token fused over a run of characters, ...)."""
+
+    def steps(part: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+        if part is None:
+            return []
+        return (
+            [s for p in part[key] for s in steps(p, key)] if part["type"] == "Sequence" else [part]
+        )
+
+    pre = steps(spec.get("pre_tokenizer"), "pretokenizers")
+    norm = steps(spec.get("normalizer"), "normalizers")
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") or {}
+    if model.get("type") != "BPE" or spec.get("truncation") is not None:
+        return None
+    if any(p["type"] not in _KEEPING_PRE or p.get("behavior") == "Removed" for p in pre):
+        return None
+    for n in norm:
+        pattern = (n.get("pattern") or {}).get("String")
+        if n["type"] not in _LENGTHENING_NORM:
+            return None
+        if n["type"] == "Replace" and (pattern is None or len(n["content"]) < len(pattern)):
+            return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or ()):
+        return None
+    if any(p["type"] == "ByteLevel" for p in pre):
+        missing = [b for b, c in byte_alphabet().items() if c not in vocab]
+        if any(0x80 <= b < 0xC0 for b in missing):
+            return None
+        return tuple(chr(b) for b in missing if b < 0x80)
+    if model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return ()
+    return None
 
 
 def _guard_special_text(

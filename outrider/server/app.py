@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from outrider.server import serving_tokens
 from outrider.server.errors import APIError, clip, error_body, from_validation_error
-from outrider.server.guards import APIKeyGuard, BodyLimitGuard
+from outrider.server.guards import APIKeyGuard, BodyLimitGuard, InFlightGuard
 from outrider.server.metrics import CONTENT_TYPE
 from outrider.server.protocol import ModelCard, ModelList
 from outrider.server.serving_chat import create_chat_completion
@@ -41,7 +41,7 @@ def build_app(state: ServerState, api_key: str | None) -> FastAPI:
     _add_routes(app, state)
     _add_error_handlers(app)
     # Starlette runs the middleware added last first: CORS, the key, the body cap, the count.
-    app.add_middleware(_CountInFlight, state=state)
+    app.add_middleware(InFlightGuard, state=state)
     app.add_middleware(BodyLimitGuard, max_bytes=state.config.max_body_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyGuard, api_key=api_key)
@@ -131,25 +131,3 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(error_body(500, f"internal error: {exc!r}"), 500)
-
-
-class _CountInFlight:
-    """Counts generation requests from arrival until their response's last byte (a stream's
-    ASGI call returns only when the stream ends): what a graceful shutdown waits for."""
-
-    def __init__(self, app, state: ServerState) -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not scope["path"].startswith("/v1/")
-        ):
-            await self.app(scope, receive, send)
-            return
-        self.state.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.in_flight -= 1

@@ -38,6 +38,21 @@ _SERVER_FLAGS: tuple[tuple[str, type, str], ...] = (
     ),
     ("default_max_tokens", int, "max_tokens when a request gives none (default: the context)"),
     ("shutdown_timeout", float, "seconds SIGTERM waits for in-flight requests before aborting"),
+    (
+        "header_timeout",
+        float,
+        "seconds a connection may take to send its request line and headers, then 408 and closed",
+    ),
+    (
+        "max_connections",
+        int,
+        "open connections served at once; a request on one beyond gets 503 and is closed",
+    ),
+    (
+        "max_concurrent_requests",
+        int,
+        "POST requests in flight at once; more get 503 (default: no cap beyond max_connections)",
+    ),
     ("tool_parser", str, "parse tool calls: hermes, qwen or kimi_k2"),
     ("reasoning_parser", str, "split reasoning_content: think or deepseek_r1"),
     ("chat_template", str, "a jinja chat template file replacing the checkpoint's"),

@@ -56,6 +56,13 @@ class ServerConfig:
     default_max_tokens: int | None = None  # when a request gives none; None: up to the context
     cors_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests, then aborts
+    # A connection that has not sent a whole request line and headers this long after opening
+    # (or after its last response) gets 408 and is closed: slow clients cannot hold sockets.
+    header_timeout: float = 10.0
+    # Open connections served at once; a request on one beyond them gets 503 and its connection
+    # is closed. Below the open-file limit, which `outrider serve` raises to fit it.
+    max_connections: int = 1000
+    max_concurrent_requests: int | None = None  # POSTs in flight; beyond: 503. None: no cap
     served_model_name: str | None = None  # None: the checkpoint's file or directory name
     tool_parser: str | None = None  # e.g. "hermes", "kimi_k2" (see parsers/registry.py)
     reasoning_parser: str | None = None  # e.g. "think"
@@ -78,15 +85,21 @@ class ServerConfig:
             raise ValueError("give api_key or api_key_file, not both: prefer api_key_file")
         if self.api_key == "":
             raise ValueError("invalid api_key='': use a non-empty key, or None for no auth")
-        for name in ("max_body_bytes", "max_n", "shutdown_timeout", "health_stall_s",
-                     "chat_template_timeout_s", "chat_template_max_chars",
-                     *REQUEST_LIMITS):  # fmt: skip
+        positive = ("max_body_bytes", "max_n", "shutdown_timeout", "health_stall_s",
+                    "header_timeout", "max_connections", "chat_template_timeout_s",
+                    "chat_template_max_chars", *REQUEST_LIMITS)  # fmt: skip
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: use a positive value")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(
                 f"invalid max_logprobs={self.max_logprobs!r}: use 0..20 (the engine computes at "
                 "most 20 top logprobs per token)"
+            )
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
+            raise ValueError(
+                f"invalid max_concurrent_requests={self.max_concurrent_requests}: use an integer "
+                ">= 1 or None (no cap)"
             )
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(

@@ -1,10 +1,11 @@
 """Running the server: load and warm the engine, start its thread, serve HTTP with uvicorn,
 and shut down gracefully.
 
-Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /health 503),
-systemd hears STOPPING=1, in-flight requests get up to `shutdown_timeout` seconds to finish,
-then whatever is left is aborted (its clients get finish_reason "abort"), uvicorn closes and
-the process exits 0. A second SIGINT exits at once. If the engine thread dies, the server
+Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /health 503, a
+request still uploading its body 503 too), systemd hears STOPPING=1, in-flight requests get up
+to `shutdown_timeout` seconds to finish, then whatever is left is aborted (its clients get
+finish_reason "abort"), uvicorn closes and the process exits 0. A second SIGINT exits at once,
+with 130 when that cut requests off. If the engine thread dies, the server
 shuts down and exits 1, for the service manager to restart it. If it is alive but stuck (no
 heartbeat within its stall limit), /health says 503 "stalled" and, under a unit with
 WatchdogSec=, the WATCHDOG=1 pings stop so that systemd restarts it.
@@ -13,7 +14,9 @@ WatchdogSec=, the WATCHDOG=1 pings stop so that systemd restarts it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -30,12 +33,13 @@ from outrider.server import sdnotify
 from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
-from outrider.server.guards import JSONErrorH11Protocol
+from outrider.server.guards import GuardedH11Protocol
 from outrider.server.state import ServerState, read_chat_template
 
 log = logging.getLogger(__name__)
 
 _ABORT_GRACE_S = 5.0  # after aborting leftovers, time for their last chunks to reach clients
+_OWN_FILES = 256  # open files the process needs beside its connections: model, logs, pipes
 
 
 class OutriderServer(uvicorn.Server):
@@ -45,6 +49,7 @@ class OutriderServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.engine_failed = False
+        self.cut_off = False  # a second SIGINT ended requests still in flight
         # Ticked from on_tick, which uvicorn calls only once startup is done: after READY=1,
         # when systemd starts expecting pings.
         self.watchdog = sdnotify.Watchdog.from_env(lambda: state.engine.is_responsive)
@@ -81,6 +86,7 @@ class OutriderServer(uvicorn.Server):
         # Not uvicorn's: it would re-raise the signal after shutdown, exiting non-zero.
         if self.state.draining:
             if sig == signal.SIGINT:
+                self.cut_off = self.state.in_flight > 0
                 self.force_exit = self.should_exit = True
             return
         self.begin_drain()
@@ -116,7 +122,9 @@ def load_engine(engine_config: EngineConfig) -> EngineCore:
 
 
 def _warm_up(core: EngineCore) -> None:
-    """One short generation before READY: the first forward allocates and (on GPU) compiles."""
+    """One short generation before READY: the first forward allocates and (on GPU) compiles.
+    The tokenizer's length bound too (~0.1 s, once), not at the first request on the loop."""
+    core.tokenizer.least_tokens("")
     req = core.add_request([core.tokenizer.bos_token_id or 0], SamplingParams(max_tokens=2))
     while not req.is_finished:
         core.step()
@@ -135,15 +143,19 @@ def build_server(
     engine = AsyncEngine(core, stall_s=server_config.health_stall_s)
     state = ServerState.build(engine, server_config, model_name(server_config, core))
     app = build_app(state, server_config.resolve_api_key())
+    # h11 (what uvicorn runs without httptools, which outrider does not install), guarded
+    protocol = functools.partial(
+        GuardedH11Protocol,
+        header_timeout=server_config.header_timeout,
+        max_connections=server_config.max_connections,
+    )
     uv_config = uvicorn.Config(
         app,
         host=server_config.host,
         port=server_config.port,
         log_level=server_config.log_level,
         lifespan="off",
-        # h11 (what uvicorn runs without httptools, which outrider does not install), answering
-        # requests it cannot parse with the error JSON too
-        http=JSONErrorH11Protocol,
+        http=protocol,
         timeout_graceful_shutdown=int(_ABORT_GRACE_S),
         access_log=server_config.log_level in ("debug", "info"),
     )
@@ -159,14 +171,34 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         )
     if server_config.chat_template is not None:  # a typo in it fails before a model loads
         read_chat_template(server_config.chat_template)
+    open_files_for(server_config.max_connections + _OWN_FILES)
     core = load_engine(engine_config)
     server, state = build_server(server_config, core)
     state.engine.start()
     try:
         server.run()
     finally:
+        state.offload.close()
         state.engine.stop()
-    return 1 if server.engine_failed else 0
+    return 1 if server.engine_failed else 130 if server.cut_off else 0
+
+
+def open_files_for(needed: int) -> None:
+    """Raise the soft limit on open files to `needed` (at most the hard limit): each connection
+    is one, and at the limit new ones fail in accept() before any request can be refused. Many
+    systems start processes at 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    raised = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if raised < needed:
+        log.warning(
+            "open files are limited to %d (hard limit), below the %d that max_connections needs: "
+            "raise the limit (LimitNOFILE= in the unit, ulimit -Hn) or lower max_connections",
+            raised,
+            needed,
+        )
 
 
 class ServerThread:
@@ -203,5 +235,6 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self._thread.join(30)
+        self.state.offload.close()
         self.state.engine.stop()
         self._sock.close()

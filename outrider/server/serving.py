@@ -102,6 +102,12 @@ def _values(data: object) -> Iterator[tuple[str, object]]:
             todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value))
 
 
+async def body_size(request: Request) -> int:
+    """The size of a body read_body has read (starlette keeps it): what working on the
+    request's text will cost, for Offload.run."""
+    return len(await request.body())
+
+
 def _check_content_type(value: str | None) -> None:
     """JSON, a `+json` type, or no Content-Type at all (curl -d would send a form type: pass
     -H 'Content-Type: application/json'); anything else is 415."""
@@ -211,6 +217,16 @@ def sampling_params(
 
 
 _SAMPLING_FIELD = re.compile(r"invalid (\w+)=")
+
+
+def too_long(state: ServerState, chars: int, least: int, param: str) -> APIError:
+    """The 400 of a prompt of `chars` characters whose length alone shows it has at least
+    `least` tokens, more than the context leaves room for."""
+    return bad_request(
+        f"the prompt has {chars} characters, so at least {least} tokens, but the context holds "
+        f"{state.engine.max_model_len}, leaving no room to generate: shorten the prompt",
+        param,
+    )
 
 
 def validate(

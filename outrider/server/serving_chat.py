@@ -4,7 +4,6 @@ call (structured.py) holds the output to a grammar."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -14,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from outrider.loaders.tokenizer import TextTooLong
 from outrider.server.async_engine import EngineDeadError
 from outrider.server.choice_text import ChoiceText
 from outrider.server.errors import APIError, bad_request, clip
@@ -22,12 +22,14 @@ from outrider.server.parsers.base import ReasoningParser, ToolCall
 from outrider.server.protocol import ChatCompletionRequest, ChatMessage, new_id
 from outrider.server.serving import (
     SSE_DONE,
+    body_size,
     chat_logprobs,
     collect,
     read_body,
     response,
     sampling_params,
     sse,
+    too_long,
     unless_disconnected,
     usage,
     validate,
@@ -44,7 +46,9 @@ async def create_chat_completion(state: ServerState, request: Request):
     tools = _rendered_tools(req)
     constraint = request_constraint(req, tool_call_constraint(req, state.tool_parser))
     messages = [template_message(m, i) for i, m in enumerate(req.messages)]
-    prompt_ids = await asyncio.to_thread(render, state, req, messages, tools)
+    size = await body_size(request)
+    limit = state.engine.max_model_len - 1  # a prompt of max_model_len tokens leaves no room
+    prompt_ids = await state.offload.run(size, render, state, req, messages, tools, False, limit)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens or req.max_tokens
     rid = new_id("chatcmpl")
@@ -130,9 +134,17 @@ def _arguments(arguments: str | dict) -> dict | str:
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def render(state: ServerState, req, messages, tools, add_special_tokens: bool = False) -> list[int]:
-    """Template and tokenize (in a worker thread: both cost milliseconds per request). `req`
-    gives add_generation_prompt and chat_template_kwargs (a chat or a /tokenize request)."""
+def render(
+    state: ServerState,
+    req,
+    messages,
+    tools,
+    add_special_tokens: bool = False,
+    max_tokens: int | None = None,
+) -> list[int]:
+    """Template and tokenize (Offload.run: inline for a small body, in a thread for a large
+    one). `req` gives add_generation_prompt and chat_template_kwargs (a chat or a /tokenize
+    request); a rendered text whose length shows it exceeds max_tokens is refused untokenized."""
     try:
         # Special-token text in a client's messages stays text: it cannot open a system turn.
         # The template writes BOS itself when the model wants one.
@@ -141,8 +153,11 @@ def render(state: ServerState, req, messages, tools, add_special_tokens: bool = 
             add_generation_prompt=req.add_generation_prompt,
             tools=tools,
             add_special_tokens=add_special_tokens,
+            max_tokens=max_tokens,
             **(req.chat_template_kwargs or {}),
         )
+    except TextTooLong as e:
+        raise too_long(state, e.chars, e.least, "messages") from None
     except (ValueError, TypeError, UnicodeError) as e:
         raise bad_request(
             f"the messages could not be rendered or tokenized: {e}", "messages"

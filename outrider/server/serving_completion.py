@@ -4,7 +4,6 @@ prompt index * n + i, as OpenAI numbers them."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 
@@ -17,12 +16,14 @@ from outrider.server.limits import check_completion
 from outrider.server.protocol import CompletionRequest, new_id
 from outrider.server.serving import (
     SSE_DONE,
+    body_size,
     collect,
     completion_logprobs,
     read_body,
     response,
     sampling_params,
     sse,
+    too_long,
     unless_disconnected,
     usage,
     validate,
@@ -52,7 +53,8 @@ async def create_completion(state: ServerState, request: Request):
             f"request ({max(_MAX_PROMPTS, state.config.max_n)}): split the request",
             "prompt",
         )
-    encoded = await asyncio.to_thread(_encode_all, state, prompts)
+    _check_lengths(state, prompts)
+    encoded = await state.offload.run(await body_size(request), _encode_all, state, prompts)
     rid = new_id("cmpl")
     requests, echoes = [], []
     for p, ids in enumerate(encoded):
@@ -88,9 +90,19 @@ def _prompt_list(prompt) -> list[str | list[int]]:
         return [prompt]
     if not prompt:
         raise bad_request("prompt is an empty list: give a string or token ids", "prompt")
-    if all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt[0], int):  # the request's validation made every entry one kind
         return [list(prompt)]
     return list(prompt)
+
+
+def _check_lengths(state: ServerState, prompts: list[str | list[int]]) -> None:
+    """Refuse a text its length shows cannot leave room in the context, before it waits to be
+    tokenized (a 4 MB prompt would take seconds): at most a few scans of it."""
+    for p in prompts:
+        if isinstance(p, str):
+            least = state.engine.tokenizer.least_tokens(p)
+            if least >= state.engine.max_model_len:
+                raise too_long(state, len(p), least, "prompt")
 
 
 def _encode_all(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:

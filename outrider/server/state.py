@@ -11,6 +11,7 @@ from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
 from outrider.server.errors import APIError, clip
 from outrider.server.metrics import ServerMetrics
+from outrider.server.offload import Offload
 from outrider.server.parsers.base import ReasoningParser, ToolParser
 from outrider.server.parsers.registry import build_reasoning_parser, build_tool_parser
 
@@ -24,8 +25,9 @@ class ServerState:
     chat_tokenizer: object  # the engine's tokenizer, or a copy with config.chat_template
     tool_parser: ToolParser | None
     reasoning_parser: ReasoningParser | None
+    offload: Offload
     draining: bool = False
-    in_flight: int = 0  # POST /v1/* requests between arrival and their last byte (event loop)
+    in_flight: int = 0  # POST requests between arrival and their last byte (event loop)
 
     @classmethod
     def build(cls, engine: AsyncEngine, config: ServerConfig, model_name: str) -> ServerState:
@@ -48,6 +50,7 @@ class ServerState:
             reasoning_parser=build_reasoning_parser(config.reasoning_parser)
             if config.reasoning_parser
             else None,
+            offload=Offload(),
         )
 
     def check_admission(self) -> None:

@@ -131,6 +131,14 @@ def test_client_exception_types(client, server):
         ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, 400, ["temperature"]),
         ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, 400, ["suffix"]),
         ("/v1/completions", {"prompt": "Hi " * 400}, 400, ["context"]),
+        # too long to fit whatever its tokens: refused from its length, never tokenized
+        ("/v1/completions", {"prompt": "x" * 30_000}, 400, ["30000 characters", "context"]),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x" * 30_000}]},
+            400,
+            ["characters", "context"],
+        ),
         ("/v1/completions", b'{"prompt": "\\ud800"}', 400, ["tokenized"]),
         ("/v1/completions", {}, 400, ["prompt"]),
     ],

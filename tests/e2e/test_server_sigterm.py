@@ -4,6 +4,7 @@ finish, the rest are aborted when it expires, and the process exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -117,3 +118,49 @@ def test_sigterm_drains_then_exits_zero(served):
     assert 0 < by_len[2][1] < 4000
     stderr = proc.stderr.read()
     assert "Traceback" not in stderr, stderr
+
+
+def _port(base: str) -> int:
+    return int(base.rsplit(":", 1)[1])
+
+
+def test_a_client_still_uploading_at_sigterm_gets_503_json(served):
+    proc, base, notify = served
+    _read_notify(notify, "READY=1", 10)
+    with socket.create_connection(("127.0.0.1", _port(base)), timeout=20) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": "'
+        )
+        time.sleep(0.5)  # the request is in; its body is not
+        proc.send_signal(signal.SIGTERM)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head, data[:300]
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "shutting down" in error["message"]
+    assert proc.wait(timeout=SHUTDOWN_TIMEOUT + 20) == 0  # nothing else was in flight
+    stderr = proc.stderr.read()
+    assert "Traceback" not in stderr, stderr
+
+
+def test_sigint_during_the_drain_cuts_requests_off_and_exits_130(served):
+    proc, base, notify = served
+    _read_notify(notify, "READY=1", 10)
+    started = threading.Event()
+
+    def stream() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut off: what this test is about
+            _stream(base, 4000, [], started)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(30)
+    proc.send_signal(signal.SIGTERM)
+    _read_notify(notify, "STOPPING=1", 10)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=20) == 130
+    t.join(20)

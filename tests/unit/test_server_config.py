@@ -29,6 +29,9 @@ from outrider.server.config import ServerConfig, load_yaml
         ({"tool_parser": "xml"}, "unknown tool_parser='xml'.*hermes"),
         ({"reasoning_parser": "nope"}, "unknown reasoning_parser"),
         ({"metrics_prefix": "sglang"}, "metrics_prefix='sglang'.*vllm"),
+        ({"header_timeout": 0}, "header_timeout=0"),
+        ({"max_connections": 0}, "max_connections=0"),
+        ({"max_concurrent_requests": 0}, "max_concurrent_requests=0.*None"),
     ],
 )
 def test_server_config_rejects(kwargs, match):
@@ -94,6 +97,39 @@ def test_flags_override_yaml_only_when_given(tmp_path):
     server, engine = configs_from_args(args)
     assert server.api_key == "k" and server.cors_origins == ("https://x",)
     assert server.port == ServerConfig().port and engine.model.model is None
+
+
+def test_connection_limits_are_flags_and_yaml_keys(tmp_path):
+    path = tmp_path / "server.yaml"
+    path.write_text("server: {header_timeout: 2.5, max_connections: 64}\n")
+    args = build_parser().parse_args(
+        ["serve", "--config", str(path), "--max-concurrent-requests", "8", "--max-connections", "9"]
+    )
+    server, _ = configs_from_args(args)
+    assert (server.header_timeout, server.max_connections, server.max_concurrent_requests) == (
+        2.5,
+        9,
+        8,
+    )
+    default = ServerConfig()
+    assert (default.header_timeout, default.max_connections) == (10.0, 1000)
+    assert default.max_concurrent_requests is None
+
+
+def test_open_files_are_raised_to_fit_max_connections(monkeypatch):
+    import resource
+
+    from outrider.server.server import open_files_for
+
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda _: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda _, value: limits.update(now=value))
+    open_files_for(2000)
+    assert limits["now"] == (2000, 4096)
+    open_files_for(1000)  # already enough: left alone
+    assert limits["now"] == (2000, 4096)
+    open_files_for(10_000)  # no further than the hard limit
+    assert limits["now"] == (4096, 4096)
 
 
 def test_sd_notify_sends_datagrams(tmp_path, monkeypatch):

@@ -137,17 +137,19 @@ def test_two_different_content_lengths_are_400(app):
 
 def test_unparsable_http_gets_json_from_the_protocol(app):
     # uvicorn's h11 refuses these before the app runs: only the protocol class can answer JSON.
+    import functools
     import socket
     import threading
     import time
 
     import uvicorn
 
-    from outrider.server.guards import JSONErrorH11Protocol
+    from outrider.server.guards import GuardedH11Protocol
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=JSONErrorH11Protocol, lifespan="off", log_level="critical")
+    protocol = functools.partial(GuardedH11Protocol, header_timeout=10, max_connections=100)
+    config = uvicorn.Config(app, http=protocol, lifespan="off", log_level="critical")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
     thread.start()

@@ -8,6 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from outrider import __version__
+from outrider.server.offload import INLINE_BYTES
 from tests.unit.test_server_errors_unit import AUTH, KEY, _tokenizer, app  # noqa: F401
 
 
@@ -35,6 +36,21 @@ def test_tokenize_messages_as_the_chat_endpoint_renders_them(client):
     text = tok.apply_chat_template(messages, add_generation_prompt=True)
     assert r.json()["tokens"] == tok.encode(text, add_special_tokens=False)
     assert len(r.json()["token_strs"]) == r.json()["count"]
+
+
+def test_a_large_prompt_tokenizes_off_the_loop_as_a_small_one_does(client):
+    tok = _tokenizer()
+    prompt = "hi there user " * 2000  # past INLINE_BYTES: tokenized in the offload pool
+    assert len(prompt) > INLINE_BYTES
+    r = client.post("/tokenize", json={"prompt": prompt, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(prompt) and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == [tok.decode([i], False) for i in body["tokens"]]
+    back = client.post("/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == tok.decode(body["tokens"], False)
+    bad = client.post("/detokenize", json={"tokens": [*body["tokens"], 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
 @pytest.mark.parametrize(

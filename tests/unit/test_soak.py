@@ -208,6 +208,9 @@ def _passing() -> dict:
         "abort_streams": 8, "abort_streams_saw_content": 8, "sigterm_streams": 6,
         "sigterm_streams_clean": 6, "sigterm_streams_done": 6, "exit_code": 0,
         "health_while_draining": "503", "request_while_draining": "503", "server_tracebacks": 0,
+        "stall_health_p99_s": 0.05, "stall_health_statuses": {"200": 300},
+        "stall_requests": [{"path": "/tokenize", "status": "200"}] * 4
+        + [{"path": "/v1/completions", "status": "400"}],
     }  # fmt: skip
 
 
@@ -233,6 +236,10 @@ def test_the_summary_prints_whatever_ran(pure):
         ({"exit_code": 1}, "exit code"),
         ({"exit_code": None}, "exit code"),  # killed after the drain timed out
         ({"cache_blocks_seen": 2048.0}, "cache"),
+        ({"stall_health_p99_s": 0.5}, "p99"),
+        ({"stall_health_p99_s": None}, "p99"),
+        ({"stall_requests": [{"path": "/tokenize", "status": "ReadTimeout"}]}, "/tokenize"),
+        ({"stall_health_statuses": {"200": 9, "503": 1}}, "/health answered"),
     ],
 )
 def test_each_must_hold_fails_the_run(pure, change, word):
@@ -250,6 +257,12 @@ def test_each_must_hold_fails_the_run(pure, change, word):
         {"health_while_draining": "200"},
         {"sigterm_streams_done": 5},
         {"server_tracebacks": 2},
+        {
+            "stall_requests": [
+                {"path": "/tokenize", "status": "200"},
+                {"path": "x", "status": "200"},
+            ]
+        },
     ],
 )
 def test_checks_beyond_the_must_holds_only_warn(pure, change):
@@ -259,8 +272,21 @@ def test_checks_beyond_the_must_holds_only_warn(pure, change):
 
 def test_an_empty_result_fails_every_must_hold(pure):
     failures, _ = pure.verdict({})
-    for word in ("cache", "fuzz", "leaked", "oversubscription", "ended cleanly", "exit code"):
+    words = ("cache", "fuzz", "leaked", "oversubscription", "ended cleanly", "exit code", "p99")
+    for word in words:
         assert sum(word in f for f in failures) == 1, (word, failures)
+
+
+def test_quantile_takes_the_nearest_rank_at_or_above(pure):
+    assert pure.quantile([], 0.99) is None
+    values = [i / 1000 for i in range(100)]
+    assert pure.quantile(values, 0.5) == 0.05 and pure.quantile(values, 0.99) == 0.099
+    assert pure.quantile(values, 1.0) == 0.099 and pure.quantile([0.3, 0.1], 0.0) == 0.1
+
+
+def test_large_prompts_are_seeded_and_as_long_as_asked(soak):
+    a, b = soak.large_prompt(10_000, 0), soak.large_prompt(10_000, 0)
+    assert a == b and len(a) == 10_000 and a != soak.large_prompt(10_000, 1)
 
 
 # -- hang detection, against a toy server --------------------------------------------------------
