@@ -61,7 +61,7 @@ Bool = StrictBool
 # collide with them ("got multiple values for argument 'self'") or, as add_special_tokens,
 # quietly change the encoding. messages, tools and add_generation_prompt are request fields.
 RENDERER_ARGUMENTS = frozenset(
-    {"self", "messages", "tools", "add_generation_prompt", "add_special_tokens"}
+    {"self", "messages", "tools", "add_generation_prompt", "add_special_tokens", "max_tokens"}
 )
 
 

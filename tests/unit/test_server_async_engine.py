@@ -20,6 +20,7 @@ class FakeCore:
 
     def __init__(self, tokens: int = 3, fail_at_step: int | None = None) -> None:
         self.tokenizer = SimpleNamespace(bos_token_id=1)
+        self.tokenizer.with_chat_template = lambda limits, template, origin: self.tokenizer
         self.max_model_len, self.vocab_size = 64, 100
         self.context = ContextLimit(64, "the context is 64 tokens (the model's max_model_len)", "")
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
