@@ -48,7 +48,9 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.max_model_len, self.runner.device.type
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.checkpoint.config.eos_token_ids
         )
