@@ -201,6 +201,10 @@ class EngineCore:
         requests wait to be scheduled or the step cannot run ahead."""
         if self.scheduler.num_waiting or not overlap.can_run_ahead(batch):
             return None
+        # A running request that `batch` left out (a long prefill given no budget) would be left
+        # out of every step run ahead after it too.
+        if self.scheduler.num_running > sum(not s.request.is_finished for s in batch.seqs):
+            return None
         nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len)
         if nxt is None:
             return None
