@@ -172,9 +172,10 @@ class CacheConfig:
             raise ValueError(f"invalid num_blocks={self.num_blocks}: use at least 2, or None")
 
 
-# The long-prefill threshold on a CPU: a step there takes time in proportion to its tokens
-# (SmolLM2-135M on 2 cores: ~1 s for 64 prompt tokens at a 6k context), and a request that
-# arrives waits for the step in flight before its own, so a long prompt's share stays small.
+# The long-prefill threshold on a CPU, where a step's time follows its tokens and a request that
+# arrives waits for the step in flight before its own: 64 keeps a step of the default model on 2
+# cores near a second at a 7k context, without slowing the long prompt's own prefill
+# (benchmarks/results/fair_prefill.json).
 CPU_LONG_PREFILL_TOKENS = 64
 
 
