@@ -172,13 +172,32 @@ class CacheConfig:
             raise ValueError(f"invalid num_blocks={self.num_blocks}: use at least 2, or None")
 
 
+# The long-prefill threshold on a CPU, where a step's time follows its tokens and a request that
+# arrives waits for the step in flight before its own: 64 keeps a step of the default model on 2
+# cores near a second at a 7k context, without slowing the long prompt's own prefill
+# (benchmarks/results/fair_prefill.json).
+CPU_LONG_PREFILL_TOKENS = 64
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits. Prompts longer than the token budget are prefilled in chunks."""
+    """Continuous batching limits. Prompts longer than the token budget are prefilled in chunks.
+
+    With chunked prefill, a prompt with more than long_prefill_token_threshold tokens still to
+    compute is long: it computes at most that many a step, and only after the decodes and the
+    short prompts (new or mid-prefill) have had their share of the budget; only the
+    max_long_partial_prefills long prompts with the fewest tokens left advance in a step (the
+    others keep their KV and wait; short prompts queued behind them go first). A short request
+    arriving during a long prefill then gets its first token within a step or two. None:
+    CPU_LONG_PREFILL_TOKENS on a CPU, the whole budget on CUDA (long prompts there only yield
+    the budget others need); 0: no prompt is long (prompts take the budget in admission
+    order)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    max_long_partial_prefills: int = 1
     # Launch the next plain decode step before reading this one's tokens, so the host's
     # bookkeeping overlaps the device's work (engine/overlap.py). None: off for now (on CUDA
     # once measured there); the CPU gains nothing from it.
@@ -192,6 +211,27 @@ class SchedulerConfig:
             raise ValueError(
                 f"invalid max_num_batched_tokens={self.max_num_batched_tokens}: use an integer >= 1"
             )
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"invalid long_prefill_token_threshold={self.long_prefill_token_threshold}: use "
+                "an integer >= 0 (0: no prompt counts as long) or None (chosen by device)"
+            )
+        if self.max_long_partial_prefills < 1:
+            raise ValueError(
+                f"invalid max_long_partial_prefills={self.max_long_partial_prefills}: use an "
+                "integer >= 1"
+            )
+
+    def long_prefill_tokens(self, device_type: str) -> int:
+        """The long-prefill threshold in force on `device_type` ("cpu", "cuda"): the setting,
+        or its default there; 0 (no prompt is long) without chunked prefill."""
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        if device_type == "cpu":
+            return min(CPU_LONG_PREFILL_TOKENS, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
 
 
 SPEC_CONTROLLERS = ("adaptive", "fixed")

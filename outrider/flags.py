@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from outrider.config import (
+    CPU_LONG_PREFILL_TOKENS,
     DTYPES,
     FLAT_ALIASES,
     SECTIONS,
@@ -267,6 +268,12 @@ _GENERATED_HELP = {
     "batches run eagerly",
     "scheduler.enable_chunked_prefill": "prefill prompts longer than --max-num-batched-tokens "
     "in chunks of it (--no-enable-chunked-prefill: off)",
+    "scheduler.long_prefill_token_threshold": "a prompt with more tokens than this still to "
+    "prefill is long: it computes at most this many a step, after decodes and short prompts "
+    f"(0: no prompt is long; default: {CPU_LONG_PREFILL_TOKENS} on CPU, "
+    "--max-num-batched-tokens on CUDA)",
+    "scheduler.max_long_partial_prefills": "long prompts (--long-prefill-token-threshold) "
+    "prefilled in one step, those with the fewest tokens left; the others wait",
     "scheduler.async_scheduling": "launch the next plain decode step before reading this "
     "one's tokens, overlapping host bookkeeping with the device (default: off)",
     "speculative.grammar_drafts": "structured outputs: a constrained request's drafts start "

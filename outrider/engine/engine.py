@@ -49,7 +49,9 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.max_model_len, self.runner.device.type
+        )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.checkpoint.config.eos_token_ids
         )
@@ -202,6 +204,10 @@ class EngineCore:
         """Launch the decode after `batch` on its sampled ids, still on the device; None when
         requests wait to be scheduled or the step cannot run ahead."""
         if self.scheduler.num_waiting or not overlap.can_run_ahead(batch):
+            return None
+        # A running request that `batch` left out (a long prefill given no budget) would be left
+        # out of every step run ahead after it too.
+        if self.scheduler.num_running > sum(not s.request.is_finished for s in batch.seqs):
             return None
         nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len)
         if nxt is None:

@@ -1,21 +1,33 @@
 """Continuous batching: which requests compute how many tokens in the next step.
 
 One step has a token budget (max_num_batched_tokens) and at most max_num_seqs running requests.
-Running requests go first, in admission order, each computing what it still lacks: one token for
-a decode, a chunk for a prompt mid-prefill. Waiting requests are then admitted FIFO while seats
-and budget last. When the KV pool runs dry, the latest admitted request is preempted by
-recompute: its blocks are freed and it goes back to the front of the queue, to recompute its
+The budget goes first to the running decodes (one token each, plus the drafts a verify
+carries), then to short prompts: running ones mid-prefill, then waiting ones admitted FIFO while
+seats last. A long prompt (more than long_prefill_token_threshold tokens still to compute) comes
+last: it computes at most the threshold a step, from what the others left, and only the
+max_long_partial_prefills long prompts with the fewest tokens left advance (the others keep
+their KV and wait). So a request arriving during a long prefill is not queued behind all of it:
+a short one joins the next step, a long one shorter than the prefill in flight takes its turn. KV memory is still taken in admission order (running
+requests before waiting ones): when the pool runs dry, the latest admitted request is preempted
+by recompute: its blocks are freed and it goes back to the front of the queue, to recompute its
 prompt and outputs later (the prefix cache usually returns most of them).
 
-Budget 8, chunked prefill, A decoding and B with a 13-token prompt just admitted:
+Budget 8, threshold 4, chunked prefill; A (a 2-token prompt) and L (40 tokens) arrive
+together, S (3 tokens) after step 2:
 
-    step 1   A: 1 token          B: prompt[0:7]    (7 = what the budget has left)
-    step 2   A: 1 token          B: prompt[7:13]   samples B's first token
-    step 3   A: 1 token          B: 1 token        mode DECODE
+    step 1   A: prompt[0:2]                   L: prompt[0:4]     (4: the threshold)
+    step 2   A: 1 token                       L: prompt[4:8]
+    step 3   A: 1 token    S: prompt[0:3]     L: prompt[8:12]    S samples its first token
+    step 4   A: 1 token    S: 1 token         L: prompt[12:16]
+    ...      L: 4 tokens a step while more than 4 are left; prompt[36:40] in step 10
+
+With threshold 0 (no prompt is long) L takes the 7 tokens A leaves every step, and S, queued
+behind it, samples its first token in step 7 instead of 3.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 
@@ -42,11 +54,18 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        device_type: str = "cpu",
     ) -> None:
+        """device_type: where the steps run ("cpu", "cuda"), which sets the default long-prefill
+        threshold (SchedulerConfig.long_prefill_tokens)."""
         if max_model_len < 2:
             raise ValueError(f"invalid max_model_len={max_model_len}: use an integer >= 2")
         self.config = config
+        self.long_prefill_tokens = config.long_prefill_tokens(device_type)
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -90,12 +109,16 @@ class Scheduler:
         decoding requests where the pool has them and given back after the step."""
         batch = ScheduledBatch(mode=ForwardMode.DECODE, seqs=[])
         self._max_drafts, self._lookahead = max_drafts, lookahead
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        # Long prefills take slots for a chunk when their turn for memory comes (running ones in
+        # admission order, then waiting ones FIFO) but compute last, from the budget left then.
+        longs: list[tuple[Request, int]] = []
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens, longs)
         # After a preemption memory is short: admitting more now would only preempt again next
         # step. (A preemption always leaves a non-empty batch: a request that would have to
         # preempt itself while alone raises instead.)
         if not batch.preempted:
-            self._schedule_waiting(batch, budget)
+            budget = self._schedule_waiting(batch, budget, longs)
+        self._schedule_long(batch, budget, longs)
         if not batch.seqs and self.has_unfinished():
             # Unreachable while the invariants hold; an empty batch would spin the engine forever.
             req = self.waiting[0] if self.waiting else self.running[0]
@@ -176,18 +199,46 @@ class Scheduler:
 
     # -- building a step ---------------------------------------------------------------------
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        """Schedule running requests in order; returns the budget left."""
+    def _schedule_running(
+        self, batch: ScheduledBatch, budget: int, longs: list[tuple[Request, int]]
+    ) -> int:
+        """Schedule running requests in order, a prompt chunk only from the budget the decodes
+        after it leave; long prefills take slots and join `longs`. Returns the budget left."""
+        # need[i]: what running[i] takes as a decode (0 for a prompt); the decodes after
+        # position i need prefix[len(running)] - prefix[i + 1], whatever preemption pops.
+        prefix = [0]
+        for req in self.running:
+            prefix.append(prefix[-1] + self._decode_need(req))
+        advancing = {
+            r.request_id
+            for r in heapq.nsmallest(
+                self.config.max_long_partial_prefills,
+                (r for r in self.running if self._is_long(r)),
+                key=_tokens_left,
+            )
+        }
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._num_new_tokens(req, budget)
+            if req.num_tokens - req.num_computed_tokens > 1:  # a prompt: after later decodes
+                room = budget - (prefix[len(self.running)] - prefix[i + 1])
+                if self._is_long(req):
+                    num_new = min(self.long_prefill_tokens, room)
+                    if req.request_id not in advancing or num_new <= 0:
+                        i += 1  # paused behind shorter long prompts, or no budget left
+                        continue
+                    if not self._allocate_or_preempt(req, num_new, batch):
+                        break  # req was the last running request and preempted itself
+                    longs.append((req, num_new))
+                    i += 1
+                    continue
+                num_new = self._num_new_tokens(req, room) if room > 0 else 0
+            else:
+                num_new = 1
             if num_new == 0:
                 i += 1  # does not fit what is left of the budget: it waits a step
                 continue
-            drafts, req.drafts = req.drafts, None  # consumed now, verified or dropped
-            if drafts and self._max_drafts is not None:
-                drafts = drafts.truncated(self._max_drafts) if self._max_drafts else None
+            drafts, req.drafts = self._drafts(req), None  # consumed now, verified or dropped
             # Drafts (and a drafter's lookahead) ride on the decode only if their slots fit
             # without preempting anyone: a draft is a bet, a running request's KV is not.
             n = drafts.num_nodes if drafts else 0
@@ -208,6 +259,26 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _drafts(self, req: Request) -> SeqDrafts | None:
+        """req's drafts cut to this step's max_drafts (0: none)."""
+        drafts = req.drafts
+        if drafts and self._max_drafts is not None:
+            drafts = drafts.truncated(self._max_drafts) if self._max_drafts else None
+        return drafts
+
+    def _decode_need(self, req: Request) -> int:
+        """Budget req takes as a decode: its token and the drafts it verifies; 0 for a prompt."""
+        if req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        drafts = req.drafts
+        if not drafts or self._max_drafts == 0:
+            return 1
+        n = drafts.num_nodes
+        return 1 + (n if self._max_drafts is None else min(n, self._max_drafts))
+
+    def _is_long(self, req: Request) -> bool:
+        return 0 < self.long_prefill_tokens < req.num_tokens - req.num_computed_tokens
 
     def _allocate_or_preempt(self, req: Request, num_new: int, batch: ScheduledBatch) -> bool:
         """Allocate req's new slots, preempting from the back of `running` until they fit.
@@ -237,32 +308,71 @@ class Scheduler:
         self.waiting.appendleft(req)
         batch.preempted.append(req)
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(
+        self, batch: ScheduledBatch, budget: int, longs: list[tuple[Request, int]]
+    ) -> int:
+        """Admit waiting requests FIFO while seats, budget and KV last; a long prompt takes slots
+        for its chunk here and joins `longs`, or, with max_long_partial_prefills already
+        advancing, stays queued while short prompts behind it go. Returns the budget left."""
         bm = self.block_manager
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
+            req = self.waiting[i]
             if cdiv(req.num_tokens + 1, bm.block_size) > bm.num_blocks:
                 raise self._never_fits(req, req.num_tokens + 1)
             num_cached = bm.match_prefix(req)
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget:
+            long = self._is_long(req)
+            if long and not self._advances(req, longs):
+                self._unmatch(req)
+                i += 1
+                continue
+            if long:
+                num_new = min(self.long_prefill_tokens, budget)
+            elif num_new > budget:
                 if self.config.enable_chunked_prefill:
                     num_new = budget
-                elif batch.seqs:
+                elif batch.seqs or longs:
                     self._unmatch(req)
                     break
                 # else: an empty batch takes the whole over-budget prompt, or it never runs
             if not bm.allocate(req, num_new):
                 self._unmatch(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.perf_counter()
                 req.metrics.num_cached_tokens = num_cached  # not recounted after preemption
-            self._add_seq(batch, req, num_new)
-            budget -= num_new
+            if long:
+                longs.append((req, num_new))
+            else:
+                self._add_seq(batch, req, num_new)
+                budget -= num_new
+        return budget
+
+    def _advances(self, req: Request, longs: list[tuple[Request, int]]) -> bool:
+        """Whether the waiting long prompt req would be among the max_long_partial_prefills
+        long prompts with the fewest tokens left, beside `longs`."""
+        if len(longs) < self.config.max_long_partial_prefills:
+            return True
+        return _tokens_left(req) < max(_tokens_left(r) for r, _ in longs)
+
+    def _schedule_long(
+        self, batch: ScheduledBatch, budget: int, longs: list[tuple[Request, int]]
+    ) -> None:
+        """The chunks of the max_long_partial_prefills long prompts with the fewest tokens left,
+        from the budget everyone else left; slots taken for more than that go back (a long
+        prompt given nothing this step keeps its seat and its KV)."""
+        longs.sort(key=lambda long: _tokens_left(long[0]))  # stable: ties in admission order
+        for k, (req, num_slots) in enumerate(longs):
+            num_new = min(num_slots, budget) if k < self.config.max_long_partial_prefills else 0
+            if num_new < num_slots:
+                self.block_manager.trim(req, req.num_computed_tokens + num_new)
+            if num_new:
+                self._add_seq(batch, req, num_new)
+                budget -= num_new
 
     def _unmatch(self, req: Request) -> None:
         """Return the references match_prefix took, so a request left waiting holds nothing."""
@@ -315,6 +425,10 @@ def _mode(seqs: list[ScheduledSeq]) -> ForwardMode:
     if any(s.drafts is not None for s in seqs):
         return ForwardMode.VERIFY
     return ForwardMode.DECODE
+
+
+def _tokens_left(req: Request) -> int:
+    return req.num_tokens - req.num_computed_tokens
 
 
 def _token_slice(req: Request, start: int, end: int) -> list[int]:

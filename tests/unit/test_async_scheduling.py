@@ -68,3 +68,28 @@ def test_async_scheduling_is_off_by_default_and_with_speculation(tiny_dir):  # n
         async_scheduling=True, speculative={"method": "ngram", "controller": "fixed"},
     )  # fmt: skip
     assert not spec.engine._async
+
+
+def test_a_running_request_left_out_of_a_step_stops_running_ahead(tiny_dir):  # noqa: F811
+    """Budget 2 and two decodes (b, then c): the prompt L admitted between them is given
+    nothing; steps run ahead would go on without it after b ends, so none runs ahead while it
+    waits, and every request ends in the step it ends in without async scheduling."""
+
+    def drive(async_scheduling):
+        llm = LLM(
+            str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
+            max_num_batched_tokens=2, async_scheduling=async_scheduling,
+        )  # fmt: skip
+        engine, finished = llm.engine, {}
+        for rid, prompt, n in (("b", [5, 6], 60), ("a", [7, 8], 6), ("L", [*range(20, 30)], 1)):
+            engine.add_request(
+                prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), rid
+            )
+        for step in range(200):
+            if step == 6:
+                engine.add_request([9, 10], SamplingParams(temperature=0, max_tokens=60), "c")
+            finished.update((o.request_id, step) for o in engine.step() if o.finished)
+            if not engine.has_unfinished():
+                return finished
+
+    assert drive(True) == drive(False)  # L ends when b has, not after c as well

@@ -70,6 +70,16 @@ def test_greedy_equals_hf_alone_and_batched(tiny_dir, prompts, reference):
         {"max_num_batched_tokens": 7},  # every prompt prefilled in chunks of <= 7 tokens
         {"num_blocks": 12, "block_size": 8, "enable_prefix_caching": False},  # forces preemption
         {"max_num_seqs": 2, "block_size": 4},
+        # long prompts 4 tokens a step, after the short ones; or in admission order
+        {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 4},
+        {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 0},
+        {
+            "long_prefill_token_threshold": 8,
+            "max_long_partial_prefills": 3,
+            "num_blocks": 12,
+            "block_size": 8,
+            "enable_prefix_caching": False,
+        },
     ],
 )
 def test_scheduling_choices_keep_outputs(tiny_dir, prompts, reference, options):
@@ -80,6 +90,31 @@ def test_scheduling_choices_keep_outputs(tiny_dir, prompts, reference, options):
     assert bm.num_free_blocks == bm.num_blocks  # every block came back
     if options.get("num_blocks") == 12:
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("threshold", [4, 0])
+def test_short_requests_arriving_during_a_long_prefill(tiny_dir, prompts, reference, threshold):
+    """The 64-token prompt prefills while the others arrive: with a threshold they sample their
+    first tokens in the next steps (the 5-token prompt is long too, but shorter: it goes first),
+    without one they wait for its prefill; outputs are the same either way."""
+    llm = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=128,
+        max_num_batched_tokens=8, long_prefill_token_threshold=threshold,
+    )  # fmt: skip
+    engine = llm.engine
+    long = engine.add_request(prompts[6], GREEDY)
+    engine.step()
+    shorts = [engine.add_request(prompts[i], GREEDY) for i in (0, 5)]  # 3 and 5 tokens
+    first_token_step = [None, None]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        for i, r in enumerate(shorts):
+            if r.output_token_ids and first_token_step[i] is None:
+                first_token_step[i] = steps
+        steps += 1
+    assert first_token_step == ([0, 1] if threshold else [7, 8])
+    assert [r.output_token_ids for r in (long, *shorts)] == [reference[i] for i in (6, 0, 5)]
 
 
 def test_prefix_cache_skips_prefill_and_keeps_output(tiny_dir, prompts, reference):

@@ -37,11 +37,15 @@ class Sim:
         budget: int = 64,
         chunked: bool = True,
         prefix: bool = True,
+        long_prefill: int | None = None,
+        max_long: int = 1,
     ) -> None:
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget,
             enable_chunked_prefill=chunked,
+            long_prefill_token_threshold=long_prefill,
+            max_long_partial_prefills=max_long,
         )
         self.bm = BlockManager(num_blocks, BS, prefix)
         self.sched = Scheduler(config, self.bm, max_model_len=1024)
@@ -147,6 +151,119 @@ def test_decodes_and_prefill_chunks_share_a_step():
     assert sim.step().mode == ForwardMode.DECODE
 
 
+def chunks(batch: ScheduledBatch) -> dict[str, tuple[int, int]]:
+    """{request id: (start, end)} of what each sequence computes this step."""
+    return {s.request.request_id: (s.start_pos, s.context_len) for s in batch.seqs}
+
+
+def test_the_docstring_example():
+    sim = Sim(budget=8, long_prefill=4)
+    sim.add([1, 2], "A")
+    long = sim.add(list(range(100, 140)), "L")
+    steps = [chunks(sim.step()) for _ in range(2)]
+    sim.add([3, 4, 5], "S")
+    steps += [chunks(sim.step()) for _ in range(8)]
+    assert steps[:4] == [
+        {"A": (0, 2), "L": (0, 4)},
+        {"A": (2, 3), "L": (4, 8)},
+        {"A": (3, 4), "S": (0, 3), "L": (8, 12)},
+        {"A": (4, 5), "S": (3, 4), "L": (12, 16)},
+    ]
+    assert [s["L"] for s in steps[4:]] == [(p, p + 4) for p in range(16, 40, 4)]
+    assert len(long.output_token_ids) == 1
+
+
+def test_without_a_threshold_the_short_request_waits_behind_the_long_prompt():
+    sim = Sim(budget=8, long_prefill=0)
+    sim.add([1, 2], "A")
+    sim.add(list(range(100, 140)), "L")
+    steps = [chunks(sim.step()) for _ in range(2)]
+    short = sim.add([3, 4, 5], "S")
+    steps += [chunks(sim.step()) for _ in range(5)]
+    assert [s["L"] for s in steps] == [
+        (0, 6),
+        *((p, p + 7) for p in range(6, 34, 7)),
+        (34, 40),
+        (40, 41),
+    ]
+    assert [s.get("S") for s in steps[2:]] == [None, None, None, (0, 1), (1, 3)]
+    assert len(short.output_token_ids) == 1  # sampled in step 7
+
+
+@pytest.mark.parametrize("num_short", [6, 12])
+def test_short_requests_during_a_long_prefill_get_first_tokens_within_two_steps(num_short):
+    budget, threshold = 32, 8
+    sim = Sim(num_blocks=256, budget=budget, long_prefill=threshold, max_num_seqs=16)
+    long = sim.add([(3 * j) % 97 for j in range(300)], "long")
+    for _ in range(3):
+        sim.step()
+    assert long.num_computed_tokens == 3 * threshold  # alone, a threshold-sized chunk a step
+    shorts = [sim.add([i % 50, 60, 61, 62][: 3 + i % 2], f"s{i}") for i in range(num_short)]
+    steps = 0
+    while sim.sched.has_unfinished():
+        before = long.num_computed_tokens
+        batch = sim.step()
+        steps += 1
+        assert 0 < batch.num_tokens <= budget
+        if long.num_prompt_tokens - before > threshold:
+            assert long.num_computed_tokens - before <= threshold
+        if steps == 2:
+            assert all(s.output_token_ids for s in shorts)  # first tokens within 2 steps
+            assert long.num_computed_tokens > before  # and the long prompt goes on beside them
+        for req in [long, *shorts]:
+            if len(req.output_token_ids) >= 4 and not req.is_finished:
+                sim.sched.finish(req, FinishReason.LENGTH)
+        sim.bm.check_invariants()
+        assert steps < 200
+    assert all(len(r.output_token_ids) == 4 for r in [long, *shorts])
+    assert sim.bm.num_free_blocks == sim.bm.num_blocks
+
+
+def test_one_long_prompt_advances_at_a_time_and_short_ones_pass_the_queued_one():
+    sim = Sim(budget=16, long_prefill=4, max_num_seqs=8)
+    first = sim.add(list(range(100, 130)), "first")
+    second = sim.add(list(range(200, 230)), "second")
+    sim.add([5, 6, 7], "short")
+    batch = sim.step()
+    assert chunks(batch) == {"short": (0, 3), "first": (0, 4)}  # second waits, short passes it
+    assert list(sim.sched.waiting) == [second] and second.block_ids == []
+    while first.num_tokens - first.num_computed_tokens > 4:
+        assert "second" not in chunks(sim.step())
+    batch = sim.step()  # first's last 4 tokens are short now: second starts beside them
+    assert chunks(batch)["first"] == (28, 30) and chunks(batch)["second"] == (0, 4)
+    two = Sim(budget=16, long_prefill=4, max_long=2)
+    two.add(list(range(100, 130)), "first")
+    two.add(list(range(200, 230)), "second")
+    assert chunks(two.step()) == {"first": (0, 4), "second": (0, 4)}
+
+
+def test_a_long_prompt_shorter_than_the_one_in_flight_takes_its_turn():
+    sim = Sim(budget=16, long_prefill=4)
+    big = sim.add(list(range(100, 140)), "big")
+    assert chunks(sim.step()) == {"big": (0, 4)}
+    sim.add(list(range(200, 210)), "medium")  # 10 tokens: long, but 26 fewer than big's
+    assert chunks(sim.step()) == {"medium": (0, 4)}  # big keeps its KV and waits
+    assert big.status == RequestStatus.RUNNING and len(big.block_ids) == 1
+    assert chunks(sim.step()) == {"medium": (4, 8)}
+    assert chunks(sim.step()) == {"medium": (8, 10), "big": (4, 8)}  # 2 left: a short prompt
+
+
+@pytest.mark.parametrize("max_drafts, want", [(None, (8, 10)), (2, (8, 11))])
+def test_decodes_and_verifies_take_the_budget_before_an_earlier_prompt(max_drafts, want):
+    from outrider.core import SeqDrafts
+
+    sim = Sim(budget=6, long_prefill=4)
+    prompt = sim.add(list(range(100, 111)), "prompt")  # admitted first
+    a = sim.add([1, 2], "a")
+    assert chunks(sim.step()) == {"a": (0, 2), "prompt": (0, 4)}
+    assert chunks(sim.step()) == {"a": (2, 3), "prompt": (4, 8)}
+    a.drafts = SeqDrafts.chain([9, 9, 9])
+    batch = sim.sched.schedule(max_drafts=max_drafts)  # prompt: 3 left, no longer long
+    k = 3 if max_drafts is None else max_drafts
+    assert chunks(batch) == {"prompt": want, "a": (3, 4 + k)}  # a verifies, the prompt waits
+    assert prompt.status == RequestStatus.RUNNING
+
+
 def test_max_num_seqs_keeps_later_requests_waiting():
     sim = Sim(max_num_seqs=2)
     reqs = [sim.add([i] * 3, f"r{i}") for i in range(3)]
@@ -157,9 +274,12 @@ def test_max_num_seqs_keeps_later_requests_waiting():
     assert ids(sim.step()) == ["r1", "r2"]
 
 
+@pytest.mark.parametrize("long_prefill", [0, 4])
 @pytest.mark.parametrize("prefix", [True, False])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_preemption_in_a_tiny_pool_finishes_everything_with_the_same_outputs(chunked, prefix):
+def test_preemption_in_a_tiny_pool_finishes_everything_with_the_same_outputs(
+    chunked, prefix, long_prefill
+):
     def check(batch: ScheduledBatch, before: list[Request]) -> None:
         # A step that preempts admits nothing: memory is short, admitting would thrash.
         if batch.preempted:
@@ -167,7 +287,7 @@ def test_preemption_in_a_tiny_pool_finishes_everything_with_the_same_outputs(chu
             assert all(r.status == RequestStatus.WAITING for r in batch.preempted)
 
     roomy = Sim(chunked=chunked, prefix=prefix).outputs(PROMPTS, max_tokens=12)
-    sim = Sim(num_blocks=10, budget=32, chunked=chunked, prefix=prefix)
+    sim = Sim(num_blocks=10, budget=32, chunked=chunked, prefix=prefix, long_prefill=long_prefill)
     tiny = sim.outputs(PROMPTS, max_tokens=12, check=check)
     assert sim.sched.num_preemptions > 0
     assert tiny == roomy  # recompute after preemption is exact
