@@ -32,6 +32,7 @@ from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
 from outrider.progress import progress
 from outrider.speculative.tree_batch import TreeShape
+from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +315,8 @@ class ModelRunner:
         if any(s.token_masks is not None for s in sampling):  # structured outputs: refused
             rows = [1 + (s.drafts.num_nodes if s.drafts else 0) for s in sampling]  # tokens
             masks = token_bitmask(sampling, rows)  # are never sampled nor verified
-            apply_token_bitmask_(logits, masks.to(logits.device, non_blocking=True))
+            # pinned: a pageable copy would wait here for the forward
+            apply_token_bitmask_(logits, to_device_no_sync(masks, torch.int32, logits.device))
         ids = [s.request.request_id for s in sampling]
         if batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in sampling):
             out = self.sampler(logits, sampling)

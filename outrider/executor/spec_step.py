@@ -377,7 +377,7 @@ class SpecStep:
             rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
             logits = out.logits.index_select(0, rows)  # [F * t, V]
             if masks is not None:  # structured outputs: each row's allowed tokens
-                apply_token_bitmask_(logits, masks.to(dev, non_blocking=True))
+                apply_token_bitmask_(logits, to_device_no_sync(masks, torch.int32, dev))
             drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
             tokens, accepted = verify_chain_rows_no_sync(
                 logits, [seqs[i] for i in fix], k, drafts.index_select(0, idx),
