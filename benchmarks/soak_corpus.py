@@ -21,13 +21,15 @@ ANY = frozenset()  # any answer but a 5xx or a hang
 @dataclass(frozen=True)
 class Case:
     """One hostile request. `expect` holds the outcomes a correct server gives (a status code
-    as text, "closed" or "reset"); empty means any but a 5xx or a hang."""
+    as text, "closed" or "reset"); empty means any but a 5xx or a hang. `param`: the field an
+    error answer must name (OpenAI's error.param), when it matters."""
 
     name: str  # "<category>:<detail>"
     raw: bytes  # the whole HTTP/1.1 request, `Connection: close`
     expect: frozenset[str] = ANY
     half_close: bool = False  # send EOF after the request: a body shorter than Content-Length
     framing: bool = False  # broken HTTP framing: uvicorn answers, not the app (no JSON error)
+    param: str | None = None
 
 
 def http_request(
@@ -56,8 +58,15 @@ def _expect(text: str) -> frozenset[str]:
     return ANY if text == "any" else frozenset(text.split("|"))
 
 
+def _expect_param(text: str) -> tuple[frozenset[str], str | None]:
+    """(statuses, param): 400@max_tokens -> ({"400"}, "max_tokens"); 400|404 -> (both, None)."""
+    statuses, _, param = text.partition("@")
+    return _expect(statuses), param or None
+
+
 # Body mutations, one a line: the endpoint (c: completions, h: chat), the answers a correct
-# server gives ("any": all but 5xx and hangs; lax coercions pydantic accepts are "any"), then JSON
+# server gives ("any": all but 5xx and hangs; lax coercions pydantic accepts are "any"; "@field":
+# the error's param), then JSON
 # merged into the base body ({"prompt": "Hello"} or one user message, max_tokens 2, greedy).
 # JSON escapes stay escapes on the wire: "\ud800" is a lone surrogate. $MODEL: the served name;
 # $CONTEXT: the served max_model_len (the small cache lowers it below the model's 8192).
@@ -97,10 +106,10 @@ c 400 {"temperature": []}
 c 400 {"top_p": {}}
 c 400 {"n": "two"}
 c 400 {"n": 1.5}
-c 400 {"stream": "yes"}
+c 400@stream {"stream": "yes"}
 c 400 {"stream": 1}
-c 400 {"temperature": true}
-h 400 {"chat_template_kwargs": {"self": 1}}
+c 400@temperature {"temperature": true}
+h 400@top_p {"top_p": false}
 c 400 {"stream": {}}
 c 400 {"stop": 5}
 c 400 {"stop": [1, 2]}
@@ -130,9 +139,27 @@ h 400 {"tools": [{}]}
 h 400 {"tool_choice": 5}
 h 400 {"tool_choice": "required"}
 h 400 {"response_format": "json"}
-h 400 {"response_format": {"type": "json_object"}}
 h 400 {"logprobs": "x"}
 h 400 {"chat_template_kwargs": "x"}
+[structured]
+h 200 {"response_format": {"type": "json_object"}}
+c 200 {"response_format": {"type": "json_object"}}
+h 200 {"response_format": {"type": "text"}}
+h 200 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}
+h 400@response_format {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}
+h 400@response_format.json_schema.schema {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}
+h 400@response_format.json_schema {"response_format": {"type": "json_schema"}}
+h 400@response_format.type {"response_format": {"type": "xml"}}
+c 400@guided_regex {"guided_regex": "["}
+c 400 {"guided_regex": "a", "guided_choice": ["a"]}
+[template]
+h 400@chat_template_kwargs {"chat_template_kwargs": {"self": 1}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"messages": []}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"tools": [{}]}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"add_generation_prompt": false}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"add_special_tokens": true}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"max_tokens": 1}}
+h 200 {"chat_template_kwargs": {"enable_thinking": false, "x": [1]}}
 [huge]
 c 400 {"max_tokens": 1000000}
 c 400 {"max_tokens": 4611686018427387904}
@@ -171,7 +198,7 @@ c 400 {"repetition_penalty": 0.001}
 c 400 {"repetition_penalty": 1e9}
 c 400 {"min_p": -0.1}
 c 400 {"min_p": 1.5}
-c 400 {"logprobs": 21}
+c 400@logprobs {"logprobs": 21}
 c 400 {"logprobs": 1000000}
 c 400 {"logprobs": -1}
 h 400 {"logprobs": true, "top_logprobs": 21}
@@ -248,8 +275,8 @@ c any b'\xef\xbb\xbf{"prompt": "Hi", "max_tokens": 2}'
 """
 
 
-def _table(text: str, parse_value) -> list[tuple[str, str, frozenset[str], object]]:
-    """(category, endpoint path, expect, value) per line of a table above."""
+def _table(text: str, parse_value) -> list[tuple[str, str, str, object]]:
+    """(category, endpoint path, expected answers as written, value) per line of a table."""
     rows, category = [], ""
     for line in text.strip().splitlines():
         if line.startswith("["):
@@ -257,7 +284,7 @@ def _table(text: str, parse_value) -> list[tuple[str, str, frozenset[str], objec
             continue
         endpoint, expect, value = line.split(" ", 2)
         path = COMPLETIONS if endpoint == "c" else CHAT
-        rows.append((category, path, _expect(expect), parse_value(value)))
+        rows.append((category, path, expect, parse_value(value)))
     return rows
 
 
@@ -309,7 +336,7 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
     cases: list[Case] = []
 
     def add(name, path, body, expect=ANY, headers=good, method="POST", **kw):
-        flags = {k: kw.pop(k) for k in ("half_close", "framing") if k in kw}
+        flags = {k: kw.pop(k) for k in ("half_close", "framing", "param") if k in kw}
         data = body if isinstance(body, bytes) else json_bytes(body)
         raw = http_request(method, path, data, headers, **kw)
         twins = sum(c.name == name or c.name.startswith(name + "#") for c in cases)
@@ -320,13 +347,13 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
             text.replace("$MODEL", json.dumps(model)[1:-1]).replace("$CONTEXT", str(context))
         )
 
-    for category, path, expect, fields in _table(_MUTATIONS, fill):
+    for category, path, answers, fields in _table(_MUTATIONS, fill):
         where = "chat" if path == CHAT else "cmpl"
-        add(
-            f"{category}:{where}:{json.dumps(fields)[:60]}", path, {**_base(path), **fields}, expect
-        )
-    for _, path, expect, body in _table(_RAW_BODIES, ast.literal_eval):
-        add(f"bad_json:{body[:40]!r}", path, body, expect)
+        expect, param = _expect_param(answers)
+        name = f"{category}:{where}:{json.dumps(fields)[:60]}"
+        add(name, path, {**_base(path), **fields}, expect, param=param)
+    for _, path, answers, body in _table(_RAW_BODIES, ast.literal_eval):
+        add(f"bad_json:{body[:40]!r}", path, body, _expect(answers))
     # too big to write out: beyond the context, the body limit (4 MiB), a nesting limit
     add(
         "huge:prompt_context_words",
@@ -348,12 +375,22 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
     )
     # past the server's per-request limits (server/limits.py): refused before any work
     stops = [f"s{i}" for i in range(10_000)]
-    add("huge:stop_10k", COMPLETIONS, completion_body(stop=stops), _expect("400"))
-    add("huge:stop_300_chars", COMPLETIONS, completion_body(stop=["s" * 300]), _expect("400"))
+    add("huge:stop_10k", COMPLETIONS, completion_body(stop=stops), _expect("400"), param="stop")
+    add("huge:stop_300_chars", COMPLETIONS, completion_body(stop=["s" * 300]), _expect("400"),
+        param="stop.0")  # fmt: skip
+    ids = list(range(1000))
+    add("huge:stop_token_ids_1000", COMPLETIONS, completion_body(stop_token_ids=ids),
+        _expect("400"), param="stop_token_ids")  # fmt: skip
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
-    add("huge:tools_200", CHAT, chat_body(tools=tools), _expect("400"))
+    add("huge:tools_200", CHAT, chat_body(tools=tools), _expect("400"), param="tools")
+    prompt = "hello " * 400_000  # 2.4 M characters: past max_prompt_chars, inside the body limit
+    add("huge:prompt_chars", COMPLETIONS, completion_body(prompt=prompt), _expect("400"),
+        param="prompt")  # fmt: skip
     digits = b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}"
-    add("number:5000_digits", COMPLETIONS, digits, _expect("400"))  # JSON, not for int()
+    # JSON, not for int(): a number longer than Python reads is a 400 at its field
+    add("number:5000_digits", COMPLETIONS, digits, _expect("400"), param="max_tokens")
+    digits = b'{"prompt": "Hi", "max_tokens": 2, "temperature": 0.' + b"1" * 5000 + b"}"
+    add("number:5000_digit_fraction", COMPLETIONS, digits, _expect("200"))
     add(
         "unknown_field:100k_list",
         COMPLETIONS,
@@ -523,21 +560,38 @@ def error_shape_ok(body: bytes) -> bool:
     )
 
 
+def error_param(body: bytes) -> str | None:
+    """The error.param of an answer in OpenAI's error shape (None in any other body)."""
+    try:
+        param = json.loads(body)["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return param if isinstance(param, str) else None
+
+
+def _surprise(case: Case, outcome: Outcome) -> bool:
+    if outcome.status == "hang":  # a must-hold of its own
+        return False
+    if case.expect and outcome.status not in case.expect:
+        return True
+    return case.param is not None and error_param(outcome.body) != case.param
+
+
 def tally(results: Sequence[tuple[Case, Outcome]]) -> dict:
-    """Counts by status, every 5xx and hang (must-holds), statuses other than expected and
-    error bodies not in OpenAI's shape (warnings)."""
+    """Counts by status, every 5xx and hang (must-holds), answers other than expected (the
+    status, or the field an error names) and error bodies not in OpenAI's shape (warnings)."""
     by_status = Counter(o.status for _, o in results)
     five_xx = [c.name for c, o in results if o.status.startswith("5")]
     hangs = [c.name for c, o in results if o.status == "hang"]
     unexpected = [
         {
             "case": c.name,
-            "expected": sorted(c.expect),
-            "got": o.status,
+            "expected": sorted(c.expect) + ([f"param {c.param}"] if c.param else []),
+            "got": o.status + (f" param {error_param(o.body)}" if c.param else ""),
             "body": o.body[:200].decode("utf-8", "replace"),
         }
         for c, o in results
-        if c.expect and o.status not in c.expect and o.status != "hang"
+        if _surprise(c, o)
     ]
     bad_shape = [
         c.name

@@ -51,7 +51,8 @@ def test_every_kind_of_hostility_is_in_it(corpus):
     kinds = Counter(c.name.split(":")[0] for c in corpus)
     for kind in ("valid", "bad_json", "wrong_type", "huge", "empty", "token_ids", "bool_ids",
                  "surrogate", "model", "unknown_field", "content_type", "content_length",
-                 "chunked", "route", "framing", "auth", "random"):  # fmt: skip
+                 "chunked", "route", "framing", "auth", "random", "structured", "template",
+                 "number"):  # fmt: skip
         assert kinds[kind] > 0, kind
     assert kinds["valid"] >= 10  # good requests amid the noise must still get 200
     assert any(c.half_close for c in corpus)
@@ -87,6 +88,19 @@ def test_well_framed_cases_parse_as_one_complete_request(corpus):
             json.loads(body)  # the hostility is in the values, never in the JSON
         checked += 1
     assert checked > 200
+
+
+def test_some_refusals_must_name_their_field(corpus):
+    params = {c.name: c.param for c in corpus if c.param}
+    assert params["number:5000_digits"] == "max_tokens"
+    assert params['wrong_type:cmpl:{"temperature": true}'] == "temperature"
+    assert params['wrong_type:cmpl:{"stream": "yes"}'] == "stream"
+    assert params["huge:stop_10k"] == "stop"
+    template = [c for c in corpus if c.name.startswith("template:") and c.param]
+    assert len(template) == 6 and {c.param for c in template} == {"chat_template_kwargs"}
+    assert all(c.expect == frozenset({"400"}) for c in corpus if c.param)
+    json_object = [c for c in corpus if "json_object" in c.name]
+    assert json_object and all(c.expect == frozenset({"200"}) for c in json_object)
 
 
 def test_lone_surrogates_go_out_as_json_escapes(corpus):
@@ -165,6 +179,25 @@ def test_tally_flags_5xx_hangs_and_surprises(pure):
     assert t["slowest_s"] == 30.0
     outcomes = {"a": "400", "b": "200", "c": "500", "d": "hang", "e": "400", "f": "reset"}
     assert t["outcomes"] == outcomes
+
+
+def test_tally_flags_an_error_that_names_another_field(pure):
+    Case, Outcome = pure.Case, pure.Outcome
+
+    def err(param) -> bytes:
+        body = {"error": {"message": "m", "type": "t", "param": param, "code": None}}
+        return json.dumps(body).encode()
+
+    want = frozenset({"400"})
+    results = [
+        (Case("right", b"", want, param="max_tokens"), Outcome("400", 0.1, err("max_tokens"))),
+        (Case("wrong", b"", want, param="max_tokens"), Outcome("400", 0.1, err(None))),
+        (Case("any", b"", want), Outcome("400", 0.1, err("prompt"))),
+    ]
+    unexpected = pure.tally(results)["unexpected"]
+    assert [(u["case"], u["got"]) for u in unexpected] == [("wrong", "400 param None")]
+    assert unexpected[0]["expected"] == ["400", "param max_tokens"]
+    assert pure.error_param(err("stop.3")) == "stop.3" and pure.error_param(b"{}") is None
 
 
 def test_metric_values_sum_label_sets(pure):
