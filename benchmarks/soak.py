@@ -16,10 +16,11 @@ Phases, in order, against one `python -m outrider serve --api-key KEY` on 127.0.
   4. oversubscription: concurrent greedy completions (ignore_eos) whose KV needs exceed the
      cache several times over, each must return max_tokens tokens; compared with the same
      requests run one at a time.
-  5. loop stall: --stall-parallel POST /tokenize of a --stall-chars prompt at once (and the
-     same prompt to both completion endpoints, which the context refuses) while GET /health is
-     polled every 20 ms; /health's p99 latency must stay under 0.2 s, every /tokenize must
-     answer 200, every poll 200. /health's latency with the server idle is recorded beside it.
+  5. loop stall: --stall-parallel POST /tokenize of a --stall-chars prompt at once (by default
+     the largest the server takes, max_prompt_chars: 2 Mi characters), and the same prompt to
+     both completion endpoints (which the context refuses), while GET /health is polled every
+     20 ms; /health's p99 latency must stay under 0.2 s, every /tokenize must answer 200, every
+     poll 200. /health's latency with the server idle is recorded beside it.
   6. SIGTERM with streams in flight: every stream must end with a finish_reason, the process
      must exit 0; the drain time is recorded.
   7. `outrider --help` wall time (median of --help-runs subprocess runs).
@@ -72,6 +73,8 @@ from soak_corpus import (  # noqa: E402
     traceback_exceptions,
     verdict,
 )
+
+from outrider.server.config import ServerConfig  # noqa: E402
 
 # -- the run -------------------------------------------------------------------------------------
 
@@ -588,8 +591,9 @@ def main() -> int:
     p.add_argument(
         "--stall-chars",
         type=int,
-        default=4_000_000,
-        help="characters of each large prompt (its JSON body must fit max_body_bytes)",
+        default=None,
+        help="characters of each large prompt (default: the server's max_prompt_chars, the most "
+        "it takes; its JSON body must fit max_body_bytes)",
     )
     p.add_argument(
         "--stall-timeout", type=float, default=300.0, help="seconds the loop-stall phase may take"
@@ -609,6 +613,8 @@ def main() -> int:
         "--out-dir", default=None, help="where soak.json goes (default benchmarks/results)"
     )
     args = p.parse_args()
+    if args.stall_chars is None:  # the soak's server takes the default request limits
+        args.stall_chars = ServerConfig().max_prompt_chars
 
     workdir = Path(tempfile.mkdtemp(prefix="outrider-soak-"))
     port = free_port()
