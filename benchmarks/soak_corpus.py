@@ -618,6 +618,8 @@ def tally(results: Sequence[tuple[Case, Outcome]]) -> dict:
 
 
 STALL_P99_S = 0.2  # /health's p99 latency while large inputs are tokenized, at most
+STOP_GAP_RATIO = 1.5  # another stream's inter-token gap beside the largest stop list, at most
+HEAD_SLACK_S = 2.0  # past header_timeout, how late a loaded machine may close a connection
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
@@ -668,6 +670,7 @@ def verdict(r: dict) -> tuple[list[str], list[str]]:
         fail.append(f"loop stall: large /tokenize answers {[q['status'] for q in tokenized]}")
     if set(r.get("stall_health_statuses") or {}) - {"200"}:
         fail.append(f"loop stall: /health answered {r['stall_health_statuses']}")
+    fail += _attack_failures(r)
     if fuzz.get("n_unexpected"):
         warn.append(f"{fuzz['n_unexpected']} fuzz answer(s) differ from the expected status")
     if fuzz.get("n_bad_error_shape"):
@@ -696,7 +699,52 @@ def verdict(r: dict) -> tuple[list[str], list[str]]:
         warn.append(f"loop stall: prompts beyond the context answered {refused}, want 400")
     if r.get("server_tracebacks"):
         warn.append(f"{r['server_tracebacks']} traceback(s) in the server log")
+    heads = r.get("heads_statuses") or {}
+    if heads and (heads.get("partial") != ["408"] or heads.get("silent", ["closed"]) != ["closed"]):
+        warn.append(f"slow heads: closed with {heads}, want 408 for a begun head, else nothing")
+    if r.get("forged_chat_status") not in (None, "200"):
+        warn.append(f"forged role markers: the chat request answered {r['forged_chat_status']}")
     return fail, warn
+
+
+def _attack_failures(r: dict) -> list[str]:
+    """The must-holds of the attacks on the server's bounds (soak_attacks.py)."""
+    fail = []
+    ratio, gaps = r.get("stop_gap_ratio"), r.get("stop_gap_median_ms") or {}
+    if ratio is None or ratio > STOP_GAP_RATIO:
+        fail.append(
+            f"stop list: another stream's inter-token gap beside {r.get('stop_list_strings')} "
+            f"stop strings of {r.get('stop_list_chars')} characters is {ratio} x its gap beside "
+            f"a stream without (want <= {STOP_GAP_RATIO}; medians {gaps} ms)"
+        )
+    statuses = r.get("stop_attack_statuses") or []
+    if not statuses or set(statuses) != {"200"}:
+        fail.append(f"stop list: the largest stop list the server takes answered {statuses}")
+    over = r.get("stop_over_limit") or {}
+    if not over or any(v.get("status") != "400" for v in over.values()):
+        fail.append(f"stop list: requests past the stop limits answered {over}, want 400")
+    held, closed, late = r.get("heads_held"), r.get("heads_closed"), r.get("heads_close_max_s")
+    most = (r.get("header_timeout_s") or 0) + HEAD_SLACK_S
+    if not held or closed != held or late is None or late > most:
+        fail.append(
+            f"slow heads: {closed}/{held} connections without a whole request head closed by "
+            f"the server, the last after {late} s (want all, within {most} s)"
+        )
+    cap = [r.get(k) for k in ("cap_request_beyond", "cap_health", "cap_request_after")]
+    if cap != ["503", "200", "200"]:
+        fail.append(
+            f"connection cap: a request beyond it {cap[0]} (want 503), /health {cap[1]} (want "
+            f"200), a request once those connections were closed {cap[2]} (want 200)"
+        )
+    forged, live = r.get("forged_control_tokens"), r.get("forged_plain_control_tokens")
+    if forged != 0:
+        fail.append(f"forged role markers: {forged} control token(s) forged by a user message")
+    if not live:
+        fail.append(
+            f"forged role markers: the forged text holds {live} control tokens even as a plain "
+            "prompt: no marker of this model's template was recognised, the check proves nothing"
+        )
+    return fail
 
 
 def summary(r: dict) -> list[str]:
@@ -715,6 +763,15 @@ def summary(r: dict) -> list[str]:
         f"characters: /health p50 {g('stall_health_p50_s')} s, p99 {g('stall_health_p99_s')} s, "
         f"max {g('stall_health_max_s')} s over {g('stall_health_polls')} polls (idle p99 "
         f"{g('stall_idle_health_p99_s')} s)",
+        f"  stop list ({g('stop_list_strings')} x {g('stop_list_chars')} characters): "
+        f"inter-token gap medians {g('stop_gap_median_ms')} ms, beside the attack / beside a "
+        f"plain stream {g('stop_gap_ratio')}; past the limits {g('stop_over_limit')}",
+        f"  forged role markers: {g('forged_control_tokens')} forged control tokens "
+        f"({g('forged_plain_control_tokens')} in the same text as a plain prompt)",
+        f"  slow heads: {g('heads_closed')}/{g('heads_held')} closed within "
+        f"{g('heads_close_min_s')}-{g('heads_close_max_s')} s (header_timeout "
+        f"{g('header_timeout_s')} s) {g('heads_statuses')}; beyond the connection cap "
+        f"{g('cap_request_beyond')}, /health {g('cap_health')}, after {g('cap_request_after')}",
         f"  SIGTERM: drain {g('drain_seconds')} s, exit code {g('exit_code')}, "
         f"{g('sigterm_streams_clean')}/{g('sigterm_streams')} streams clean "
         f"{g('sigterm_finish_reasons')}",
