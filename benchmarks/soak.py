@@ -1,35 +1,55 @@
 """A bounded reliability run of `outrider serve` over loopback: hostile requests, abort waves,
-KV oversubscription and SIGTERM under load, against a real server process and the default model.
+KV oversubscription, attacks on the server's request and connection bounds, and SIGTERM under
+load, against a real server process and the default model.
 
     python benchmarks/soak.py [--spec none|ngram|eagle3] [--seed 0] [--fuzz-requests 300]
                               [--num-blocks 32] [--out-dir DIR]
 
-Phases, in order, against one `python -m outrider serve --api-key KEY` on 127.0.0.1:
+Phases, in order, against one `python -m outrider serve --api-key KEY` on 127.0.0.1 (with
+header_timeout --header-timeout, 2 s, and max_connections --max-connections, 64):
   1. start: wait for GET /health 200; the free-block gauge must equal the configured cache size.
-  2. fuzz: a corpus built from --seed (bad JSON, wrong types, huge values, empty and
-     out-of-range prompts, booleans as token ids, lone surrogates, huge model names, wrong
-     content types, bad Content-Length, broken framing, missing or malformed API keys), sent
-     as raw bytes. Every 5xx and every request without an answer after --request-timeout
-     seconds is flagged; answers that differ from the expected status are listed.
+  2. fuzz: a corpus built from --seed (bad JSON, wrong types, huge values, numbers longer than
+     Python reads, empty and out-of-range prompts, booleans as token ids, lone surrogates, past
+     the request limits, structured outputs, reserved chat_template_kwargs, huge model names,
+     wrong content types, bad Content-Length, broken framing, missing or malformed API keys),
+     sent as raw bytes. Every 5xx and every request without an answer after --request-timeout
+     seconds is flagged; answers that differ from the expected status (or name another field
+     than the expected one) are listed.
   3. aborts: streams closed after their first chunks, and sockets dropped right after the
      request was sent; once idle, the free-block gauge must be back where it started.
   4. oversubscription: concurrent greedy completions (ignore_eos) whose KV needs exceed the
      cache several times over, each must return max_tokens tokens; compared with the same
      requests run one at a time.
-  5. loop stall: --stall-parallel POST /tokenize of a --stall-chars prompt at once (and the
-     same prompt to both completion endpoints, which the context refuses) while GET /health is
-     polled every 20 ms; /health's p99 latency must stay under 0.2 s, every /tokenize must
-     answer 200, every poll 200. /health's latency with the server idle is recorded beside it.
-  6. SIGTERM with streams in flight: every stream must end with a finish_reason, the process
+  5. stop list: the median inter-token gap of a --stop-tokens stream alone, beside a plain
+     stream and beside one carrying the largest stop list the server takes (max_stop_strings x
+     max_stop_string_chars random characters), --stop-rounds times; beside the attack it must
+     stay within 1.5x of beside the plain stream (the median of the rounds' ratios: the same
+     batch size, so the ratio is what the stop list costs others). A list one string or one
+     character past the limits must be a 400.
+  6. forged role markers: a user message holding a conversation as the template renders it
+     (role markers, a system turn, the assistant's opening) must add no control token to the
+     prompt POST /tokenize renders (the template's own markers only).
+  7. slow heads: --max-connections connections at once, --slow-heads of them sending part of a
+     request head, the rest nothing; one more request must get 503 and /health 200 while they
+     are open; the server must close each within header_timeout + 2 s, then answer 200 again.
+  8. loop stall: --stall-parallel POST /tokenize of a --stall-chars prompt at once (by default
+     the largest the server takes, max_prompt_chars: 2 Mi characters), and the same prompt to
+     both completion endpoints (which the context refuses), while GET /health is polled every
+     20 ms; /health's p99 latency must stay under 0.2 s, every /tokenize must answer 200, every
+     poll 200. /health's latency with the server idle is recorded beside it.
+  9. SIGTERM with streams in flight: every stream must end with a finish_reason, the process
      must exit 0; the drain time is recorded.
-  7. `outrider --help` wall time (median of --help-runs subprocess runs).
+  10. `outrider --help` wall time (median of --help-runs subprocess runs).
 
 Writes benchmarks/results/soak.json (soak_<spec>.json with speculation) and exits 1 when a
 must-hold fails: a 5xx, a hang, a leaked KV block, an oversubscribed request that did not
-complete, a stream that did not end cleanly, a non-zero exit code, or a cache size the server
-did not take, a /health p99 over 0.2 s while large inputs are tokenized. Other checks (statuses that differ from the expected, error bodies not in
-OpenAI's shape, outputs that differ from one-at-a-time runs, tracebacks in the server log) are
-warnings: printed and recorded, not fatal.
+complete, a stream that did not end cleanly, a non-zero exit code, a cache size the server
+did not take, a /health p99 over 0.2 s while large inputs are tokenized, a stop list that slows
+another stream past 1.5x (or is refused within the limits, or taken past them), a forged
+control token, a request head left open past header_timeout + 2 s, or a connection cap that
+does not answer 503 (or /health that does not answer) while full. Other checks (answers that
+differ from the expected, error bodies not in OpenAI's shape, outputs that differ from
+one-at-a-time runs, tracebacks in the server log) are warnings: printed and recorded, not fatal.
 """
 
 from __future__ import annotations
@@ -53,6 +73,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
+from soak_attacks import run_forged_markers, run_slow_heads, run_stop_list  # noqa: E402
 from soak_corpus import (  # noqa: E402
     CHAT,
     COMPLETIONS,
@@ -72,6 +93,8 @@ from soak_corpus import (  # noqa: E402
     traceback_exceptions,
     verdict,
 )
+
+from outrider.server.config import ServerConfig  # noqa: E402
 
 # -- the run -------------------------------------------------------------------------------------
 
@@ -439,7 +462,8 @@ def start_server(args, port: int, workdir: Path) -> tuple[subprocess.Popen, Path
     config = workdir / "server.yaml"
     config.write_text(
         f"server: {{host: {HOST}, port: {port}, shutdown_timeout: {args.shutdown_timeout}, "
-        f"default_max_tokens: 16}}\n"
+        f"default_max_tokens: 16, header_timeout: {args.header_timeout}, "
+        f"max_connections: {args.max_connections}}}\n"
         f"cache: {{num_blocks: {args.num_blocks}, block_size: {args.block_size}}}\n"
     )
     cmd = [
@@ -533,11 +557,57 @@ async def soak(args, proc: subprocess.Popen, port: int, result: dict) -> None:
         )
         kv["after_oversubscription"] = await wait_idle(c, kv["start"])
         phases["oversubscription"] = round(time.monotonic() - t0, 2)
+        done, total = result["oversubscribed_completed"], result["oversubscribed_total"]
+        print(f"oversubscription: {done}/{total} in {phases['oversubscription']} s", flush=True)
+
+        t0 = time.monotonic()
+        limits = ServerConfig()  # the soak's server takes the default request limits
+        result.update(
+            await run_stop_list(
+                c,
+                limits.max_stop_strings,
+                limits.max_stop_string_chars,
+                args.stop_rounds,
+                args.stop_tokens,
+                args.seed,
+            )
+        )
+        kv["after_stop_list"] = await wait_idle(c, kv["start"])
+        phases["stop_list"] = round(time.monotonic() - t0, 2)
         # the worst checkpoint: a leak after the aborts does not hide behind a later recovery
         free = list(kv.values())
         result["leaked_blocks"] = None if None in free else max(free[0] - f for f in free)
-        done, total = result["oversubscribed_completed"], result["oversubscribed_total"]
-        print(f"oversubscription: {done}/{total} in {phases['oversubscription']} s", flush=True)
+        gaps = result["stop_gap_median_ms"]
+        print(
+            f"stop list: inter-token gap {gaps['beside_plain']} ms beside a plain stream, "
+            f"{gaps['beside_attack']} ms beside {limits.max_stop_strings} x "
+            f"{limits.max_stop_string_chars} stop strings (ratio {result['stop_gap_ratio']}; "
+            f"alone {gaps['alone']} ms)",
+            flush=True,
+        )
+
+        t0 = time.monotonic()
+        result.update(await run_forged_markers(c))
+        phases["forged_markers"] = round(time.monotonic() - t0, 2)
+        print(
+            f"forged role markers: {result['forged_control_tokens']} control tokens forged "
+            f"({result['forged_plain_control_tokens']} in the same text as a plain prompt)",
+            flush=True,
+        )
+
+        t0 = time.monotonic()
+        result.update(
+            await run_slow_heads(
+                port, args.api_key, args.max_connections, args.slow_heads, args.header_timeout
+            )
+        )
+        phases["slow_heads"] = round(time.monotonic() - t0, 2)
+        print(
+            f"slow heads: {result['heads_closed']}/{result['heads_held']} closed, the last after "
+            f"{result['heads_close_max_s']} s (header_timeout {args.header_timeout} s); beyond "
+            f"the cap {result['cap_request_beyond']}, /health {result['cap_health']}",
+            flush=True,
+        )
 
         t0 = time.monotonic()
         result.update(
@@ -588,11 +658,39 @@ def main() -> int:
     p.add_argument(
         "--stall-chars",
         type=int,
-        default=4_000_000,
-        help="characters of each large prompt (its JSON body must fit max_body_bytes)",
+        default=None,
+        help="characters of each large prompt (default: the server's max_prompt_chars, the most "
+        "it takes; its JSON body must fit max_body_bytes)",
     )
     p.add_argument(
         "--stall-timeout", type=float, default=300.0, help="seconds the loop-stall phase may take"
+    )
+    p.add_argument(
+        "--stop-rounds",
+        type=int,
+        default=4,
+        help="rounds of the stop-list phase (each: alone, beside a plain and an attacking stream)",
+    )
+    p.add_argument(
+        "--stop-tokens", type=int, default=40, help="tokens of the stream whose gaps are timed"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=2.0,
+        help="the server's header_timeout: how long the slow-heads phase waits",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=64,
+        help="the server's max_connections: the slow-heads phase holds this many",
+    )
+    p.add_argument(
+        "--slow-heads",
+        type=int,
+        default=20,
+        help="of the held connections, those that send part of a request head",
     )
     p.add_argument("--sigterm-streams", type=int, default=6)
     p.add_argument("--shutdown-timeout", type=float, default=8.0)
@@ -609,6 +707,14 @@ def main() -> int:
         "--out-dir", default=None, help="where soak.json goes (default benchmarks/results)"
     )
     args = p.parse_args()
+    if args.stall_chars is None:  # the soak's server takes the default request limits
+        args.stall_chars = ServerConfig().max_prompt_chars
+    busiest = max(args.oversub_requests, args.sigterm_streams, 8) + 8  # 8: the abort waves
+    if args.max_connections < busiest:
+        p.error(
+            f"--max-connections {args.max_connections} is below the {busiest} connections the "
+            "other phases may open at once: raise it"
+        )
 
     workdir = Path(tempfile.mkdtemp(prefix="outrider-soak-"))
     port = free_port()

@@ -21,13 +21,15 @@ ANY = frozenset()  # any answer but a 5xx or a hang
 @dataclass(frozen=True)
 class Case:
     """One hostile request. `expect` holds the outcomes a correct server gives (a status code
-    as text, "closed" or "reset"); empty means any but a 5xx or a hang."""
+    as text, "closed" or "reset"); empty means any but a 5xx or a hang. `param`: the field an
+    error answer must name (OpenAI's error.param), when it matters."""
 
     name: str  # "<category>:<detail>"
     raw: bytes  # the whole HTTP/1.1 request, `Connection: close`
     expect: frozenset[str] = ANY
     half_close: bool = False  # send EOF after the request: a body shorter than Content-Length
     framing: bool = False  # broken HTTP framing: uvicorn answers, not the app (no JSON error)
+    param: str | None = None
 
 
 def http_request(
@@ -56,8 +58,15 @@ def _expect(text: str) -> frozenset[str]:
     return ANY if text == "any" else frozenset(text.split("|"))
 
 
+def _expect_param(text: str) -> tuple[frozenset[str], str | None]:
+    """(statuses, param): 400@max_tokens -> ({"400"}, "max_tokens"); 400|404 -> (both, None)."""
+    statuses, _, param = text.partition("@")
+    return _expect(statuses), param or None
+
+
 # Body mutations, one a line: the endpoint (c: completions, h: chat), the answers a correct
-# server gives ("any": all but 5xx and hangs; lax coercions pydantic accepts are "any"), then JSON
+# server gives ("any": all but 5xx and hangs; lax coercions pydantic accepts are "any"; "@field":
+# the error's param), then JSON
 # merged into the base body ({"prompt": "Hello"} or one user message, max_tokens 2, greedy).
 # JSON escapes stay escapes on the wire: "\ud800" is a lone surrogate. $MODEL: the served name;
 # $CONTEXT: the served max_model_len (the small cache lowers it below the model's 8192).
@@ -97,10 +106,10 @@ c 400 {"temperature": []}
 c 400 {"top_p": {}}
 c 400 {"n": "two"}
 c 400 {"n": 1.5}
-c 400 {"stream": "yes"}
+c 400@stream {"stream": "yes"}
 c 400 {"stream": 1}
-c 400 {"temperature": true}
-h 400 {"chat_template_kwargs": {"self": 1}}
+c 400@temperature {"temperature": true}
+h 400@top_p {"top_p": false}
 c 400 {"stream": {}}
 c 400 {"stop": 5}
 c 400 {"stop": [1, 2]}
@@ -130,9 +139,27 @@ h 400 {"tools": [{}]}
 h 400 {"tool_choice": 5}
 h 400 {"tool_choice": "required"}
 h 400 {"response_format": "json"}
-h 400 {"response_format": {"type": "json_object"}}
 h 400 {"logprobs": "x"}
 h 400 {"chat_template_kwargs": "x"}
+[structured]
+h 200 {"response_format": {"type": "json_object"}}
+c 200 {"response_format": {"type": "json_object"}}
+h 200 {"response_format": {"type": "text"}}
+h 200 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}
+h 400@response_format {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}
+h 400@response_format.json_schema.schema {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}
+h 400@response_format.json_schema {"response_format": {"type": "json_schema"}}
+h 400@response_format.type {"response_format": {"type": "xml"}}
+c 400@guided_regex {"guided_regex": "["}
+c 400 {"guided_regex": "a", "guided_choice": ["a"]}
+[template]
+h 400@chat_template_kwargs {"chat_template_kwargs": {"self": 1}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"messages": []}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"tools": [{}]}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"add_generation_prompt": false}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"add_special_tokens": true}}
+h 400@chat_template_kwargs {"chat_template_kwargs": {"max_tokens": 1}}
+h 200 {"chat_template_kwargs": {"enable_thinking": false, "x": [1]}}
 [huge]
 c 400 {"max_tokens": 1000000}
 c 400 {"max_tokens": 4611686018427387904}
@@ -171,7 +198,7 @@ c 400 {"repetition_penalty": 0.001}
 c 400 {"repetition_penalty": 1e9}
 c 400 {"min_p": -0.1}
 c 400 {"min_p": 1.5}
-c 400 {"logprobs": 21}
+c 400@logprobs {"logprobs": 21}
 c 400 {"logprobs": 1000000}
 c 400 {"logprobs": -1}
 h 400 {"logprobs": true, "top_logprobs": 21}
@@ -248,8 +275,8 @@ c any b'\xef\xbb\xbf{"prompt": "Hi", "max_tokens": 2}'
 """
 
 
-def _table(text: str, parse_value) -> list[tuple[str, str, frozenset[str], object]]:
-    """(category, endpoint path, expect, value) per line of a table above."""
+def _table(text: str, parse_value) -> list[tuple[str, str, str, object]]:
+    """(category, endpoint path, expected answers as written, value) per line of a table."""
     rows, category = [], ""
     for line in text.strip().splitlines():
         if line.startswith("["):
@@ -257,7 +284,7 @@ def _table(text: str, parse_value) -> list[tuple[str, str, frozenset[str], objec
             continue
         endpoint, expect, value = line.split(" ", 2)
         path = COMPLETIONS if endpoint == "c" else CHAT
-        rows.append((category, path, _expect(expect), parse_value(value)))
+        rows.append((category, path, expect, parse_value(value)))
     return rows
 
 
@@ -309,7 +336,7 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
     cases: list[Case] = []
 
     def add(name, path, body, expect=ANY, headers=good, method="POST", **kw):
-        flags = {k: kw.pop(k) for k in ("half_close", "framing") if k in kw}
+        flags = {k: kw.pop(k) for k in ("half_close", "framing", "param") if k in kw}
         data = body if isinstance(body, bytes) else json_bytes(body)
         raw = http_request(method, path, data, headers, **kw)
         twins = sum(c.name == name or c.name.startswith(name + "#") for c in cases)
@@ -320,13 +347,13 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
             text.replace("$MODEL", json.dumps(model)[1:-1]).replace("$CONTEXT", str(context))
         )
 
-    for category, path, expect, fields in _table(_MUTATIONS, fill):
+    for category, path, answers, fields in _table(_MUTATIONS, fill):
         where = "chat" if path == CHAT else "cmpl"
-        add(
-            f"{category}:{where}:{json.dumps(fields)[:60]}", path, {**_base(path), **fields}, expect
-        )
-    for _, path, expect, body in _table(_RAW_BODIES, ast.literal_eval):
-        add(f"bad_json:{body[:40]!r}", path, body, expect)
+        expect, param = _expect_param(answers)
+        name = f"{category}:{where}:{json.dumps(fields)[:60]}"
+        add(name, path, {**_base(path), **fields}, expect, param=param)
+    for _, path, answers, body in _table(_RAW_BODIES, ast.literal_eval):
+        add(f"bad_json:{body[:40]!r}", path, body, _expect(answers))
     # too big to write out: beyond the context, the body limit (4 MiB), a nesting limit
     add(
         "huge:prompt_context_words",
@@ -348,12 +375,22 @@ def _fixed_cases(key: str, model: str, context: int) -> list[Case]:
     )
     # past the server's per-request limits (server/limits.py): refused before any work
     stops = [f"s{i}" for i in range(10_000)]
-    add("huge:stop_10k", COMPLETIONS, completion_body(stop=stops), _expect("400"))
-    add("huge:stop_300_chars", COMPLETIONS, completion_body(stop=["s" * 300]), _expect("400"))
+    add("huge:stop_10k", COMPLETIONS, completion_body(stop=stops), _expect("400"), param="stop")
+    add("huge:stop_300_chars", COMPLETIONS, completion_body(stop=["s" * 300]), _expect("400"),
+        param="stop.0")  # fmt: skip
+    ids = list(range(1000))
+    add("huge:stop_token_ids_1000", COMPLETIONS, completion_body(stop_token_ids=ids),
+        _expect("400"), param="stop_token_ids")  # fmt: skip
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
-    add("huge:tools_200", CHAT, chat_body(tools=tools), _expect("400"))
+    add("huge:tools_200", CHAT, chat_body(tools=tools), _expect("400"), param="tools")
+    prompt = "hello " * 400_000  # 2.4 M characters: past max_prompt_chars, inside the body limit
+    add("huge:prompt_chars", COMPLETIONS, completion_body(prompt=prompt), _expect("400"),
+        param="prompt")  # fmt: skip
     digits = b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}"
-    add("number:5000_digits", COMPLETIONS, digits, _expect("400"))  # JSON, not for int()
+    # JSON, not for int(): a number longer than Python reads is a 400 at its field
+    add("number:5000_digits", COMPLETIONS, digits, _expect("400"), param="max_tokens")
+    digits = b'{"prompt": "Hi", "max_tokens": 2, "temperature": 0.' + b"1" * 5000 + b"}"
+    add("number:5000_digit_fraction", COMPLETIONS, digits, _expect("200"))
     add(
         "unknown_field:100k_list",
         COMPLETIONS,
@@ -523,21 +560,38 @@ def error_shape_ok(body: bytes) -> bool:
     )
 
 
+def error_param(body: bytes) -> str | None:
+    """The error.param of an answer in OpenAI's error shape (None in any other body)."""
+    try:
+        param = json.loads(body)["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return param if isinstance(param, str) else None
+
+
+def _surprise(case: Case, outcome: Outcome) -> bool:
+    if outcome.status == "hang":  # a must-hold of its own
+        return False
+    if case.expect and outcome.status not in case.expect:
+        return True
+    return case.param is not None and error_param(outcome.body) != case.param
+
+
 def tally(results: Sequence[tuple[Case, Outcome]]) -> dict:
-    """Counts by status, every 5xx and hang (must-holds), statuses other than expected and
-    error bodies not in OpenAI's shape (warnings)."""
+    """Counts by status, every 5xx and hang (must-holds), answers other than expected (the
+    status, or the field an error names) and error bodies not in OpenAI's shape (warnings)."""
     by_status = Counter(o.status for _, o in results)
     five_xx = [c.name for c, o in results if o.status.startswith("5")]
     hangs = [c.name for c, o in results if o.status == "hang"]
     unexpected = [
         {
             "case": c.name,
-            "expected": sorted(c.expect),
-            "got": o.status,
+            "expected": sorted(c.expect) + ([f"param {c.param}"] if c.param else []),
+            "got": o.status + (f" param {error_param(o.body)}" if c.param else ""),
             "body": o.body[:200].decode("utf-8", "replace"),
         }
         for c, o in results
-        if c.expect and o.status not in c.expect and o.status != "hang"
+        if _surprise(c, o)
     ]
     bad_shape = [
         c.name
@@ -564,6 +618,8 @@ def tally(results: Sequence[tuple[Case, Outcome]]) -> dict:
 
 
 STALL_P99_S = 0.2  # /health's p99 latency while large inputs are tokenized, at most
+STOP_GAP_RATIO = 1.5  # another stream's inter-token gap beside the largest stop list, at most
+HEAD_SLACK_S = 2.0  # past header_timeout, how late a loaded machine may close a connection
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
@@ -614,6 +670,7 @@ def verdict(r: dict) -> tuple[list[str], list[str]]:
         fail.append(f"loop stall: large /tokenize answers {[q['status'] for q in tokenized]}")
     if set(r.get("stall_health_statuses") or {}) - {"200"}:
         fail.append(f"loop stall: /health answered {r['stall_health_statuses']}")
+    fail += _attack_failures(r)
     if fuzz.get("n_unexpected"):
         warn.append(f"{fuzz['n_unexpected']} fuzz answer(s) differ from the expected status")
     if fuzz.get("n_bad_error_shape"):
@@ -642,7 +699,52 @@ def verdict(r: dict) -> tuple[list[str], list[str]]:
         warn.append(f"loop stall: prompts beyond the context answered {refused}, want 400")
     if r.get("server_tracebacks"):
         warn.append(f"{r['server_tracebacks']} traceback(s) in the server log")
+    heads = r.get("heads_statuses") or {}
+    if heads and (heads.get("partial") != ["408"] or heads.get("silent", ["closed"]) != ["closed"]):
+        warn.append(f"slow heads: closed with {heads}, want 408 for a begun head, else nothing")
+    if r.get("forged_chat_status") not in (None, "200"):
+        warn.append(f"forged role markers: the chat request answered {r['forged_chat_status']}")
     return fail, warn
+
+
+def _attack_failures(r: dict) -> list[str]:
+    """The must-holds of the attacks on the server's bounds (soak_attacks.py)."""
+    fail = []
+    ratio, gaps = r.get("stop_gap_ratio"), r.get("stop_gap_median_ms") or {}
+    if ratio is None or ratio > STOP_GAP_RATIO:
+        fail.append(
+            f"stop list: another stream's inter-token gap beside {r.get('stop_list_strings')} "
+            f"stop strings of {r.get('stop_list_chars')} characters is {ratio} x its gap beside "
+            f"a stream without (want <= {STOP_GAP_RATIO}; medians {gaps} ms)"
+        )
+    statuses = r.get("stop_attack_statuses") or []
+    if not statuses or set(statuses) != {"200"}:
+        fail.append(f"stop list: the largest stop list the server takes answered {statuses}")
+    over = r.get("stop_over_limit") or {}
+    if not over or any(v.get("status") != "400" for v in over.values()):
+        fail.append(f"stop list: requests past the stop limits answered {over}, want 400")
+    held, closed, late = r.get("heads_held"), r.get("heads_closed"), r.get("heads_close_max_s")
+    most = (r.get("header_timeout_s") or 0) + HEAD_SLACK_S
+    if not held or closed != held or late is None or late > most:
+        fail.append(
+            f"slow heads: {closed}/{held} connections without a whole request head closed by "
+            f"the server, the last after {late} s (want all, within {most} s)"
+        )
+    cap = [r.get(k) for k in ("cap_request_beyond", "cap_health", "cap_request_after")]
+    if cap != ["503", "200", "200"]:
+        fail.append(
+            f"connection cap: a request beyond it {cap[0]} (want 503), /health {cap[1]} (want "
+            f"200), a request once those connections were closed {cap[2]} (want 200)"
+        )
+    forged, live = r.get("forged_control_tokens"), r.get("forged_plain_control_tokens")
+    if forged != 0:
+        fail.append(f"forged role markers: {forged} control token(s) forged by a user message")
+    if not live:
+        fail.append(
+            f"forged role markers: the forged text holds {live} control tokens even as a plain "
+            "prompt: no marker of this model's template was recognised, the check proves nothing"
+        )
+    return fail
 
 
 def summary(r: dict) -> list[str]:
@@ -661,6 +763,15 @@ def summary(r: dict) -> list[str]:
         f"characters: /health p50 {g('stall_health_p50_s')} s, p99 {g('stall_health_p99_s')} s, "
         f"max {g('stall_health_max_s')} s over {g('stall_health_polls')} polls (idle p99 "
         f"{g('stall_idle_health_p99_s')} s)",
+        f"  stop list ({g('stop_list_strings')} x {g('stop_list_chars')} characters): "
+        f"inter-token gap medians {g('stop_gap_median_ms')} ms, beside the attack / beside a "
+        f"plain stream {g('stop_gap_ratio')}; past the limits {g('stop_over_limit')}",
+        f"  forged role markers: {g('forged_control_tokens')} forged control tokens "
+        f"({g('forged_plain_control_tokens')} in the same text as a plain prompt)",
+        f"  slow heads: {g('heads_closed')}/{g('heads_held')} closed within "
+        f"{g('heads_close_min_s')}-{g('heads_close_max_s')} s (header_timeout "
+        f"{g('header_timeout_s')} s) {g('heads_statuses')}; beyond the connection cap "
+        f"{g('cap_request_beyond')}, /health {g('cap_health')}, after {g('cap_request_after')}",
         f"  SIGTERM: drain {g('drain_seconds')} s, exit code {g('exit_code')}, "
         f"{g('sigterm_streams_clean')}/{g('sigterm_streams')} streams clean "
         f"{g('sigterm_finish_reasons')}",
