@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,3 +102,40 @@ def save_figure(fig, path: Path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}", flush=True)
+
+
+def module_at(commit: str, path: str, name: str):
+    """The module at `path` (from the repository's root) as it was at `commit`, imported from a
+    temporary file as `name`: the code a change replaced, for a benchmark to run beside it."""
+    source = subprocess.run(
+        ["git", "show", f"{commit}:{path}"],
+        capture_output=True, text=True, check=True, cwd=RESULTS.parents[1],
+    ).stdout  # fmt: skip
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def start_server(
+    args: list[str], port: int, log: Path, timeout: float = 300.0, host: str = "127.0.0.1"
+) -> subprocess.Popen:
+    """`outrider serve --host host --port port *args` with its output in `log`, once its
+    /health answers 200; RuntimeError when it exits first or does not answer in `timeout` s."""
+    cmd = [sys.executable, "-m", "outrider", "serve", "--host", host, "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: see {log}")
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s: see {log}")

@@ -28,11 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import start_server, write_result  # noqa: E402
 
 CONFIGS = {"off": ["--long-prefill-token-threshold", "0"], "on": []}
 HOST, KEY = "127.0.0.1", "sk-bench"
@@ -53,24 +52,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
-
-
-def start_server(port: int, flags: list[str], log: Path, timeout: float) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "outrider", "serve", "--host", HOST, "--port", str(port)]
-    cmd += ["--api-key", KEY, *flags]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see {log}")
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not answer /health within {timeout} s: see {log}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -187,7 +168,7 @@ def main() -> None:
         flags = ["--max-model-len", str(args.max_model_len), *CONFIGS[name], *args.serve_arg]
         port, log = free_port(), workdir / f"server_{name}.log"
         load_before = os.getloadavg()
-        proc = start_server(port, flags, log, args.startup_timeout)
+        proc = start_server(["--api-key", KEY, *flags], port, log, args.startup_timeout, HOST)
         try:
             runs[name] = {"serve_flags": flags, **asyncio.run(run_config(args, port))}
         finally:

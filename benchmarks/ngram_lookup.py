@@ -17,37 +17,23 @@ Writes benchmarks/results/ngram_lookup.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import module_at, write_result  # noqa: E402
 
 from outrider.core import Request, SamplingParams  # noqa: E402
 from outrider.speculative.ngram import NgramConfig, NgramProposer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "5f66075"  # the last commit with the dict-per-request proposer
 
 
 def load_reference(commit: str):
-    """The proposer module as it was at `commit`, imported from a temporary file."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:outrider/speculative/ngram.py"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "ngram_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("ngram_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The proposer module as it was at `commit`."""
+    return module_at(commit, "outrider/speculative/ngram.py", "ngram_reference")
 
 
 def make_case(kind: str, num: int, length: int, rng: random.Random):

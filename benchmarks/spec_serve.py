@@ -15,35 +15,15 @@ from __future__ import annotations
 
 import argparse
 import signal
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
+from common import RESULTS, start_server, write_result  # noqa: E402
 
 CONFIGS = {"plain": [], "eagle3": ["--spec", "eagle3"], "ngram": ["--spec", "ngram"]}
 PORT, KEY = 8011, "sk-bench"
-
-
-def start_server(flags: list[str], log: Path, timeout: float = 300.0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "outrider", "serve", "--port", str(PORT), "--api-key", KEY]
-    proc = subprocess.Popen([*cmd, *flags], stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not answer /health within {timeout} s: see {log}")
 
 
 def speedups(runs: dict, key: str, better_high: bool) -> dict[str, dict[str, float]]:
@@ -84,7 +64,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
     runs, files = {}, []
     for name in args.configs:
-        proc = start_server(CONFIGS[name], work / f"server_{name}.log")
+        proc = start_server(["--api-key", KEY, *CONFIGS[name]], PORT, work / f"server_{name}.log")
         print(f"{name}: serving (log {work / f'server_{name}.log'})", flush=True)
         try:
             runs[name] = run(cfg, prompts, label=name, progress=False)

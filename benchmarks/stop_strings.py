@@ -18,39 +18,25 @@ benchmarks/results/stop_strings.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import module_at, write_result  # noqa: E402
 
 from outrider.core import Request, SamplingParams  # noqa: E402
 from outrider.engine import detokenizer, stop_strings  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "aac5ade"  # the last commit whose detokenizer scans every stop string each step
 ALPHABET = "abcdefgh "
 
 
 def load_reference(commit: str):
-    """The detokenizer module as it was at `commit`, imported from a temporary file."""
-    source = subprocess.run(
-        ["git", "show", f"{commit}:outrider/engine/detokenizer.py"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "detokenizer_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("detokenizer_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """The detokenizer module as it was at `commit`."""
+    return module_at(commit, "outrider/engine/detokenizer.py", "detokenizer_reference")
 
 
 class PieceTokenizer:
