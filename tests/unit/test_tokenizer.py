@@ -14,7 +14,8 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from outrider.loaders.checkpoint import default_model_path
 from outrider.loaders.gguf import GGUFFile
-from outrider.loaders.tokenizer import _LLAMA3_SPLIT, Tokenizer
+from outrider.loaders.gguf_tokenizer import _LLAMA3_SPLIT
+from outrider.loaders.tokenizer import Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog 1234 times.",
