@@ -10,7 +10,8 @@
     GET  /version              {"version": ...}
 
 Every route but /health needs the API key when one is configured. Every error, whatever
-raised it, leaves as OpenAI's error JSON.
+raised it, leaves as OpenAI's error JSON; a 404 lists the routes above, and for an OpenAI
+endpoint outrider leaves out (/v1/embeddings, /v1/responses, /v1/audio/...) says so.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from outrider.server import serving_tokens
@@ -33,6 +35,24 @@ from outrider.server.serving_completion import create_completion
 from outrider.server.state import ServerState
 
 log = logging.getLogger(__name__)
+
+# OpenAI endpoints outrider does not implement. A client pointed at one is told so plainly,
+# rather than with a 404 that reads as if the model were missing.
+_UNSERVED_OPENAI = (
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/moderations",
+    "/v1/audio/",
+    "/v1/images/",
+    "/v1/files",
+    "/v1/batches",
+    "/v1/fine_tuning/",
+    "/v1/assistants",
+    "/v1/threads",
+    "/v1/vector_stores",
+    "/v1/uploads",
+    "/v1/realtime",
+)
 
 
 def build_app(state: ServerState, api_key: str | None) -> FastAPI:
@@ -122,7 +142,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.method} {clip(request.url.path)}: see GET /v1/models"
+            message = _not_found(app, request.method, request.url.path)
         return JSONResponse(
             error_body(exc.status_code, message), exc.status_code, headers=exc.headers
         )
@@ -131,3 +151,20 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(error_body(500, f"internal error: {exc!r}"), 500)
+
+
+def _not_found(app: FastAPI, method: str, path: str) -> str:
+    """The 404 message: whether `path` is an OpenAI endpoint outrider leaves out, or no route
+    at all, then every route the app serves (read from the app, so it cannot go stale)."""
+    routes = ", ".join(
+        f"{'/'.join(sorted(r.methods - {'HEAD'}))} {r.path}"
+        for r in app.routes
+        if isinstance(r, APIRoute)
+    )
+    bare = path.rstrip("/")
+    if any(bare == p.rstrip("/") or path.startswith(p) for p in _UNSERVED_OPENAI):
+        return (
+            f"outrider does not serve {method} {clip(path)}, an OpenAI endpoint it does not"
+            f" implement; it serves {routes}"
+        )
+    return f"no route {method} {clip(path)}; outrider serves {routes}"

@@ -414,3 +414,28 @@ def test_a_body_that_never_finishes_arriving_times_out_with_408(monkeypatch):
     with pytest.raises(APIError) as e:
         asyncio.run(serving.read_body(Request(scope, receive), CompletionRequest))
     assert e.value.status == 408 and "did not arrive" in e.value.message
+
+
+# -- routes outrider does not serve -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/audio/transcriptions"),
+        ("POST", "/v1/images/generations"),
+        ("POST", "/v1/moderations"),
+    ],
+)
+def test_unserved_openai_endpoint_says_so_and_lists_routes(client, method, path):
+    err = _error(client.request(method, path, json={}), 404, "does not serve", path)
+    for served in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize"):
+        assert served in err["message"], err["message"]
+    assert "see GET /v1/models" not in err["message"]
+
+
+def test_unknown_route_names_path_and_lists_routes(client):
+    err = _error(client.get("/v2/whatever"), 404, "no route GET '/v2/whatever'", "/health")
+    assert "does not serve" not in err["message"] and "/v1/chat/completions" in err["message"]
