@@ -96,7 +96,17 @@ class Speculator:
 
     def _measure_profile(self) -> StepProfile:
         runner = self._runner
-        table = runner.profile_steps(range(1, self._k_max + 1))
+        sizes = runner.profile_batch_sizes()
+        # Said at the default level: eagerly (a CPU) this takes tens of seconds with nothing
+        # else on the console, and a server that seems stuck at start-up should say why.
+        cost = " (tens of seconds on a CPU)" if runner.graphs is None else ""
+        log.warning(
+            "timing speculative steps at k=0..%d and batch sizes %s to choose draft lengths%s",
+            self._k_max, ", ".join(map(str, sizes)), cost,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        table = runner.profile_steps(range(1, self._k_max + 1), sizes)
+        log.warning("timed speculative steps in %.1f s", time.perf_counter() - t0)
         key = {"device": str(runner.device), "dtype": str(runner.dtype),
                "drafter": self.proposer.name}  # fmt: skip
         log.info("speculative step profile (ms by batch size and k): %s", table)

@@ -346,6 +346,10 @@ class ModelRunner:
         decode): executor/step_timing.py."""
         return step_timing.profile_steps(self, ks, batch_sizes, reps)[0]
 
+    def profile_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes profile_steps times when given none."""
+        return step_timing.default_batch_sizes(self)
+
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A DECODE step without waiting for it: forward, logits and sampling are queued on the

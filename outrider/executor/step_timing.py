@@ -58,7 +58,7 @@ def profile_steps(
     and 4, 4 each, past which the controller extrapolates."""
     graphs = runner.graphs is not None
     if batch_sizes is None:
-        batch_sizes = runner.spec_step.batch_sizes if graphs else (1, 4)
+        batch_sizes = default_batch_sizes(runner)
     if reps is None:
         reps = 10 if graphs else 4
     device_time = device_time and runner.device.type == "cuda"
@@ -83,6 +83,11 @@ def profile_steps(
             if device_time:
                 device[b][k] = device_ms(runner, batch, k, table[b][k])
     return table, (device if device_time else None)
+
+
+def default_batch_sizes(runner: ModelRunner) -> tuple[int, ...]:
+    """The batch sizes profile_steps times when given none: every captured one, else 1 and 4."""
+    return tuple(runner.spec_step.batch_sizes) if runner.graphs is not None else (1, 4)
 
 
 def _dummy_batch(runner: ModelRunner, rng: random.Random, b: int, k: int) -> ScheduledBatch:

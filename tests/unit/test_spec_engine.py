@@ -247,6 +247,22 @@ def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F81
     assert all(t > 0 for row in profile.ms.values() for t in row.values())
 
 
+def test_start_up_profile_says_so_at_the_default_level(tiny_dir, caplog):  # noqa: F811
+    """Timing the steps takes tens of seconds on a CPU: shown without -v, before and after."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="outrider.engine.speculation"):
+        llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 3})
+    sizes = ", ".join(map(str, llm.engine.runner.profile_batch_sizes()))
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    start = [m for m in lines if m.startswith("timing speculative steps")]
+    assert start == [f"timing speculative steps at k=0..3 and batch sizes {sizes} to choose "
+                     "draft lengths (tens of seconds on a CPU)"], lines  # fmt: skip
+    done = [m for m in lines if m.startswith("timed speculative steps in ")]
+    assert len(done) == 1 and done[0].endswith(" s"), lines
+    assert lines.index(start[0]) < lines.index(done[0])
+
+
 def test_profiled_steps_spread_their_tokens_over_the_vocabulary(tiny_dir):  # noqa: F811
     """An MoE model routes by token: rows all holding one token would all read the same
     experts, where a real batch reads many."""
