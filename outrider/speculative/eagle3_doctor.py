@@ -93,7 +93,17 @@ class Report:
             f"  [{'ok' if c.ok else 'FAIL':>4}] {c.name:<11} {c.message}" for c in self.checks
         ]
         failed = [c.name for c in self.checks if not c.ok]
-        verdict = "usable" if not failed else f"NOT usable: fix {', '.join(failed)}"
+        live = any(c.name == "live" for c in self.checks)
+        if failed:
+            verdict = f"NOT usable: fix {', '.join(failed)}"
+        elif live:
+            verdict = "usable: the static checks and the live decode passed"
+        else:
+            # The static checks say the drafter fits the target; a 1%-accurate drafter fits.
+            verdict = (
+                "fits the target by the static checks only; acceptance was not measured "
+                "(doctor --live N decodes N prompts with it)"
+            )
         return "\n".join([*lines, f"  => {verdict}"])
 
 
@@ -190,7 +200,12 @@ def live_check(
         length = sum(a * s for a, s in pairs) / sum(s for _, s in pairs)
     else:
         length = sum(a for a, _ in pairs) / len(pairs)
-    msg = f"accept length {length:.2f} tokens per verify over {len(pairs)} prompts"
+    msg = (
+        f"accept length {length:.2f} tokens per verify over {len(pairs)} of {len(outputs)} prompts"
+    )
+    if len(pairs) < len(outputs):  # a prompt that never verified a draft has no accept length
+        idle = len(outputs) - len(pairs)
+        msg += f"; the other {idle} never speculated (no draft was verified)"
     if length >= min_accept_length:
         return Check("live", True, msg, length)
     msg += (

@@ -75,7 +75,12 @@ def test_a_good_drafter_passes(tmp_path, target, layout):
     assert report["overlap"].value == 1.0
     assert "64 of 64 draft slots (100.0%) map to the same token" in report["overlap"].message
     assert "the EAGLE-3 default" in report["aux_layers"].message
-    assert str(report).endswith("=> usable") and report.live_accept_length is None
+    verdict = str(report).splitlines()[-1]
+    assert verdict == (
+        "  => fits the target by the static checks only; acceptance was not measured "
+        "(doctor --live N decodes N prompts with it)"
+    )
+    assert report.live_accept_length is None
 
 
 def test_a_shuffled_d2t_is_caught(tmp_path, target):
@@ -198,6 +203,22 @@ def test_live_check_warns_loudly_below_1_3(caplog):
 
     check = live_check(broken, ["a"])
     assert not check.ok and "RuntimeError: no GPU" in check.message
+
+
+def test_live_check_counts_the_prompts_that_never_speculated(tmp_path, target):
+    path = save_random_drafter(tmp_path / "d", target.config)
+    factory, _ = fake_factory([2.0, None, 3.0, None])
+    report = diagnose(path, target, live_prompts=4, llm_factory=factory)
+    assert report.ok, str(report)
+    assert report["live"].message == (
+        "accept length 2.50 tokens per verify over 2 of 4 prompts; the other 2 never "
+        "speculated (no draft was verified)"
+    )
+    assert str(report).splitlines()[-1] == (
+        "  => usable: the static checks and the live decode passed"
+    )
+    factory, _ = fake_factory([2.0, 3.0])
+    assert live_check(factory, ["a", "b"]).message.endswith("over 2 of 2 prompts")
 
 
 def test_diagnose_fills_the_live_hook(tmp_path, target):
