@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -20,6 +22,7 @@ def test_help_lists_generate():
     assert g.returncode == 0 and "--max-tokens" in g.stdout and "--raw" in g.stdout
 
 
+@pytest.mark.slow
 def test_generate_answers_and_reports_speed():
     r = _run(
         "generate", "--max-tokens", "12", "--dtype", "float32", "What is the capital of France?"
@@ -29,6 +32,7 @@ def test_generate_answers_and_reports_speed():
     assert "tok/s" in r.stderr
 
 
+@pytest.mark.slow
 def test_generate_raw_and_bad_model():
     r = _run("generate", "--raw", "--max-tokens", "4", "The capital of France is")
     assert r.returncode == 0, r.stderr

@@ -9,6 +9,9 @@ import torch
 from outrider import LLM, SamplingParams
 from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq
 
+pytestmark = pytest.mark.slow
+
+
 GREEDY64 = SamplingParams(temperature=0, max_tokens=64)
 
 
@@ -30,7 +33,6 @@ def test_logits_match_hf(llm, hf_model, chat_prompt_ids):
     assert (got - want).abs().max().item() < 1e-3
 
 
-@pytest.mark.slow
 def test_greedy_matches_hf_generate(llm, hf_model, chat_prompt_ids):
     outs = llm.generate(chat_prompt_ids[:10], GREEDY64)
     for ids, out in zip(chat_prompt_ids[:10], outs):
@@ -44,7 +46,6 @@ def test_greedy_matches_hf_generate(llm, hf_model, chat_prompt_ids):
         assert out.token_ids == ref, f"diverged for prompt {ids[:8]}..."
 
 
-@pytest.mark.slow
 def test_batch_invariance(llm, chat_prompt_ids):
     """Each prompt's greedy output alone == inside a batch of 16 mixed-length prompts."""
     prompts = (chat_prompt_ids * 2)[:16]
@@ -67,7 +68,6 @@ def test_prefix_cache_hit_equals_miss(llm, chat_prompt_ids):
     assert second.metrics["num_cached_tokens"] > 0
 
 
-@pytest.mark.slow
 def test_chunked_prefill_and_preemption_keep_outputs(llm, chat_prompt_ids):
     params = SamplingParams(temperature=0, max_tokens=24)
     prompts = chat_prompt_ids[:8]

@@ -6,6 +6,8 @@ import pytest
 
 from outrider import SamplingParams
 
+pytestmark = pytest.mark.slow
+
 
 def test_seeded_sampling_is_reproducible(llm, chat_prompt_ids):
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)

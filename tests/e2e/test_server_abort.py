@@ -13,6 +13,8 @@ import pytest
 
 from tests.e2e.test_server_lifecycle import _metric, _wait_idle
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server():
@@ -80,7 +82,6 @@ def test_aborted_streams_free_their_kv(server, client):
     _check_aborts(server, client, count=24, concurrency=8)
 
 
-@pytest.mark.slow
 def test_a_thousand_aborted_streams_free_their_kv(server, client):
     _check_aborts(server, client, count=1000, concurrency=32)
 

@@ -12,6 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.slow
+
+
 KEY = "sk-errors-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MSG = [{"role": "user", "content": "Hi"}]

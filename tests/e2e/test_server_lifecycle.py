@@ -10,6 +10,9 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow
+
+
 NUM_BLOCKS = 4  # x 16 tokens: 64 token slots, a small fraction of what the tests ask for
 
 

@@ -11,6 +11,9 @@ import pytest
 
 from outrider.core import RequestOutput
 
+pytestmark = pytest.mark.slow
+
+
 KEY = "sk-outrider-test"
 
 # SmolLM2's own ChatML template, extended the way Qwen2.5's renders tools and tool turns. Without

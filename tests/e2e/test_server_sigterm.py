@@ -18,6 +18,9 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow
+
+
 SHUTDOWN_TIMEOUT = 4.0
 
 

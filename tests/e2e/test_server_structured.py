@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field
 
 from tests.e2e.test_server_openai import HERMES_TEMPLATE
 
+pytestmark = pytest.mark.slow
+
 KEY = "sk-structured-test"
 ASK_CITY = [{"role": "user", "content": "Describe Paris as JSON: its name and its population."}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]

@@ -4,6 +4,8 @@ aborted mid-run — with steps actually run ahead, and every KV block back at th
 
 from __future__ import annotations
 
+import pytest
+
 from outrider import LLM, SamplingParams
 from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
 
@@ -47,6 +49,7 @@ def _drive(llm, prompts):  # noqa: F811
     return got
 
 
+@pytest.mark.slow
 def test_async_scheduling_gives_the_same_outputs(tiny_dir, prompts):  # noqa: F811
     plain = _drive(_llm(tiny_dir, False), prompts)
     llm = _llm(tiny_dir, True)

@@ -75,6 +75,7 @@ def test_env_text_holds_the_best_nccl_settings():
     assert "0.600 ms" in env_text(result) and "0.900 ms" in env_text(result)
 
 
+@pytest.mark.slow
 def test_gloo_measures_every_size(measured, capsys):
     rc, out = measured
     assert rc == 0
@@ -92,6 +93,7 @@ def test_gloo_measures_every_size(measured, capsys):
     assert r["busbw_gbs"] == pytest.approx(r["bytes"] / r["us"] / 1e3, rel=1e-2)
 
 
+@pytest.mark.slow
 def test_planner_reads_the_measured_link(measured):
     _, out = measured
     link = load_link(str(out / "link.json"))
@@ -121,6 +123,7 @@ def private_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(deploy, "PRIVATE_TMP", (tmp_path,))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("private_tmp")
 def test_systemd_unit_includes_the_env_file(measured, tmp_path, capsys):
     _, out = measured

@@ -69,11 +69,13 @@ def _tp2_equals_tp1(path) -> None:
     assert codes == [0] * len(codes), codes  # STOP ended the rank cleanly
 
 
+@pytest.mark.slow
 def test_tp2_equals_tp1_plain_and_ngram(tiny_ds):  # noqa: F811
     """q through q_a/q_b (q_lora) and straight through q_proj with YaRN (q_proj_yarn)."""
     _tp2_equals_tp1(tiny_ds[0])
 
 
+@pytest.mark.slow
 def test_tp2_with_int4_experts_equals_tp1(int4_tp_ds):
     _tp2_equals_tp1(int4_tp_ds[0])
 

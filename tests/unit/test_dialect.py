@@ -179,6 +179,7 @@ def test_hf_repo_ids_load_from_the_local_cache(tmp_path, monkeypatch):
         open_checkpoint("org/name")  # resolved to the snapshot, which holds no model here
 
 
+@pytest.mark.slow
 def test_n_completions_per_prompt_in_the_python_api():
     """SamplingParams(n=...) gives RequestOutput.outputs[i] (vLLM's shape): seeded completion i
     samples as a request seeded seed + i would, and n=1 keeps today's fields as outputs[0]."""

@@ -21,9 +21,12 @@ import torch
 
 from tests.interpreter import ROOT, emit, run_worker
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed"
+    ),
+]
 
 
 def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1

@@ -14,9 +14,12 @@ import torch
 
 from tests.interpreter import ROOT, emit, run_worker
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="triton is not installed"
+    ),
+]
 
 # (name, experts, top_k, n_group, topk_group, norm_topk_prob, scaling, always, hidden)
 ROUTERS = [

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.benchmarks import load_benchmark
 from tests.tiny import tiny_hf_config
 
 
+@pytest.mark.slow
 def test_two_models_measured_in_turns_are_fitted_and_cross_predicted():
     bench = load_benchmark("plan_accuracy.py")
     shapes = {

@@ -24,6 +24,7 @@ from outrider.plan.models import load_model
 from tests.unit.test_engine_tiny import tiny_dir  # noqa: F401 (fixture)
 
 
+@pytest.mark.slow
 def test_fit_recovers_the_constants_that_made_the_points():
     """Points the cost model itself predicts for a GPU with other constants and a host that
     takes 0.3 ms a step, 3.5 us a sequence and 0.5 us a token: the fit from the datasheet profile predicts them again within 3%,

@@ -76,6 +76,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_a_step_longer_than_the_stall_limit_stays_healthy_while_its_layers_beat(core):
     """The reported failure, scaled down: one prefill step takes ~5.2 s against a 2 s stall
     limit (and past the 5 s the old /health trusted a step for), each layer ~1.3 s."""
@@ -168,6 +169,7 @@ def test_a_stuck_step_turns_503_within_the_limit_and_stops_the_watchdog(core, no
         assert "WATCHDOG=1" in received(notify_socket, 0.3)  # pings resume
 
 
+@pytest.mark.slow
 def test_a_stuck_idle_engine_thread_is_stalled_too(core, monkeypatch):
     """No request in flight: the idle loop's beats stop when the thread hangs anywhere."""
     stall_s = 0.5

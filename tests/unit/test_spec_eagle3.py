@@ -291,6 +291,7 @@ def test_engines_and_graph_runners_free_without_the_cycle_collector(tiny_dir):  
         gc.enable()
 
 
+@pytest.mark.slow
 def test_sampled_requests_draw_drafts_from_the_distribution_they_report(tiny_dir, prompts):  # noqa: F811
     """A request that samples gets drafts drawn from the draft's own distribution under its
     temperature / top-p, and that distribution is what goes to rejection sampling: the first

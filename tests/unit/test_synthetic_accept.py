@@ -157,6 +157,7 @@ def test_cost_drafter_runs_the_network_and_stays_lossless(llm, prompts, plain):
     assert 0.6 < first < 0.95  # the synthetic drafts, not the random drafter's, were verified
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_writes_result(tmp_path):
     out = tmp_path / "synthetic.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/synthetic_accept.py"), "--smoke",

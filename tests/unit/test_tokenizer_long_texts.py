@@ -67,6 +67,7 @@ def test_long_texts_encode_and_decode_as_tokenizers_does(default):
     assert len(default.token_texts) == default.vocab_size
 
 
+@pytest.mark.slow
 def test_long_texts_let_other_threads_run_while_they_encode(default):
     text = "the quick brown fox jumps over the lazy dog 1234 " * 40_000  # ~2M characters
     done = threading.Event()

@@ -238,6 +238,7 @@ def assert_matches_tp1(names: tuple[str, ...], ranks: list[dict]) -> None:
                 assert err < 1e-5, f"{name} rank {rank} {mode}: logits differ by {err}"
 
 
+@pytest.mark.slow
 def test_tp2_equals_tp1_and_counts_every_collective(tmp_path):
     ranks = run_tp(2, TP2, tmp_path)
     assert_matches_tp1(TP2, ranks)
@@ -263,6 +264,7 @@ def test_tp2_equals_tp1_and_counts_every_collective(tmp_path):
         assert modes == ["prefill", "decode", "decode", "verify"]
 
 
+@pytest.mark.slow
 def test_tp3_with_the_default_models_head_layout_equals_tp1(tmp_path):
     ranks = run_tp(3, TP3, tmp_path)
     assert_matches_tp1(TP3, ranks)

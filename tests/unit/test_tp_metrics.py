@@ -5,6 +5,7 @@ and a tensor-parallel size of 2; over one rank the size reads 1 and no collectiv
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from outrider import LLM
@@ -34,6 +35,7 @@ def scrape(server) -> dict[str, dict[tuple, float]]:
     return samples
 
 
+@pytest.mark.slow
 def test_tp2_server_metrics_count_each_decode_forwards_collectives(tiny_dir):  # noqa: F811
     layers = tiny_hf_config()["num_hidden_layers"]
     hidden = tiny_hf_config()["hidden_size"]

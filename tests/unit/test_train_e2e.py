@@ -284,6 +284,7 @@ def test_bad_inputs_fail_clearly(target, dataset, tmp_path):
         train(_config(dataset, run, max_steps=4, resume=True), llm=llm)
 
 
+@pytest.mark.slow
 def test_evaluate_and_cli_export(target, dataset, whole_run, tmp_path, capsys):
     import argparse
 
@@ -560,6 +561,7 @@ def test_epochs_that_pack_into_fewer_batches_do_not_overrun(target, dataset, tmp
     assert result.step == 3 * per_epoch
 
 
+@pytest.mark.slow
 def test_time_budget_stops_training_on_a_decayed_rate(target, dataset, tmp_path):
     """max_minutes ends the run by the clock: fewer steps than max_steps, the drafter and a
     checkpoint written, and the learning rate at the end already decayed by the clock."""

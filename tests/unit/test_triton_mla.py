@@ -26,6 +26,8 @@ from tests.unit.test_triton_attention import (
     serve,
 )
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-4  # float32
 
 
@@ -311,7 +313,6 @@ def tiny_ds3(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.slow
 def test_deepseek_v3_triton_equals_torch_ref(interpreter, tiny_ds3):
     res = interpreter("model", path=tiny_ds3)
     prefill, *absorbed = res["logit_diffs"]
