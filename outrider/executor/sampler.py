@@ -119,6 +119,19 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.T
     return logits.masked_fill_(~allowed[:, :v], _NEG_INF)
 
 
+def masked_argmax_no_sync(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """[R] int64: the greedy token of logits row rows[r] ([N, V]; rows [R] int64 on its
+    device) among the tokens bitmask[r] ([R, W] int32, same device) allows; ties to the lowest
+    token, as the sampler's argmax after apply_token_bitmask_. One launch where the fused
+    kernels serve, else the rows are copied out, masked and reduced."""
+    ids = fused.masked_argmax(logits, rows, bitmask)
+    if ids is not None:
+        return ids
+    return apply_token_bitmask_(logits.index_select(0, rows), bitmask).argmax(dim=-1)
+
+
 # --- 1. min_tokens ---------------------------------------------------------------------------
 
 

@@ -52,7 +52,7 @@ from outrider.executor.sampler import (
 )
 from outrider.executor.spec_graphs import SpecGraphs
 from outrider.executor.tp_channel import ALL_ROWS
-from outrider.executor.verify_step import verify_chain_rows_no_sync
+from outrider.executor.verify_step import masked_greedy_chain_no_sync, verify_chain_rows_no_sync
 from outrider.layers import fused
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -83,19 +83,30 @@ class SpecOutput:
     draft_parents: torch.Tensor | None = None
 
 
-def simple_greedy(seq: ScheduledSeq) -> bool:
-    """Whether a row's token is the plain argmax: what step 2 decides on the device (a
-    constrained row's is the argmax among the tokens its grammar allows: decided between the
-    replays, with the other rows that are not plain)."""
+def _greedy_argmax(seq: ScheduledSeq) -> bool:
+    """Whether a row's token is an argmax of its logits as they are (greedy, no penalties, no
+    logprobs, min_tokens met), a grammar's mask aside."""
     req = seq.request
     p = req.params
     return (
         p.greedy
-        and p.structured_outputs is None
         and not p.has_penalties
         and p.logprobs is None
         and len(req.output_token_ids) >= p.min_tokens
     )
+
+
+def simple_greedy(seq: ScheduledSeq) -> bool:
+    """Whether a row's token is the plain argmax: what step 2 decides on the device (a
+    constrained row's is the argmax among the tokens its grammar allows: decided between the
+    replays, with the other rows that are not plain)."""
+    return _greedy_argmax(seq) and seq.request.params.structured_outputs is None
+
+
+def masked_greedy(seq: ScheduledSeq) -> bool:
+    """Whether a row is plain greedy but for its grammar: its token is the argmax among the
+    tokens the grammar allows (verify_step.masked_greedy_chain_no_sync, one launch)."""
+    return _greedy_argmax(seq) and seq.request.params.structured_outputs is not None
 
 
 class SpecStep:
@@ -358,35 +369,52 @@ class SpecStep:
         """A decode-phase batch (every sequence samples; chain drafts, at most k each) through
         the step: verify, accept and draft k_draft next drafts on the device, then one host
         read. Rows that are not plain greedy are decided exactly between acceptance and
-        drafting (verify_chain_rows_no_sync), still on the device; rows asking for logprobs
+        drafting, still on the device: greedy rows held to a grammar by the argmax among
+        what it allows (masked_greedy_chain_no_sync), the others from their sampler's
+        distribution (verify_chain_rows_no_sync); rows asking for logprobs
         get them for every emitted token from the row that predicted it. Trees: `run_tree`."""
         if self.tree is not None:
             return self.run_tree(batch)
         seqs = batch.seqs
         b, t = len(seqs), 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
-        asked = [i for i in fix if seqs[i].request.params.logprobs is not None]
+        masked = [i for i in fix if masked_greedy(seqs[i])]  # greedy, their grammar aside
+        rest = [i for i in fix if not masked_greedy(seqs[i])]  # sampled, penalised, logprobs
+        asked = [i for i in rest if seqs[i].request.params.logprobs is not None]
         top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
         packed: list[torch.Tensor] = []
 
         def fixup(out: SpecOutput) -> None:
             batch.ready_masks()  # on the host while the device verifies
-            masks = token_bitmask([seqs[i] for i in fix], [t] * len(fix))
             dev = out.tokens.device
-            idx = to_device_no_sync(fix, torch.long, dev)
+            drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
+            if masked:
+                idx = to_device_no_sync(masked, torch.long, dev)
+                rows = to_device_no_sync([i * t + j for i in masked for j in range(t)],
+                                         torch.long, dev)  # fmt: skip
+                masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
+                tokens, accepted = masked_greedy_chain_no_sync(
+                    out.logits, rows, to_device_no_sync(masks, torch.int32, dev),
+                    drafts.index_select(0, idx), self.num_drafts.index_select(0, idx),
+                )  # fmt: skip
+                out.tokens.index_copy_(0, idx, tokens)
+                out.num_accepted.index_copy_(0, idx, accepted)
+            if not rest:
+                return
+            masks = token_bitmask([seqs[i] for i in rest], [t] * len(rest))
+            idx = to_device_no_sync(rest, torch.long, dev)
             rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
             logits = out.logits.index_select(0, rows)  # [F * t, V]
             if masks is not None:  # structured outputs: each row's allowed tokens
                 apply_token_bitmask_(logits, to_device_no_sync(masks, torch.int32, dev))
-            drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
             tokens, accepted = verify_chain_rows_no_sync(
-                logits, [seqs[i] for i in fix], k, drafts.index_select(0, idx),
+                logits, [seqs[i] for i in rest], k, drafts.index_select(0, idx),
                 self.num_drafts.index_select(0, idx),
             )  # fmt: skip
             out.tokens.index_copy_(0, idx, tokens)
             out.num_accepted.index_copy_(0, idx, accepted)
             if asked:
-                lp_rows = [fix.index(i) * t + j for i in asked for j in range(t)]
+                lp_rows = [rest.index(i) * t + j for i in asked for j in range(t)]
                 ids = tokens.reshape(-1)
                 packed.append(logprob_rows_no_sync(logits, ids, lp_rows, top_n))
 

@@ -18,6 +18,7 @@ from outrider.executor.sampler import (
     SamplingRow,
     keyed_draws_no_sync,
     logprob_rows_no_sync,
+    masked_argmax_no_sync,
     processed_probs,
     unpack_logprobs,
 )
@@ -154,6 +155,23 @@ def verify_chain_rows_no_sync(
         tokens.index_copy_(0, idx, draws)
         accepted.index_copy_(0, idx, same.long().cumprod(1).sum(1))
     return tokens, accepted
+
+
+def masked_greedy_chain_no_sync(
+    logits: torch.Tensor,  # [B * (1 + k), V] every verify row of the step
+    rows: torch.Tensor,  # [F * (1 + k)] int64: the F sequences' rows, each's in order
+    bitmask: torch.Tensor,  # [F * (1 + k), W] int32: what each of those rows allows
+    draft_tokens: torch.Tensor,  # [F, k] as the verify saw them (padding past the real ones)
+    num_drafts: torch.Tensor,  # [F]
+) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [F, 1 + k], num_accepted [F]
+    """Greedy acceptance for constrained rows that are otherwise plain greedy: each row's
+    target is the argmax among the tokens its grammar allows (one launch on the GPU, no
+    distribution built), and drafts count while they equal it."""
+    f, k = draft_tokens.shape
+    tokens = masked_argmax_no_sync(logits, rows, bitmask).view(f, 1 + k)
+    real = torch.arange(k, device=tokens.device) < num_drafts.view(f, 1)
+    same = (draft_tokens == tokens[:, :k]) & real
+    return tokens, same.long().cumprod(dim=1).sum(dim=1)
 
 
 def _path_tokens(topology: TreeTopology, tokens: list[int], node: int) -> list[int]:

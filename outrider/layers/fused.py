@@ -138,6 +138,24 @@ def token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
     return True
 
 
+def masked_argmax(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor | None:
+    """[R] int64: for each r, the argmax of logits[rows[r]] ([N, V], rows contiguous) among the
+    tokens bitmask[r] ([R, W] int32, same device) allows, ties to the lowest token, in one
+    launch and without copying the rows out; None where the fused path does not serve."""
+    if not use_fused(logits) or logits.stride(-1) != 1 or bitmask.stride(-1) != 1:
+        return None
+    count, vocab = rows.numel(), logits.shape[1]
+    out = torch.empty(count, dtype=torch.int64, device=logits.device)
+    if count:
+        _kernels().masked_argmax_kernel[(count,)](
+            logits, rows, bitmask, out, logits.stride(0), bitmask.stride(0), bitmask.shape[1],
+            VOCAB=vocab, BLOCK=min(4096, _kernels().next_pow2(vocab)),
+        )  # fmt: skip
+    return out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] packed gate|up -> silu(gate) * up: [T, I]."""
     k = _kernels()

@@ -322,3 +322,36 @@ def token_bitmask_kernel(
     allowed = ((bits >> (toks % 32)) & 1) != 0
     dst = logits_ptr + row * stride_l + toks
     tl.store(dst, tl.full((BLOCK,), float("-inf"), tl.float32), mask=ok & ~allowed)
+
+
+@triton.jit
+def masked_argmax_kernel(
+    logits_ptr, rows_ptr, mask_ptr, out_ptr, stride_l, stride_m, words, VOCAB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program r: the argmax of logits row rows[r] among the tokens bit t % 32 of mask row r's
+    # word t // 32 allows (tokens past 32 words refused). Ties go to the lowest token, as
+    # torch.argmax breaks them; a row that allows nothing gives 0, as argmax over -inf does.
+    # VOCAB is a constexpr (one compilation per model; a runtime loop bound also trips the
+    # CPU interpreter under numpy 2).
+    r = tl.program_id(0)
+    src = tl.load(rows_ptr + r).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    # Per lane the largest allowed logit seen and its first token (strictly larger replaces).
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, VOCAB, BLOCK):
+        toks = start + lanes
+        ok = toks < VOCAB
+        word = toks // 32
+        bits = tl.load(mask_ptr + r.to(tl.int64) * stride_m + word, mask=ok & (word < words),
+                       other=0)  # fmt: skip
+        allowed = ok & (((bits >> (toks % 32)) & 1) != 0)
+        x = tl.load(logits_ptr + src * stride_l + toks, mask=allowed, other=float("-inf"))
+        x = tl.where(allowed, x.to(tl.float32), float("-inf"))
+        better = x > best_val
+        best_idx = tl.where(better, toks, best_idx)
+        best_val = tl.where(better, x, best_val)
+    top = tl.max(best_val, 0)
+    best = tl.min(tl.where(best_val == top, best_idx, VOCAB), 0)
+    tl.store(out_ptr + r, best.to(tl.int64))

@@ -277,6 +277,17 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
             tail_refused=bool(torch.isinf(got[:, 32 * words :]).all()),
         )
 
+        # The greedy token among what the mask allows, rows picked by index, in one launch.
+        logits[2, [7, 60]] = 50.0  # a tie among allowed tokens: the lower one
+        bits[2, 0] |= 1 << 7
+        bits[2, 1] |= 1 << (60 - 32)
+        bits[4] = 0  # a row that allows nothing
+        rows = torch.tensor([4, 2, 0, 2])
+        got = fused.masked_argmax(logits, rows, bits[rows].contiguous())
+        want = sampler.apply_token_bitmask_(logits[rows].clone(), bits[rows]).argmax(dim=-1)
+        emit(name=f"masked-argmax-{vocab}", same=bool(torch.equal(got, want)),
+             tie=int(got[1]), nothing=int(got[0]))  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
@@ -294,6 +305,12 @@ def _close(r: dict, dtype: str) -> bool:
 def test_token_bitmask_in_one_launch_matches_the_torch_ops(results, vocab):
     r = results[f"bitmask-{vocab}"]
     assert r["same"] and r["refused"] > 0 and r["tail_refused"], r
+
+
+@pytest.mark.parametrize("vocab", [100, 1000])
+def test_masked_argmax_in_one_launch_matches_the_torch_ops(results, vocab):
+    r = results[f"masked-argmax-{vocab}"]
+    assert r["same"] and r["tie"] == 7 and r["nothing"] == 0, r
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

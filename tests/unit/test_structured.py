@@ -23,7 +23,10 @@ from outrider.core import (
 )
 from outrider.engine.structured import Grammars
 from outrider.executor.sampler import apply_token_bitmask_, token_bitmask
-from outrider.executor.verify_step import verify_chain_rows_no_sync
+from outrider.executor.verify_step import (
+    masked_greedy_chain_no_sync,
+    verify_chain_rows_no_sync,
+)
 from outrider.loaders.checkpoint import open_checkpoint
 from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_eagle3 import eagle_llm
@@ -221,6 +224,44 @@ def test_the_batch_bitmask_lays_rows_out_as_the_logits():
     assert token_bitmask([free, free], [1, 1]) is None
     out = token_bitmask([free, bound, free], [1, 3, 1])
     assert out[:, 0].tolist() == [-1, 5, 6, -1, -1]
+
+
+def test_greedy_constrained_rows_accept_as_the_sampler_would_decide_them():
+    """The one-launch path for greedy rows held to a grammar (the masked argmax, drafts counted
+    while they equal it) decides what the sampler's path decides from the same masked logits:
+    rows picked out of a larger verify, ties to the lowest token, padding drafts never
+    counted, a draft the mask refuses rejected."""
+    k, vocab = 3, 70
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4 * (1 + k), vocab, generator=g)
+    logits[5, [5, 40]] = 9.0  # a tie among allowed tokens: the lower one wins
+    allowed = torch.rand(4 * (1 + k), vocab, generator=g) < 0.4
+    allowed[5, [5, 40]] = True
+    allowed[13, logits[13].argmax()] = False  # the unmasked argmax refused
+    words = torch.zeros(4 * (1 + k), 3, dtype=torch.int64)
+    for r, t in allowed.nonzero().tolist():
+        words[r, t // 32] |= 1 << (t % 32)
+    words = words.to(torch.int32)
+    picked = [1, 3]  # two of the four sequences
+    rows = torch.tensor([i * (1 + k) + j for i in picked for j in range(1 + k)])
+    masked = apply_token_bitmask_(logits.clone(), words)
+    best = masked.argmax(dim=-1).view(4, 1 + k)
+    drafts = best[picked, :k].clone()  # every draft what the target picks ...
+    drafts[1, 2] = (drafts[1, 2] + 1) % vocab  # ... but sequence 3's third
+    num_drafts = torch.tensor([2, 3])  # sequence 1's third draft is padding
+    tokens, accepted = masked_greedy_chain_no_sync(
+        logits, rows, words[rows], drafts, num_drafts
+    )
+    params = SamplingParams(temperature=0.0)
+    seqs = [ScheduledSeq(Request([1], params), [0] * (1 + k), 1, [0], True) for _ in picked]
+    want_tokens, want_accepted = verify_chain_rows_no_sync(
+        masked[rows], seqs, k, drafts, num_drafts
+    )
+    assert accepted.tolist() == want_accepted.tolist() == [2, 2]
+    for f, a in enumerate(accepted.tolist()):
+        assert tokens[f, : a + 1].tolist() == want_tokens[f, : a + 1].tolist()
+    assert tokens[0, 1].item() == 5  # row 5: the tie
+    assert bool(allowed[rows, tokens.reshape(-1)].all())
 
 
 def test_sampled_rows_keep_the_masked_targets_law():
