@@ -25,9 +25,13 @@ them. `shard=(i, n)` keeps every n-th job from the i-th: n processes writing n f
 one dataset side by side (the engine's host work per step is the bound at large batches, so
 processes scale on one GPU).
 
-Output: JSONL, one {"id", "input_ids", "loss_mask"} per sample: the whole conversation's token
-ids and 1 on the tokens the target generated as the assistant. Resumable: ids already in the
-file are skipped; a truncated last line (a crash mid-write) is dropped first.
+Output: JSONL, one {"id", "conversations", "input_ids", "loss_mask"} per sample: the
+conversation as role/content messages (SpecForge's layout: readable, and a conversation file
+wherever one is taken; each answer is its tokens decoded without special tokens, the text the
+next turn was prompted with), its token ids as the chat template rendered them, and 1 on the
+tokens the target generated as the assistant. Training reads the ids alone, so files without
+"conversations" (written before it existed) load as before. Resumable: ids already in the file
+are skipped; a truncated last line (a crash mid-write) is dropped first.
 """
 
 from __future__ import annotations
@@ -60,6 +64,15 @@ class _Job:
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     history: list[dict[str, str]] = field(default_factory=list)
+
+    def record(self) -> dict:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return {
+            "id": self.id,
+            "conversations": system + self.history,
+            "input_ids": self.ids,
+            "loss_mask": self.mask,
+        }
 
 
 def generate_dataset(
@@ -110,7 +123,7 @@ def generate_dataset(
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             for job in _generate(llm, batch, max_new_tokens, temperature, seed, banned):
-                f.write(json.dumps({"id": job.id, "input_ids": job.ids, "loss_mask": job.mask}))
+                f.write(json.dumps(job.record()))
                 f.write("\n")
             f.flush()
             bar.update(len(batch))

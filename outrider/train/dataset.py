@@ -1,6 +1,7 @@
-"""The training set: JSONL samples {"id", "input_ids", "loss_mask"} (what datagen writes) or
-conversations in any common layout (`read_conversations`), the draft vocabulary counted from
-them, and their packing into fixed [rows, max_len] batches.
+"""The training set: JSONL samples {"id", "input_ids", "loss_mask"} (what datagen writes; its
+"conversations" beside them are for reading, the ids are what is learned) or conversations in
+any common layout (`read_conversations`), the draft vocabulary counted from them, and their
+packing into fixed [rows, max_len] batches.
 
 Packing: an epoch's samples, shuffled by (seed, epoch), are laid end to end into rows of
 max_len tokens (a sample that does not fit starts the next row; longer ones are truncated);
@@ -81,7 +82,8 @@ def read_samples(
 
 
 def _holds_samples(path: Path) -> bool:
-    """Whether the file is datagen's (its first record has input_ids); an empty file counts."""
+    """Whether the file is datagen's (its first record has input_ids, which decides before the
+    "conversations" datagen writes beside them); an empty file counts."""
     with open(path) as f:
         first = next((line for line in f if line.strip()), None)
     if first is None:

@@ -200,6 +200,42 @@ def test_datagen_regenerates_every_answer_of_a_user_file(tmp_path):
     assert learned == "okok"
 
 
+def test_datagen_samples_carry_their_conversation_as_text(tmp_path):
+    """Each sample's "conversations" is its ids in words: the template over them up to the last
+    answer, plus that answer, decodes to exactly input_ids; the file reads back as conversations,
+    and training and resumption read old samples without the field beside new ones."""
+    user = tmp_path / "chats.jsonl"
+    user.write_text(jsonl({"messages": [SYSTEM, HI, HELLO, BYE]}, "Why?"))
+    out = tmp_path / "data.jsonl"
+    out.write_text(jsonl({"id": "user-1", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}))
+    llm = FakeLLM()
+    generate_dataset(llm, out, num_samples=5, max_new_tokens=2, seed_prompts=False,
+                     self_generated=0, user_file=user)  # fmt: skip
+    old, new = map(json.loads, out.read_text().splitlines())
+    assert "conversations" not in old and len(llm.prompts) == 1  # user-1 was not redone
+    decode = llm.engine.tokenizer.decode
+    chat = new["conversations"]
+    assert chat == [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "ok"}]
+    assert decode(new["input_ids"]) == llm.apply_chat_template(chat[:-1], True) + "ok"
+    learned = [i for i, m in zip(new["input_ids"], new["loss_mask"]) if m]
+    assert [m["content"] for m in chat if m["role"] == "assistant"] == [decode(learned)]
+
+    samples = read_samples(out, vocab_size=0x110000, chat=llm)
+    assert [s.id for s in samples] == ["user-1", "user-2"]
+    assert samples[1].input_ids.tolist() == new["input_ids"]
+
+    out.write_text(jsonl(new))  # a new file, resumed: its ids are skipped as before
+    assert [(c.id, list(c.messages)) for c in read_conversations(out)] == [("user-2", chat)]
+    generate_dataset(llm, out, num_samples=5, max_new_tokens=2, seed_prompts=False,
+                     self_generated=0, user_file=user)  # fmt: skip
+    done = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in done] == ["user-2", "user-1"] and len(llm.prompts) == 3
+    ok = {"role": "assistant", "content": "ok"}
+    chat = done[1]["conversations"]
+    assert chat == [SYSTEM, HI, ok, BYE, ok]  # the file's answer "Hello" was regenerated
+    assert decode(done[1]["input_ids"]) == llm.apply_chat_template(chat[:-1], True) + "ok"
+
+
 def learned_text(sample, decode) -> str:
     return decode([i for i, m in zip(sample.input_ids.tolist(), sample.loss_mask.tolist()) if m])
 
