@@ -7,9 +7,11 @@ trainer's own pieces run one after another with a device sync between them.
 
 Writes benchmarks/results/eagle3_train_profile.json: per phase (target features, target
 distributions, the rest of the batch, TTT forward, backward, optimizer) the mean ms per step;
-the step time without those syncs (what training runs at), tokens per second; and the
-costliest kernels of a few profiled steps. The loop mirrors Trainer.run's body (one micro-batch
-per step, no DDP); the phases are timed apart, so their sum exceeds the unsynced step.
+the step time without those syncs (what training runs at), tokens per second; the costliest
+kernels of a few profiled steps; the process's peak resident memory (the host side of a GPU
+run; on a CPU the whole run's, target included). The loop mirrors Trainer.run's body (one
+micro-batch per step, no DDP); the phases are timed apart, so their sum exceeds the unsynced
+step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import contextlib
 import json
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -172,6 +175,8 @@ def main() -> None:
         "loss_tokens_per_s": round(tokens / args.steps / step_ms * 1e3),
         "top_kernels": _top_kernels(prof, args.profile_steps) if cuda else [],
     }
+    # Linux reports ru_maxrss in KiB: the same figure as `/usr/bin/time -v`'s maximum RSS.
+    result["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
     if cuda:
         result["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     print(json.dumps(result, indent=1), flush=True)

@@ -332,8 +332,9 @@ _TRAIN_HELP = {
     "keep_checkpoints": "newest checkpoints kept in the output dir; older ones are deleted",
     "resume": "continue from the output dir's newest checkpoint",
     "init_from": "a drafter directory to fine-tune; its weights and draft vocabulary are kept",
-    "attention": "the drafter's training attention: flex skips masked blocks (CUDA); dense "
-    "holds (j+1) T x T scores at step j; auto: flex on CUDA, dense elsewhere",
+    "attention": "the drafter's training attention: flex skips masked blocks (CUDA); sdpa is "
+    "torch's fused kernel, keeping no scores for the backward; dense keeps (j+1) T x T scores "
+    "at step j until the backward; auto: flex on CUDA, sdpa elsewhere",
     "feature_cache": "a directory to store the target's captured features in and reuse on "
     "later epochs and runs (bf16 shards; default: recompute them)",
     "layout": "the file layout of the final drafter: the engine that will load it",

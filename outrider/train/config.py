@@ -88,8 +88,8 @@ class TrainConfig:
     # A drafter directory to fine-tune (any layout load_drafter reads): its weights and its
     # draft vocabulary are kept (a regenerated d2t would no longer match its lm_head rows).
     init_from: str | None = None
-    # auto: flex on CUDA (skips masked blocks), dense elsewhere; dense holds (j + 1) T x T
-    # scores at step j, too much past T ~ 2048 on a GPU.
+    # auto: flex on CUDA (skips masked blocks), sdpa (torch's fused kernel) elsewhere; dense
+    # keeps (j + 1) T x T scores of step j for the backward, GiBs past T ~ 2048.
     attention: str = "auto"
     feature_cache: str | None = None  # directory of captured target features (bf16 shards)
     layout: str = "sglang"  # of the final drafter

@@ -50,11 +50,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.train.soft_ce import soft_ce
 
-ATTENTION_BACKENDS = ("auto", "dense", "flex")
+ATTENTION_BACKENDS = ("auto", "dense", "flex", "sdpa")
 
 
 @dataclass
@@ -104,8 +105,10 @@ class TTTAttention:
     [B*T, kv_heads, d] -> [B*T, heads * d]."""
 
     def __init__(self, seq_ids: torch.Tensor, scale: float, backend: str = "dense") -> None:
-        if backend not in ("dense", "flex"):
-            raise ValueError(f"unknown TTT attention backend {backend!r}: use 'dense' or 'flex'")
+        if backend not in ("dense", "flex", "sdpa"):
+            raise ValueError(
+                f"unknown TTT attention backend {backend!r}: use 'dense', 'flex' or 'sdpa'"
+            )
         self.seq_ids, self.scale, self.backend = seq_ids, scale, backend
         self.keys: list[torch.Tensor] = []  # per step [B, kv_heads, T, d]
         self.values: list[torch.Tensor] = []
@@ -121,6 +124,8 @@ class TTTAttention:
         values = torch.cat(self.values, dim=2)
         if self.backend == "flex":
             out = _flex(qb, keys, values, self.seq_ids, step, self.scale)
+        elif self.backend == "sdpa":
+            out = _sdpa(qb, keys, values, ttt_mask(self.seq_ids, step), self.scale)
         else:
             out = _dense(qb, keys, values, ttt_mask(self.seq_ids, step), self.scale)
         return out.transpose(1, 2).reshape(b * t, heads * d)
@@ -134,6 +139,16 @@ def _dense(q, keys, values, mask, scale: float) -> torch.Tensor:
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [B, heads, T, S]
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     return torch.matmul(scores.softmax(-1).to(values.dtype), values)
+
+
+def _sdpa(q, keys, values, mask, scale: float) -> torch.Tensor:
+    """The same attention as `_dense` through torch's fused kernel, which keeps only the output
+    and a logsumexp per row for the backward: `_dense` keeps each step's (j + 1) T x T
+    probabilities per head until the backward, 4.1 GiB over 7 steps at T = 2048 with 9 heads,
+    the bulk of a CPU training step's memory."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
 
 
 @functools.cache
@@ -169,7 +184,7 @@ def resolve_attention(backend: str, device: torch.device) -> str:
             f"unknown TTT attention backend {backend!r}: use one of {', '.join(ATTENTION_BACKENDS)}"
         )
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "dense"
+        return "flex" if device.type == "cuda" else "sdpa"
     return backend
 
 
@@ -245,18 +260,19 @@ def _score(
         # Rows t < T - s of step j (s = 1 + j) are scored against row t + s of the targets:
         # slices, not shifted copies, so autograd keeps views of target_p, not one per step.
         s, keep = 1 + j, max(t - 1 - j, 0)
-        logits = draft.compute_logits(normed).view(b, t, -1)  # [B, T, Vd]
+        k = min(align_topk, draft.config.draft_vocab_size) if align_topk > 1 else 0
         # 1. Target p_{t+1+j} on the draft vocab; mask: x_{t+2+j} is learnable and in the seq.
-        # soft_ce reads rows t < keep of the logits against rows t + s of target_p in place.
-        ce, lse, argmax = soft_ce(logits, batch.target_p, s, keep)  # [B, T-s] each
+        # The head and its loss run again in the backward instead of keeping this step's
+        # [B, T, Vd] logits until then: one lm_head matmul more per step, for the largest
+        # tensors a step holds (7 x 250 MiB at T = 2048, Vd = 32000 in fp32).
+        ce, argmax, top_k = checkpoint(
+            _head_loss, draft, normed, batch.target_p, batch.target_top, s, keep, hard_label, k,
+            use_reentrant=False, preserve_rng_state=False,
+        )  # fmt: skip
         top = batch.target_top[:, s:]  # [B, T-s], -1: the argmax is outside the draft vocab
         mask = scored_rows(batch, j)
         rows = mask.sum().float()
         learn = mask if aligned is None else mask & aligned[:, :keep]
-        if hard_label:  # -log softmax(z)[top] = lse - z[top]
-            z_top = logits[:, :keep].gather(-1, top.clamp(min=0)[..., None]).squeeze(-1)
-            hard = lse - z_top.float()
-            ce = torch.where(top >= 0, (1 - hard_label) * ce + hard_label * hard, ce)
         loss = (ce * learn).sum() / learn.sum().float().clamp(min=1.0)
         total = total + decay**j * loss
         # 2. Top-1 agreement over every masked row, on device.
@@ -266,15 +282,37 @@ def _score(
         count.append(rows)
         # 3. Which rows the next step may learn from (rows outside the mask do not break it).
         if align_topk:
-            if align_topk == 1:
-                inside = hit
-            else:
-                k = min(align_topk, logits.shape[-1])
-                top_k = logits[:, :keep].detach().float().topk(k, dim=-1).indices
-                inside = (top_k == top[..., None]).any(-1)
+            inside = hit if align_topk == 1 else (top_k == top[..., None]).any(-1)
             ok = inside | ~mask
             aligned = ok if aligned is None else aligned[:, :keep] & ok
     return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(count))
+
+
+def _head_loss(
+    draft: Eagle3Draft,
+    normed: torch.Tensor,  # [B*T, H] one step's normed draft output
+    target_p: torch.Tensor,  # [B, T, Vd]
+    target_top: torch.Tensor,  # [B, T]
+    shift: int,
+    keep: int,
+    hard_label: float,
+    topk: int,  # > 0: also the draft's top k ids per row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """-> (ce [B, keep] fp32 with the hard-label mix, draft argmax [B, keep], top k ids
+    [B, keep, topk] or None) of rows t < keep against target rows t + shift."""
+    b, t = target_top.shape
+    logits = draft.compute_logits(normed).view(b, t, -1)  # [B, T, Vd]
+    # soft_ce reads rows t < keep of the logits against rows t + s of target_p in place.
+    ce, lse, argmax = soft_ce(logits, target_p, shift, keep)  # [B, T-s] each
+    if hard_label:  # -log softmax(z)[top] = lse - z[top]
+        top = target_top[:, shift:]
+        z_top = logits[:, :keep].gather(-1, top.clamp(min=0)[..., None]).squeeze(-1)
+        hard = lse - z_top.float()
+        ce = torch.where(top >= 0, (1 - hard_label) * ce + hard_label * hard, ce)
+    top_k = None
+    if topk:
+        top_k = logits[:, :keep].detach().float().topk(topk, dim=-1).indices
+    return ce, argmax, top_k
 
 
 class TTTModel(torch.nn.Module):

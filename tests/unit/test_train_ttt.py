@@ -230,3 +230,29 @@ def test_alignment_and_hard_labels_score_the_rows_they_name(setup, align_topk, h
         assert 0 < learned[1] < plain.step_count[1], learned  # some rows dropped, some kept
     if align_topk or hard_label:
         assert not torch.allclose(out.step_loss, plain.step_loss)
+
+
+@pytest.mark.parametrize("align_topk, hard_label", [(0, 0.0), (5, 0.4)])
+def test_fused_attention_and_recomputed_head_train_what_the_reference_does(
+    setup, align_topk, hard_label
+):
+    # sdpa keeps no attention scores and the head's logits are recomputed in the backward:
+    # the loss and every gradient must be those of dense attention over logits kept whole.
+    draft, _, batch, _ = setup
+    weights = torch.tensor([0.8**j for j in range(STEPS)])
+
+    def grads(loss):
+        draft.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in draft.named_parameters()}
+
+    want_steps, _ = _reference_step_losses(draft, batch, STEPS, align_topk, hard_label)
+    want = grads((weights * want_steps).sum())
+    out = ttt_forward(draft, batch, steps=STEPS, attention="sdpa",
+                      align_topk=align_topk, hard_label=hard_label)  # fmt: skip
+    torch.testing.assert_close(out.step_loss, want_steps.detach(), atol=1e-5, rtol=1e-5)
+    got = grads(out.loss)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    draft.zero_grad(set_to_none=True)
