@@ -58,7 +58,9 @@ class EngineCore:
         self.vocab_size = self.checkpoint.config.vocab_size
         self._tracked: dict[str, TrackedRequest] = {}
         # Constrained requests' grammars (engine/structured.py): masks, drafts, finishing.
-        self.grammars = Grammars(self.tokenizer, self.vocab_size)
+        self.grammars = Grammars(
+            self.tokenizer, self.vocab_size, pinned=self.runner.device.type == "cuda"
+        )
         proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # Async scheduling (engine/overlap.py): opt-in until measured on a GPU; speculative
         # steps are not run ahead.

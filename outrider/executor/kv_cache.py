@@ -7,6 +7,8 @@ with its own layout.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from outrider.config import CacheConfig
@@ -73,7 +75,10 @@ def num_blocks_for_budget(
         # Memory torch's allocator holds but no tensor uses (a freed earlier engine) is ours,
         # but only once it is back with the device: the pool is one allocation, which the
         # allocator's cached segments cannot serve however much of them is idle (counting
-        # them asked for 114 GiB where 100 were free after a run of other engines).
+        # them asked for 114 GiB where 100 were free after a run of other engines). An engine
+        # dropped in a reference cycle holds its tensors until the cycle collector runs:
+        # collected first, or a second engine in one process sees them as used.
+        gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used = total - free

@@ -91,18 +91,36 @@ def token_bitmask(seqs: Sequence[ScheduledSeq], rows: Sequence[int]) -> torch.Te
     """The allowed-token bitmask of every logits row of `seqs` (seq i owning rows[i] rows, in
     order), on the host: each constrained sequence's ScheduledSeq.token_masks, padded with
     all-allowed rows past its own, and all-allowed rows for the others; None when no sequence
-    is constrained."""
+    is constrained. Where every sequence is constrained and the masks lie back to back with
+    exactly their rows (Grammars lays a step's out so), the answer is a view of them: no copy,
+    and pinned where they are."""
     masks = [s.token_masks for s in seqs]
     words = next((m.shape[1] for m in masks if m is not None), None)
     if words is None:
         return None
-    out = torch.full((sum(rows), words), -1, dtype=torch.int32)
+    if _back_to_back(masks, rows):
+        return masks[0].as_strided((sum(rows), words), (words, 1))
+    out = np.full((sum(rows), words), -1, dtype=np.int32)  # numpy: no intra-op threads woken
     start = 0
     for m, n in zip(masks, rows):
         if m is not None:
-            out[start : start + min(n, m.shape[0])] = m[:n]
+            k = min(n, m.shape[0])
+            out[start : start + k] = m[:k].numpy()
         start += n
-    return out
+    return torch.from_numpy(out)
+
+
+def _back_to_back(masks: Sequence[torch.Tensor | None], rows: Sequence[int]) -> bool:
+    """Whether every mask is there with exactly its rows, each row-contiguous and starting where
+    the one before ends in memory."""
+    end = None
+    for m, n in zip(masks, rows):
+        if m is None or m.shape[0] != n or not m.is_contiguous():
+            return False
+        if end is not None and m.data_ptr() != end:
+            return False
+        end = m.data_ptr() + m.numel() * m.element_size()
+    return True
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -137,7 +137,7 @@ def test_each_rows_mask_is_what_the_grammar_allows_after_the_drafts_before_it(de
     batch = ScheduledBatch(ForwardMode.VERIFY, [seq])
     grammars.attach_masks(batch)
     assert seq.token_masks.shape == (1 + len(drafts), grammars.words)
-    assert not seq.token_masks.any()  # allocated; computed once the forward is queued
+    assert batch.fill_masks is not None  # laid out; computed once the forward is queued
     batch.ready_masks()
     assert batch.fill_masks is None
     first = _allowed(seq.token_masks[0])
@@ -214,6 +214,33 @@ def test_the_bitmask_refuses_exactly_the_zero_bits():
     masked = apply_token_bitmask_(logits.clone(), words.to(torch.int32))
     assert torch.equal(masked.isfinite(), allowed)
     assert torch.equal(masked[allowed], logits[allowed])
+
+
+def test_a_steps_masks_are_one_block_the_runner_takes_as_it_is(default_grammars):
+    """Grammars lays a step's rows back to back in a buffer that alternates between steps: the
+    runner's bitmask is that block itself where every row is constrained, and the masks the
+    step before computed stay intact while the next step's are laid out."""
+    grammars, tok = default_grammars
+    reqs = [_request(grammars, {"choice": ["yes", "no way"]}, f"block-{i}") for i in range(3)]
+    drafts = tok.encode("no way")
+    seqs = [ScheduledSeq(reqs[0], [5, *drafts], 2, [0], True, SeqDrafts.chain(drafts))]
+    seqs += [ScheduledSeq(r, [5], 2, [0], True) for r in reqs[1:]]
+    batch = ScheduledBatch(ForwardMode.VERIFY, seqs)
+    grammars.attach_masks(batch)
+    batch.ready_masks()
+    rows = [1 + len(drafts), 1, 1]
+    block = token_bitmask(seqs, rows)
+    assert block.data_ptr() == seqs[0].token_masks.data_ptr()
+    assert torch.equal(block[-1], seqs[2].token_masks[0])
+    first = seqs[1].token_masks[0].clone()
+    later = ScheduledBatch(ForwardMode.DECODE, [ScheduledSeq(reqs[1], [5], 2, [0], True)])
+    grammars.attach_masks(later)
+    later.ready_masks()
+    assert torch.equal(seqs[1].token_masks[0], first)  # the other buffer took this step
+    padded = token_bitmask(seqs, [1 + len(drafts) + 1, 1, 1])  # a row past seq 0's own
+    assert padded.data_ptr() != block.data_ptr() and (padded[len(drafts) + 1] == -1).all()
+    for rid in (r.request_id for r in reqs):
+        grammars.forget(rid)
 
 
 def test_the_batch_bitmask_lays_rows_out_as_the_logits():
