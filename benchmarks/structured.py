@@ -29,7 +29,8 @@ tok/s, speedup over plain unconstrained, vs_plain_matched (constrained tok/s ove
 unconstrained requests made exactly as long as plain constrained ones, "plain matched": the
 grammar's cost for plain, speculation's gain under it otherwise; constrained outputs end
 early, so their runs weigh prefill more than unconstrained ones), the step split (runner and
-host milliseconds per step: masks are computed on the host), accept length and every counter
+host milliseconds per step: masks are computed on the host), accept length, tokens per engine
+step (prefills and steps that verified nothing included: what grammar drafts change) and every counter
 of the engine's SpecStats over the run (num_forced_drafts: drafts the grammar forced), and at
 temperature 0 the fraction of outputs identical to plain's under the same constraint.
 Writes benchmarks/results/structured.json (CPU: structured_cpu.json) and a PNG of tok/s
@@ -171,6 +172,7 @@ def timed_run(
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     stats = spec_counters(engine.speculator.stats)
+    split = step_split(before, _clock(engine))
     counts = validity(
         [cases[i] for i in idx],
         [o.text for o in outs],
@@ -183,7 +185,12 @@ def timed_run(
         "tok_per_s": round(tokens / seconds, 2),
         "spec_stats": stats,
         "accept_length": stats["accept_length"],
-        "step_split": step_split(before, _clock(engine)),
+        # Tokens per engine step, prefills included: unlike the accept length (over verify
+        # steps only) it counts the steps that verified nothing, so runs with and without
+        # grammar drafts compare on it (forced runs are short but turn plain steps into
+        # verifying ones).
+        "tokens_per_step": round(tokens / split["steps"], 3) if split else None,
+        "step_split": split,
         "validity_counts": counts,
         "ids": [o.token_ids for o in outs],
     }
@@ -336,7 +343,10 @@ def sweep(
 def summary_tables(runs: dict) -> dict:
     """From runs {f"t{T}_c{C}": {config: {constraint: row}}}: per metric, temperature, config
     and constraint, the value by C (C and T as strings: JSON keys)."""
-    metrics = ("tok_per_s", "speedup", "valid_fraction", "accept_length", "vs_plain_matched")
+    metrics = (
+        "tok_per_s", "speedup", "valid_fraction", "accept_length", "tokens_per_step",
+        "vs_plain_matched",
+    )  # fmt: skip
     out: dict = {m: {} for m in metrics}
     for key, rows in runs.items():
         t, c = key.rsplit("_c", 1)

@@ -199,7 +199,7 @@ def test_summary_tables_by_temperature_config_constraint_and_c(bench):
 
     runs = {
         "t0_c1": {"plain": {"unconstrained": row(100.0, 0.1), "constrained": row(90.0, 1.0)},
-                  "eagle3": {"constrained": row(200.0, 1.0, 3.1)}},
+                  "eagle3": {"constrained": {**row(200.0, 1.0, 3.1), "tokens_per_step": 1.7}}},
         "t0_c16": {"plain": {"unconstrained": row(1000.0, 0.2)}},
         "t0.8_c1": {"plain": {"constrained": row(80.0, 1.0)}},
     }  # fmt: skip
@@ -211,6 +211,7 @@ def test_summary_tables_by_temperature_config_constraint_and_c(bench):
     assert out["tok_per_s"]["0.8"] == {"plain": {"constrained": {"1": 80.0}}}
     assert out["valid_fraction"]["0"]["eagle3"] == {"constrained": {"1": 1.0}}
     assert out["accept_length"] == {"0": {"eagle3": {"constrained": {"1": 3.1}}}}
+    assert out["tokens_per_step"] == {"0": {"eagle3": {"constrained": {"1": 1.7}}}}
     assert json.loads(json.dumps(out)) == out
 
 
