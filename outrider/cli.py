@@ -152,6 +152,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if metrics.get("steps_by_k"):
         by_k = ", ".join(f"k={k}: {n}" for k, n in metrics["steps_by_k"].items())
         print(f"[outrider] decode steps by drafts verified ({by_k})", file=sys.stderr)
+        controller = llm.engine.speculator.controller
+        if controller is not None and not any(k for k in metrics["steps_by_k"]):
+            # The adaptive controller kept speculation off: say on what figures.
+            print(f"[outrider] speculation stayed off: {controller.explain()}", file=sys.stderr)
     if metrics.get("accept_length"):
         print(
             f"[outrider] speculative {config.speculative.method}: accept length "

@@ -293,3 +293,22 @@ def test_one_stalled_step_does_not_hold_a_k_off():
     for _ in range(9):  # slow every time now: the window turns over
         ctl.record_step(4, 2, 60.0)
     assert ctl._step_ms(4, 2) == 60.0 and ctl.choose(ids) == 0
+
+
+def test_the_controller_says_why_it_speculates_or_not():
+    """The line a user reads when speculation stayed off names the figures it was decided on,
+    where each came from, and the verdict; once steps are timed live and drafts verified, it
+    says so and may turn."""
+    table = StepProfile({1: {0: 50.0, 4: 120.0}})  # k=4 at 2.4x a plain step
+    c = SpecController(table, max_k=4, ks=[0, 4])
+    why = c.explain(1)
+    assert why.startswith("k=4: 2.31 tokens a step") and "assumed" in why
+    assert "2.40x plain's 50.0 ms" in why and "start-up profile" in why
+    assert why.endswith("plain decoding is faster") and c.choose(["r"]) == 0
+    for _ in range(3):  # the live k=4 step is cheaper than the profile said ...
+        c.record_step(1, 4, 70.0)
+    for _ in range(30):  # ... and every draft is accepted
+        c.observe("r", 4, 4)
+    why = c.explain(1)
+    assert "timed live" in why and "seen" in why and why.endswith("speculation pays")
+    assert c.choose(["r"]) == 4
