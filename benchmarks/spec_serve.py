@@ -4,11 +4,13 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
 
     python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
                                     [--max-tokens 256] [--configs plain eagle3 ngram]
+                                    [--out NAME]
 
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
-one port. Writes benchmarks/results/spec_serve.json (the per-configuration `bench serve`
-results under `runs`, the speedup of each over plain in output tokens/s and in median TPOT at
-each concurrency) and spec_serve_*.png.
+one port. Writes benchmarks/results/spec_serve.json (spec_serve_cpu.json without a GPU;
+`--out`): the per-configuration `bench serve` results under `runs`, the speedup of each over
+plain in output tokens/s and in median TPOT at each concurrency, each server's start-up (the
+command to its first healthy answer) and its ratio to plain's; and <out>_*.png.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,7 +56,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument(
+        "--out", default=None,
+        help="result name (default spec_serve on a GPU machine, spec_serve_cpu without one)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.out is None:
+        import torch
+
+        args.out = "spec_serve" if torch.cuda.is_available() else "spec_serve_cpu"
     if "plain" not in args.configs:
         ap.error("--configs needs plain: every speedup is over it")
     cfg = BenchConfig(
@@ -62,10 +73,13 @@ def main() -> None:
     )  # fmt: skip
     prompts = load_prompts(cfg)
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
-    runs, files = {}, []
+    runs, files, startup = {}, [], {}
     for name in args.configs:
+        t0 = time.monotonic()
         proc = start_server(["--api-key", KEY, *CONFIGS[name]], PORT, work / f"server_{name}.log")
-        print(f"{name}: serving (log {work / f'server_{name}.log'})", flush=True)
+        startup[name] = round(time.monotonic() - t0, 2)  # the command to /health's first 200
+        print(f"{name}: serving after {startup[name]} s (log {work / f'server_{name}.log'})",
+              flush=True)  # fmt: skip
         try:
             runs[name] = run(cfg, prompts, label=name, progress=False)
         finally:
@@ -76,7 +90,7 @@ def main() -> None:
             print(f"{name:8s} C={p['max_concurrency']:<3} {p['output_throughput']:9.1f} tok/s  "
                   f"TPOT p50 {p.get('median_tpot_ms') or 0:7.2f} ms  accept "
                   f"{p.get('accept_length')}", flush=True)  # fmt: skip
-    plots = plot_results(load_results(files), RESULTS, prefix="spec_serve_")
+    plots = plot_results(load_results(files), RESULTS, prefix=f"{args.out}_")
     result = {
         "configs": {n: CONFIGS[n] for n in args.configs},
         "concurrency": args.concurrency,
@@ -84,10 +98,12 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "speedup_throughput": speedups(runs, "output_throughput", True),
         "speedup_tpot": speedups(runs, "median_tpot_ms", False),
+        "startup_s": startup,
+        "startup_vs_plain": {n: round(t / startup["plain"], 2) for n, t in startup.items()},
         "runs": runs,
         "plots": [p.name for p in plots],
     }
-    print(write_result("spec_serve", result))
+    print(write_result(args.out, result))
 
 
 if __name__ == "__main__":
