@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -120,7 +121,15 @@ def test_calibrate_tiny_model_and_load_the_profile(tiny_dir, tmp_path, capsys): 
     assert all(p["measured_ms"] > 0 for p in cal["points"])
     assert cal["cuda_graphs"] is False and cal["dtype"] == "fp32"
     assert cal["fitted"] == list(FITTED)
-    assert cal["mean_abs_error_after"] < cal["mean_abs_error_before"]
+    # The fit lowers the squared log error it minimises. Not the mean |error|: an
+    # under-prediction's stops at -100% and an over-prediction's has no bound, so on a loaded
+    # machine, whose steps scatter, the fitted profile's can exceed the uncalibrated one's,
+    # which under-predicts every point.
+
+    def squared_log(key: str) -> float:
+        return sum(math.log(p[key] / p["measured_ms"]) ** 2 for p in cal["points"])
+
+    assert squared_log("predicted_after_ms") < squared_log("predicted_before_ms")
     # The profile is a --gpu file: it loads, and plans differ from the uncalibrated ones.
     gpu = load_gpu(str(out))
     assert gpu.name.endswith("calibrated")
