@@ -11,10 +11,12 @@ comm`'s.
 What is fitted, and why these. The cost model prices a kernel at max(bytes / (bandwidth x
 mem_efficiency), flops / (peak x compute_efficiency)) plus its overhead (gemm_overhead_us for
 a GEMM, kernel_overhead_us for any other), an eager step at no less than launches x
-eager_host_us, and every engine step at step_host_us more for the host's own work. The peaks
-come from datasheets and stay: only a peak times its efficiency reaches the prediction, so
-fitting both would be fitting one number twice. The constants fitted are the ones no datasheet
-gives and the ones that decide small steps.
+eager_host_us (on the CPU at that much more), and every engine step at step_host_us more for
+the host's own work. The peaks come from datasheets and stay: only a peak times its efficiency
+reaches the prediction, so fitting both would be fitting one number twice. On the CPU the
+BLAS's step in a GEMM's rows is measured directly (measure_gemm_rows), not fitted: a
+calibration grid need not hold the 2- and 3-row GEMMs that show it. The constants fitted are
+the ones no datasheet gives and the ones that decide small steps.
 
 Why the device time. Within one model every step launches the same kernels, so a per-kernel
 overhead and a per-step host cost move every point alike: fitted to step times alone, one
@@ -277,11 +279,16 @@ def mean_abs_error(model: ModelSpec, gpu: Gpu, points: list[Point], graphs: bool
     return sum(errors) / len(errors)
 
 
-def cpu_profile(threads: int, memory_gb: float) -> Gpu:
+def cpu_profile(threads: int, memory_gb: float, gemm_rows: tuple[int, float] = (0, 1.0)) -> Gpu:
     """A starting profile for the CPU, which has no datasheet row: ~20 GB/s of memory
-    bandwidth and ~50 GFLOP/s fp32 a thread (AVX2 FMA at ~3 GHz, half of peak). The fit
-    scales both through the efficiencies."""
-    return Gpu(f"cpu ({threads} threads)", 20.0, 0.05 * threads, 0.0, round(memory_gb, 1))
+    bandwidth and ~100 GFLOP/s fp32 a thread (AVX2's two FMA ports at ~3 GHz). The fit
+    scales both through the efficiencies, which stop at 1: MKL's fp32 GEMM of 128 rows
+    reaches ~120-140 GFLOP/s on 2 of this machine's cores, above the 100 that half of that peak
+    allowed, and verifies of 16-20 tokens came out compute-bound where they are not.
+    `gemm_rows`: measure_gemm_rows's."""
+    rows, reads = gemm_rows
+    return Gpu(f"cpu ({threads} threads)", 20.0, 0.1 * threads, 0.0, round(memory_gb, 1),
+               gemv_rows=rows, gemm_weight_reads=reads)  # fmt: skip
 
 
 # -- measuring: the engine's own step timings (imports torch) --------------------------------
@@ -297,6 +304,7 @@ class Measurement:
     device_name: str
     threads: int
     memory_gb: float
+    gemm_rows: tuple[int, float] = (0, 1.0)  # the CPU's (gemv_rows, gemm_weight_reads)
 
 
 def measure(
@@ -334,7 +342,41 @@ def measure_checkpoint(
         for b in batch_sizes
         for k in sorted({0, *ks})
     ]
-    return measurement(runner, checkpoint, points)
+    m = measurement(runner, checkpoint, points)
+    if runner.device.type == "cpu":
+        m.gemm_rows = measure_gemm_rows(runner.dtype)
+    return m
+
+
+def measure_gemm_rows(dtype, hidden: int = 1024, out: int = 32768) -> tuple[int, float]:
+    """The CPU's GEMM by rows (Gpu.gemv_rows, gemm_weight_reads): the least of 2..8 rows at
+    which a [rows, hidden] x [hidden, out] product takes under 3/4 of that many one-row
+    products (below it the BLAS runs one GEMV a row), and what it takes there and at twice
+    the rows, the less, in one-row products (the packed path's extra passes over the weights).
+    A property of the BLAS and the machine, so one weight of 128 MB in fp32, larger than the
+    caches as a forward's weights are (a tiny model's would stay in them); the steps' own grid
+    (B in {1, 4}, k in {0, 3}) has no 2- or 3-row GEMM to show it. (0, 1.0) where 2 rows
+    already cost less: one read whatever the rows."""
+    import torch
+
+    w = torch.randn(out, hidden, dtype=dtype)
+
+    def ms(rows: int) -> float:
+        x = torch.randn(rows, hidden, dtype=dtype)
+        times = []
+        for _ in range(6):  # median of 5 after a warm-up: 2 shared cores vary +-20%
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - t0)
+        return sorted(times[1:])[2]
+
+    with torch.inference_mode():
+        one = ms(1)
+        rows = next((r for r in range(2, 9) if ms(r) < 0.75 * r * one), 0)
+        if rows <= 2:
+            return 0, 1.0
+        reads = min(ms(rows), ms(2 * rows)) / one
+    return rows, max(1.0, reads)
 
 
 def build_runner(
@@ -445,4 +487,9 @@ def report(m: Measurement, prior: Gpu, fitted: Gpu) -> str:
     )
     for f in FITTED:
         lines.append(f"  {f:<20} {getattr(prior, f):>10.4g} -> {getattr(fitted, f):.4g}")
+    if fitted.gemv_rows:
+        lines.append(
+            f"  measured: a GEMM below {fitted.gemv_rows} rows runs one GEMV a row; from "
+            f"{fitted.gemv_rows} on its weights cost {fitted.gemm_weight_reads:.2f} one-row reads"
+        )
     return "\n".join(lines)

@@ -145,8 +145,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _calibrate(args)
     from outrider.env import default_model
     from outrider.plan.costmodel import Setup
-    from outrider.plan.hardware import load_gpu, load_link
-    from outrider.plan.models import load_model
+    from outrider.plan.hardware import calibrated_dtype, load_gpu, load_link
+    from outrider.plan.models import load_model, weight_format
     from outrider.plan.planner import Drafter, Tree, drafter_model, plan_batch
     from outrider.plan.report import machine, table, to_json, write_png
 
@@ -158,16 +158,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # No MODEL: OUTRIDER_MODEL, else the embedded default's shape, as --help says.
     name = args.model or default_model() or EMBEDDED_MODEL
     model = load_model(name).with_weights(args.weights, args.expert_weights)
+    gpu = load_gpu(args.gpu or "h200")
+    eager = args.eager
+    if gpu.is_cpu:
+        # The engine on a CPU captures no graphs and runs weights and KV in the dtype its
+        # profile was calibrated in: a bf16 plan with graphs priced half the bytes the fit saw
+        # and none of its dispatch.
+        eager = True
+        if args.weights is None:
+            dtype = calibrated_dtype(args.gpu) or "fp32"
+            kv = weight_format(dtype).bytes_per_element
+            model = dataclasses.replace(model.with_weights(dtype), kv_bytes=max(1, round(kv)))
     link = load_link(args.link)
     if args.nccl_channels is not None:
         link = link.with_channels(args.nccl_channels)
     setup = Setup(
         model,
-        load_gpu(args.gpu or "h200"),
+        gpu,
         link,
         tp=args.tp,
-        graphs=not args.eager,
-        verify_graphs=not (args.eager or args.eager_verify),
+        graphs=not eager,
+        verify_graphs=not (eager or args.eager_verify),
         algo=args.allreduce,
     )
     drafter = Drafter(
@@ -227,10 +238,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if args.gpu:
         prior = load_gpu(args.gpu)
+        if m.gemm_rows[0]:
+            rows, reads = m.gemm_rows
+            prior = dataclasses.replace(prior, gemv_rows=rows, gemm_weight_reads=reads)
     elif m.device.startswith("cuda"):
         prior = _gpu_by_name(m.device_name)
     else:
-        prior = calibrate.cpu_profile(m.threads, m.memory_gb)
+        prior = calibrate.cpu_profile(m.threads, m.memory_gb, m.gemm_rows)
     fitted = calibrate.fit(m.model, prior, m.points, m.graphs)
     fitted = dataclasses.replace(fitted, name=f"{prior.name}, calibrated")
     print(calibrate.report(m, prior, fitted))

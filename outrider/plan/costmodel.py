@@ -17,7 +17,10 @@ Added, not a floor under max(): the H200's profile of both models' decode graphs
 The step is the sum of its kernels and collectives (nothing overlaps inside a forward). A
 kernel's time goes to `memory` or `compute` by which bound it hit, its overhead to `launch`.
 Eager steps (no CUDA graph) also pay host dispatch per launch: the step is the larger of the
-device's time and the host's, the difference going to `launch`. A step of the engine's also pays
+device's time and the host's, the difference going to `launch`; on a CPU, whose cores dispatch
+a kernel and then run it, the sum. A CPU's BLAS also runs a GEMM of few rows as one GEMV a row
+and packs the weights of larger ones (`gemv_rows`, `gemm_weight_reads`), so its weights'
+time is a step function of the rows where a GPU's is flat. A step of the engine's also pays
 its host's own work once (`step_host_us`, `row_host_us` a sequence and `token_host_us` a
 token: building inputs, launching the graph, reading the result back; `host`), which an engine
 that overlaps its host work with the device hides.
@@ -283,7 +286,7 @@ def forward_kernels(
             cs.append(reduce)
     ks.append(small("final_norm", h))
     vocab = -(-m.vocab_size // tp)
-    ks.append(gemm("lm_head", h, vocab, 2))  # the LM head stays bf16
+    ks.append(gemm("lm_head", h, vocab, max(w, 2)))  # bf16 under quantized weights; fp32 on CPUs
     if tp > 1:
         cs.append(Collective("all_gather", n * m.vocab_size * act))
     return ks, cs, experts
@@ -304,6 +307,8 @@ def time_step(
     compute = memory = launch = 0.0
     for k in kernels:
         t_mem = k.bytes / mem_bytes_per_us
+        if k.shape is not None and gpu.gemv_rows:
+            t_mem *= k.shape[0] if k.shape[0] < gpu.gemv_rows else gpu.gemm_weight_reads
         t_cmp = padded_flops(k, gpu.sms) / compute_flops_per_us
         if t_cmp > t_mem:
             compute += t_cmp
@@ -324,7 +329,10 @@ def time_step(
         moved[c.kind] = moved.get(c.kind, 0.0) + c.bytes
     if not graphed:
         host = (len(kernels) + len(collectives)) * gpu.eager_host_us
-        launch += max(0.0, host - (compute + memory + launch + comm))
+        if gpu.is_cpu:  # the cores that dispatch a kernel then run it: nothing overlaps
+            launch += host
+        else:
+            launch += max(0.0, host - (compute + memory + launch + comm))
     return StepCost(
         kind=kind,
         tokens=tokens,

@@ -66,6 +66,15 @@ class Gpu:
     # ~1,300 launches, ~19 us each (benchmarks/results/verify_cost.json). A property of the
     # host CPU more than the GPU; `outrider plan --calibrate` measures it with the rest.
     eager_host_us: float = 19.0
+    # A GEMM of fewer rows than this runs as one GEMV a row, streaming its weights once a row:
+    # MKL's fp32 GEMM on the CPU below 4 rows (the default model's [576 -> 49152] LM head on 2
+    # cores: 10.1 ms at 1 row, 23.7 at 2, 35.4 at 3, 16.7 at 4, 16.2 at 8), so a verify of 2-3
+    # tokens costs more than one of 4-5. `outrider plan --calibrate` measures it on the CPU.
+    # 0: a GEMM reads its weights once whatever its rows (GPUs).
+    gemv_rows: int = 0
+    # and from those rows on, the weights' cost in one-row GEMVs: MKL packs them before it
+    # multiplies (the LM head above: 1.65 at 4-8 rows).
+    gemm_weight_reads: float = 1.0
 
     @property
     def is_cpu(self) -> bool:
@@ -239,6 +248,14 @@ def load_gpu(gpu: str) -> Gpu:
             fields = ", ".join(f.name for f in dataclasses.fields(Gpu))
             raise ValueError(f"{gpu}: {e}; a GPU file holds the fields {fields}") from None
     raise ValueError(f"unknown GPU {gpu!r}: {_near(key, GPUS)}or a JSON file of measured figures")
+
+
+def calibrated_dtype(gpu: str | None) -> str | None:
+    """The dtype a `--calibrate` profile's steps ran in ("fp32"), or None for a built-in or
+    a file without a calibration."""
+    if not gpu or not gpu.endswith(".json"):
+        return None
+    return _read_json(gpu, "GPU figures").get("calibration", {}).get("dtype")
 
 
 def load_link(link: str) -> Link:

@@ -93,7 +93,7 @@ def test_a_cpu_plan_says_cpu_and_its_chart_marks_the_best_few(tmp_path, monkeypa
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == [
         "smollm2-135m on cpu (16 threads), context 2048, eagle3",
-        "weights bf16: 0.27 GB of 25.3 GB memory",
+        "weights fp32: 0.54 GB of 25.3 GB memory",
     ]
     (fig,) = figures
     assert fig._suptitle.get_text() == "smollm2-135m on cpu (16 threads), context 2048, eagle3"
