@@ -378,8 +378,10 @@ class SpecStep:
         seqs = batch.seqs
         b, t = len(seqs), 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
-        masked = [i for i in fix if masked_greedy(seqs[i])]  # greedy, their grammar aside
-        rest = [i for i in fix if not masked_greedy(seqs[i])]  # sampled, penalised, logprobs
+        # Greedy rows but for their grammar's mask (laid out by Grammars.attach_masks, filled
+        # while the device verifies); the rest sample, penalise or ask for logprobs.
+        masked = [i for i in fix if masked_greedy(seqs[i]) and seqs[i].token_masks is not None]
+        rest = sorted(set(fix) - set(masked))
         asked = [i for i in rest if seqs[i].request.params.logprobs is not None]
         top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
         packed: list[torch.Tensor] = []
