@@ -276,9 +276,7 @@ def test_greedy_constrained_rows_accept_as_the_sampler_would_decide_them():
     drafts = best[picked, :k].clone()  # every draft what the target picks ...
     drafts[1, 2] = (drafts[1, 2] + 1) % vocab  # ... but sequence 3's third
     num_drafts = torch.tensor([2, 3])  # sequence 1's third draft is padding
-    tokens, accepted = masked_greedy_chain_no_sync(
-        logits, rows, words[rows], drafts, num_drafts
-    )
+    tokens, accepted = masked_greedy_chain_no_sync(logits, rows, words[rows], drafts, num_drafts)
     params = SamplingParams(temperature=0.0)
     seqs = [ScheduledSeq(Request([1], params), [0] * (1 + k), 1, [0], True) for _ in picked]
     want_tokens, want_accepted = verify_chain_rows_no_sync(
