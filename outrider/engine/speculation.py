@@ -110,7 +110,13 @@ class Speculator:
         key = {"device": str(runner.device), "dtype": str(runner.dtype),
                "drafter": self.proposer.name}  # fmt: skip
         log.info("speculative step profile (ms by batch size and k): %s", table)
-        return StepProfile(table, key).monotone()
+        profile = StepProfile(table, key)
+        # A GPU step that costs less with more drafts or rows is noise, and the table is made
+        # monotone. A CPU's is real: its BLAS runs a GEMM of 2-3 rows as one GEMV a row, so on
+        # 2 cores the default model's EAGLE-3 step at B=1 took 127 ms at k=2 and 94 at k=4; made
+        # monotone, k=4 read 2.4x a plain step and the controller never tried the k that is
+        # 1.26x plain (benchmarks/results/structured_cpu.json, eagle3 unconstrained).
+        return profile.monotone() if runner.device.type == "cuda" else profile
 
     def verify_per_sequence(self) -> None:
         """Verify drafts per sequence inside the runner's plain run (the path prefills and

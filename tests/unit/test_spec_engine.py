@@ -353,3 +353,16 @@ def test_sampled_rows_in_the_speculative_step_stay_seeded_and_in_vocab(tiny_dir,
         runs.append([o.token_ids for o in outs[3:]])
         assert llm.engine.speculator.stats.num_verify_steps > 0
     assert runs[0] == runs[1]
+
+
+def test_a_cpu_start_up_profile_keeps_the_steps_its_blas_makes_cheaper(tiny_dir):  # noqa: F811
+    """On a CPU a verify of more drafts can cost less (the BLAS runs 2-3 rows as GEMVs): the
+    table the controller starts from is the one measured, not raised to a running max."""
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 4})
+    spec, runner = llm.engine.speculator, llm.engine.runner
+    measured = {1: {0: 50.0, 1: 90.0, 2: 120.0, 3: 80.0, 4: 85.0},
+                4: {0: 75.0, 1: 85.0, 2: 90.0, 3: 95.0, 4: 100.0}}  # fmt: skip
+    runner.profile_steps = lambda ks, sizes: measured
+    profile = spec._measure_profile()
+    assert profile.ms == measured
+    assert profile.step_ms(1, 4) < profile.step_ms(1, 2)
