@@ -36,6 +36,20 @@ def _known(commit: str) -> bool:
         return False
 
 
+def _dirty_outside_results() -> bool:
+    """Whether tracked files other than benchmarks/results/ differ from HEAD: a run's own
+    figures, written before its JSON (spec_serve's plots), say nothing of the code it ran."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+             f":(top,exclude){RESULTS.parent.name}/{RESULTS.name}"],
+            capture_output=True, text=True, cwd=RESULTS.parent, timeout=10,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return out.returncode != 0 or bool(out.stdout.strip())
+
+
 def metadata() -> dict:
     import torch
 
@@ -48,6 +62,8 @@ def metadata() -> dict:
             return None
 
     commit, dirty = git_commit(RESULTS.parent)
+    if dirty:
+        dirty = _dirty_outside_results()
     git = {"head": commit, "dirty": dirty}  # (None, None) with no repository here
     written = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
     if written and (commit is None or (commit != written and not _known(written))):
