@@ -392,8 +392,7 @@ class SpecStep:
             drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
             if masked:
                 idx = to_device_no_sync(masked, torch.long, dev)
-                rows = to_device_no_sync([i * t + j for i in masked for j in range(t)],
-                                         torch.long, dev)  # fmt: skip
+                rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
                 masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
                 tokens, accepted = masked_greedy_chain_no_sync(
                     out.logits, rows, to_device_no_sync(masks, torch.int32, dev),

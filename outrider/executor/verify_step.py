@@ -26,6 +26,7 @@ from outrider.speculative.tree import TreeTopology, accepted_kv_moves
 from outrider.speculative.verify import (
     Verdict,
     verify_chain_batch_no_sync,
+    verify_chain_greedy_no_sync,
     verify_greedy,
     verify_sampled,
 )
@@ -168,10 +169,8 @@ def masked_greedy_chain_no_sync(
     target is the argmax among the tokens its grammar allows (one launch on the GPU, no
     distribution built), and drafts count while they equal it."""
     f, k = draft_tokens.shape
-    tokens = masked_argmax_no_sync(logits, rows, bitmask).view(f, 1 + k)
-    real = torch.arange(k, device=tokens.device) < num_drafts.view(f, 1)
-    same = (draft_tokens == tokens[:, :k]) & real
-    return tokens, same.long().cumprod(dim=1).sum(dim=1)
+    target = masked_argmax_no_sync(logits, rows, bitmask).view(f, 1 + k)
+    return verify_chain_greedy_no_sync(target, draft_tokens, num_drafts.long())
 
 
 def _path_tokens(topology: TreeTopology, tokens: list[int], node: int) -> list[int]:
