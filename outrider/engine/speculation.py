@@ -179,6 +179,8 @@ class Speculator:
         next k. Only for a batch is_speculative_step accepted."""
         on_device = self.proposer.on_device
         self._drafted_only = on_device and not any(s.drafts for s in batch.seqs)
+        if on_device:  # the draft KV of the plain steps before this one, which the step reads
+            self.proposer.catch_up()
         return self._runner.run_spec(batch, self._k, self._k if on_device else 0)
 
     def trim_output(self, batch: ScheduledBatch, output: StepOutput) -> None:
@@ -237,10 +239,12 @@ class Speculator:
         if output.next_drafts is not None:
             self._take_drafts(batch, output)
         elif self.proposer is not None and (batch.mode == ForwardMode.PREFILL or self._k):
-            # A device drafter follows the target through steps it did not draft in; after a
-            # plain step while speculation is off it skips (its KV there goes stale: later
-            # drafts are worse, never wrong).
+            # A device drafter follows the target through steps it did not draft in.
             self.proposer.observe(batch, output)
+        elif self.proposer is not None and self.proposer.on_device:
+            # Speculation is off: the drafter keeps the step's rows and extends over them
+            # only when it next drafts (`catch_up`), in one forward.
+            self.proposer.defer(batch, output)
 
     def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
         for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -123,15 +124,18 @@ class Eagle3Drafter:
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
         draft.attention_layers()[0].kv_cache = self.kv_pool.layer(0)
         self._frontier: dict[str, Frontier] = {}
+        self._deferred: dict[str, _Deferred] = {}  # rows of plain steps not extended over yet
         self._graphs: GraphRunner | None = None
 
     # -- after every target forward ---------------------------------------------------------
 
     @torch.inference_mode()
     def observe(self, batch: ScheduledBatch, output: StepOutput) -> None:
-        """EXTEND the draft over the rows this step made valid (call after postprocess)."""
+        """EXTEND the draft over the rows this step made valid (call after postprocess), after
+        the rows deferred before them."""
         if output.aux_hidden is None:
             raise RuntimeError("the target forward returned no aux hidden states for EAGLE-3")
+        self.catch_up()
         rows: list[int] = []
         seqs: list[ScheduledSeq] = []
         row0 = 0
@@ -157,9 +161,59 @@ class Eagle3Drafter:
         if not seqs:
             return
         rows_t = torch.as_tensor(rows, device=output.aux_hidden.device)
-        hidden = output.aux_hidden[rows_t]
+        self._extend(seqs, output.aux_hidden[rows_t], rows_t)
+
+    def defer(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Keep the aux rows a plain step made valid (views, no copy, no forward) and extend
+        over them at the next `catch_up`. The engine defers while speculation is off: a draft
+        forward a plain step would cost time no draft uses, and skipping the rows left the
+        draft KV there stale, so the controller's probes verified drafts far worse than the
+        drafter's (29% accepted on 2 CPU cores) and speculation stayed off where it paid.
+        A request keeps its last _MAX_DEFERRED rows; positions before them stay stale (drafts
+        there are worse, never wrong)."""
+        if output.aux_hidden is None:
+            raise RuntimeError("the target forward returned no aux hidden states for EAGLE-3")
+        row0 = 0
+        for s in batch.seqs:
+            rows = output.aux_hidden[row0 : row0 + s.query_len]
+            row0 += s.query_len
+            req = s.request
+            if s.drafts is not None or req.is_finished or not req.block_ids:
+                continue
+            run = self._deferred.get(req.request_id)
+            if run is None or run.end != s.start_pos:  # a new run (a first, or after a gap)
+                run = self._deferred[req.request_id] = _Deferred(req, s.start_pos)
+            run.add(rows)
+
+    @torch.inference_mode()
+    def catch_up(self) -> None:
+        """EXTEND the draft over every row `defer` kept, in one forward: before anything reads
+        the draft KV (the speculative step, `observe`, `propose`)."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, {}
+        seqs: list[ScheduledSeq] = []
+        parts: list[torch.Tensor] = []
+        for run in deferred.values():
+            req = run.request
+            # Each row's next token; rows the target has not computed yet are not there.
+            nxt = req.all_token_ids[run.start + 1 : min(run.end, req.num_computed_tokens) + 1]
+            if req.is_finished or not req.block_ids or not nxt:
+                continue
+            seqs.append(ScheduledSeq(req, nxt, run.start, req.block_ids, sample=True))
+            parts.append(torch.cat(list(run.parts))[: len(nxt)])
+        if seqs:
+            self._extend(seqs, torch.cat(parts))
+
+    def _extend(
+        self,
+        seqs: list[ScheduledSeq],
+        hidden: torch.Tensor,  # [rows, n_aux * Ht], the seqs' rows in order
+        aux_rows: torch.Tensor | None = None,  # [rows]: hidden is these rows of the last aux
+    ) -> None:
+        """One draft forward over the seqs' rows (their KV written), and each one's frontier."""
         batch = ScheduledBatch(ForwardMode.PREFILL, seqs)
-        logits, last_hidden = self._run(batch, hidden, aux_rows=rows_t)
+        logits, last_hidden = self._run(batch, hidden, aux_rows=aux_rows)
         top_logp, top = top_logprobs(logits, self.topk)
         top_ids = self.draft.to_target_ids(top)
         for i, s in enumerate(seqs):
@@ -172,6 +226,7 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], max_draft_tokens: int) -> list[SeqDrafts]:
+        self.catch_up()
         live = [
             (i, r)
             for i, r in enumerate(requests)
@@ -224,6 +279,7 @@ class Eagle3Drafter:
 
     def forget(self, request_id: str) -> None:
         self._frontier.pop(request_id, None)
+        self._deferred.pop(request_id, None)
 
     def positions_needed(self, k: int) -> int:
         """Slots from position C (the root's) that proposing k drafts and verifying them use:
@@ -375,6 +431,23 @@ class Eagle3Drafter:
         with forward_context(ForwardContext(meta, backend)):
             normed, summed = self.draft(ids, positions, hidden)
         return self.draft.compute_logits(normed[rows]), summed[rows]
+
+
+_MAX_DEFERRED = 128  # rows a request keeps for catch_up (on a GPU, views of the steps' aux)
+
+
+class _Deferred:
+    """A request's rows of plain steps from position `start` on, in order, up to `end`."""
+
+    def __init__(self, request: Request, start: int) -> None:
+        self.request, self.start, self.end = request, start, start
+        self.parts: deque[torch.Tensor] = deque()
+
+    def add(self, rows: torch.Tensor) -> None:
+        self.parts.append(rows)
+        self.end += rows.shape[0]
+        while self.end - self.start > _MAX_DEFERRED and len(self.parts) > 1:
+            self.start += self.parts.popleft().shape[0]
 
 
 def _chain_step(draft: Eagle3Draft):

@@ -110,6 +110,16 @@ class DeviceDrafter(Proposer, Protocol):
         """A tree step's drafting: catch up over the accepted path, then grow the next tree."""
         ...
 
+    def defer(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """After a plain step while speculation is off: keep the rows it made valid, to extend
+        over at the next `catch_up` instead of now."""
+        ...
+
+    def catch_up(self) -> None:
+        """Extend over the rows `defer` kept (one forward): before anything reads the draft KV.
+        `observe` and `propose` call it themselves; the engine calls it before a step."""
+        ...
+
     def run_rows(
         self,
         ids: torch.Tensor,  # [T] each row's next token

@@ -76,6 +76,12 @@ class SyntheticDrafter:
     def observe(self, batch: ScheduledBatch, output: StepOutput) -> None:
         self.drafter.observe(batch, output)
 
+    def defer(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        self.drafter.defer(batch, output)
+
+    def catch_up(self) -> None:
+        self.drafter.catch_up()
+
     def forget(self, request_id: str) -> None:
         self.drafter.forget(request_id)
         self.proposer.forget(request_id)

@@ -135,6 +135,56 @@ def test_eagle3_drafts_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: 
     assert checked >= 10
 
 
+class _ScriptedController:
+    """Chooses k from a script, one entry per decision (then K); learns nothing."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks = list(ks)
+
+    def choose(self, request_ids) -> int:
+        return self.ks.pop(0) if self.ks else K
+
+    def observe(self, request_id, num_drafts, num_accepted) -> None:
+        pass
+
+    def record_step(self, batch_size, k, ms) -> None:
+        pass
+
+    def forget(self, request_id) -> None:
+        pass
+
+
+def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: F811
+    """Speculation off for several steps, then on again: the drafter kept the plain steps' rows
+    and extends over them before the step that drafts, so its first drafts after the gap equal
+    the draft run from scratch (stale draft KV there made them differ)."""
+    llm = eagle_llm(tiny_dir)
+    engine = llm.engine
+    engine.speculator.controller = _ScriptedController([0] * 7)
+    reqs = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40)) for p in prompts[:3]
+    ]
+    for _ in range(8):  # the prompts' prefill, then 7 plain steps
+        engine.step()
+    assert engine.speculator.last_k == 0 and all(r.drafts is None for r in reqs)
+    engine.step()  # k = K: drafts inside the step, from the KV of every position
+    checked = 0
+    for r in reqs:
+        d = r.drafts
+        assert d is not None and not r.is_finished
+        want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids, d.num_nodes)
+        assert d.token_ids == want, (r.request_id, r.num_tokens)
+        checked += 1
+    assert checked == 3
+    for _ in range(6):  # and the verifies after it keep the chain right
+        engine.step()
+    for r in reqs:
+        if r.drafts and not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
+            want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids,
+                                r.drafts.num_nodes)  # fmt: skip
+            assert r.drafts.token_ids == want
+
+
 def test_eagle3_rejects_a_drafter_for_another_target(tiny_dir):  # noqa: F811
     llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64)
     other = TransformerConfig.from_hf_dict(tiny_hf_config(hidden_size=64, intermediate_size=128))
