@@ -49,39 +49,46 @@ def profile_steps(
 ) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]] | None]:
     """({batch: {k: ms of one step}}, the same of the device's time or None) at each batch
     size and k: 0 is a plain decode step, k >= 1 the speculative step with k drafts (and a
-    drafter's k next drafts). Median of `reps` after a warm-up. The device's table is measured
-    only on CUDA with `device_time` (`device_ms`), right after each shape's timed steps.
+    drafter's k next drafts). The median of `reps` rounds, each of which times every shape once
+    in turn: a machine busy for a while slows every shape alike rather than the few timed then
+    (on a shared 2-core machine, shape by shape, a k = 4 step read 2.4x a plain one where it
+    ran 1.8x). The device's table is measured only on CUDA with `device_time` (`device_ms`),
+    after the rounds.
 
-    Defaults: with graphs, every captured batch size, 10 each (replays are ~2 ms: ~1 s in
-    all, and one slow outlier stays out of the median; 3 once let a 26 ms plain step at
-    B=64 through); eagerly (the CPU: 40-200 ms steps that vary +-20% run to run) batch 1
-    and 4, 4 each, past which the controller extrapolates."""
+    Defaults: with graphs, every captured batch size, 10 rounds after one that warms up
+    (replays are ~2 ms: ~1 s in all, and one slow outlier stays out of the median; 3 once let a
+    26 ms plain step at B=64 through); eagerly (the CPU: 40-200 ms steps) batch 1 and 4 and 3
+    rounds, the first of which warms up too (the median leaves it out): 30 steps for k = 0..4,
+    where 4 timed after a warm-up, shape by shape, took 50 and most of a CPU server's start-up.
+    Past the largest batch size the controller extrapolates, and the steps the engine runs
+    correct the table as it serves (SpecController.record_step)."""
     graphs = runner.graphs is not None
     if batch_sizes is None:
         batch_sizes = default_batch_sizes(runner)
     if reps is None:
-        reps = 10 if graphs else 4
+        reps = 10 if graphs else 3
     device_time = device_time and runner.device.type == "cuda"
     # Tokens spread over the vocabulary, not one token everywhere: an MoE model routes
     # each row to its own experts as a real batch does (token 0 in every row read the same
     # 8 of Kimi-K2.5's 384 experts where 64 real tokens read ~284).
     rng = random.Random(0)
-    table: dict[int, dict[int, float]] = {}
-    device: dict[int, dict[int, float]] = {}
-    for b in progress(batch_sizes, "measuring speculative steps"):
-        table[b], device[b] = {}, {}
-        for k in sorted({0, *ks}):
-            batch = _dummy_batch(runner, rng, b, k)
-            step = _step(runner, batch, k)
-            times = []
-            for i in range(reps + 1):
-                t0 = time.perf_counter()
-                step()
-                if i:  # the first one warms up
-                    times.append((time.perf_counter() - t0) * 1e3)
-            table[b][k] = sorted(times)[len(times) // 2]
-            if device_time:
-                device[b][k] = device_ms(runner, batch, k, table[b][k])
+    shapes = [(b, k) for b in batch_sizes for k in sorted({0, *ks})]
+    batches = {s: _dummy_batch(runner, rng, *s) for s in shapes}
+    steps = {(b, k): _step(runner, batches[(b, k)], k) for b, k in shapes}
+    times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+    warm = 1 if graphs else 0  # a graph's first replay is not timed; eagerly the median drops it
+    for r in progress(range(warm + reps), "measuring speculative steps"):
+        for shape in shapes:
+            t0 = time.perf_counter()
+            steps[shape]()
+            if r >= warm:
+                times[shape].append((time.perf_counter() - t0) * 1e3)
+    table: dict[int, dict[int, float]] = {b: {} for b in batch_sizes}
+    device: dict[int, dict[int, float]] = {b: {} for b in batch_sizes}
+    for (b, k), ts in times.items():
+        table[b][k] = sorted(ts)[len(ts) // 2]
+        if device_time:
+            device[b][k] = device_ms(runner, batches[(b, k)], k, table[b][k])
     return table, (device if device_time else None)
 
 

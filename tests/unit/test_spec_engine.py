@@ -275,11 +275,25 @@ def test_profiled_steps_spread_their_tokens_over_the_vocabulary(tiny_dir):  # no
         return run_spec(batch, k, k_draft)
 
     runner.run_spec = spy
-    runner.profile_steps((3,), batch_sizes=(4,), reps=1)
-    assert len(seen) == 2 * 4 * (1 + 3)  # warm-up and one timed step, 4 rows of 1 + 3
+    runner.profile_steps((3,), batch_sizes=(4,), reps=2)
+    assert len(seen) == 2 * 4 * (1 + 3)  # two rounds eagerly (no warm-up), 4 rows of 1 + 3
     step = seen[: 4 * (1 + 3)]
     assert len(set(step)) > len(step) // 2
     assert all(0 <= t < llm.engine.vocab_size for t in seen)
+
+
+def test_profile_times_every_shape_in_each_round(tiny_dir):  # noqa: F811
+    """Rounds over all shapes, not one shape's steps back to back: a busy spell on a shared
+    machine slows every shape alike instead of inflating the k measured during it."""
+    llm = _llm(tiny_dir, speculative={"method": "ngram", "num_draft_tokens": 2})
+    runner, order = llm.engine.runner, []
+    run, run_spec = runner.run, runner.run_spec
+    runner.run = lambda batch: (order.append((len(batch.seqs), 0)), run(batch))[1]
+    runner.run_spec = lambda b, k, kd: (order.append((len(b.seqs), k)), run_spec(b, k, kd))[1]
+    table = runner.profile_steps((2,), batch_sizes=(1, 2), reps=3)
+    one_round = [(1, 0), (1, 2), (2, 0), (2, 2)]
+    assert order == one_round * 3
+    assert sorted(table) == [1, 2] and all(sorted(row) == [0, 2] for row in table.values())
 
 
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
