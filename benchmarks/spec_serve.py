@@ -4,19 +4,26 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
 
     python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
                                     [--max-tokens 256] [--configs plain eagle3 ngram]
-                                    [--out NAME]
+                                    [--rounds N] [--out NAME]
 
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
-one port. Writes benchmarks/results/spec_serve.json (spec_serve_cpu.json without a GPU;
-`--out`): the per-configuration `bench serve` results under `runs`, the speedup of each over
-plain in output tokens/s and in median TPOT at each concurrency, each server's start-up (the
-command to its first healthy answer) and its ratio to plain's; and <out>_*.png.
+one port. With --rounds N the configurations take turns N times (plain, eagle3, ngram, plain,
+...): a machine whose speed drifts (a shared CPU: +-5% from one run to the next) then weighs
+on every configuration alike, and each speedup is the median of the rounds' own (each round's
+configuration over that round's plain), every round's listed beside it.
+
+Writes benchmarks/results/spec_serve.json (spec_serve_cpu.json without a GPU; `--out`): the
+per-configuration `bench serve` results of the first round under `runs` (and every round's
+under `rounds_runs`), the speedup of each over plain in output tokens/s and in median TPOT at
+each concurrency, each server's start-up (the command to its first healthy answer; the median
+of the rounds) and its ratio to plain's; and <out>_*.png (the first round).
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +52,18 @@ def speedups(runs: dict, key: str, better_high: bool) -> dict[str, dict[str, flo
     return out
 
 
+def median_speedups(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """config -> {concurrency: the median of the rounds' speedups there}."""
+    out: dict[str, dict[str, float]] = {}
+    for name in rounds[0]:
+        points = {c for r in rounds for c in r.get(name, {})}
+        out[name] = {
+            c: round(statistics.median(r[name][c] for r in rounds if c in r.get(name, {})), 3)
+            for c in sorted(points, key=int)
+        }
+    return out
+
+
 def main() -> None:
     from outrider.bench.plot import load_results, plot_results
     from outrider.bench.prompts import load_prompts
@@ -57,6 +76,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="times the configurations take turns; speedups are the rounds' median",
+    )  # fmt: skip
+    ap.add_argument(
         "--out", default=None,
         help="result name (default spec_serve on a GPU machine, spec_serve_cpu without one)",
     )  # fmt: skip
@@ -67,40 +90,59 @@ def main() -> None:
         args.out = "spec_serve" if torch.cuda.is_available() else "spec_serve_cpu"
     if "plain" not in args.configs:
         ap.error("--configs needs plain: every speedup is over it")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: use 1 or more")
     cfg = BenchConfig(
         base_url=f"http://127.0.0.1:{PORT}", api_key=KEY, max_concurrency=tuple(args.concurrency),
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=0.0,
     )  # fmt: skip
     prompts = load_prompts(cfg)
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
-    runs, files, startup = {}, [], {}
-    for name in args.configs:
-        t0 = time.monotonic()
-        proc = start_server(["--api-key", KEY, *CONFIGS[name]], PORT, work / f"server_{name}.log")
-        startup[name] = round(time.monotonic() - t0, 2)  # the command to /health's first 200
-        print(f"{name}: serving after {startup[name]} s (log {work / f'server_{name}.log'})",
-              flush=True)  # fmt: skip
-        try:
-            runs[name] = run(cfg, prompts, label=name, progress=False)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-        files.append(write_run(runs[name], work))
-        for p in runs[name]["points"]:
-            print(f"{name:8s} C={p['max_concurrency']:<3} {p['output_throughput']:9.1f} tok/s  "
-                  f"TPOT p50 {p.get('median_tpot_ms') or 0:7.2f} ms  accept "
-                  f"{p.get('accept_length')}", flush=True)  # fmt: skip
+    rounds: list[dict] = []  # each round's runs, by config
+    starts: dict[str, list[float]] = {n: [] for n in args.configs}
+    files = []
+    for r in range(args.rounds):
+        runs = {}
+        for name in args.configs:
+            log_path = work / f"server_{name}_{r}.log"
+            t0 = time.monotonic()
+            proc = start_server(["--api-key", KEY, *CONFIGS[name]], PORT, log_path)
+            starts[name].append(round(time.monotonic() - t0, 2))  # to /health's first 200
+            print(f"round {r} {name}: serving after {starts[name][-1]} s (log {log_path})",
+                  flush=True)  # fmt: skip
+            try:
+                runs[name] = run(cfg, prompts, label=name, progress=False)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+            if r == 0:
+                files.append(write_run(runs[name], work))
+            for p in runs[name]["points"]:
+                print(f"{name:8s} C={p['max_concurrency']:<3} {p['output_throughput']:9.1f} "
+                      f"tok/s  TPOT p50 {p.get('median_tpot_ms') or 0:7.2f} ms  accept "
+                      f"{p.get('accept_length')}", flush=True)  # fmt: skip
+        rounds.append(runs)
     plots = plot_results(load_results(files), RESULTS, prefix=f"{args.out}_")
+    per_round = {
+        "throughput": [speedups(runs, "output_throughput", True) for runs in rounds],
+        "tpot": [speedups(runs, "median_tpot_ms", False) for runs in rounds],
+    }
+    startup = {n: statistics.median(ts) for n, ts in starts.items()}
     result = {
         "configs": {n: CONFIGS[n] for n in args.configs},
         "concurrency": args.concurrency,
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
-        "speedup_throughput": speedups(runs, "output_throughput", True),
-        "speedup_tpot": speedups(runs, "median_tpot_ms", False),
+        "rounds": args.rounds,
+        "speedup_throughput": median_speedups(per_round["throughput"]),
+        "speedup_tpot": median_speedups(per_round["tpot"]),
+        "speedup_throughput_rounds": per_round["throughput"],
+        "speedup_tpot_rounds": per_round["tpot"],
         "startup_s": startup,
+        "startup_s_rounds": starts,
         "startup_vs_plain": {n: round(t / startup["plain"], 2) for n, t in startup.items()},
-        "runs": runs,
+        "runs": rounds[0],
+        "rounds_runs": rounds[1:],
         "plots": [p.name for p in plots],
     }
     print(write_result(args.out, result))
