@@ -63,6 +63,7 @@ class Speculator:
         self.stats = SpecStats()
         self.last_k = 0
         self.steps_by_k: dict[int, int] = {}
+        self._skip_propose = False  # the step's requests are drafted inside the next one
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -236,15 +237,32 @@ class Speculator:
         """After the scheduler appended the step's tokens: drafts made inside the step become
         each request's drafts for the next one; otherwise a drafter sees what the target
         computed."""
+        self._skip_propose = False
         if output.next_drafts is not None:
             self._take_drafts(batch, output)
-        elif self.proposer is not None and (batch.mode == ForwardMode.PREFILL or self._k):
+        elif self.proposer is None:
+            return
+        elif self._defers(batch):
+            self.proposer.defer(batch, output)
+            # Its requests are drafted inside the next speculative step.
+            self._skip_propose = batch.mode == ForwardMode.PREFILL
+        elif batch.mode == ForwardMode.PREFILL or self._k:
             # A device drafter follows the target through steps it did not draft in.
             self.proposer.observe(batch, output)
-        elif self.proposer is not None and self.proposer.on_device:
-            # Speculation is off: the drafter keeps the step's rows and extends over them
-            # only when it next drafts (`catch_up`), in one forward.
-            self.proposer.defer(batch, output)
+
+    def _defers(self, batch: ScheduledBatch) -> bool:
+        """Whether a device drafter keeps this step's rows (`defer`) and extends over them,
+        in one forward, only when it next drafts (`catch_up`): after a plain step while
+        speculation is off, and, for chains the speculative step drafts, after a prefill step.
+        There the draft forward over the prompt and the k chain forwards of `propose` ran
+        before the prompt's first token left the engine (eager forwards: most of the host time
+        of a speculative server's prefill step, which doubled TTFT at C = 64 on the H200); a new
+        request is drafted inside its first speculative step instead."""
+        if not self.proposer.on_device:
+            return False
+        if batch.mode == ForwardMode.PREFILL:
+            return self._stepped and self._tree is None
+        return self._k == 0
 
     def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:
         for seq, drafts in zip((s for s in batch.seqs if s.sample), output.next_drafts):
@@ -275,6 +293,8 @@ class Speculator:
         """At the end of the step's bookkeeping: a device drafter, or a proposer whose drafts
         are verified per sequence, drafts for the next step now. Host proposers of chains
         draft in before_schedule instead, for the k chosen then."""
+        if self._skip_propose:
+            return
         if self.proposer is not None and (self.proposer.on_device or not self._stepped):
             self._propose(running)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -133,57 +132,42 @@ class Eagle3Drafter:
     def observe(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """EXTEND the draft over the rows this step made valid (call after postprocess), after
         the rows deferred before them."""
-        if output.aux_hidden is None:
-            raise RuntimeError("the target forward returned no aux hidden states for EAGLE-3")
         self.catch_up()
         rows: list[int] = []
         seqs: list[ScheduledSeq] = []
-        row0 = 0
-        sampled = 0
-        for s in batch.seqs:
-            req = s.request
-            if s.drafts is not None:
-                nodes = output.accepted_nodes[sampled]
-                own = [row0] + [row0 + 1 + n for n in nodes]
-            else:
-                own = list(range(row0, row0 + s.query_len))
-            row0 += s.query_len
-            sampled += s.sample
-            if req.is_finished or not req.block_ids:
-                continue
-            # Each row's next token: the prompt's, the sampled one, or an accepted draft.
-            nxt = req.all_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(own)]
-            own = own[: len(nxt)]
-            if not own or s.start_pos + len(own) > req.num_computed_tokens:
-                continue
+        for s, own in _valid_rows(batch, output):
             rows += own
-            seqs.append(ScheduledSeq(req, nxt, s.start_pos, req.block_ids, sample=True))
+            nxt = s.request.all_token_ids[s.start_pos + 1 : s.start_pos + 1 + len(own)]
+            seqs.append(ScheduledSeq(s.request, nxt, s.start_pos, s.request.block_ids, True))
         if not seqs:
             return
         rows_t = torch.as_tensor(rows, device=output.aux_hidden.device)
         self._extend(seqs, output.aux_hidden[rows_t], rows_t)
 
     def defer(self, batch: ScheduledBatch, output: StepOutput) -> None:
-        """Keep the aux rows a plain step made valid (views, no copy, no forward) and extend
-        over them at the next `catch_up`. The engine defers while speculation is off: a draft
-        forward a plain step would cost time no draft uses, and skipping the rows left the
-        draft KV there stale, so the controller's probes verified drafts far worse than the
-        drafter's (29% accepted on 2 CPU cores) and speculation stayed off where it paid.
-        A request keeps its last _MAX_DEFERRED rows; positions before them stay stale (drafts
-        there are worse, never wrong)."""
-        if output.aux_hidden is None:
-            raise RuntimeError("the target forward returned no aux hidden states for EAGLE-3")
-        row0 = 0
-        for s in batch.seqs:
-            rows = output.aux_hidden[row0 : row0 + s.query_len]
-            row0 += s.query_len
+        """Keep the aux rows this step made valid (a view, or a gather along an accepted path;
+        no forward, no sync) and extend over them at the next `catch_up`, which the next step
+        that drafts runs first. The engine defers after a plain step while speculation is off
+        (skipping those rows left the draft KV there stale, so the controller's probes verified
+        drafts far worse than the drafter's, 29% accepted on 2 CPU cores, and speculation
+        stayed off where it paid) and after a prefill step (a prompt's first token then leaves
+        without waiting for a draft forward over the prompt). A request holding rows of
+        _MAX_DEFERRED_STEPS steps catches up at once: the rows are views that keep each step's
+        aux tensor alive."""
+        full = False
+        for s, own in _valid_rows(batch, output):
             req = s.request
-            if s.drafts is not None or req.is_finished or not req.block_ids:
-                continue
+            if own[-1] - own[0] + 1 == len(own):
+                rows = output.aux_hidden[own[0] : own[-1] + 1]
+            else:
+                rows = output.aux_hidden[torch.as_tensor(own, device=output.aux_hidden.device)]
             run = self._deferred.get(req.request_id)
             if run is None or run.end != s.start_pos:  # a new run (a first, or after a gap)
                 run = self._deferred[req.request_id] = _Deferred(req, s.start_pos)
             run.add(rows)
+            full |= len(run.parts) >= _MAX_DEFERRED_STEPS
+        if full:
+            self.catch_up()
 
     @torch.inference_mode()
     def catch_up(self) -> None:
@@ -201,7 +185,7 @@ class Eagle3Drafter:
             if req.is_finished or not req.block_ids or not nxt:
                 continue
             seqs.append(ScheduledSeq(req, nxt, run.start, req.block_ids, sample=True))
-            parts.append(torch.cat(list(run.parts))[: len(nxt)])
+            parts.append(torch.cat(run.parts)[: len(nxt)])
         if seqs:
             self._extend(seqs, torch.cat(parts))
 
@@ -433,21 +417,43 @@ class Eagle3Drafter:
         return self.draft.compute_logits(normed[rows]), summed[rows]
 
 
-_MAX_DEFERRED = 128  # rows a request keeps for catch_up (on a GPU, views of the steps' aux)
+_MAX_DEFERRED_STEPS = 64  # steps' rows a request keeps before catching up (GPU: 100 MB at
+# most for an 8B target at 64 sequences)
+
+
+def _valid_rows(batch: ScheduledBatch, output: StepOutput):
+    """(seq, its rows of the step's output) for each live request: the rows this step made
+    valid, one a position from seq.start_pos on (the root and the accepted path of a verify,
+    else every row the target computed), each with its next token in the request's tokens."""
+    if output.aux_hidden is None:
+        raise RuntimeError("the target forward returned no aux hidden states for EAGLE-3")
+    row0 = sampled = 0
+    for s in batch.seqs:
+        req = s.request
+        if s.drafts is not None:
+            own = [row0] + [row0 + 1 + n for n in output.accepted_nodes[sampled]]
+        else:
+            own = list(range(row0, row0 + s.query_len))
+        row0 += s.query_len
+        sampled += s.sample
+        if req.is_finished or not req.block_ids:
+            continue
+        # Each row's next token: the prompt's, the sampled one, or an accepted draft.
+        own = own[: max(0, min(req.num_tokens, req.num_computed_tokens + 1) - s.start_pos - 1)]
+        if own:
+            yield s, own
 
 
 class _Deferred:
-    """A request's rows of plain steps from position `start` on, in order, up to `end`."""
+    """A request's deferred rows from position `start` on, in order, up to `end`."""
 
     def __init__(self, request: Request, start: int) -> None:
         self.request, self.start, self.end = request, start, start
-        self.parts: deque[torch.Tensor] = deque()
+        self.parts: list[torch.Tensor] = []
 
     def add(self, rows: torch.Tensor) -> None:
         self.parts.append(rows)
         self.end += rows.shape[0]
-        while self.end - self.start > _MAX_DEFERRED and len(self.parts) > 1:
-            self.start += self.parts.popleft().shape[0]
 
 
 def _chain_step(draft: Eagle3Draft):

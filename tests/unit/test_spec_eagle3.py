@@ -185,6 +185,24 @@ def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts)
             assert r.drafts.token_ids == want
 
 
+def test_a_prefill_step_runs_no_draft_forward(tiny_dir, prompts):  # noqa: F811
+    """A prompt's first token leaves the engine without waiting for the drafter: its forward
+    over the prompt runs at the start of the next step, which drafts the request inside."""
+    llm = eagle_llm(tiny_dir)
+    engine, drafter = llm.engine, llm.engine.speculator.proposer
+    forwards = []
+    run_rows = drafter.run_rows
+    drafter.run_rows = lambda *a, **kw: (forwards.append(a[0].shape[0]), run_rows(*a, **kw))[1]
+    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20)) for p in prompts[:2]]
+    deltas = engine.step()  # the prompts' prefill
+    assert {d.request_id for d in deltas} == {r.request_id for r in reqs}
+    assert all(len(r.output_token_ids) == 1 and r.drafts is None for r in reqs)
+    assert forwards == []
+    engine.step()  # catch up over both prompts (one forward), verify the roots, draft inside
+    assert forwards[0] == sum(len(r.prompt_token_ids) for r in reqs)
+    assert all(r.drafts is not None and r.drafts.num_nodes == K for r in reqs)
+
+
 def test_eagle3_rejects_a_drafter_for_another_target(tiny_dir):  # noqa: F811
     llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64)
     other = TransformerConfig.from_hf_dict(tiny_hf_config(hidden_size=64, intermediate_size=128))
