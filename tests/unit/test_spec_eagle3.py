@@ -193,7 +193,9 @@ def test_a_prefill_step_runs_no_draft_forward(tiny_dir, prompts):  # noqa: F811
     forwards = []
     run_rows = drafter.run_rows
     drafter.run_rows = lambda *a, **kw: (forwards.append(a[0].shape[0]), run_rows(*a, **kw))[1]
-    reqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=20)) for p in prompts[:2]]
+    reqs = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=20)) for p in prompts[:2]
+    ]
     deltas = engine.step()  # the prompts' prefill
     assert {d.request_id for d in deltas} == {r.request_id for r in reqs}
     assert all(len(r.output_token_ids) == 1 and r.drafts is None for r in reqs)
