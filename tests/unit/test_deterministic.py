@@ -187,3 +187,42 @@ def test_speculative_equals_plain_in_bf16(tiny_dir, prompts, plain, tree):  # no
     stats = llm.engine.speculator.stats
     assert stats.num_verify_steps > 10
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_default_mode_keeps_its_kernels(tiny_dir):  # noqa: F811
+    """deterministic=False builds exactly today's layers: F.linear GEMMs, the usual norms and
+    backend; only deterministic=True switches them."""
+    import torch.nn.functional as F
+
+    from outrider.layers.linear import _Linear
+    from outrider.layers.norm import RMSNorm
+
+    for deterministic in (False, True):
+        llm = LLM(str(tiny_dir[0]), device="cpu", num_blocks=32, deterministic=deterministic)
+        runner = llm.engine.runner
+        linears = [m for m in runner.model.modules() if isinstance(m, _Linear)]
+        norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+        want = batch_invariant.linear if deterministic else F.linear
+        assert linears and all(m.gemm is want for m in linears)
+        assert runner.model.lm_head.gemm is want
+        assert norms and all(m.row_invariant is deterministic for m in norms)
+        assert runner.backend.deterministic is deterministic
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topk,steps", [(1, None), (2, 2)])
+def test_eagle3_equals_plain_in_bf16(tiny_dir, prompts, plain, topk, steps):  # noqa: F811
+    """A (random) EAGLE-3 drafter made batch-invariant as build_eagle3_drafter makes it: its
+    drafts ride chain and tree verifies, and the output stays plain's."""
+    from outrider.executor.drafter import Eagle3Drafter
+    from tests.unit.test_spec_eagle3 import random_drafter
+
+    llm = _llm(
+        tiny_dir, speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 3}
+    )
+    engine = llm.engine
+    draft = random_drafter(engine.checkpoint.config).to(torch.bfloat16)
+    make_batch_invariant(draft)
+    engine.speculator.use_proposer(Eagle3Drafter(draft, engine.runner, topk, steps))
+    assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == plain[:4]
+    assert engine.speculator.stats.num_verify_steps > 0
