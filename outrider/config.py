@@ -129,6 +129,10 @@ class ModelConfig:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64
     seed: int = 0
+    # Batch-invariant kernels (layers/batch_invariant.py): each row's reduction order depends
+    # on that row alone, so a verify row equals a one-token decode row bit for bit and greedy
+    # speculative output equals plain output in bf16 too; costs speed, see docs/architecture.md.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -411,6 +415,12 @@ class EngineConfig:
                 "follow a split drafter eagerly only; set cuda_graphs=False (--enforce-eager), "
                 "or draft_tensor_parallel_size=1"
             )
+        if self.model.deterministic and tp > 1:
+            raise ValueError(
+                f"deterministic=True with tensor_parallel_size={tp}: an all-reduce sums in an "
+                "order its message size picks (NCCL chooses ring or tree by bytes), so rows "
+                "would depend on the batch; use tensor_parallel_size=1, or deterministic=False"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
@@ -547,6 +557,7 @@ FLAT_ALIASES: dict[str, tuple[str, str]] = {
     "num_gpu_blocks_override": ("cache", "num_blocks"),
     "model_path": ("model", "model"),
     "tp": ("parallel", "tensor_parallel_size"),
+    "enable_deterministic_inference": ("model", "deterministic"),  # SGLang's spelling
 }
 
 

@@ -264,6 +264,10 @@ _NOT_GENERATED = frozenset({"model.seed"})
 _GENERATED_HELP = {
     "model.attention_backend": "the attention kernels: auto (triton on CUDA, torch_ref on "
     "CPU) or a registered backend's name",
+    "model.deterministic": "batch-invariant kernels: every row is computed in an order that "
+    "depends on that row alone, so output is the same at any batch size or concurrency and "
+    "greedy speculative output equals plain output bit for bit, in bf16 too; slower "
+    "(--enable-deterministic-inference: SGLang's name)",
     "model.cuda_graph_max_batch": "the largest decode batch captured as a CUDA graph; larger "
     "batches run eagerly",
     "scheduler.enable_chunked_prefill": "prefill prompts longer than --max-num-batched-tokens "

@@ -42,6 +42,11 @@ class LLM:
         attention_backend, seed, tensor_parallel_size, ...) and vLLM's enforce_eager,
         gpu_memory_utilization (config.flat_sections).
 
+        deterministic=True (SGLang's enable_deterministic_inference) computes every row with
+        reductions that depend on that row alone (layers/batch_invariant.py): output is the
+        same at any batch size, and greedy speculative output equals plain output bit for bit
+        in bf16 as well as fp32, for some speed (one GEMV per row on the CPU).
+
         tensor_parallel_size=N splits the model over N processes: outside torchrun this one is
         rank 0 and starts the others on this machine; under torchrun every rank constructs
         the LLM, and ranks > 0 never return from here (they follow rank 0, then exit)."""

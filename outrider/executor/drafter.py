@@ -36,6 +36,7 @@ from outrider.executor.tp_draft import send_after_verify, send_draft
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
 from outrider.layers.fused import top_logprobs
+from outrider.models.deterministic import make_batch_invariant
 from outrider.models.eagle3 import Eagle3Draft
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.eagle3_tree import Frontier, propose_trees
@@ -489,5 +490,7 @@ def build_eagle3_drafter(config, runner, checkpoint=None) -> Eagle3Drafter:
     # draft_tensor_parallel_size is 1 or the target's (config.py): split like the target.
     tp = runner.tp if config.draft_tensor_parallel_size > 1 else None
     draft = load_drafter(path, runner.model_config, device=runner.device, dtype=runner.dtype, tp=tp)
+    if runner.config.model.deterministic:
+        make_batch_invariant(draft)
     log.info("EAGLE-3 drafter %s, aux layers %s", path, draft.config.aux_layers)
     return Eagle3Drafter(draft.eval(), runner, topk=config.topk, num_steps=config.num_steps)

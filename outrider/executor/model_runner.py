@@ -28,6 +28,7 @@ from outrider.executor.verify_step import sample_and_verify, tree_kv_slots
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import ForwardContext, forward_context
 from outrider.loaders.checkpoint import Checkpoint
+from outrider.models.deterministic import make_batch_invariant
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
 from outrider.progress import progress
@@ -56,6 +57,8 @@ class ModelRunner:
             self.model = model_class(cfg.architecture)(cfg, max_positions=self.max_model_len, tp=tp)
         load_weights(self.model, progress(checkpoint.iter_tensors(), "loading weights"))
         self.model.eval()
+        if config.model.deterministic:
+            make_batch_invariant(self.model)
 
         # The model says what a token slot holds (this rank's multi-head K/V, or one MLA
         # latent); every rank's pool has as many blocks as the smallest one, since rank 0's
@@ -73,8 +76,9 @@ class ModelRunner:
         for i, attn in enumerate(attention):
             attn.kv_cache = self.kv_pool.layer(i)
         self.backend = get_backend(
-            config.model.attention_backend, self.device.type, latent=layout.is_latent
-        )
+            config.model.attention_backend, self.device.type, latent=layout.is_latent,
+            deterministic=config.model.deterministic,
+        )  # fmt: skip
         # Layers whose input residual stream every forward returns, for a drafter or a host
         # proposer that reads them (set_speculation, set_aux_layers, set_drafter_shard).
         self.aux_layers: tuple[int, ...] = ()
@@ -141,6 +145,12 @@ class ModelRunner:
         EAGLE-3 drafter the runner runs inside the step, or None (chain drafts come from the
         host); every target forward keeps the drafter's aux streams. Call before
         capture_graphs."""
+        if tree is not None and self.backend.deterministic and not self.backend.deterministic_trees:
+            raise ValueError(
+                f"deterministic=True with tree speculation (topk > 1): the {self.backend.name} "
+                "attention backend computes tree rows over masked key tiles, not as a decode "
+                "row; use a chain (topk 1), or deterministic=False"
+            )
         self.drafter = drafter
         self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
         self._set_spec_step(drafter, ks, tree)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.distributed import TPGroup, single
+from outrider.layers import batch_invariant
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -49,9 +50,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the whole vocabulary on every rank (each computes its shard's, then they are
     gathered); `tie(embedding)` shares the embedding weight (sharded alike)."""
 
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup | None = None) -> None:
+        super().__init__(vocab_size, hidden, tp)
+        self.gemm = F.linear  # or the deterministic mode's row-invariant GEMM
+
+    def use_batch_invariant(self) -> None:
+        """Each row's logits summed in an order independent of the batch (deterministic mode)."""
+        self.gemm = batch_invariant.linear
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, vocab / tp]
+        logits = self.gemm(hidden, self.weight)  # [N, vocab / tp]
         return self.tp.all_gather(logits, dim=-1)  # [N, vocab]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.distributed import TPGroup, kv_heads_per_rank, single
+from outrider.layers import batch_invariant
 
 
 class _Linear(nn.Module):
@@ -34,9 +35,16 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # The GEMM every forward calls: F.linear, or the deterministic mode's row-invariant one.
+        self.gemm = F.linear
+
+    def use_batch_invariant(self) -> None:
+        """Compute each row with an order of sums independent of the batch (deterministic mode;
+        layers/batch_invariant.py)."""
+        self.gemm = batch_invariant.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded, self)
@@ -173,16 +181,16 @@ class RowParallelLinear(_Linear):
             n = self.weight.shape[1]
             x = x.narrow(-1, self.tp_rank * n, n)
         if self.tp_size == 1:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.gemm(x, self.weight, self.bias)
         elif not self.reduce:  # the sum over ranks holds the bias once
             if norm is not None:
                 raise ValueError(
                     "RowParallelLinear(reduce=False) returns a partial sum, which cannot be "
                     "normalised: reduce first, or build it with reduce=True"
                 )
-            return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+            return self.gemm(x, self.weight, self.bias if self.tp_rank == 0 else None)
         else:
-            y = self.tp.all_reduce(F.linear(x, self.weight))
+            y = self.tp.all_reduce(self.gemm(x, self.weight))
             if self.bias is not None:
                 y = y + self.bias  # added once, after the sum
         if norm is None:

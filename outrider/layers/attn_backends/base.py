@@ -31,6 +31,14 @@ class AttentionBackend(ABC):
     # Whether `forward_latent_absorbed(..., written=True)` may be told that this step's latents
     # are in the cache already (stored at meta.slot_mapping by the kernel that made them).
     takes_written_latents: bool = False
+    # Whether the backend has a deterministic form (constructed with deterministic=True): every
+    # query row attends with arithmetic that depends on its own position and keys alone, so a
+    # row gives the same bits as a decode row, a verify row or a prefill row, alone or in any
+    # batch, chunked or not; and whether that holds for tree-mask rows too (their visible keys
+    # are the prefix and their ancestors, which a decode after acceptance reads contiguously).
+    has_deterministic: bool = False
+    deterministic_trees: bool = False
+    deterministic: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive per-step data once (into meta.backend_data) instead of once per layer.
@@ -94,12 +102,21 @@ _BACKENDS: Registry[type[AttentionBackend]] = Registry("attention backend", {
 })  # fmt: skip
 
 
-def get_backend(name: str, device_type: str = "cpu", latent: bool = False) -> AttentionBackend:
+def get_backend(
+    name: str, device_type: str = "cpu", latent: bool = False, deterministic: bool = False
+) -> AttentionBackend:
     """latent: the model caches MLA latents; the backend must attend over them (both
-    registered backends do: "auto" picks triton on CUDA, torch_ref elsewhere, either way)."""
+    registered backends do: "auto" picks triton on CUDA, torch_ref elsewhere, either way).
+    deterministic: the backend's batch-invariant form (has_deterministic)."""
     if name == "auto":
         name = "triton" if device_type == "cuda" and "triton" in _BACKENDS else "torch_ref"
-    backend = _BACKENDS.get(name)()
+    cls = _BACKENDS.get(name)
+    if deterministic and not cls.has_deterministic:
+        raise ValueError(
+            f"deterministic=True: the {name} attention backend has no batch-invariant form; "
+            f"use attention_backend='auto' (triton on CUDA, torch_ref on the CPU)"
+        )
+    backend = cls(deterministic=True) if deterministic else cls()
     if latent and not backend.supports_latent:
         raise ValueError(
             f"the {name} attention backend has no latent (MLA) attention, which this model's "

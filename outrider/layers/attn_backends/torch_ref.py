@@ -20,6 +20,17 @@ class TorchRefBackend(AttentionBackend):
     # block table, which is correct but slow under graphs: the fast backends exist for that).
     graph_modes = frozenset({ForwardMode.DECODE})
     supports_latent = True
+    has_deterministic = True
+    deterministic_trees = True
+
+    def __init__(self, deterministic: bool = False) -> None:
+        """deterministic: attend one query row at a time over exactly the keys it sees, in
+        position order (`_per_row`): a row's SDPA call, and so its bits, are the same in a
+        decode, a verify (chain or tree) and a prefill chunk, alone or batched. One call per
+        query token: slow, and it plans from host lengths, so no graph serves it."""
+        self.deterministic = deterministic
+        if deterministic:
+            self.graph_modes = frozenset()
 
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):
         return latent_expanded(q, latent, kv_cache, meta, scale, expand)
@@ -45,6 +56,8 @@ class TorchRefBackend(AttentionBackend):
         num_blocks, block_size, kv_heads, head_dim = k_cache.shape
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        if self.deterministic:
+            return _per_row(q, k_cache, v_cache, meta, scale)
         if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
             return _decode(q, k_cache, v_cache, meta, scale)
         return _per_sequence(q, k_cache, v_cache, meta, scale)
@@ -115,6 +128,43 @@ def _per_sequence(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) ->
             .permute(2, 0, 1, 3)
             .reshape(qlen, num_heads, head_dim)
         )
+    return out
+
+
+def _per_row(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Each query row attends alone: its visible keys gathered in position order into a
+    contiguous [kv_heads, n, head_dim], its heads grouped under their KV head, one SDPA call
+    with no mask. A decode row at position p, a verify row at p and a prefill row at p make
+    the same call on the same bytes. A tree row sees the prefix and the mask's columns in
+    column order: its ancestors by depth (parents precede children in a tree's node order),
+    the keys a decode reads at those positions once the accepted path is moved into place."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    out = torch.zeros_like(q)  # a row with no key (a padded sequence) comes out 0
+    start = 0
+    for i, (qlen, ctx) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        blocks = meta.block_tables[i, : (ctx + block_size - 1) // block_size].long()
+        keys = _gather(k_cache, blocks).view(-1, kv_heads, head_dim)[:ctx]
+        values = _gather(v_cache, blocks).view(-1, kv_heads, head_dim)[:ctx]
+        for t in range(start, start + qlen):
+            if meta.tree_mask is None:
+                seen = slice(0, ctx - (start + qlen - t) + 1)  # positions <= its own
+            else:
+                width = meta.tree_mask.shape[1]
+                tail = min(width, ctx)
+                cols = meta.tree_mask[t, width - tail :].nonzero().flatten()
+                prefix = torch.arange(ctx - tail, device=q.device)
+                seen = torch.cat([prefix, ctx - tail + cols])
+            k = keys[seen].transpose(0, 1).contiguous()  # [kv_heads, n, head_dim]
+            if k.shape[1] == 0:
+                continue
+            v = values[seen].transpose(0, 1).contiguous()
+            o = F.scaled_dot_product_attention(
+                q[t].view(kv_heads, group, head_dim), k, v, scale=scale
+            )  # [kv_heads, group, head_dim]
+            out[t] = o.reshape(num_heads, head_dim)
+        start += qlen
     return out
 
 

@@ -7,6 +7,7 @@ so padded rows may point nowhere), then runs one of two kernels:
     otherwise (prefill chunk, VERIFY)   -> triton_prefill.prefill_attention
 Both read every length from device tensors, and a tree mask's shape follows the query lengths
 alone, so CUDA graphs captured once serve any context: DECODE and chain VERIFY graphs both work.
+The deterministic mode sends every step to prefill_attention, one tile shape, unsplit.
 
 MLA models (a latent cache, {"latent": [num_blocks, block_size, r + d_r]}) take the same route
 in their absorbed form (DECODE, VERIFY): the step's latents are written (by the MLA glue
@@ -81,13 +82,26 @@ class TritonBackend(AttentionBackend):
     graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
     supports_latent = True
     takes_written_latents = True
+    has_deterministic = True
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None, deterministic: bool = False) -> None:
         """num_splits: force this many context splits in every step (tuning, debugging);
-        None chooses per step from batch size and the longest context."""
+        None chooses per step from batch size and the longest context.
+
+        deterministic: every step, decode included, runs the prefill kernel with one query
+        tile shape and the context unsplit (prefill_attention's fixed_tile), so a row's bits
+        depend on its position and keys alone. Costs the decode kernel's split parallelism at
+        small batch and long context. Tree masks are refused: a tree row's visible keys sit
+        among masked siblings, in other key tiles than a decode row's."""
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+        if deterministic and num_splits not in (None, 1):
+            raise ValueError(
+                f"num_splits={num_splits} with deterministic=True: the deterministic mode "
+                "attends over the context unsplit; leave num_splits None"
+            )
         self.num_splits = num_splits
+        self.deterministic = deterministic
 
     def prepare(self, meta: AttentionMetadata, num_splits: int | None = None) -> None:
         """Host-only, once per step. `num_splits` fixes the context splits for this step (a CUDA
@@ -97,8 +111,17 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
         if meta.tree_mask is not None:
             check_tree_mask(meta.tree_mask, sum(meta.query_lens_cpu))
+            if self.deterministic:
+                raise ValueError(
+                    "deterministic=True on CUDA verifies chains only: a tree row's keys are "
+                    "not tiled as a decode row's; use topk 1 (a chain), or deterministic=False"
+                )
+        if self.deterministic:
+            num_splits = 1
         meta.backend_data[_PLAN_KEY] = _StepPlan(
-            decode=meta.tree_mask is None and max(meta.query_lens_cpu, default=1) == 1,
+            decode=meta.tree_mask is None
+            and max(meta.query_lens_cpu, default=1) == 1
+            and not self.deterministic,
             batch=meta.batch_size,
             max_seq_len=max(meta.seq_lens_cpu, default=0),
             max_query_len=max(meta.query_lens_cpu, default=0),
@@ -131,6 +154,7 @@ class TritonBackend(AttentionBackend):
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             plan.max_query_len, scale, splits, meta.tree_mask, workspace,
+            fixed_tile=self.deterministic,
         )  # fmt: skip
 
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):

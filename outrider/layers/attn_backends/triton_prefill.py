@@ -57,13 +57,15 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return (64, 32, 8, 2) if head_dim >= 128 else (64, 64, 8, 2)
 
 
-def query_tile(max_query_len: int, group: int, target_block_m: int) -> tuple[int, int]:
+def query_tile(max_query_len: int | None, group: int, target_block_m: int) -> tuple[int, int]:
     """(BLOCK_Q tokens, GROUP_PAD heads) per program: BLOCK_Q * GROUP_PAD ~ target_block_m
     rows, at least 16 (tl.dot's minimum), and no more tokens than the longest query needs.
-    E.g. group 4, target 64: a verify of 1 + 4 tokens -> (8, 4); a prefill chunk -> (16, 4)."""
+    E.g. group 4, target 64: a verify of 1 + 4 tokens -> (8, 4); a prefill chunk -> (16, 4).
+    max_query_len None: no cap, one tile shape for every step (the deterministic mode's)."""
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, target_block_m // group_pad)
-    block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
+    if max_query_len is not None:
+        block_q = min(block_q, triton.next_power_of_2(max(max_query_len, 1)))
     block_q = max(block_q, 16 // min(group_pad, 16))
     return block_q, group_pad
 
@@ -117,9 +119,16 @@ def prefill_attention(
     num_splits: int = 1,
     tree_mask: torch.Tensor | None = None,  # [num_tokens, M] bool over each sequence's last M keys
     workspace: SplitWorkspace | None = None,
+    fixed_tile: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
     """No host sync: lengths are read on the device; `max_query_len` only sizes the grid, so a
-    value larger than the true maximum is correct (extra programs find no tokens and exit)."""
+    value larger than the true maximum is correct (extra programs find no tokens and exit).
+
+    fixed_tile (the deterministic mode, with num_splits 1 and no tree mask): one query tile
+    shape whatever the query lengths, so a row's arithmetic depends on its position alone:
+    every row walks BLOCK_N key tiles from key 0, and the tiles a longer query's later rows
+    add past a row's position are masked for it (p = 0, alpha = 1: exact no-ops). A one-token
+    decode row, a verify row and a prefill row at one position give the same bits."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, group = check_paged_inputs(q, k_cache, v_cache, block_tables)
     batch = block_tables.shape[0]
@@ -132,7 +141,7 @@ def prefill_attention(
     if num_tokens == 0 or batch == 0:
         return out
     block_m, block_n, num_warps, num_stages = prefill_config(head_dim, q.dtype)
-    block_q, group_pad = query_tile(max_query_len, group, block_m)
+    block_q, group_pad = query_tile(None if fixed_tile else max_query_len, group, block_m)
     q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
     # Every (token, head, split) partial gets written, even an empty one (lse -inf), as long
     # as query_start_loc covers the tokens and max_query_len bounds its gaps.

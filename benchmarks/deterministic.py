@@ -1,0 +1,232 @@
+"""What the deterministic mode (issue 38) costs and whether it holds: plain, n-gram and
+EAGLE-3 (chain) through `LLM`, greedy, bf16, in the default mode and the deterministic mode
+side by side in one run, at C in {1, 16, 64}; then, with --llama8b, plain and n-gram decode of
+the Llama-3.1-8B shape (random bf16 weights) in both modes.
+
+    python benchmarks/deterministic.py [--concurrency 1 16 64] [--new-tokens 256]
+        [--configs ngram eagle3_chain] [--rounds 2] [--num-prompts 30] [--draft DIR]
+        [--llama8b] [--out-dir DIR]
+
+Each C runs every (mode, config) engine on the held-out prompts as one-turn chats in batches of
+C, `--rounds` times in a rotated order; tok/s is the median over rounds. Reported per mode and
+C: tok/s, accept length, speedup over the same mode's plain, and `identical`: how many outputs
+equal the same mode's plain output token for token. Also the deterministic plain outputs at
+every C against C=1's (the same request alone or in any batch), and the cost table the issue
+asks for: deterministic plain tok/s over default plain tok/s, and each speculative config's
+deterministic speedup over its default speedup. Writes benchmarks/results/deterministic.json.
+CUDA only (the CPU's deterministic mode is a correctness mode, one GEMV per row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+MODES = ("default", "deterministic")
+CONFIGS = ("ngram", "eagle3_chain")
+
+
+def engine_specs(k: int, draft: str | None) -> dict[str, dict | None]:
+    """Config name -> `speculative=` for LLM (None: plain). Chains only: the deterministic mode
+    refuses trees on CUDA."""
+    return {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "fixed"},
+        "eagle3_chain": {"method": "eagle3", "draft": draft, "num_draft_tokens": k,
+                         "controller": "fixed"},
+    }  # fmt: skip
+
+
+def identical(ids: list[list[int]], want: list[list[int]]) -> int:
+    return sum(a == b for a, b in zip(ids, want, strict=True))
+
+
+def default_model_runs(args) -> dict:
+    from spec_gpu import batches, timed_run
+
+    from outrider import LLM, SamplingParams
+    from outrider.bench.datasets import HELDOUT
+
+    convs = [[{"role": "user", "content": p}] for p in HELDOUT[: args.num_prompts]]
+    specs = engine_specs(args.k, args.draft)
+    specs = {n: specs[n] for n in ["plain", *args.configs]}
+    llms, errors = {}, {}
+    for mode in MODES:
+        for cfg, spec in specs.items():
+            try:
+                llm = LLM(
+                    dtype="bfloat16", device="cuda", speculative=spec, num_blocks=4096,
+                    deterministic=mode == "deterministic",
+                )  # fmt: skip
+            except Exception as e:  # record and go on: a missing drafter costs one config
+                if cfg == "plain":
+                    raise
+                errors[f"{mode}/{cfg}"] = f"{type(e).__name__}: {e}"
+                print(f"{mode}/{cfg} failed to build: {errors[f'{mode}/{cfg}']}", flush=True)
+                continue
+            warm = batches(convs, max(args.concurrency))[0]
+            llm.chat(warm, SamplingParams(temperature=0, max_tokens=16))  # kernels, graphs
+            llms[(mode, cfg)] = llm
+    runs: dict = {}
+    keys = list(llms)
+    for c in args.concurrency:
+        tries: dict = {key: [] for key in keys}
+        for r in range(args.rounds):
+            for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                tries[key].append(timed_run(llms[key], convs, c, args.new_tokens, "cuda"))
+        for (mode, cfg), rows in tries.items():
+            last = {k: v for k, v in rows[-1].items() if k not in ("ids", "step_split")}
+            last["tok_per_s"] = round(statistics.median(t["tok_per_s"] for t in rows), 2)
+            last["tok_per_s_rounds"] = [t["tok_per_s"] for t in rows]
+            last["ids"] = rows[0]["ids"]
+            runs.setdefault(f"c{c}", {}).setdefault(mode, {})[cfg] = last
+        for mode in MODES:
+            row = runs[f"c{c}"].get(mode, {})
+            plain = row.get("plain")
+            for cfg, r in row.items():
+                r["speedup"] = round(r["tok_per_s"] / plain["tok_per_s"], 3)
+                r["identical"] = f"{identical(r['ids'], plain['ids'])}/{len(plain['ids'])}"
+                acc = r["accept_length"]
+                print(f"C={c:<3d} {mode:14s} {cfg:13s} {r['tok_per_s']:>9.1f} tok/s "
+                      f"{r['speedup']:>5.2f}x accept {'-' if acc is None else acc} "
+                      f"identical {r['identical']}", flush=True)  # fmt: skip
+    across = {}  # the deterministic plain outputs at every C against C=1's
+    first = runs[f"c{args.concurrency[0]}"]["deterministic"]["plain"]["ids"]
+    for c in args.concurrency:
+        ids = runs[f"c{c}"]["deterministic"]["plain"]["ids"]
+        n = min(len(ids), len(first))  # batches cycle prompts: compare the first pass
+        across[str(c)] = f"{identical(ids[:n], first[:n])}/{n}"
+    for row in runs.values():
+        for mode_rows in row.values():
+            for r in mode_rows.values():
+                r.pop("ids")
+    del llms
+    gc.collect()
+    return {"runs": runs, "errors": errors, "deterministic_plain_same_as_first_c": across,
+            "cost": cost_table(runs, args.concurrency)}  # fmt: skip
+
+
+def cost_table(runs: dict, concurrency: list[int]) -> dict:
+    """{C: {"plain_tok_per_s_ratio": det / default, cfg: det speedup / default speedup}}: the
+    issue's bars are >= 0.85 for plain (C=1, 64) and >= 0.90 for EAGLE-3's speedup."""
+    out = {}
+    for c in concurrency:
+        row = runs[f"c{c}"]
+        det, dflt = row.get("deterministic", {}), row.get("default", {})
+        cell = {}
+        if "plain" in det and "plain" in dflt:
+            cell["plain_tok_per_s_ratio"] = round(
+                det["plain"]["tok_per_s"] / dflt["plain"]["tok_per_s"], 3
+            )
+        for cfg in det:
+            if cfg != "plain" and cfg in dflt:
+                cell[f"{cfg}_speedup_ratio"] = round(det[cfg]["speedup"] / dflt[cfg]["speedup"], 3)
+        out[str(c)] = cell
+    return out
+
+
+def llama8b_runs(args) -> dict:
+    """Decode tok/s of the Llama-3.1-8B shape, plain and n-gram, in both modes (one engine at a
+    time: four 16 GB models do not share a card), from 128-token random prompts."""
+    import torch
+    from gpu_decode import LLAMA_8B, random_checkpoint
+
+    from outrider import SamplingParams
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import EngineCore
+
+    out: dict = {}
+    max_c = max(args.concurrency)
+    for mode in MODES:
+        for cfg in ("plain", "ngram"):
+            spec = engine_specs(args.k, None)[cfg] or {}
+            config = EngineConfig().replace(
+                model={"dtype": "bfloat16", "device": "cuda", "max_model_len": 4096,
+                       "cuda_graph_max_batch": max_c, "deterministic": mode == "deterministic"},
+                cache={"gpu_memory_utilization": 0.85, "enable_prefix_caching": False},
+                scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": 8192},
+                speculative=spec,
+            )  # fmt: skip
+            engine = EngineCore(config, random_checkpoint(LLAMA_8B))
+            for c in args.concurrency:
+                g = torch.Generator().manual_seed(c)
+                params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+                reqs = [
+                    engine.add_request(
+                        torch.randint(0, 128256, (128,), generator=g).tolist(), params
+                    )
+                    for _ in range(c)
+                ]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                while engine.has_unfinished():
+                    engine.step()
+                torch.cuda.synchronize()  # CPU-GPU sync point: the timed part ends here
+                seconds = time.perf_counter() - t0
+                tokens = sum(len(r.output_token_ids) for r in reqs)
+                out.setdefault(f"c{c}", {}).setdefault(mode, {})[cfg] = {
+                    "tok_per_s": round(tokens / seconds, 2),
+                    "ids": [list(r.output_token_ids) for r in reqs],
+                }
+                print(
+                    f"8B C={c:<3d} {mode:14s} {cfg:6s} {tokens / seconds:>9.1f} tok/s", flush=True
+                )
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    for row in out.values():
+        for mode_rows in row.values():
+            plain = mode_rows["plain"]
+            for r in mode_rows.values():
+                r["speedup"] = round(r["tok_per_s"] / plain["tok_per_s"], 3)
+                r["identical"] = f"{identical(r['ids'], plain['ids'])}/{len(plain['ids'])}"
+        for mode_rows in row.values():
+            for r in mode_rows.values():
+                r.pop("ids")
+    return {"runs": out, "cost": cost_table(out, args.concurrency)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=30, help="held-out prompts (at most 30)")
+    ap.add_argument(
+        "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
+        help="speculative configs beside plain (default model)",
+    )  # fmt: skip
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    ap.add_argument("--rounds", type=int, default=2, help="timed runs per (mode, config, C)")
+    ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
+    ap.add_argument("--llama8b", action="store_true", help="also the Llama-3.1-8B shape")
+    ap.add_argument("--skip-default", action="store_true", help="only the Llama-3.1-8B shape")
+    ap.add_argument("--out", default="deterministic", help="result name")
+    ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: use 1 or more")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/deterministic.py measures CUDA kernels: run it on a GPU machine")
+    result: dict = {"concurrency": args.concurrency, "new_tokens": args.new_tokens,
+                    "k": args.k, "rounds": args.rounds}  # fmt: skip
+    if not args.skip_default:
+        result["default_model"] = default_model_runs(args)
+    if args.llama8b or args.skip_default:
+        result["llama8b"] = llama8b_runs(args)
+    path = write_result(args.out, result, args.out_dir)
+    print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

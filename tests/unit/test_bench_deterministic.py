@@ -1,0 +1,45 @@
+"""The pure parts of benchmarks/deterministic.py (a CUDA-only benchmark): its argument parsing
+and help run on any machine, its configs are chains, and its cost table divides the right
+figures. The benchmark itself runs on a GPU (its docstring says how)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchmarks import BENCH, load_benchmark
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("deterministic.py")
+
+
+def test_help_runs_without_cuda():
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "deterministic.py"), "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "--llama8b" in out.stdout and "--concurrency" in out.stdout
+
+
+def test_configs_are_chains(bench):
+    specs = bench.engine_specs(4, None)
+    assert specs["plain"] is None
+    assert all(s.get("topk", 1) == 1 for s in specs.values() if s is not None)
+    assert set(bench.CONFIGS) <= set(specs)
+
+
+def test_cost_table(bench):
+    row = {
+        "default": {"plain": {"tok_per_s": 100.0, "speedup": 1.0},
+                    "ngram": {"tok_per_s": 150.0, "speedup": 1.5}},
+        "deterministic": {"plain": {"tok_per_s": 90.0, "speedup": 1.0},
+                          "ngram": {"tok_per_s": 126.0, "speedup": 1.4}},
+    }  # fmt: skip
+    table = bench.cost_table({"c1": row}, [1])
+    assert table == {"1": {"plain_tok_per_s_ratio": 0.9, "ngram_speedup_ratio": 0.933}}
+    assert bench.identical([[1, 2], [3]], [[1, 2], [4]]) == 1
