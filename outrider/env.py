@@ -47,6 +47,19 @@ def hf_hub_cache() -> str:
     return os.path.join(home, "hub")
 
 
+def step_profile_dir() -> str | None:
+    """OUTRIDER_STEP_PROFILES: where speculative step profiles are kept between starts (default
+    $XDG_CACHE_HOME/outrider/step_profiles, i.e. ~/.cache/...); "off" (or 0) measures every
+    start and keeps nothing."""
+    raw = os.environ.get("OUTRIDER_STEP_PROFILES", "")
+    if raw.lower() in ("off", "0", "false", "no"):
+        return None
+    if raw:
+        return raw
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache, "outrider", "step_profiles")
+
+
 def log_level() -> str:
     return os.environ.get("OUTRIDER_LOG_LEVEL", "WARNING").upper()
 

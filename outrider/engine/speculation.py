@@ -15,10 +15,16 @@ With no proposer every call does nothing and the engine decodes plainly."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
+from outrider import env
 from outrider.config import SpecConfig
 from outrider.core import ForwardMode, Request, ScheduledBatch, SeqDrafts, StepOutput
 from outrider.engine.block_manager import BlockManager
@@ -96,11 +102,28 @@ class Speculator:
             self.controller = SpecController(self._measure_profile(), max_k=k)
 
     def _measure_profile(self) -> StepProfile:
+        """The step profile kept from an earlier start with the same key (machine, model and
+        drafter shapes, dtype, graphs, versions: `_profile_key`), else measured now and kept
+        (env.step_profile_dir): on a CPU the measurement is most of a speculative server's
+        start-up, and `outrider generate` paid it on every call."""
         runner = self._runner
         sizes = runner.profile_batch_sizes()
-        # Said at the default level: eagerly (a CPU) this takes tens of seconds with nothing
-        # else on the console, and a server that seems stuck at start-up should say why.
-        cost = " (tens of seconds on a CPU)" if runner.graphs is None else ""
+        key = self._profile_key(sizes)
+        folder = env.step_profile_dir()
+        path = None
+        if folder is not None:
+            digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+            path = Path(folder) / f"{digest}.json"
+            kept = StepProfile.load(path, key)
+            if kept is not None:
+                log.warning(
+                    "speculative step profile from %s, measured at start-up before (delete "
+                    "it, or set OUTRIDER_STEP_PROFILES=off, to measure again)", path,
+                )  # fmt: skip
+                return self._usable(kept)
+        # Said at the default level: eagerly (a CPU) this takes seconds with nothing else on
+        # the console, and a server that seems stuck at start-up should say why.
+        cost = " (seconds on a CPU)" if runner.graphs is None else ""
         log.warning(
             "timing speculative steps at k=0..%d and batch sizes %s to choose draft lengths%s",
             self._k_max, ", ".join(map(str, sizes)), cost,
@@ -108,16 +131,50 @@ class Speculator:
         t0 = time.perf_counter()
         table = runner.profile_steps(range(1, self._k_max + 1), sizes)
         log.warning("timed speculative steps in %.1f s", time.perf_counter() - t0)
-        key = {"device": str(runner.device), "dtype": str(runner.dtype),
-               "drafter": self.proposer.name}  # fmt: skip
         log.info("speculative step profile (ms by batch size and k): %s", table)
         profile = StepProfile(table, key)
+        if path is not None:
+            try:
+                profile.save(path)
+            except OSError as e:  # a read-only home: measure again next time, serve now
+                log.warning("could not keep the step profile at %s (%s)", path, e)
+        return self._usable(profile)
+
+    def _usable(self, profile: StepProfile) -> StepProfile:
         # A GPU step that costs less with more drafts or rows is noise, and the table is made
         # monotone. A CPU's is real: its BLAS runs a GEMM of 2-3 rows as one GEMV a row, so on
         # 2 cores the default model's EAGLE-3 step at B=1 took 127 ms at k=2 and 94 at k=4; made
         # monotone, k=4 read 2.4x a plain step and the controller never tried the k that is
         # 1.26x plain (benchmarks/results/structured_cpu.json, eagle3 unconstrained).
-        return profile.monotone() if runner.device.type == "cuda" else profile
+        return profile.monotone() if self._runner.device.type == "cuda" else profile
+
+    def _profile_key(self, sizes: Sequence[int]) -> dict[str, str]:
+        """What a step's time depends on: the machine, the shapes (not the weights' values) of
+        the model and the drafter, dtype, backend, graphs, parallelism and the versions of
+        the code that runs it. A kept profile with another key is measured again."""
+        import torch
+
+        from outrider import __version__
+
+        runner = self._runner
+        if runner.device.type == "cuda":
+            machine = torch.cuda.get_device_name(runner.device)
+        else:
+            machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
+        p = self.proposer
+        drafter = getattr(getattr(p, "draft", None), "config", None)
+        return {
+            "device": f"{runner.device.type}: {machine}, {torch.get_num_threads()} threads",
+            "dtype": str(runner.dtype),
+            "model": repr(runner.model_config),
+            "drafter": f"{p.name}: {drafter!r}",
+            "backend": type(runner.backend).__name__,
+            "graphs": str(runner.graphs is not None),
+            "deterministic": str(runner.config.model.deterministic),
+            "tensor_parallel": str(runner.tp.size),
+            "shapes": f"batch sizes {list(sizes)}, k 0..{self._k_max}",
+            "versions": f"outrider {__version__}, torch {torch.__version__}",
+        }
 
     def verify_per_sequence(self) -> None:
         """Verify drafts per sequence inside the runner's plain run (the path prefills and

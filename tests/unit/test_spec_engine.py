@@ -282,6 +282,37 @@ def test_profiled_steps_spread_their_tokens_over_the_vocabulary(tiny_dir):  # no
     assert all(0 <= t < llm.engine.vocab_size for t in seen)
 
 
+def test_step_profile_kept_between_starts(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
+    """The second engine of the same shapes reads the profile the first measured; another k, or
+    OUTRIDER_STEP_PROFILES=off, measures; a damaged file stops the start with its path."""
+    from outrider.executor.model_runner import ModelRunner
+
+    monkeypatch.setenv("OUTRIDER_STEP_PROFILES", str(tmp_path))
+    spec = {"method": "ngram", "num_draft_tokens": 2}
+    first = _llm(tiny_dir, speculative=spec).engine.speculator.controller.profile
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "profile_steps", refuse)
+        again = _llm(tiny_dir, speculative=spec).engine.speculator.controller.profile
+    assert again.ms == first.ms and again.key == first.key
+    _llm(tiny_dir, speculative={**spec, "num_draft_tokens": 3})  # another key: measured
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    monkeypatch.setenv("OUTRIDER_STEP_PROFILES", "off")
+    with pytest.raises(AssertionError, match="measured again"):
+        with monkeypatch.context() as m:
+            m.setattr(ModelRunner, "profile_steps", refuse)
+            _llm(tiny_dir, speculative=spec)
+    monkeypatch.setenv("OUTRIDER_STEP_PROFILES", str(tmp_path))
+    files[0].write_text("{not json")
+    with pytest.raises(ValueError, match=str(files[0].name)):
+        _llm(tiny_dir, speculative=spec)
+
+
 def test_profile_times_every_shape_in_each_round(tiny_dir):  # noqa: F811
     """Rounds over all shapes, not one shape's steps back to back: a busy spell on a shared
     machine slows every shape alike instead of inflating the k measured during it."""
