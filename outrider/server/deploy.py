@@ -225,6 +225,8 @@ LimitNOFILE={opts.limit_nofile}
 NoNewPrivileges=true
 PrivateTmp=true
 ProtectSystem=full
+# /var/cache/outrider, the service user's: the speculative step profile kept between starts.
+CacheDirectory=outrider
 
 [Install]
 WantedBy=multi-user.target
@@ -238,6 +240,9 @@ def env_text() -> str:
 OUTRIDER_LOG_LEVEL=WARNING
 # torch CPU threads; 0 keeps torch's choice.
 OUTRIDER_NUM_THREADS=0
+# The speculative step profile, measured at the first start and read at later ones (the unit's
+# CacheDirectory); off measures it at every start.
+OUTRIDER_STEP_PROFILES=/var/cache/outrider/step_profiles
 """
 
 

@@ -73,9 +73,12 @@ def test_deploy_writes_unit_env_config_and_notes(tmp_path, capsys):
         "TimeoutStopSec=50",  # shutdown_timeout 20 + margin
         "WatchdogSec=120",
         "-m outrider serve --config /etc/outrider/server.yaml",
+        "CacheDirectory=outrider",  # where the step profile is kept between starts
     ):
         assert line in unit, line
-    assert "OUTRIDER_LOG_LEVEL=" in (out / "outrider.env").read_text()
+    env = (out / "outrider.env").read_text()
+    assert "OUTRIDER_LOG_LEVEL=" in env
+    assert "OUTRIDER_STEP_PROFILES=/var/cache/outrider/" in env
     server, engine = load_yaml(out / "server.yaml")  # the frozen config loads back as is
     model = default_model_path().resolve()
     assert engine.model.model == str(model) and engine.model.dtype == "float32"
