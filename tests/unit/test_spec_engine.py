@@ -248,7 +248,7 @@ def test_adaptive_controller_measures_a_profile_at_start(tiny_dir):  # noqa: F81
 
 
 def test_start_up_profile_says_so_at_the_default_level(tiny_dir, caplog):  # noqa: F811
-    """Timing the steps takes tens of seconds on a CPU: shown without -v, before and after."""
+    """Timing the steps takes seconds on a CPU: shown without -v, before and after."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="outrider.engine.speculation"):
@@ -257,7 +257,7 @@ def test_start_up_profile_says_so_at_the_default_level(tiny_dir, caplog):  # noq
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     start = [m for m in lines if m.startswith("timing speculative steps")]
     assert start == [f"timing speculative steps at k=0..3 and batch sizes {sizes} to choose "
-                     "draft lengths (tens of seconds on a CPU)"], lines  # fmt: skip
+                     "draft lengths (seconds on a CPU)"], lines  # fmt: skip
     done = [m for m in lines if m.startswith("timed speculative steps in ")]
     assert len(done) == 1 and done[0].endswith(" s"), lines
     assert lines.index(start[0]) < lines.index(done[0])
