@@ -136,10 +136,12 @@ def test_eagle3_drafts_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: 
 
 
 class _ScriptedController:
-    """Chooses k from a script, one entry per decision (then K); learns nothing."""
+    """Chooses k from a script, one entry per decision (then K); learns nothing, keeps the
+    steps the engine records."""
 
     def __init__(self, ks: list[int]) -> None:
         self.ks = list(ks)
+        self.recorded: list[tuple[int, int, float]] = []
 
     def choose(self, request_ids) -> int:
         return self.ks.pop(0) if self.ks else K
@@ -148,7 +150,7 @@ class _ScriptedController:
         pass
 
     def record_step(self, batch_size, k, ms) -> None:
-        pass
+        self.recorded.append((batch_size, k, ms))
 
     def forget(self, request_id) -> None:
         pass
@@ -183,6 +185,34 @@ def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts)
             want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids,
                                 r.drafts.num_nodes)  # fmt: skip
             assert r.drafts.token_ids == want
+
+
+def test_a_catch_up_is_not_charged_to_the_step_k(tiny_dir, prompts):  # noqa: F811
+    """The forward over deferred rows before a speculative step is a cost of turning
+    speculation on, not of k: the controller records the step without it."""
+    import time
+
+    llm = eagle_llm(tiny_dir)
+    engine = llm.engine
+    controller = engine.speculator.controller = _ScriptedController([0] * 4)
+    drafter = engine.speculator.proposer
+    catch_up = drafter.catch_up
+
+    def slow_catch_up():
+        if drafter._deferred:
+            time.sleep(0.5)
+        catch_up()
+
+    drafter.catch_up = slow_catch_up
+    engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=30))
+    for _ in range(5):  # prefill, then 4 plain steps: their rows deferred
+        engine.step()
+    t0 = time.perf_counter()
+    engine.step()  # k = K: catches up (slowly), then the speculative step
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    batch, k, ms = controller.recorded[-1]
+    assert (batch, k) == (1, K)
+    assert wall_ms >= 500 and ms < wall_ms - 450
 
 
 def test_a_prefill_step_runs_no_draft_forward(tiny_dir, prompts):  # noqa: F811

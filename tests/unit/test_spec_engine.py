@@ -303,10 +303,9 @@ def test_step_profile_kept_between_starts(tiny_dir, tmp_path, monkeypatch):  # n
     _llm(tiny_dir, speculative={**spec, "num_draft_tokens": 3})  # another key: measured
     assert len(list(tmp_path.glob("*.json"))) == 2
     monkeypatch.setenv("OUTRIDER_STEP_PROFILES", "off")
-    with pytest.raises(AssertionError, match="measured again"):
-        with monkeypatch.context() as m:
-            m.setattr(ModelRunner, "profile_steps", refuse)
-            _llm(tiny_dir, speculative=spec)
+    with pytest.raises(AssertionError, match="measured again"), monkeypatch.context() as m:
+        m.setattr(ModelRunner, "profile_steps", refuse)
+        _llm(tiny_dir, speculative=spec)
     monkeypatch.setenv("OUTRIDER_STEP_PROFILES", str(tmp_path))
     files[0].write_text("{not json")
     with pytest.raises(ValueError, match=str(files[0].name)):
