@@ -315,15 +315,21 @@ class Speculator:
     def _defers(self, batch: ScheduledBatch) -> bool:
         """Whether a device drafter keeps this step's rows (`defer`) and extends over them,
         in one forward, only when it next drafts (`catch_up`): after a plain step while
-        speculation is off, and, for chains the speculative step drafts, after a prefill step.
-        There the draft forward over the prompt and the k chain forwards of `propose` ran
-        before the prompt's first token left the engine (eager forwards: most of the host time
-        of a speculative server's prefill step, which doubled TTFT at C = 64 on the H200); a new
-        request is drafted inside its first speculative step instead."""
+        speculation is off, and, for chains the speculative step drafts, after a prefill step
+        that verified no drafts. There the draft forward over the prompt and the k chain
+        forwards of `propose` ran before the prompt's first token left the engine (eager
+        forwards, in the time to first token); a new request is drafted inside its first
+        speculative step instead. A prefill step in which decoding requests verified drafts
+        still drafts their next ones now, or each prefill would cost every running request
+        a step without drafts."""
         if not self.proposer.on_device:
             return False
         if batch.mode == ForwardMode.PREFILL:
-            return self._stepped and self._tree is None
+            return (
+                self._stepped
+                and self._tree is None
+                and not any(s.drafts is not None for s in batch.seqs)
+            )
         return self._k == 0
 
     def _take_drafts(self, batch: ScheduledBatch, output: StepOutput) -> None:

@@ -235,6 +235,23 @@ def test_a_prefill_step_runs_no_draft_forward(tiny_dir, prompts):  # noqa: F811
     assert all(r.drafts is not None and r.drafts.num_nodes == K for r in reqs)
 
 
+def test_a_prefill_beside_verified_drafts_drafts_them_again(tiny_dir, prompts):  # noqa: F811
+    """A running request whose drafts a prefill step verified gets its next drafts from that
+    step, as the dense draft would: a prefill does not cost it a step without drafts."""
+    llm = eagle_llm(tiny_dir)
+    engine = llm.engine
+    first = engine.add_request(prompts[0], SamplingParams(temperature=0, max_tokens=40))
+    for _ in range(3):
+        engine.step()
+    assert first.drafts is not None
+    engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=40))
+    engine.step()  # the new prompt's prefill, the first request's drafts verified beside it
+    d = first.drafts
+    assert d is not None and not first.is_finished
+    want = _dense_chain(llm, engine.speculator.proposer.draft, first.all_token_ids, d.num_nodes)
+    assert d.token_ids == want
+
+
 def test_eagle3_rejects_a_drafter_for_another_target(tiny_dir):  # noqa: F811
     llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64)
     other = TransformerConfig.from_hf_dict(tiny_hf_config(hidden_size=64, intermediate_size=128))
