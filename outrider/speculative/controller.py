@@ -31,6 +31,9 @@ one have taken `probe_every` times as long as a step at the best k > 0, that k i
 yields one token per request, so it only loses its extra time, (ms_k - ms_0) / ms_k of one step
 in every probe_every + 1 or more: under 1 / (probe_every + 1) of the time (1.5% at 64; 0.2% when
 verify costs 15% more than plain). No probes when no k could beat plain even at full acceptance.
+The other way, while a k > 0 serves and the plain step at that batch size has not been timed
+live three times, one plain step is taken once the speculative ones have run `probe_every`
+plain steps' time: a profile that overstates plain's cost is corrected within a few probes.
 
 Cost, host-side and sync-free: at B = 256, max_k = 4 (Python 3.11, a shared 2-core VM) a choose
 takes 30 us and the step's 256 observes 0.6 ms. Call forget() when a request finishes.
@@ -235,6 +238,8 @@ class SpecController:
         self._expect: dict[str, list[float]] = {}  # E(0..max_k) per request, kept fresh
         self._decision: int | None = None  # the last choice before probing, what hysteresis holds
         self._plain_ms = 0.0  # time in plain steps since the last speculative one
+        self._spec_ms = 0.0  # and in speculative steps since the last plain one
+        self._timed = False  # whether record_step has timed a step: plain probes measure
         self._last_k, self._last_probe, self._last_batch = 0, False, 0
         self._last_tps: dict[int, float] = {}
         self._steps: dict[int, int] = {}
@@ -303,7 +308,20 @@ class SpecController:
             )
             if probe:
                 k = probe_k
+        elif (
+            k > 0 and self._timed and len(self._live.get((self._profile.bucket(batch), 0), ())) < 3
+        ):
+            # A plain probe: the plain step's cost at this batch size was never timed live
+            # (three times), and a start-up profile measured on a busy machine can make it
+            # look dearer than it is and hold speculation on where it loses (on 2 shared CPU
+            # cores: a plain step profiled at 259 ms, timed at ~60, and EAGLE-3 ran every step
+            # at 0.84x plain). Once a probe_every-th of the time in speculative steps, where
+            # steps are timed (record_step) at all: an untimed probe would measure nothing.
+            probe = self._spec_ms >= self.probe_every * step_ms(batch, 0)
+            if probe:
+                k = 0
         self._plain_ms = self._plain_ms + step_ms(batch, 0) if k == 0 else 0.0
+        self._spec_ms = self._spec_ms + step_ms(batch, k) if k > 0 else 0.0
         self._last_k, self._last_probe, self._last_batch = k, probe, batch
         self._last_tps = {j: t * 1e3 for j, t in tps.items()}
         self._steps[k] = self._steps.get(k, 0) + 1
@@ -324,6 +342,7 @@ class SpecController:
         still unvisited looks cheaper than it is until its first step is timed."""
         if k not in self._ks or not (math.isfinite(ms) and ms > 0):
             return
+        self._timed = True
         bucket = self._profile.bucket(batch_size)
         window = self._live.get((bucket, k))
         if window is None:

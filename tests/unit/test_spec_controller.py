@@ -312,3 +312,40 @@ def test_the_controller_says_why_it_speculates_or_not():
     why = c.explain(1)
     assert "timed live" in why and "seen" in why and why.endswith("speculation pays")
     assert c.choose(["r"]) == 4
+
+
+def test_a_profile_that_overstates_plain_is_corrected_by_plain_probes():
+    """A start-up table measured on a busy machine says a plain step costs 250 ms where it
+    costs 60: the controller speculates, and being timed, takes a plain step now and then
+    until plain's cost was seen live; then it goes plain where speculation loses."""
+    table = StepProfile({1: {0: 250.0, 4: 120.0}})
+    ctl = SpecController(table, max_k=4, hysteresis=0.0, prior=0.3, probe_every=8)
+    true_ms = {0: 60.0, 4: 120.0}
+    ks = []
+    for _ in range(120):
+        k = ctl.choose(["r"])
+        ks.append(k)
+        ctl.record_step(1, k, true_ms[k])
+        if k:
+            ctl.observe("r", k, 0)  # nothing accepted: E(4) = 1 token per 120 ms
+    first_plain = ks.index(0)
+    assert all(k == 4 for k in ks[:first_plain]) and 4 <= first_plain <= 20
+    # Plain from then on but for the usual probes back: one a 8 x 120 ms of plain steps.
+    assert ks[-40:].count(4) <= 3 and ks[first_plain + 1 : first_plain + 11] == [0] * 10
+    assert ctl._step_ms(1, 0) == 60.0
+
+
+def test_no_plain_probe_once_plain_was_timed():
+    """With plain's cost timed live (three times) and speculation winning, every step
+    speculates: no plain probes cost it anything."""
+    table = StepProfile({1: {0: 50.0, 4: 60.0}})
+    ctl = SpecController(table, max_k=4, hysteresis=0.0, probe_every=4)
+    for _ in range(3):
+        ctl.record_step(1, 0, 50.0)
+    ks = []
+    for _ in range(50):
+        k = ctl.choose(["r"])
+        ks.append(k)
+        ctl.record_step(1, k, 60.0 if k else 50.0)
+        ctl.observe("r", k, k)  # every draft accepted
+    assert set(ks) == {4}
