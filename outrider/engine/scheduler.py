@@ -245,6 +245,8 @@ class Scheduler:
             room = self.max_model_len - req.num_computed_tokens
             if (
                 num_new == 1
+                and req.num_tokens - req.num_computed_tokens == 1  # a decode, not a prompt
+                # chunk the budget cut to one token: its drafts are stale, its next token known
                 and (n or self._lookahead)
                 and n + 1 <= budget
                 and self.block_manager.allocate(req, min(1 + n + self._lookahead, room))
@@ -300,6 +302,7 @@ class Scheduler:
         self.running.pop()
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.drafts = None  # drafted after its last token; it recomputes as a prompt first
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1

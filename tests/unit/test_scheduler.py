@@ -295,6 +295,26 @@ def test_preemption_in_a_tiny_pool_finishes_everything_with_the_same_outputs(
     assert not sim.sched.has_unfinished()
 
 
+def test_a_prompt_chunk_cut_to_one_token_is_not_a_verify():
+    """A request still computing its prompt whose chunk the budget cuts to one token holds no
+    drafts of this position (any it has were made before a preemption): it is a prompt chunk,
+    and the decode after it verifies its own drafts. Taken for a verify, the stale drafts were
+    accepted as the target's tokens (greedy output diverged under preemption)."""
+    from outrider.core import SeqDrafts
+
+    sim = Sim(budget=6)
+    p = sim.add(list(range(100, 112)), "p")  # admitted first: its chunks take what decodes leave
+    a = sim.add([1, 2], "a")
+    sim.step()
+    assert chunks(sim.step()) == {"a": (2, 3), "p": (4, 9)}
+    a.drafts = SeqDrafts.chain([9, 9, 9, 9])  # a's verify takes 5 of the 6: p's chunk gets 1
+    p.drafts = SeqDrafts.chain([7, 7, 7])
+    batch = sim.sched.schedule()
+    assert chunks(batch) == {"p": (9, 10), "a": (3, 8)}
+    by_id = {s.request.request_id: s for s in batch.seqs}
+    assert by_id["p"].drafts is None and by_id["a"].drafts.token_ids == [9, 9, 9, 9]
+
+
 def test_preempted_request_goes_first_and_recomputes_prompt_and_outputs():
     sim = Sim(num_blocks=4, prefix=False)
     a, b = sim.add([1] * 5, "a"), sim.add([2] * 5, "b")  # 2 blocks each: the pool is full
@@ -304,6 +324,7 @@ def test_preempted_request_goes_first_and_recomputes_prompt_and_outputs():
     batch = sim.step()  # a needs a 3rd block: b, the latest admitted, is preempted
     assert batch.preempted == [b] and ids(batch) == ["a"]
     assert b.status == RequestStatus.WAITING and b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.drafts is None  # drafted after a token it now recomputes as a prompt
     assert b.metrics.num_preemptions == 1 and sim.sched.num_preemptions == 1
     assert list(sim.sched.waiting) == [b, late]
     assert len(b.output_token_ids) == 4  # kept across preemption
