@@ -42,6 +42,9 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "use one of 1, 3, 9" in capsys.readouterr().err
     assert main(["plan", "llama-3.1-8b", "--gpu", "h300"]) == 2
     assert "unknown GPU 'h300'" in capsys.readouterr().err
+    # --calibrate prints a profile, no plan: a chart asked of it is refused before it measures
+    assert main(["plan", "--calibrate", "--png", "p.png", "--calibrate-out", "c.json"]) == 2
+    assert "`outrider plan MODEL --gpu c.json --png ...` after it" in capsys.readouterr().err
 
 
 def test_plan_imports_no_torch():
