@@ -239,9 +239,13 @@ def _accept_length(ax, series: list[Series], colors: Colors) -> bool:
         if not xs:
             ax.plot([], [], " ", label=f"{label}: no speculation (no accept length)")
             continue
+        gone = [p["max_concurrency"] for p in points
+                if p not in kept and _num(p.get("max_concurrency"))]  # fmt: skip
         missing = len(points) - len(kept)
-        note = f" ({missing} point{'s' if missing > 1 else ''} without)" if missing else ""
+        note = f" ({missing} point{'s' if missing > 1 else ''} without: x at 1)" if missing else ""
         ax.plot(xs, ys, marker="o", label=label + note, color=colors[label])
+        if gone:  # where no draft was verified, on the floor, so the axis spans every point
+            ax.plot(gone, [1] * len(gone), "x", color=colors[label], ms=8, clip_on=False)
         for x, y, p in zip(xs, ys, kept):
             # The rightmost point's note runs leftwards, or it crosses the frame.
             left = x == last

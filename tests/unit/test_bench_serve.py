@@ -688,6 +688,35 @@ def test_accept_summary_prefers_outrider_step_counters():
     assert accept_summary(point) == "4.00 over 2 verify steps, 25% of decode steps speculative"
 
 
+def test_accept_length_chart_marks_the_points_that_verified_nothing(tmp_path, monkeypatch):
+    """A run speculating at some concurrencies only: the others are drawn as x on the floor, so
+    the axis spans them as the other charts do, and the legend says what x means."""
+    from matplotlib.figure import Figure
+
+    from outrider.bench.plot import load_results, plot_results
+
+    saved: dict[str, Figure] = {}
+    real = Figure.savefig
+
+    def savefig(fig, path, **kw):
+        saved[Path(path).stem] = fig
+        real(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    run = _result("eagle3", 2.4)
+    run["points"][0] |= {"accept_length": None, "spec_decode": None}  # C=1 verified nothing
+    path = tmp_path / "eagle3.json"
+    path.write_text(json.dumps(run))
+    plot_results(load_results([path]), tmp_path)
+    ax = saved["accept_length"].axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["eagle3 (1 point without: x at 1)"]
+    crosses = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    assert [list(ln.get_xdata()) for ln in crosses] == [[1]]
+    assert list(crosses[0].get_ydata()) == [1] and crosses[0].get_color() == "C0"
+    assert ax.get_xlim()[0] < 1
+
+
 def test_a_point_where_the_controller_never_speculated_says_so():
     """An adaptive server that chose plain steps throughout a point is not a server without
     speculation: the summary counts the decode steps, and the accept length stays null."""
