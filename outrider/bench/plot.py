@@ -228,6 +228,10 @@ def _accept_length(ax, series: list[Series], colors: Colors) -> bool:
     ax.set_title("Accept length under load (tokens per verify step, from /metrics)")
     ax.set_ylabel("accept length (n = verify steps averaged)")
     top = 2.0
+    last = max(
+        (p["max_concurrency"] for _, pts in series for p in pts if _num(p.get("max_concurrency"))),
+        default=None,
+    )
     for label, points in series:
         xs, ys, kept = _xy(
             points, lambda p: p.get("max_concurrency"), lambda p: p.get("accept_length")
@@ -235,15 +239,22 @@ def _accept_length(ax, series: list[Series], colors: Colors) -> bool:
         if not xs:
             ax.plot([], [], " ", label=f"{label}: no speculation (no accept length)")
             continue
+        gone = [p["max_concurrency"] for p in points
+                if p not in kept and _num(p.get("max_concurrency"))]  # fmt: skip
         missing = len(points) - len(kept)
-        note = f" ({missing} point{'s' if missing > 1 else ''} without)" if missing else ""
+        note = f" ({missing} point{'s' if missing > 1 else ''} without: x at 1)" if missing else ""
         ax.plot(xs, ys, marker="o", label=label + note, color=colors[label])
+        if gone:  # where no draft was verified, on the floor, so the axis spans every point
+            ax.plot(gone, [1] * len(gone), "x", color=colors[label], ms=8, clip_on=False)
         for x, y, p in zip(xs, ys, kept):
-            ax.annotate(_point_note(p), (x, y), textcoords="offset points", xytext=(5, -12),
+            # The rightmost point's note runs leftwards, or it crosses the frame.
+            left = x == last
+            ax.annotate(_point_note(p), (x, y), textcoords="offset points",
+                        xytext=(-5 if left else 5, -12), ha="right" if left else "left",
                         fontsize="x-small", color=colors[label])  # fmt: skip
         top = max(top, *ys)
     _concurrency_axis(ax, series)
-    ax.margins(x=0.2)  # room for the last point's note
+    ax.margins(x=0.1)
     ax.set_ylim(1, top + 0.15 * (top - 1) + 0.1)  # 1 is no speed-up: the floor of the scale
     return True
 

@@ -61,20 +61,29 @@ def spec_counters(text: str) -> dict[str, float] | None:
 def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
     """What a point added to the counters, and its accept length: tokens per verify step per
     sequence, the bonus token included (1 + accepted / drafts, as outrider and vLLM define it).
-    None when the server has no counters or verified nothing."""
+    None when the server has no counters or verified nothing, except where outrider's step
+    counters show it decoded plainly throughout: then the zero counts and a step share of 0
+    (accept length None), so a speculative server whose controller chose k = 0 reads as that,
+    not as a server without speculation."""
     if before is None or after is None:
         return None
-    d = {c: int(after[c] - before[c]) for c in SPEC_COUNTERS}
+    d: dict[str, Any] = {c: int(after[c] - before[c]) for c in SPEC_COUNTERS}
+    spec = plain = None
+    if "spec_steps" in before and "spec_steps" in after:
+        spec = int(after["spec_steps"] - before["spec_steps"])
+        plain = int(after["plain_steps"] - before["plain_steps"])
     if d["num_drafts"] <= 0:
-        return None
+        if not plain:
+            return None
+        return d | {"accept_length": None, "acceptance_rate": None, "spec_step_share": 0.0,
+                    "decode_steps": plain}  # fmt: skip
     d["accept_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"]
     d["acceptance_rate"] = (
         d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
     )
-    if "spec_steps" in before and "spec_steps" in after:
-        spec = after["spec_steps"] - before["spec_steps"]
-        plain = after["plain_steps"] - before["plain_steps"]
+    if spec is not None:
         d["spec_step_share"] = spec / (spec + plain) if spec + plain > 0 else None
+        d["decode_steps"] = spec + plain
     return d
 
 
@@ -96,6 +105,9 @@ def accept_summary(point: dict) -> str:
     share of the point that speculated. An average of 4 verify steps is no measurement, and
     2.3 over a tenth of the steps is not the speed-up 2.3 over all of them would be."""
     if point.get("accept_length") is None:
+        steps = (point.get("spec_decode") or {}).get("decode_steps")
+        if steps:  # a speculative server whose controller verified no drafts in this point
+            return f"none: 0 of {steps} decode steps speculated (the server chose plain decoding)"
         return "none (no speculative decoding, or no counters on /metrics)"
     text = f"{point['accept_length']:.2f}"
     n = (point.get("spec_decode") or {}).get("num_drafts")

@@ -216,6 +216,13 @@ def _calibrate(args: argparse.Namespace) -> int:
             f"--calibrate measures one rank, not --tp {args.tp}: drop --tp (collectives are "
             "measured by `outrider bench comm`)"
         )
+    if args.png or args.json:
+        # Said before the measurement, not ignored after it: --calibrate prints no plan.
+        flag = "--png" if args.png else "--json"
+        raise ValueError(
+            f"--calibrate writes a profile, not a plan, so {flag} has nothing to draw: run "
+            f"`outrider plan MODEL --gpu {args.calibrate_out} {flag} ...` after it"
+        )
     bad = [v for v in args.calibrate_batch if v < 1] + [v for v in args.calibrate_k if v < 0]
     if bad or (args.calibrate_reps is not None and args.calibrate_reps < 1):
         raise ValueError(

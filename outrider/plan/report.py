@@ -156,10 +156,12 @@ def write_png(path: str | Path, plans: list[BatchPlan], title: str, shown_option
     fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), squeeze=False)
     for ax, p in zip(axes[0], shown):
         options = sorted(p.chains + p.trees, key=lambda o: -o.speedup)
+        top_y = 1.0
         for rank, o in enumerate(options[:shown_options]):
             top = o.k + 1 if o in p.chains else _depth(o) + 1
             xs = [1.0, float(top)]
             ys = [x * p.decode.ms / o.spec_ms for x in xs]
+            top_y = max(top_y, *ys)
             best = rank == 0 and o is p.best
             label = (
                 ("best " if best else "")
@@ -182,7 +184,8 @@ def write_png(path: str | Path, plans: list[BatchPlan], title: str, shown_option
             else "plain decode: no option pays"
         )
         ax.set_title(f"batch {p.batch}: {verdict}")
-        ax.set_ylim(bottom=0)
+        # The top third is left to the legend: a steep short line (k=1) ends up there, under it.
+        ax.set_ylim(0, top_y * 1.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(title)

@@ -194,7 +194,8 @@ def live_check(
             "live",
             False,
             f"none of {len(outputs)} generations reported an accept length: speculation did "
-            f"not run; pass speculative={{'method': 'eagle3', 'draft': <path>}} to the LLM",
+            f"not run; pass speculative={{'method': 'eagle3', 'draft': <path>}} to the LLM, "
+            f"with controller 'fixed' (an adaptive one may choose plain steps throughout)",
         )
     if all(steps for _, steps in pairs):  # weight by verify steps: long outputs count more
         length = sum(a * s for a, s in pairs) / sum(s for _, s in pairs)

@@ -139,7 +139,8 @@ def _add_doctor_flags(doc: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     doc.add_argument(
         "--live", type=int, default=0,
-        help="also decode this many prompts speculatively and report the accept length (0: off)",
+        help="also decode this many prompts verifying 4 drafts every step and report the "
+        "accept length (0: off)",
     )  # fmt: skip
     add_cache_flags(doc)
 
@@ -153,7 +154,11 @@ def _doctor(args: argparse.Namespace) -> int:
         def factory():
             from outrider.llm import LLM
 
-            spec = {"method": "eagle3", "draft": args.drafter, "num_draft_tokens": 4}
+            # "fixed": every decode step verifies 4 drafts, so the accept length is the
+            # drafter's. The adaptive controller speculates only where this machine's step
+            # costs say it pays, and on a CPU at small batches it verified no draft at all.
+            spec = {"method": "eagle3", "draft": args.drafter, "num_draft_tokens": 4,
+                    "controller": "fixed"}  # fmt: skip
             return LLM(args.model, speculative=spec, **given(args, "cache"))
 
     report = diagnose(

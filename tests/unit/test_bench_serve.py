@@ -683,9 +683,57 @@ def test_accept_summary_prefers_outrider_step_counters():
     after = before | {"num_drafts": 12, "num_accepted_tokens": 26}
     after |= {"spec_steps": 9, "plain_steps": 9}
     d = spec_delta(before, after)
-    assert d["accept_length"] == 4.0 and d["spec_step_share"] == 0.25
+    assert d["accept_length"] == 4.0 and d["spec_step_share"] == 0.25 and d["decode_steps"] == 8
     point = {"accept_length": 4.0, "spec_decode": d, "total_output_tokens": 100}
     assert accept_summary(point) == "4.00 over 2 verify steps, 25% of decode steps speculative"
+
+
+def test_accept_length_chart_marks_the_points_that_verified_nothing(tmp_path, monkeypatch):
+    """A run speculating at some concurrencies only: the others are drawn as x on the floor, so
+    the axis spans them as the other charts do, and the legend says what x means."""
+    from matplotlib.figure import Figure
+
+    from outrider.bench.plot import load_results, plot_results
+
+    saved: dict[str, Figure] = {}
+    real = Figure.savefig
+
+    def savefig(fig, path, **kw):
+        saved[Path(path).stem] = fig
+        real(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    run = _result("eagle3", 2.4)
+    run["points"][0] |= {"accept_length": None, "spec_decode": None}  # C=1 verified nothing
+    path = tmp_path / "eagle3.json"
+    path.write_text(json.dumps(run))
+    plot_results(load_results([path]), tmp_path)
+    ax = saved["accept_length"].axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["eagle3 (1 point without: x at 1)"]
+    crosses = [ln for ln in ax.get_lines() if ln.get_marker() == "x"]
+    assert [list(ln.get_xdata()) for ln in crosses] == [[1]]
+    assert list(crosses[0].get_ydata()) == [1] and crosses[0].get_color() == "C0"
+    assert ax.get_xlim()[0] < 1
+
+
+def test_a_point_where_the_controller_never_speculated_says_so():
+    """An adaptive server that chose plain steps throughout a point is not a server without
+    speculation: the summary counts the decode steps, and the accept length stays null."""
+    text = (
+        'outrider:spec_decode_num_drafts_total{model_name="m"} 10\n'
+        'outrider:spec_decode_num_draft_tokens_total{model_name="m"} 30\n'
+        'outrider:spec_decode_num_accepted_tokens_total{model_name="m"} 20\n'
+        'outrider:spec_decode_steps_total{model_name="m",k="0"} 3\n'
+        'outrider:spec_decode_steps_total{model_name="m",k="3"} 7\n'
+    )
+    before = spec_counters(text)
+    d = spec_delta(before, before | {"plain_steps": 43})
+    assert (d["accept_length"], d["spec_step_share"], d["decode_steps"]) == (None, 0.0, 40)
+    point = {"accept_length": None, "spec_decode": d, "total_output_tokens": 40}
+    want = "none: 0 of 40 decode steps speculated (the server chose plain decoding)"
+    assert accept_summary(point) == want
+    assert spec_delta(before, before) is None  # no step at all: nothing to say
 
 
 def test_plot_overlays_results_into_pngs_of_the_expected_size(tmp_path, capsys):

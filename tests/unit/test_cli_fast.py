@@ -181,6 +181,33 @@ def test_drafter_commands_that_build_an_engine_take_cache_flags():
         assert given(args, "cache") == {"num_blocks": 64}, argv
 
 
+def test_doctor_live_measures_the_drafter_at_a_fixed_k(monkeypatch, capsys):
+    """The adaptive controller speculates only where this machine's step costs say it pays, so
+    `doctor --live` through it measured the machine; the doctor's engine verifies every step."""
+    import types
+
+    import outrider.speculative.eagle3_doctor as doctor
+
+    built = {}
+
+    def diagnose(drafter, model, *, llm_factory, **kw):
+        llm_factory()
+        return types.SimpleNamespace(ok=True)
+
+    def llm(model, **kw):
+        built.update(kw)
+
+    monkeypatch.setattr(doctor, "diagnose", diagnose)
+    monkeypatch.setitem(sys.modules, "outrider.llm", types.SimpleNamespace(LLM=llm))
+    assert main(["drafter", "doctor", "d", "--live", "2"]) == 0
+    assert built["speculative"] == {
+        "method": "eagle3",
+        "draft": "d",
+        "num_draft_tokens": 4,
+        "controller": "fixed",
+    }
+
+
 def test_bad_values_are_clear_errors(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--cpu-kv-bytes", "4X", "hi"])

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from outrider.cli import main
 
 KIMI = ["plan", "kimi-k2.5", "--tp", "8", "--gpu", "rtx-pro-6000", "--link", "pcie5-nop2p"]
@@ -42,6 +44,9 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "use one of 1, 3, 9" in capsys.readouterr().err
     assert main(["plan", "llama-3.1-8b", "--gpu", "h300"]) == 2
     assert "unknown GPU 'h300'" in capsys.readouterr().err
+    # --calibrate prints a profile, no plan: a chart asked of it is refused before it measures
+    assert main(["plan", "--calibrate", "--png", "p.png", "--calibrate-out", "c.json"]) == 2
+    assert "`outrider plan MODEL --gpu c.json --png ...` after it" in capsys.readouterr().err
 
 
 def test_plan_imports_no_torch():
@@ -101,3 +106,6 @@ def test_a_cpu_plan_says_cpu_and_its_chart_marks_the_best_few(tmp_path, monkeypa
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[0].startswith("best ") and ax.get_title().startswith("batch 1: best ")
     assert len(legend) == 5 and legend[-1] == "6 slower options: see the table"
+    # No line reaches the top third, where the legend sits.
+    highest = max(max(line.get_ydata()) for line in ax.get_lines() if len(line.get_ydata()))
+    assert ax.get_ylim() == (0, pytest.approx(1.5 * highest))
