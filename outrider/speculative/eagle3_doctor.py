@@ -175,13 +175,19 @@ def live_check(
 ) -> Check:
     """Greedy generations through an engine serving the drafter; fails (and logs a warning)
     when the accept length (tokens per verify step, bonus included) is below
-    `min_accept_length`. `llm_factory()` returns an object with outrider's LLM.generate."""
+    `min_accept_length`. `llm_factory()` returns an object with outrider's LLM.generate and,
+    where the model has a chat template, LLM.chat: each prompt is then a user turn, as the
+    drafter was trained (sent raw, an instruct model answered two of four prompts with its
+    end-of-turn token, and they never speculated)."""
     from outrider.core import SamplingParams
 
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     try:
-        outputs = llm_factory().generate(
-            list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens)
-        )
+        llm = llm_factory()
+        if getattr(getattr(llm, "tokenizer", None), "chat_template", None):
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(list(prompts), params)
     except Exception as e:  # the doctor reports every failure instead of stopping at one
         return Check("live", False, f"could not generate with the drafter: {type(e).__name__}: {e}")
     pairs = [

@@ -205,6 +205,33 @@ def test_live_check_warns_loudly_below_1_3(caplog):
     assert not check.ok and "RuntimeError: no GPU" in check.message
 
 
+def test_live_check_sends_user_turns_where_the_model_has_a_chat_template():
+    """A drafter is trained on chat turns: the live decode asks in them, and raw text only of a
+    model without a template."""
+    outputs = [SimpleNamespace(metrics={"accept_length": 3.0, "num_verify_steps": 5})] * 2
+    calls = {}
+
+    def factory(template):
+        def chat(conversations, params):
+            calls["chat"] = conversations
+            return outputs
+
+        def generate(prompts, params):
+            calls["generate"] = prompts
+            return outputs
+
+        tok = SimpleNamespace(chat_template=template)
+        return lambda: SimpleNamespace(tokenizer=tok, chat=chat, generate=generate)
+
+    assert live_check(factory("{{ messages }}"), ["a", "b"]).ok
+    assert calls == {
+        "chat": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    }
+    calls.clear()
+    assert live_check(factory(None), ["a", "b"]).ok
+    assert calls == {"generate": ["a", "b"]}
+
+
 def test_live_check_counts_the_prompts_that_never_speculated(tmp_path, target):
     path = save_random_drafter(tmp_path / "d", target.config)
     factory, _ = fake_factory([2.0, None, 3.0, None])
