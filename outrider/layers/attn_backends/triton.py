@@ -42,6 +42,7 @@ except ImportError as e:  # pragma: no cover - depends on the install
     ) from e
 
 from outrider.layers.attn_backends.triton_chunked import (  # noqa: E402
+    CHUNK_KEYS,
     ChunkPlan,
     ChunkWorkspace,
     chunked_attention,
@@ -110,7 +111,8 @@ class TritonBackend(AttentionBackend):
         if deterministic and num_splits not in (None, 1):
             raise ValueError(
                 f"num_splits={num_splits} with deterministic=True: the deterministic mode "
-                "attends over the context unsplit; leave num_splits None"
+                f"splits every context at fixed {CHUNK_KEYS}-key chunks, whatever the batch; "
+                "leave num_splits None"
             )
         self.num_splits = num_splits
         self.deterministic = deterministic

@@ -239,7 +239,7 @@ def chunked_attention(
             ws.acc, ws.m, ws.l_sum, seq_lens, query_start_loc, out,
             ln.seq0, ln.tile0, ln.token0, ln.rows, plan.max_chunks,
             *ws.acc.stride()[:3], *ws.m.stride()[:2], *out.stride()[:2],
-            **common, num_warps=4,
+            **common, num_warps=plan.num_warps,
         )  # fmt: skip
     return out
 
