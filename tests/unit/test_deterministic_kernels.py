@@ -168,7 +168,8 @@ def chunked_rows(
     CUDA graph plans for max_model_len), every form under each SM count in `sms` (which
     changes the programs per tile). -> {"equal": every form bitwise equal to the lone
     decode, "failed": the first form that was not, "scaled": the lone decodes' largest error
-    against fp64 attention over the largest |value|, "chunks": the most chunks a row used}."""
+    against fp64 attention over the largest |value|, "padded_zero": a sequence with seq_len 0
+    comes out 0, "chunks": the most chunks a row used}."""
     from outrider.layers.attn_backends.triton_chunked import chunked_attention, plan_chunks
 
     g = torch.Generator().manual_seed(11)
@@ -246,8 +247,19 @@ def chunked_rows(
         ref = torch.einsum("hk,khd->hd", w.softmax(-1), vf)
         err = (alone.double().cpu() - ref).abs().max() / ref.abs().max()
         scaled = max(scaled, err.item())
+    # A padded sequence (seq_len 0, one query) beside a real decode: it comes out 0, and the
+    # real row keeps its bits.
+    p = positions[-1]
+    i32 = dict(dtype=torch.int32, device=device)
+    plan = plan_chunks([1, 1], p + 1, heads, kv_heads, head_dim, dtype, sms[0], chunk_keys)
+    padded = chunked_attention(
+        torch.cat([qs[0, p : p + 1], qs[1, :1]]), k_cache, v_cache, tables[:2],
+        torch.tensor([p + 1, 0], **i32), torch.tensor([0, 1, 2], **i32), plan, scale,
+    )  # fmt: skip
+    zero = bool((padded[1] == 0).all())
+    equal &= torch.equal(padded[0], run([(0, p, 1)], sms[0])[0])
     return {
-        "equal": bool(equal), "failed": failed, "scaled": scaled,
+        "equal": bool(equal), "failed": failed, "scaled": scaled, "padded_zero": zero,
         "chunks": -(-(max(positions) + 1) // chunk_keys),
     }  # fmt: skip
 
@@ -321,6 +333,7 @@ def test_chunked_rows_are_invariant(results, dtype):
     r = results[f"chunked-{dtype}"]
     assert r["equal"], r
     assert r["chunks"] >= 3, r  # positions cross two chunk boundaries
+    assert r["padded_zero"], r
     assert TOLERANCE[dtype] is None or r["scaled"] < TOLERANCE[dtype], r
 
 
