@@ -18,7 +18,7 @@ longest context), and:
 
 Worked example, CHUNK_KEYS 256, BLOCK_N 32: a row at position 600 sees keys 0..600, chunks
 [0,256) [256,512) [512,601): two full walks of 8 tiles and one of 3 (its last tile masked past
-600). As a decode row its tile ends there; as row 3 of a 5-token verify, or inside a 64-token
+600). As a decode row its tile ends there; as row 3 of a 5-token verify, or inside a 16-token
 prefill tile, the third walk runs on to the tile's last position, and those extra keys and
 tiles are masked for it: p = 0 and alpha = 1, exact no-ops. Chunks past 2 hold nothing of it,
 and the merge never reads them. So a decode row, a verify row and a prefill row at one
@@ -36,9 +36,10 @@ row, so a decode of 64 rows takes 34 MB and a verify of 64 x 5 rows 170 MB. A st
 need more than WORKSPACE_BYTES (an 8K prefill chunk: 4.4 GB; a 64 x 5 verify at 32K context)
 is cut into launches of whole sequences, or of one sequence's query tiles, that fit; one
 buffer serves them in turn (rows are independent: cuts change nothing). The partials cost
-traffic too: a prefill row at position p writes and reads ceil((p + 1) / 256) of them, about
-(head_dim + 2) * 4 bytes a head per 256 keys, i.e. ~1 byte per 256 flops of its attention:
-at 8K it roughly doubles a prefill chunk's attention time on an H200 (not yet measured).
+traffic too: a prefill row at position p writes and reads ceil((p + 1) / 256) of them,
+2 * (head_dim + 2) * 4 bytes a head per 256 keys' 4 * 256 * head_dim flops, ~1 byte per 128
+flops: near the H200's balance, so long prefill chunks may pay up to about twice the default
+kernel's attention time (not yet measured: benchmarks/deterministic.py --attention-only).
 """
 
 from __future__ import annotations
