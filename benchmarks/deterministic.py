@@ -1,11 +1,12 @@
 """What the deterministic mode (issue 38) costs and whether it holds: plain, n-gram and
 EAGLE-3 (chain) through `LLM`, greedy, bf16, in the default mode and the deterministic mode
 side by side in one run, at C in {1, 16, 64}; then, with --llama8b, plain and n-gram decode of
-the Llama-3.1-8B shape (random bf16 weights) in both modes.
+the Llama-3.1-8B shape (random bf16 weights) in both modes. First, always, the attention
+kernels alone (`attention_runs`; --attention-only stops there).
 
     python benchmarks/deterministic.py [--concurrency 1 16 64] [--new-tokens 256]
         [--configs ngram eagle3_chain] [--rounds 2] [--num-prompts 30] [--draft DIR]
-        [--llama8b] [--out-dir DIR]
+        [--llama8b] [--attention-only] [--out-dir DIR]
 
 Each C runs every (mode, config) engine on the held-out prompts as one-turn chats in batches of
 C, `--rounds` times in a rotated order; tok/s is the median over rounds. Reported per mode and
@@ -132,6 +133,84 @@ def cost_table(runs: dict, concurrency: list[int]) -> dict:
     return out
 
 
+# (batch, context, query tokens a sequence): decode at C=1, 16 and 64, a chain verify of 1 + 4,
+# and a 2048-token prefill chunk over a cached prefix.
+ATTENTION_CASES = [(1, 1024, 1), (1, 8192, 1), (16, 2048, 1), (64, 2048, 1), (64, 8192, 1),
+                   (1, 8192, 5), (64, 2048, 5), (1, 8192, 2048)]  # fmt: skip
+
+
+def attention_runs() -> list[dict]:
+    """The attention kernels alone, bf16, at Llama-3.1-8B's heads (32 / 8, head_dim 128) and
+    the default model's (9 / 3, 64): the deterministic chunked_attention, planned as a CUDA
+    graph plans it (for an 8192-token max_model_len), against the default mode's decode (split
+    chosen per batch) or varlen kernel. us per call by triton's do_bench (median)."""
+    import torch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return [
+        attention_case(heads, kv_heads, dim, batch, ctx, t, sms)
+        for heads, kv_heads, dim in [(32, 8, 128), (9, 3, 64)]
+        for batch, ctx, t in ATTENTION_CASES
+    ]
+
+
+def attention_case(
+    heads: int, kv_heads: int, dim: int, batch: int, ctx: int, t: int, sms: int
+) -> dict:
+    import torch
+    from triton.testing import do_bench
+
+    from outrider.layers.attn_backends.triton_chunked import (
+        ChunkWorkspace,
+        chunked_attention,
+        plan_chunks,
+    )
+    from outrider.layers.attn_backends.triton_decode import (
+        SplitWorkspace,
+        choose_num_splits,
+        decode_attention,
+    )
+    from outrider.layers.attn_backends.triton_prefill import MAX_SPLIT_QUERY_LEN, prefill_attention
+
+    dev, bf16, block_size = torch.device("cuda"), torch.bfloat16, 16
+    pages = ctx // block_size
+    k = torch.randn(batch * pages + 1, block_size, kv_heads, dim, device=dev).to(bf16)
+    v = torch.randn_like(k)
+    tables = (torch.randperm(batch * pages, device=dev) + 1).view(batch, pages).int()
+    q = torch.randn(batch * t, heads, dim, device=dev).to(bf16)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    starts = (torch.arange(batch + 1, device=dev) * t).int()
+    scale = dim**-0.5
+    # As TritonBackend chooses in the default mode (the varlen kernel's tiles taken as 16).
+    programs = batch * kv_heads * (1 if t == 1 else -(-t // 16))
+    splits = 1 if t > MAX_SPLIT_QUERY_LEN else choose_num_splits(programs, ctx, sms)
+    split_ws = SplitWorkspace.allocate(batch * t, heads, splits, dim, dev) if splits > 1 else None
+    plan = plan_chunks([t] * batch, 8192, heads, kv_heads, dim, bf16, sms)
+    chunk_ws = ChunkWorkspace.allocate(plan, heads, dim, dev)
+
+    def default():
+        if t == 1:
+            return decode_attention(q, k, v, tables, seq_lens, scale, splits, split_ws)
+        return prefill_attention(
+            q, k, v, tables, seq_lens, starts, t, scale, splits, None, split_ws
+        )
+
+    def chunked():
+        return chunked_attention(q, k, v, tables, seq_lens, starts, plan, scale, chunk_ws)
+
+    diff = (chunked().float() - default().float()).abs().max().item()
+    us_default, us_det = do_bench(default) * 1e3, do_bench(chunked) * 1e3
+    print(f"attention {heads}/{kv_heads} d{dim} B{batch} ctx{ctx} t{t}: default "
+          f"{us_default:.1f} us, deterministic {us_det:.1f} us "
+          f"(x{us_det / us_default:.2f})", flush=True)  # fmt: skip
+    return {
+        "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "batch": batch, "context": ctx,
+        "query_tokens": t, "default_us": us_default, "deterministic_us": us_det,
+        "ratio": us_det / us_default, "launches": len(plan.launches),
+        "programs": plan.launches[0].programs, "max_abs_diff": diff,
+    }  # fmt: skip
+
+
 def llama8b_runs(args) -> dict:
     """Decode tok/s of the Llama-3.1-8B shape, plain and n-gram, in both modes (one engine at a
     time: four 16 GB models do not share a card), from 128-token random prompts."""
@@ -209,6 +288,10 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
     ap.add_argument("--llama8b", action="store_true", help="also the Llama-3.1-8B shape")
     ap.add_argument("--skip-default", action="store_true", help="only the Llama-3.1-8B shape")
+    ap.add_argument(
+        "--attention-only", action="store_true",
+        help="only the attention kernels: deterministic chunked against the default mode's",
+    )  # fmt: skip
     ap.add_argument("--out", default="deterministic", help="result name")
     ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
     args = ap.parse_args()
@@ -220,9 +303,10 @@ def main() -> None:
         sys.exit("benchmarks/deterministic.py measures CUDA kernels: run it on a GPU machine")
     result: dict = {"concurrency": args.concurrency, "new_tokens": args.new_tokens,
                     "k": args.k, "rounds": args.rounds}  # fmt: skip
-    if not args.skip_default:
+    result["attention"] = attention_runs()
+    if not args.skip_default and not args.attention_only:
         result["default_model"] = default_model_runs(args)
-    if args.llama8b or args.skip_default:
+    if (args.llama8b or args.skip_default) and not args.attention_only:
         result["llama8b"] = llama8b_runs(args)
     path = write_result(args.out, result, args.out_dir)
     print(f"wrote {path}", flush=True)

@@ -1,7 +1,11 @@
 """The deterministic mode on CUDA (issue 38): a row's bits do not depend on the batch.
 
 - the batch-invariant GEMM and attention at Llama-3.1-8B's shapes (the checks of
-  tests/unit/test_deterministic_kernels.py, on the GPU, in bfloat16);
+  tests/unit/test_deterministic_kernels.py, on the GPU, in bfloat16): split attention with
+  256-key chunks at contexts 1..8192, rows on both sides of chunk boundaries, decode batches
+  of 2..64, chain verifies, chunked and whole prefills, cut launches;
+- CUDA graphs of the split attention (decode and a 4-token chain verify, 16 sequences),
+  captured once for max_model_len 8192, replay any context with an eager call's bits;
 - a Llama-3.1-8B-shaped model (hidden 4096, intermediate 14336, 32 heads / 8 KV heads, vocab
   128256, two layers of random bf16 weights): the logits of one row are bitwise equal computed
   as a decode alone, in decode batches of 2..64, as a row of chain verifies of 1 + 3 tokens in
@@ -16,13 +20,14 @@ import pytest
 import torch
 
 from outrider.core import ForwardMode
-from tests.unit.test_deterministic_kernels import attention_rows, gemm_rows
+from tests.unit.test_deterministic_kernels import attention_rows, chunked_rows, gemm_rows
 
 pytestmark = pytest.mark.gpu
 
 # (N, K) of every Llama-3.1-8B GEMM: qkv, o_proj, gate_up, down, lm_head.
 LLAMA8B_GEMMS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 BATCHES = (1, 2, 3, 4, 5, 8, 13, 16, 32, 48, 64)
+LLAMA8B_ATTENTION = dict(heads=32, kv_heads=8, head_dim=128)
 
 
 @pytest.mark.parametrize(("n", "k"), LLAMA8B_GEMMS)
@@ -33,9 +38,72 @@ def test_gemm_rows_invariant_at_llama8b_shapes(n, k):
 
 
 def test_attention_rows_invariant_at_llama8b_heads():
-    out = attention_rows(torch.bfloat16, "cuda", heads=32, kv_heads=8, head_dim=128, context=700)
+    out = attention_rows(
+        torch.bfloat16, "cuda", **LLAMA8B_ATTENTION, context=8192,
+        positions=(40, 255, 256, 257, 511, 4096, 8150),
+    )  # fmt: skip
     assert out["equal"], out
     assert out["scaled"] < 2e-2, out
+
+
+def test_chunked_rows_invariant_at_llama8b_heads():
+    g = torch.Generator().manual_seed(3)
+    edges = [1, 2, 255, 256, 257, 511, 512, 513]
+    others = edges + torch.randint(1, 8193, (63 - len(edges),), generator=g).tolist()
+    out = chunked_rows(
+        torch.bfloat16, "cuda", **LLAMA8B_ATTENTION, contexts=(8192, *others),
+        positions=(0, 1, 254, 255, 256, 257, 511, 512, 1000, 4095, 4096, 8100, 8188),
+        batches=(2, 3, 5, 8, 16, 32, 48, 64), chunk_keys=256, sms=(132, 1),
+    )  # fmt: skip
+    assert out["equal"], out
+    assert out["scaled"] < 2e-2, out
+
+
+@pytest.mark.parametrize("tokens_per_seq", [1, 4])
+def test_chunked_attention_graph_replays_any_context(tokens_per_seq):
+    from outrider.layers.attn_backends.triton_chunked import (
+        ChunkWorkspace,
+        chunked_attention,
+        plan_chunks,
+    )
+
+    heads, kv_heads, head_dim = 32, 8, 128
+    batch, block_size, max_len, t = 16, 16, 8192, tokens_per_seq
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    pages = max_len // block_size
+    k_cache = torch.randn(batch * pages + 1, block_size, kv_heads, head_dim, device=dev).to(bf16)
+    v_cache = torch.randn_like(k_cache)
+    tables = (torch.randperm(batch * pages, device=dev) + 1).view(batch, pages).to(torch.int32)
+    q = torch.randn(batch * t, heads, head_dim, device=dev).to(bf16)
+    seq_lens = torch.full((batch,), t, dtype=torch.int32, device=dev)
+    starts = (torch.arange(batch + 1, device=dev) * t).to(torch.int32)
+    plan = plan_chunks([t] * batch, max_len, heads, kv_heads, head_dim, bf16, sms)
+    workspace = ChunkWorkspace.allocate(plan, heads, head_dim, dev)
+
+    def attend(p):
+        return chunked_attention(
+            q, k_cache, v_cache, tables, seq_lens, starts, p, head_dim**-0.5, workspace
+        )
+
+    attend(plan)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend(plan)
+    g = torch.Generator().manual_seed(5)
+    edges = [t, 255, 256, 257, 512, 513, 4096, max_len]
+    for trial in range(4):
+        lens = edges + torch.randint(t, max_len + 1, (batch - len(edges),), generator=g).tolist()
+        lens = lens[trial:] + lens[:trial]
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        want = chunked_attention(
+            q, k_cache, v_cache, tables, seq_lens, starts,
+            plan_chunks([t] * batch, max(lens), heads, kv_heads, head_dim, bf16, sms),
+            head_dim**-0.5,
+        )  # fmt: skip
+        assert torch.equal(out, want), f"replay at contexts {lens}"
 
 
 def _llama8b(layers: int = 2, block_size: int = 16, num_blocks: int = 64 * 64 + 1):
@@ -103,7 +171,7 @@ def _logits(model, backend, block_size, rows, mode: ForwardMode, pages: int = 64
 def test_llama8b_row_logits_invariant_in_decode_and_verify():
     model, backend, bs = _llama8b()
     g = torch.Generator().manual_seed(1)
-    ctx = [int(n) for n in torch.randint(40, 600, (64,), generator=g)]
+    ctx = [int(n) for n in torch.randint(40, 1000, (64,), generator=g)]  # up to 4 chunks
     prompts = [torch.randint(0, 128256, (n + 4,), generator=g).tolist() for n in ctx]
     for s in range(64):  # every sequence's context, prefilled alone
         _logits(model, backend, bs, [(s, 0, prompts[s][: ctx[s]])], ForwardMode.PREFILL)

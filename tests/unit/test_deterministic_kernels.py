@@ -4,12 +4,18 @@ are the same alone and inside batches of other sizes.
 - batch_invariant.matmul (every linear and the LM head on CUDA): row i of x @ W^T alone equals
   row i inside batches of 3, 17 and 70 rows, with K split and unsplit, with and without a
   bias; and the product is x @ W^T within rounding.
-- the Triton backend built with deterministic=True: a query row at position p gives the same
-  bits as a one-token decode (alone and beside other sequences), as a row of a chain verify,
-  as a row of a prefill chunk and of a whole prefill; and matches the PyTorch reference.
+- the Triton backend built with deterministic=True (batch-invariant split attention,
+  triton_chunked): a query row at position p gives the same bits as a one-token decode (alone
+  and beside other sequences), as a row of a chain verify, as a row of a prefill chunk and of
+  a whole prefill, at positions on both sides of the 256-key chunk boundary and within the
+  first chunk; and matches the PyTorch reference.
+- chunked_attention itself with 64-key chunks (three chunks at small contexts): the same
+  forms, in decode batches of 2 and 4, verify batches, prefills cut into one-tile launches,
+  under SM counts that change the programs per tile; plan_chunks covers every token once and
+  keeps the workspace within its budget at Llama-3.1-8B's shapes.
 
-`gemm_rows` and `attention_rows` take a device, so tests/gpu/test_deterministic_cuda.py runs
-the same checks on CUDA. As in test_triton_attention.py, TRITON_INTERPRET=1 has to be set
+`gemm_rows`, `attention_rows` and `chunked_rows` take a device, so
+tests/gpu/test_deterministic_cuda.py runs the same checks on CUDA. As in test_triton_attention.py, TRITON_INTERPRET=1 has to be set
 before triton is imported, so the checks run in one worker subprocess (tests/interpreter.py).
 """
 
@@ -73,8 +79,8 @@ def attention_rows(
     heads: int = 8,
     kv_heads: int = 2,
     head_dim: int = 32,
-    context: int = 150,
-    positions: tuple[int, ...] = (40, 97, 140),
+    context: int = 300,
+    positions: tuple[int, ...] = (40, 255, 256, 290),
     block_size: int = 16,
 ) -> dict:
     """One sequence A whose K/V sit at scrambled pages, and B, C beside it; query row q[p] at
@@ -140,6 +146,145 @@ def attention_rows(
     return {"equal": bool(equal), "scaled": scaled}
 
 
+def chunked_rows(
+    dtype: torch.dtype,
+    device: str,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    contexts: tuple[int, ...] = (200, 90, 150, 40),
+    positions: tuple[int, ...] = (0, 5, 63, 64, 65, 130, 190),
+    batches: tuple[int, ...] = (2, 4),
+    chunk_keys: int = 64,
+    block_size: int = 16,
+    sms: tuple[int, ...] = (1, 4),
+) -> dict:
+    """triton_chunked.chunked_attention called directly. Sequence 0 (context contexts[0], K/V
+    at scrambled pages) and others beside it; its query row at each position p computed as a
+    decode alone (the reference form) and as: a decode in batches of `batches` sizes, the
+    middle row of a 5-token chain verify (alone and batched), a row of a 40-token prefill
+    chunk, a row of a whole prefill 0..p+3 batched with another sequence's prefill, the same
+    prefill cut into launches of one query tile, a decode planned for 8x the context (as a
+    CUDA graph plans for max_model_len), every form under each SM count in `sms` (which
+    changes the programs per tile). -> {"equal": every form bitwise equal to the lone
+    decode, "failed": the first form that was not, "scaled": the lone decodes' largest error
+    against fp64 attention over the largest |value|, "padded_zero": a sequence with seq_len 0
+    comes out 0, "chunks": the most chunks a row used}."""
+    from outrider.layers.attn_backends.triton_chunked import chunked_attention, plan_chunks
+
+    g = torch.Generator().manual_seed(11)
+    n_seq = len(contexts)
+    pages = -(-max(contexts) // block_size)
+    order = torch.randperm(n_seq * pages, generator=g) + 1  # block 0 stays unused
+    tables = order.view(n_seq, pages).to(torch.int32).to(device)
+    span = max(contexts)
+    # Sequence 0's queries, and one set every other sequence reads (their keys differ).
+    qs = torch.randn(2, span, heads, head_dim, generator=g).to(dtype).to(device)
+    blocks = n_seq * pages + 1
+    k_cache = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    for s, n in enumerate(contexts):  # one sequence at a time: 64 x 8K contexts fit a GPU
+        k = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype).to(device)
+        v = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype).to(device)
+        pos = torch.arange(n, device=device)
+        page = tables[s].long()[pos // block_size]
+        k_cache[page, pos % block_size], v_cache[page, pos % block_size] = k, v
+        if s == 0:
+            k0, v0 = k.double().cpu(), v.double().cpu()
+    scale = head_dim**-0.5
+
+    def run(
+        rows: list[tuple[int, int, int]], num_sms: int, max_rows=None, max_seq_len=None
+    ) -> torch.Tensor:
+        """rows: (sequence, first position, query length) -> out [tokens, heads, head_dim].
+        max_seq_len: the host's bound on every context (a CUDA graph's is max_model_len)."""
+        q = torch.cat([qs[min(s, 1), first : first + n] for s, first, n in rows])
+        lens = [n for _, _, n in rows]
+        seq_lens = [first + n for _, first, n in rows]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        plan = plan_chunks(
+            lens, max_seq_len or max(seq_lens), heads, kv_heads, head_dim, dtype, num_sms,
+            chunk_keys, max_rows,
+        )  # fmt: skip
+        i32 = dict(dtype=torch.int32, device=device)
+        return chunked_attention(
+            q, k_cache, v_cache, tables[torch.tensor([s for s, _, _ in rows]).to(device)],
+            torch.tensor(seq_lens, **i32), torch.tensor(starts, **i32), plan, scale,
+        )  # fmt: skip
+
+    others = [(s, contexts[s] - 1, 1) for s in range(1, n_seq)]
+    equal, failed, scaled = True, None, 0.0
+    for p in positions:
+        alone = run([(0, p, 1)], sms[0])[0]
+        forms: dict[str, torch.Tensor] = {}
+        for num_sms in sms:
+            forms[f"decode-sms{num_sms}"] = run([(0, p, 1)], num_sms)[0]
+            graph_sized = run([(0, p, 1)], num_sms, max_seq_len=8 * span)[0]
+            forms[f"decode-graph-sized-sms{num_sms}"] = graph_sized
+            for b in batches:
+                batch = [*others[: b // 2], (0, p, 1), *others[b // 2 : b - 1]]
+                forms[f"decode-b{b}-sms{num_sms}"] = run(batch, num_sms)[b // 2]
+            vstart = max(p - 2, 0)
+            forms[f"verify-sms{num_sms}"] = run([(0, vstart, 5)], num_sms)[p - vstart]
+            verify = [(s, max(c - 5, 0), min(c, 5)) for s, c in enumerate(contexts)][1:]
+            shift = sum(n for _, _, n in verify)
+            forms[f"verify-batch-sms{num_sms}"] = run(verify + [(0, vstart, 5)], num_sms, 8)[
+                shift + p - vstart
+            ]
+            c0 = max(p - 30, 0)
+            forms[f"chunk-sms{num_sms}"] = run([(0, c0, 40)], num_sms)[p - c0]
+            whole = [(1, 0, contexts[1]), (0, 0, p + 4)]
+            forms[f"prefill-sms{num_sms}"] = run(whole, num_sms)[contexts[1] + p]
+            forms[f"prefill-cut-sms{num_sms}"] = run(whole, num_sms, 1)[contexts[1] + p]
+        for name, got in forms.items():
+            if not torch.equal(got, alone):
+                equal, failed = False, failed or f"{name} at position {p}"
+        kf = k0[: p + 1].repeat_interleave(heads // kv_heads, 1)
+        vf = v0[: p + 1].repeat_interleave(heads // kv_heads, 1)
+        w = torch.einsum("hd,khd->hk", qs[0, p].double().cpu(), kf) * scale
+        ref = torch.einsum("hk,khd->hd", w.softmax(-1), vf)
+        err = (alone.double().cpu() - ref).abs().max() / ref.abs().max()
+        scaled = max(scaled, err.item())
+    # A padded sequence (seq_len 0, one query) beside a real decode: it comes out 0, and the
+    # real row keeps its bits.
+    p = positions[-1]
+    i32 = dict(dtype=torch.int32, device=device)
+    plan = plan_chunks([1, 1], p + 1, heads, kv_heads, head_dim, dtype, sms[0], chunk_keys)
+    padded = chunked_attention(
+        torch.cat([qs[0, p : p + 1], qs[1, :1]]), k_cache, v_cache, tables[:2],
+        torch.tensor([p + 1, 0], **i32), torch.tensor([0, 1, 2], **i32), plan, scale,
+    )  # fmt: skip
+    zero = bool((padded[1] == 0).all())
+    equal &= torch.equal(padded[0], run([(0, p, 1)], sms[0])[0])
+    return {
+        "equal": bool(equal), "failed": failed, "scaled": scaled, "padded_zero": zero,
+        "chunks": -(-(max(positions) + 1) // chunk_keys),
+    }  # fmt: skip
+
+
+def plan_cover(
+    query_lens: list[int], max_seq_len: int, heads: int, kv_heads: int, head_dim: int, **kw
+) -> dict:
+    """plan_chunks' launches: {"covered": every token in exactly one launch's rows, "bytes":
+    the workspace's size, "budget": WORKSPACE_BYTES, "launches": how many, "max_chunks", "programs": per launch}."""
+    from outrider.layers.attn_backends.triton_chunked import WORKSPACE_BYTES, plan_chunks
+
+    plan = plan_chunks(query_lens, max_seq_len, heads, kv_heads, head_dim, torch.bfloat16, **kw)
+    seen = [0] * sum(query_lens)
+    for ln in plan.launches:
+        for t in range(ln.token0, ln.token0 + ln.rows):
+            seen[t] += 1
+    return {
+        "covered": seen == [1] * len(seen),
+        "bytes": plan.rows * heads * plan.max_chunks * (head_dim + 2) * 4,
+        "budget": WORKSPACE_BYTES,
+        "launches": len(plan.launches), "max_chunks": plan.max_chunks,
+        "programs": [ln.programs for ln in plan.launches],
+    }  # fmt: skip
+
+
 def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     from tests.unit.test_triton_attention import _patch_interpreter_index
 
@@ -151,6 +296,16 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
             out = gemm_rows((1, 3, 17, 70), 80, 1100, dtype, "cpu", bias, sms=sms)
             emit(name=f"gemm-{tag}-sms{sms}-bias{bias}", **out)
         emit(name=f"attention-{tag}", **attention_rows(dtype, "cpu"))
+        emit(name=f"chunked-{tag}", **chunked_rows(dtype, "cpu"))
+    llama = dict(heads=32, kv_heads=8, head_dim=128, num_sms=132)
+    for name, lens, ctx in (
+        ("decode64", [1] * 64, 8192),
+        ("verify64", [5] * 64, 8192),
+        ("prefill8k", [8192], 8192),
+        ("mixed", [3, 700, 1, 9000, 40], 131072),
+        ("decode1", [1], 131072),
+    ):
+        emit(name=f"plan-{name}", **plan_cover(lens, ctx, **llama))
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +326,27 @@ def test_gemm_rows_are_invariant(results, dtype):
         assert r["equal"], r
         assert TOLERANCE[dtype] is None or r["scaled"] < TOLERANCE[dtype], r
         assert (r["splits"] > 1) == (sms == 8), r
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_chunked_rows_are_invariant(results, dtype):
+    r = results[f"chunked-{dtype}"]
+    assert r["equal"], r
+    assert r["chunks"] >= 3, r  # positions cross two chunk boundaries
+    assert r["padded_zero"], r
+    assert TOLERANCE[dtype] is None or r["scaled"] < TOLERANCE[dtype], r
+
+
+def test_chunk_plans_cover_every_token_within_the_workspace_budget(results):
+    plans = {n: results[f"plan-{n}"] for n in ("decode64", "verify64", "prefill8k", "mixed")}
+    for name, r in plans.items():
+        assert r["covered"], (name, r)
+        assert r["bytes"] <= r["budget"], (name, r)
+    assert plans["decode64"]["launches"] == 1 and plans["decode64"]["max_chunks"] == 32
+    assert plans["verify64"]["launches"] == 1  # 320 rows x 532 KB: 170 MB
+    assert plans["prefill8k"]["launches"] == 17  # 504 rows fit: 31 tiles of 16 a launch
+    # One row at 128K context: 512 chunks over 8 KV heads, two programs each fill 2 x 132 SMs.
+    assert results["plan-decode1"]["programs"] == [33]
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))

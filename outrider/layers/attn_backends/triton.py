@@ -7,7 +7,8 @@ so padded rows may point nowhere), then runs one of two kernels:
     otherwise (prefill chunk, VERIFY)   -> triton_prefill.prefill_attention
 Both read every length from device tensors, and a tree mask's shape follows the query lengths
 alone, so CUDA graphs captured once serve any context: DECODE and chain VERIFY graphs both work.
-The deterministic mode sends every step to prefill_attention, one tile shape, unsplit.
+The deterministic mode sends every step to triton_chunked.chunked_attention: keys split at fixed
+CHUNK_KEYS boundaries, partials merged in chunk order, one tile shape for every step kind.
 
 MLA models (a latent cache, {"latent": [num_blocks, block_size, r + d_r]}) take the same route
 in their absorbed form (DECODE, VERIFY): the step's latents are written (by the MLA glue
@@ -40,6 +41,13 @@ except ImportError as e:  # pragma: no cover - depends on the install
         "it; elsewhere `pip install 'triton==3.6.*'`), or choose attention_backend='torch_ref'"
     ) from e
 
+from outrider.layers.attn_backends.triton_chunked import (  # noqa: E402
+    CHUNK_KEYS,
+    ChunkPlan,
+    ChunkWorkspace,
+    chunked_attention,
+    plan_chunks,
+)
 from outrider.layers.attn_backends.triton_decode import (  # noqa: E402
     SplitWorkspace,
     choose_num_splits,
@@ -69,12 +77,16 @@ class _StepPlan:
     batch: int  # sequences
     max_seq_len: int
     max_query_len: int
+    query_lens: list[int]
     fixed_splits: int | None  # set by the caller (e.g. one value per CUDA graph bucket)
     # Per (kv_heads, group), or ("latent", heads) for MLA: num_splits, filled by the first
     # layer that asks; and the split workspaces, shared by all layers of the step (they run
     # one after another).
     splits: dict[tuple, int] = field(default_factory=dict)
     workspaces: dict[tuple, SplitWorkspace] = field(default_factory=dict)
+    # The deterministic mode's, per (num_heads, kv_heads, head_dim, dtype).
+    chunk_plans: dict[tuple, ChunkPlan] = field(default_factory=dict)
+    chunk_workspaces: dict[tuple, ChunkWorkspace] = field(default_factory=dict)
 
 
 class TritonBackend(AttentionBackend):
@@ -88,17 +100,19 @@ class TritonBackend(AttentionBackend):
         """num_splits: force this many context splits in every step (tuning, debugging);
         None chooses per step from batch size and the longest context.
 
-        deterministic: every step, decode included, runs the prefill kernel with one query
-        tile shape and the context unsplit (prefill_attention's fixed_tile), so a row's bits
-        depend on its position and keys alone. Costs the decode kernel's split parallelism at
-        small batch and long context. Tree masks are refused: a tree row's visible keys sit
-        among masked siblings, in other key tiles than a decode row's."""
+        deterministic: every step, decode included, runs triton_chunked.chunked_attention: one
+        query tile shape, the keys split at fixed CHUNK_KEYS boundaries from key 0 and merged
+        in chunk order, so a row's bits depend on its position and keys alone while a long row
+        still spreads over ceil(context / CHUNK_KEYS) programs a KV head. Tree masks are
+        refused: a tree row's visible keys sit among masked siblings, in other key tiles than a
+        decode row's."""
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
         if deterministic and num_splits not in (None, 1):
             raise ValueError(
                 f"num_splits={num_splits} with deterministic=True: the deterministic mode "
-                "attends over the context unsplit; leave num_splits None"
+                f"splits every context at fixed {CHUNK_KEYS}-key chunks, whatever the batch; "
+                "leave num_splits None"
             )
         self.num_splits = num_splits
         self.deterministic = deterministic
@@ -125,6 +139,7 @@ class TritonBackend(AttentionBackend):
             batch=meta.batch_size,
             max_seq_len=max(meta.seq_lens_cpu, default=0),
             max_query_len=max(meta.query_lens_cpu, default=0),
+            query_lens=list(meta.query_lens_cpu),
             fixed_splits=num_splits if num_splits is not None else self.num_splits,
         )
 
@@ -142,6 +157,8 @@ class TritonBackend(AttentionBackend):
         plan = self._plan(meta)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k_cache.shape[2]
+        if self.deterministic:
+            return self._forward_chunked(q, k_cache, v_cache, meta, plan, scale)
         group = num_heads // max(kv_heads, 1)
         splits = plan.splits.get((kv_heads, group))
         if splits is None:
@@ -154,7 +171,30 @@ class TritonBackend(AttentionBackend):
         return prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             plan.max_query_len, scale, splits, meta.tree_mask, workspace,
-            fixed_tile=self.deterministic,
+        )  # fmt: skip
+
+    @staticmethod
+    def _forward_chunked(q, k_cache, v_cache, meta, plan: _StepPlan, scale) -> torch.Tensor:
+        """The deterministic mode's attention; its plan and workspace are made by the step's
+        first layer and shared by the rest (under a CUDA graph: sized by max_model_len, the
+        host context length the graph runner passes, so any replay fits)."""
+        num_heads, head_dim = q.shape[1:]
+        key = (num_heads, k_cache.shape[2], head_dim, q.dtype)
+        chunks = plan.chunk_plans.get(key)
+        if chunks is None:
+            chunks = plan.chunk_plans[key] = plan_chunks(
+                plan.query_lens, plan.max_seq_len, num_heads, k_cache.shape[2], head_dim,
+                q.dtype, _num_sms(q.device),
+            )  # fmt: skip
+        ws_key = (chunks.rows, num_heads, chunks.max_chunks, head_dim, q.device)
+        workspace = plan.chunk_workspaces.get(ws_key)
+        if workspace is None:
+            workspace = plan.chunk_workspaces[ws_key] = ChunkWorkspace.allocate(
+                chunks, num_heads, head_dim, q.device
+            )
+        return chunked_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            chunks, scale, workspace,
         )  # fmt: skip
 
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):

@@ -119,16 +119,9 @@ def prefill_attention(
     num_splits: int = 1,
     tree_mask: torch.Tensor | None = None,  # [num_tokens, M] bool over each sequence's last M keys
     workspace: SplitWorkspace | None = None,
-    fixed_tile: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
     """No host sync: lengths are read on the device; `max_query_len` only sizes the grid, so a
-    value larger than the true maximum is correct (extra programs find no tokens and exit).
-
-    fixed_tile (the deterministic mode, with num_splits 1 and no tree mask): one query tile
-    shape whatever the query lengths, so a row's arithmetic depends on its position alone:
-    every row walks BLOCK_N key tiles from key 0, and the tiles a longer query's later rows
-    add past a row's position are masked for it (p = 0, alpha = 1: exact no-ops). A one-token
-    decode row, a verify row and a prefill row at one position give the same bits."""
+    value larger than the true maximum is correct (extra programs find no tokens and exit)."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, group = check_paged_inputs(q, k_cache, v_cache, block_tables)
     batch = block_tables.shape[0]
@@ -141,7 +134,7 @@ def prefill_attention(
     if num_tokens == 0 or batch == 0:
         return out
     block_m, block_n, num_warps, num_stages = prefill_config(head_dim, q.dtype)
-    block_q, group_pad = query_tile(None if fixed_tile else max_query_len, group, block_m)
+    block_q, group_pad = query_tile(max_query_len, group, block_m)
     q_tiles = triton.cdiv(max(max_query_len, 1), block_q)
     # Every (token, head, split) partial gets written, even an empty one (lse -inf), as long
     # as query_start_loc covers the tokens and max_query_len bounds its gaps.
