@@ -11,7 +11,9 @@ Replayed (`replay_chain`): the greedy chain of k the engine runs, replayed offli
 that are the target's own greedy answers. Draft j of a verify rooted after row t is TTT step
 j - 1 at row t (its inputs are the accepted tokens, i.e. the sample's); the engine accepts the
 leading correct drafts plus its bonus token and roots the next verify a + 1 rows on, with drafts
-capped so they never pass the answer's end. On such samples it equals the engine's accept
+capped so they never pass the answer's end. The first verify is rooted at the answer's second
+token, as a request served alone meets it (its prefill drafts nothing; its first decode step
+verifies no drafts and drafts inside). On such samples it equals the engine's accept
 length exactly (a test holds it to that): a drafter that scores well here but not in serving
 points at serving, not at training.
 
@@ -226,7 +228,10 @@ def replay_chain(
             # dense: one sample per row, so every row is a new shape (flex would recompile)
             for out in unroll(draft, batch, k, attention="dense")
         ]
-        t = first - 1  # the prefill's last row: its bonus token is the answer's first
+        # The prefill's last row (first - 1) gives the answer's first token; the first decode
+        # step verifies no drafts (a prefill drafts nothing: the engine drafts a new request
+        # inside its first speculative step) and gives the second, from row `first`.
+        t = first
         while t + 2 < n:  # tokens x_{first}..x_{t+1} generated, x_{t+2}.. still to come
             room = min(k, n - (t + 2) - 1)  # the engine's cap: accepted + bonus <= the rest
             if room <= 0:
