@@ -36,7 +36,7 @@ def _known(commit: str) -> bool:
         return False
 
 
-def _dirty_outside_results() -> bool:
+def dirty_outside_results() -> bool:
     """Whether tracked files other than benchmarks/results/ differ from HEAD: a run's own
     figures, written before its JSON (spec_serve's plots), say nothing of the code it ran."""
     try:
@@ -63,7 +63,7 @@ def metadata() -> dict:
 
     commit, dirty = git_commit(RESULTS.parent)
     if dirty:
-        dirty = _dirty_outside_results()
+        dirty = dirty_outside_results()
     git = {"head": commit, "dirty": dirty}  # (None, None) with no repository here
     written = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
     if written and (commit is None or (commit != written and not _known(written))):
