@@ -21,8 +21,8 @@ from outrider.layers import batch_invariant
 from outrider.layers.attn_backends.base import get_backend
 from outrider.layers.forward_context import AttentionMetadata
 from outrider.models.deterministic import make_batch_invariant
-from outrider.speculative.base import SeqDrafts
 from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
+from tests.unit.test_spec_engine import OracleProposer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
@@ -107,49 +107,20 @@ def test_rms_norm_rows_are_invariant():
 # -- the engine -----------------------------------------------------------------------------
 
 
-class NoisyOracle:
+class NoisyOracle(OracleProposer):
     """Drafts the plain run's continuation with one token in every `every` wrong, so verifies
     accept some drafts and reject the rest at many positions; as a tree, a wrong sibling
     precedes each right node (accepted nodes are then not in node order)."""
 
     name = "noisy-oracle"
-    on_device = False
-    aux_layers: tuple[int, ...] = ()
-    writes_kv = False
+    every = 3
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]], tree: bool = False):
-        self.continuations, self.tree, self.every = continuations, tree, 3
-        self.topk = 2 if tree else 1
-
-    def positions_needed(self, k):
-        return 1 + k
-
-    def propose(self, requests, max_draft_tokens):
-        out = []
-        for req in requests:
-            done = len(req.output_token_ids)
-            full = self.continuations[tuple(req.prompt_token_ids)]
-            right = full[done : done + max_draft_tokens]
-            right = [
-                (t + 7) % 512 if (done + i) % self.every == 2 else t for i, t in enumerate(right)
-            ]
-            if not self.tree:
-                out.append(SeqDrafts.chain(right))
-                continue
-            tokens, parents, parent = [], [], -1
-            for tok in right:
-                tokens += [(tok + 1) % 512, tok]
-                parents += [parent, parent]
-                parent = len(tokens) - 1
-            n = max_draft_tokens - max_draft_tokens % 2
-            out.append(SeqDrafts(tokens[:n], parents[:n]))
-        return out
-
-    def observe(self, batch, output):
-        pass
-
-    def forget(self, request_id):
-        pass
+    def right(self, req, max_draft_tokens) -> list[int]:
+        done = len(req.output_token_ids)
+        return [
+            (t + 7) % 512 if (done + i) % self.every == 2 else t
+            for i, t in enumerate(super().right(req, max_draft_tokens))
+        ]
 
 
 def _llm(tiny_dir, **kw):  # noqa: F811

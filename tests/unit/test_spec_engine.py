@@ -31,11 +31,15 @@ class OracleProposer:
     def positions_needed(self, k):
         return 1 + k
 
+    def right(self, req, max_draft_tokens) -> list[int]:
+        """The chain drafted for req: its continuation from where its output stands."""
+        full = self.continuations[tuple(req.prompt_token_ids)]
+        return full[len(req.output_token_ids) : len(req.output_token_ids) + max_draft_tokens]
+
     def propose(self, requests, max_draft_tokens):
         out = []
         for req in requests:
-            full = self.continuations[tuple(req.prompt_token_ids)]
-            right = full[len(req.output_token_ids) : len(req.output_token_ids) + max_draft_tokens]
+            right = self.right(req, max_draft_tokens)
             if not self.tree:
                 out.append(SeqDrafts.chain(right))
                 continue
