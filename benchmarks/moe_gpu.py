@@ -16,8 +16,16 @@ routing, which random weights give), and each sequence's cached latents at the m
 
 A profiled stretch of decode steps at each --profile-concurrency gives kernels per step (graph
 replays counted kernel by kernel), GPU busy time against the step's wall time, and the kernels
-of one step by name. Writes moe_gpu.json (--smoke: moe_gpu_smoke.json) under
-benchmarks/results or --out-dir.
+of one step by name.
+
+Then the planner against the family (`plan`): each MoE shape's decode and verify steps (k in
+--plan-ks, batches in --plan-batches, as `outrider plan --calibrate` times them: the model
+runner's graphs, context 0) measured in turns with the Llama-3.1-8B shape's, the planner's
+machine constants fitted to the dense model's points (`outrider plan --calibrate`) and used to
+predict the MoE shape's (`cross_error`; goal within 25%), and each verify step over the plain
+step at its batch (`verify_over_plain`). --plan-batches with no value skips it.
+
+Writes moe_gpu.json (--smoke: moe_gpu_smoke.json) under benchmarks/results or --out-dir.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
-from gpu_decode import copy_bandwidth_gbs, run_outrider  # noqa: E402
+from gpu_decode import LLAMA_8B, copy_bandwidth_gbs, run_outrider  # noqa: E402
 from kimi_layers import KIMI, hf_config, random_checkpoint  # noqa: E402
+from plan_accuracy import compare, measure_interleaved  # noqa: E402
 
 # moonshotai/Moonlight-16B-A3B's config.json (DeepSeek-V3 architecture, no q LoRA).
 MOONLIGHT = {
@@ -57,6 +66,12 @@ SMOKE = {
     "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
     "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
 }  # fmt: skip
+# The dense model the planner is fitted on in --smoke: the Llama family, tiny.
+SMOKE_DENSE = {
+    **LLAMA_8B, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
+PLAN_GOAL = 0.25  # |cross_error| of every MoE point
 
 
 def model_config(name: str, kimi_layers: int) -> dict:
@@ -193,6 +208,56 @@ def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidt
     return result
 
 
+def plan_check(name: str, hf: dict, args, device: str, dtype: torch.dtype) -> dict:
+    """The planner fitted on the dense Llama shape's steps predicts `hf`'s decode and verify
+    steps, both measured in turns in this process (benchmarks/plan_accuracy.py)."""
+    from outrider.plan import calibrate
+
+    dense = ("llama-3.1-8b", LLAMA_8B) if device == "cuda" else ("dense", SMOKE_DENSE)
+    cuda = device == "cuda"
+    shapes = {  # KV budget: each runner's share of the device less what is already in use
+        dense[0]: (dense[1], False, 0.3 if cuda else None),
+        name: (hf, False, 0.75 if cuda else None),
+    }  # fmt: skip
+    measured = measure_interleaved(
+        tuple(args.plan_batches), (0, *args.plan_ks), args.plan_reps, shapes, device,
+        str(dtype).removeprefix("torch."), makers={name: lambda: random_checkpoint(hf, device, dtype)},
+    )  # fmt: skip
+    if cuda:
+        from outrider.plan.cli import _gpu_by_name
+
+        prior = _gpu_by_name(torch.cuda.get_device_name())
+    else:
+        m = measured[name]
+        prior = calibrate.cpu_profile(m.threads, m.memory_gb)
+    graphs = measured[name].graphs
+    models = {n: m.model for n, m in measured.items()}
+    points = {n: m.points for n, m in measured.items()}
+    result = compare(models, points, prior, graphs)
+    rows = [r for r in result["rows"] if r["model"] == name]
+    plain = {r["batch"]: r["measured_ms"] for r in rows if r["k"] == 0}
+    worst = max(abs(r["cross_error"]) for r in rows)
+    for r in rows:
+        print(f"{name} plan B={r['batch']} k={r['k']}: measured {r['measured_ms']:.3f} ms, "
+              f"fitted on {dense[0]} {r['cross_ms']:.3f} ({r['cross_error']:+.1%})", flush=True)  # fmt: skip
+    return {
+        "fitted_on": dense[0],
+        "fitted": result["fitted_on"][dense[0]],
+        "rows": rows,
+        "verify_over_plain": {
+            str(b): {
+                str(r["k"]): round(r["measured_ms"] / plain[b], 3)
+                for r in rows
+                if r["batch"] == b and r["k"]
+            }
+            for b in sorted(plain)
+        },  # fmt: skip
+        "worst_cross_error": worst,
+        "goal": f"|cross_error| <= {PLAN_GOAL} at every point of the MoE shape",
+        "holds": worst <= PLAN_GOAL,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -208,6 +273,9 @@ def main() -> int:
     ap.add_argument(
         "--max-model-len", type=int, default=4096, help="as a server is started (attention splits)"
     )
+    ap.add_argument("--plan-batches", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--plan-ks", type=int, nargs="+", default=[1, 3, 7])
+    ap.add_argument("--plan-reps", type=int, default=10)
     ap.add_argument("--out-dir", default=None, help="where moe_gpu.json goes")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in fp32")
     args = ap.parse_args()
@@ -216,6 +284,7 @@ def main() -> int:
         models = {"smoke": SMOKE}
         args.concurrency, args.profile_concurrency = [1, 2], [1]
         args.prompt_len, args.new_tokens, args.max_model_len = 8, 4, 64
+        args.plan_batches, args.plan_ks, args.plan_reps = [1, 2], [1], 1
     else:
         device, dtype = "cuda", torch.bfloat16
         bandwidth = copy_bandwidth_gbs()
@@ -223,6 +292,11 @@ def main() -> int:
     results = {}
     for name, hf in models.items():
         results[name] = measure(name, hf, args, device, dtype, bandwidth)
+        if args.plan_batches:
+            results[name]["plan"] = plan_check(name, hf, args, device, dtype)
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     path = write_result(
         "moe_gpu_smoke" if args.smoke else "moe_gpu",
         {"device": device, "dtype": str(dtype), "copy_bandwidth_gbs": round(bandwidth, 1),

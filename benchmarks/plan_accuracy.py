@@ -90,7 +90,7 @@ ROUNDS = 3  # each point's step and device time: the median over rounds
 
 def measure_interleaved(
     batches: tuple, ks: tuple, reps: int, shapes: dict | None = None, device: str = "cuda",
-    dtype: str = "bfloat16",
+    dtype: str = "bfloat16", makers: dict | None = None,
 ) -> dict:  # fmt: skip
     """Both models' runners built in this process, then their points measured in turns: for
     each of ROUNDS rounds, each batch size, model after model. The host's share of a step
@@ -98,8 +98,9 @@ def measure_interleaved(
     steps carry it whole), so each model measured in a block of its own saw a host of its own;
     in turns, both see the same one, which is what a profile carried from one model to the
     other assumes. Device times come from events (no profiler, whose tracing slowed every
-    later launch in the process; none on the CPU). shapes: SHAPES' form, SHAPES by default.
-    -> {name: calibrate.Measurement}."""
+    later launch in the process; none on the CPU). shapes: SHAPES' form, SHAPES by default;
+    makers: name -> a function making that shape's checkpoint (default: gpu_decode's random
+    Llama weights). -> {name: calibrate.Measurement}."""
     from outrider.executor.step_timing import profile_steps
     from outrider.plan import calibrate
 
@@ -107,7 +108,10 @@ def measure_interleaved(
     runners, checkpoints = {}, {}
     shapes = shapes or SHAPES
     for name, (hf, tied, memory) in shapes.items():
-        checkpoints[name] = random_checkpoint(hf, device, getattr(torch, dtype), tied_head=tied)
+        make = (makers or {}).get(name)
+        checkpoints[name] = (
+            make() if make else random_checkpoint(hf, device, getattr(torch, dtype), tied_head=tied)
+        )
         runners[name] = calibrate.build_runner(checkpoints[name], device, dtype, ks, memory)
     samples: dict = {name: {} for name in shapes}  # name -> (b, k) -> [(step, device or None)]
     for r in range(ROUNDS):

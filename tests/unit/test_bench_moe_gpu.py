@@ -25,6 +25,15 @@ def test_smoke_run_writes_every_row(bench, tmp_path, monkeypatch):
     assert all(row["tok_per_s"] > 0 for row in smoke["decode"].values())
     assert smoke["layers"] == 3 and not smoke["int4_experts"]
     assert "commit" in result  # the run's metadata
+    plan = smoke["plan"]  # the planner fitted on a dense model, predicting this one
+    assert plan["fitted_on"] == "dense"
+    assert sorted((r["batch"], r["k"]) for r in plan["rows"]) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert {r["model"] for r in plan["rows"]} == {"smoke"}
+    assert plan["worst_cross_error"] == max(abs(r["cross_error"]) for r in plan["rows"])
+    assert plan["holds"] == (plan["worst_cross_error"] <= bench.PLAN_GOAL)
+    ratio = plan["verify_over_plain"]["2"]["1"]
+    row = {(r["batch"], r["k"]): r["measured_ms"] for r in plan["rows"]}
+    assert ratio == pytest.approx(row[2, 1] / row[2, 0], abs=1e-3)
 
 
 def test_expected_experts_follows_uniform_routing(bench):
