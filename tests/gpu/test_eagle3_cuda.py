@@ -68,8 +68,9 @@ def test_chain_drafts_from_draft_graphs_equal_eager(drafter_path):
         for p in GROUNDED[:3] + OPEN[:3]
     ]
     reqs = [engine.add_request(ids, params) for ids in prompts]
-    engine.step()  # prefill: every frontier is ready
+    engine.step()  # prefill: the prompts' rows deferred, extended over by propose's catch-up
     assert all(r.num_computed_tokens == r.num_tokens - 1 for r in reqs)
+    assert all(engine.speculator._reserve_draft_slots(r, 4) for r in reqs)  # as a step would
     graphed = [d.token_ids for d in proposer.propose(reqs, 4)]
     assert proposer._graphs is not None and proposer._graphs.graphs
     proposer._draft_graphs = lambda: None  # the eager chain, same KV slots, same inputs
