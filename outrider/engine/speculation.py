@@ -30,6 +30,7 @@ from outrider.core import ForwardMode, Request, ScheduledBatch, SeqDrafts, StepO
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import count_until_stop
 from outrider.engine.structured import Grammars
+from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.spec_step import simple_greedy
 from outrider.speculative.base import Proposer
@@ -174,6 +175,7 @@ class Speculator:
             "deterministic": str(runner.config.model.deterministic),
             "tensor_parallel": str(runner.tp.size),
             "shapes": f"batch sizes {list(sizes)}, k 0..{self._k_max}",
+            "method": step_timing.METHOD,
             "versions": f"outrider {__version__}, torch {torch.__version__}",
         }
 

@@ -2,7 +2,12 @@
 what `outrider plan --calibrate` fits the cost model to.
 
 A step is timed as the engine runs it (inputs built, graphs replayed where captured, the host
-read at the end), on rows in the scratch block, so no request's KV is touched. On CUDA the
+read at the end), on rows at position 0, each in blocks of its own: the pool's first ones,
+which hold no request's KV yet when the engine times its steps at start-up (or `outrider plan
+--calibrate` times a runner of its own). Rows sharing one block attended to one another's KV,
+so in a random-weight MoE model every row's hidden state drifted to the same experts: 16 rows
+read 20-27 of 64 experts a layer where 16 served requests read ~51, and Moonlight's plain step
+of 16 timed 5.3 ms where the engine's takes 10.9. On CUDA the
 device's share can be measured too (`device_ms`): the same step's device work queued several
 times over, the first behind a GPU sleep, each next one while the device runs the last, so
 the device runs them back to back, never waiting on Python, with a CUDA event between two
@@ -36,6 +41,9 @@ from outrider.speculative.base import SeqDrafts
 if TYPE_CHECKING:  # the runner's profile_steps calls in here: at run time a cycle
     from outrider.executor.model_runner import ModelRunner
 
+# What the profile cache's key says of how steps are timed: a kept profile timed otherwise is
+# measured again (engine/speculation.py).
+METHOD = "rows at position 0 in blocks of their own"
 DEVICE_REPS = 5  # device-timed steps per shape (median): a replay varies by a few percent
 DEVICE_WARM = 3  # steps before them, so the device's clocks settle as in a sustained run
 
@@ -98,16 +106,19 @@ def default_batch_sizes(runner: ModelRunner) -> tuple[int, ...]:
 
 
 def _dummy_batch(runner: ModelRunner, rng: random.Random, b: int, k: int) -> ScheduledBatch:
-    """b rows of 1 + k random tokens at position 0, each in the scratch block."""
+    """b rows of 1 + k random tokens at position 0, each in blocks of its own (the pool's
+    first ones, taken again from the start where the pool has fewer than the rows need)."""
     params = SamplingParams(temperature=0, max_tokens=None)
     vocab = runner.model_config.vocab_size
     rows = [[rng.randrange(vocab) for _ in range(1 + k)] for _ in range(b)]
+    per_row = -(-(1 + k) // runner.block_size)
     seqs = [
         ScheduledSeq(
             Request(prompt_token_ids=[0], params=params), row, 0,
-            [runner.num_blocks], True, SeqDrafts.chain(row[1:]) if k else None,
+            [(i * per_row + j) % runner.num_blocks for j in range(per_row)], True,
+            SeqDrafts.chain(row[1:]) if k else None,
         )
-        for row in rows
+        for i, row in enumerate(rows)
     ]  # fmt: skip
     return ScheduledBatch(ForwardMode.VERIFY if k else ForwardMode.DECODE, seqs)
 
