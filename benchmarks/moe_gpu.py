@@ -216,8 +216,8 @@ def plan_check(name: str, hf: dict, args, device: str, dtype: torch.dtype) -> di
     dense = ("llama-3.1-8b", LLAMA_8B) if device == "cuda" else ("dense", SMOKE_DENSE)
     cuda = device == "cuda"
     shapes = {  # KV budget: each runner's share of the device less what is already in use
-        dense[0]: (dense[1], False, 0.3 if cuda else None),
-        name: (hf, False, 0.75 if cuda else None),
+        dense[0]: (dense[1], False, 0.25 if cuda else None),
+        name: (hf, False, 0.9 if cuda else None),
     }  # fmt: skip
     measured = measure_interleaved(
         tuple(args.plan_batches), (0, *args.plan_ks), args.plan_reps, shapes, device,
