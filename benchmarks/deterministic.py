@@ -1,19 +1,20 @@
-"""What the deterministic mode (issue 38) costs and whether it holds: plain, n-gram and
-EAGLE-3 (chain) through `LLM`, greedy, bf16, in the default mode and the deterministic mode
+"""What the deterministic mode costs and whether it holds: plain, n-gram and EAGLE-3 (chain
+and tree) through `LLM`, greedy, bf16, in the default mode and the deterministic mode
 side by side in one run, at C in {1, 16, 64}; then, with --llama8b, plain and n-gram decode of
 the Llama-3.1-8B shape (random bf16 weights) in both modes. First, always, the attention
 kernels alone (`attention_runs`; --attention-only stops there).
 
     python benchmarks/deterministic.py [--concurrency 1 16 64] [--new-tokens 256]
-        [--configs ngram eagle3_chain] [--rounds 2] [--num-prompts 30] [--draft DIR]
+        [--configs ngram eagle3_chain eagle3_tree] [--rounds 2] [--num-prompts 16] [--draft DIR]
         [--llama8b] [--attention-only] [--out-dir DIR]
 
 Each C runs every (mode, config) engine on the held-out prompts as one-turn chats in batches of
 C, `--rounds` times in a rotated order; tok/s is the median over rounds. Reported per mode and
 C: tok/s, accept length, speedup over the same mode's plain, and `identical`: how many outputs
 equal the same mode's plain output token for token. Also the deterministic plain outputs at
-every C against C=1's (the same request alone or in any batch), and the cost table the issue
-asks for: deterministic plain tok/s over default plain tok/s, and each speculative config's
+every C against C=1's (the same request alone or in any batch), the first C's run again
+through the same engine (every prompt a prefix-cache hit) and through one whose prefills are
+cut into 64-token chunks, and the cost table: deterministic plain tok/s over default plain tok/s, and each speculative config's
 deterministic speedup over its default speedup. Writes benchmarks/results/deterministic.json.
 CUDA only (the CPU's deterministic mode is a correctness mode, one GEMV per row).
 """
@@ -31,17 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 MODES = ("default", "deterministic")
-CONFIGS = ("ngram", "eagle3_chain")
+CONFIGS = ("ngram", "eagle3_chain", "eagle3_tree")
 
 
 def engine_specs(k: int, draft: str | None) -> dict[str, dict | None]:
-    """Config name -> `speculative=` for LLM (None: plain). Chains only: the deterministic mode
-    refuses trees on CUDA."""
+    """Config name -> `speculative=` for LLM (None: plain); the tree is spec_gpu.py's default
+    shape (8 nodes, top 3, 4 steps)."""
     return {
         "plain": None,
         "ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "fixed"},
         "eagle3_chain": {"method": "eagle3", "draft": draft, "num_draft_tokens": k,
                          "controller": "fixed"},
+        "eagle3_tree": {"method": "eagle3", "draft": draft, "num_draft_tokens": 8, "topk": 3,
+                        "num_steps": 4, "controller": "fixed"},
     }  # fmt: skip
 
 
@@ -104,13 +107,35 @@ def default_model_runs(args) -> dict:
         ids = runs[f"c{c}"]["deterministic"]["plain"]["ids"]
         n = min(len(ids), len(first))  # batches cycle prompts: compare the first pass
         across[str(c)] = f"{identical(ids[:n], first[:n])}/{n}"
+    # The same requests again through the same engine (every prompt a prefix-cache hit) and
+    # through one whose prefills are cut into 64-token chunks: the first C's outputs again.
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens)
+    first_c = args.concurrency[0]
+    det_plain = llms[("deterministic", "plain")]
+    hits_before = det_plain.engine.scheduler.block_manager.stats.hit_tokens
+    again = [o.token_ids for b in batches(convs, first_c) for o in det_plain.chat(b, params)]
+    hit_tokens = det_plain.engine.scheduler.block_manager.stats.hit_tokens - hits_before
+    del llms
+    gc.collect()
+    chunked = LLM(dtype="bfloat16", device="cuda", num_blocks=4096, deterministic=True,
+                  max_num_batched_tokens=64, enable_prefix_caching=False)  # fmt: skip
+    cut = [o.token_ids for b in batches(convs, first_c) for o in chunked.chat(b, params)]
+    del chunked
+    gc.collect()
+    n = len(again)
+    same = {
+        "prefix_hit": f"{identical(again, first[:n])}/{n}",
+        "prefix_hit_tokens": hit_tokens,
+        "chunked_prefill_64": f"{identical(cut, first[:n])}/{n}",
+    }
+    print(f"deterministic plain at C={first_c} again: {same}", flush=True)
     for row in runs.values():
         for mode_rows in row.values():
             for r in mode_rows.values():
                 r.pop("ids")
-    del llms
-    gc.collect()
-    return {"runs": runs, "errors": errors, "deterministic_plain_same_as_first_c": across,
+    return {"runs": runs, "errors": errors, "num_prompts": len(convs),
+            "deterministic_plain_same_as_first_c": across,
+            "deterministic_plain_same_as_first_c_run": same,
             "cost": cost_table(runs, args.concurrency)}  # fmt: skip
 
 
@@ -278,7 +303,7 @@ def main() -> None:
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--num-prompts", type=int, default=30, help="held-out prompts (at most 30)")
+    ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts (at most 16)")
     ap.add_argument(
         "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
         help="speculative configs beside plain (default model)",

@@ -10,8 +10,9 @@
   128256, two layers of random bf16 weights): the logits of one row are bitwise equal computed
   as a decode alone, in decode batches of 2..64, as a row of chain verifies of 1 + 3 tokens in
   batches of 1..64, and as the last row of a prefill chunk;
-- the default model in bf16: greedy speculative output (n-gram and an EAGLE-3 chain) equals
-  plain output, and batched output equals each prompt alone.
+- tree verifies at Llama-3.1-8B's heads: each node's row equals the decode of its path;
+- the default model in bf16: greedy speculative output (n-gram, an EAGLE-3 chain and tree)
+  equals plain output, and batched output equals each prompt alone.
 """
 
 from __future__ import annotations
@@ -203,6 +204,16 @@ def test_llama8b_row_logits_invariant_in_decode_and_verify():
     assert torch.equal(chunk[-1], alone), "prefill chunk row against the decode"
 
 
+def test_tree_rows_equal_their_paths_decodes_at_llama8b_heads():
+    from tests.unit.test_deterministic_kernels import tree_rows
+
+    out = tree_rows(
+        torch.bfloat16, "cuda", **LLAMA8B_ATTENTION, roots=(250, 4090, 7),
+        chunk_keys=256, sms=132,
+    )  # fmt: skip
+    assert out["equal"] and out["chain_equal"], out
+
+
 def _default_model_or_skip():
     try:
         from outrider.loaders.checkpoint import open_checkpoint
@@ -212,7 +223,7 @@ def _default_model_or_skip():
         pytest.skip(f"the default model is not installed: {e}")
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3_tree"])
 def test_default_model_bf16_speculative_equals_plain(method, request):
     from outrider import LLM, SamplingParams
     from outrider.bench.datasets import GROUNDED, OPEN
@@ -226,9 +237,11 @@ def test_default_model_bf16_speculative_equals_plain(method, request):
     alone = [plain.chat([c], params)[0].token_ids for c in convs[:4]]
     assert alone == want[:4], "batched plain output differs from alone"
     del plain
-    spec = {"method": method, "controller": "fixed", "num_draft_tokens": 4}
-    if method == "eagle3":
+    spec = {"method": method.removesuffix("_tree"), "controller": "fixed", "num_draft_tokens": 4}
+    if method.startswith("eagle3"):
         spec["draft"] = request.getfixturevalue("drafter_path")
+    if method == "eagle3_tree":
+        spec.update(topk=3, num_steps=3)  # a tree of 4 nodes, as test_eagle3_cuda.py grows
     llm = LLM(**common, speculative=spec)
     outs = llm.chat(convs, params)
     same = sum(o.token_ids == w for o, w in zip(outs, want))

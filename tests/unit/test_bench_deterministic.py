@@ -1,5 +1,5 @@
 """The pure parts of benchmarks/deterministic.py (a CUDA-only benchmark): its argument parsing
-and help run on any machine, its configs are chains, and its cost table divides the right
+and help run on any machine, its configs (chains and a tree), and its cost table divides the right
 figures. The benchmark itself runs on a GPU (its docstring says how)."""
 
 from __future__ import annotations
@@ -26,11 +26,13 @@ def test_help_runs_without_cuda():
     assert "--llama8b" in out.stdout and "--concurrency" in out.stdout
 
 
-def test_configs_are_chains(bench):
+def test_configs_cover_chains_and_a_tree(bench):
     specs = bench.engine_specs(4, None)
     assert specs["plain"] is None
-    assert all(s.get("topk", 1) == 1 for s in specs.values() if s is not None)
     assert set(bench.CONFIGS) <= set(specs)
+    assert specs["ngram"]["num_draft_tokens"] == specs["eagle3_chain"]["num_draft_tokens"] == 4
+    assert specs["eagle3_chain"].get("topk", 1) == 1 and specs["eagle3_tree"]["topk"] > 1
+    assert all(s["controller"] == "fixed" for s in specs.values() if s is not None)
 
 
 def test_cost_table(bench):

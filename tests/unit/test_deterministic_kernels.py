@@ -264,6 +264,107 @@ def chunked_rows(
     }  # fmt: skip
 
 
+def tree_rows(
+    dtype: torch.dtype,
+    device: str,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+    roots: tuple[int, ...] = (60, 130, 5),
+    parents: tuple[int, ...] = (-1, -1, 0, 0, 1, 2, 5, -1),
+    chunk_keys: int = 64,
+    block_size: int = 16,
+    sms: int = 4,
+) -> dict:
+    """chunked_attention under a tree mask: sequences whose roots sit at `roots` (60 and 130:
+    paths that cross a 64-key chunk boundary) each verify the root and a tree of
+    len(parents) nodes (parents[i]: node i's parent, -1 the root), batched beside a chain
+    verify of the same length. Node i's row must equal, bit for bit, the lone decode of its
+    query at position root + depth(i) in a copy of the sequence whose keys after the context
+    are the root's and its path's, in path order (what the cache holds once the path is
+    accepted). -> {"equal", "failed": the first (root, node) that was not, "rows": rows
+    compared, "chain_equal": the chain verify's rows equal its decodes}."""
+    from outrider.layers.attn_backends.triton_chunked import chunked_attention, plan_chunks
+
+    g = torch.Generator().manual_seed(5)
+    n = 1 + len(parents)  # query tokens a verify
+    depth = [0]
+    for par in parents:
+        depth.append(depth[par + 1] + 1)
+    paths = []  # each query token's path from the root (query indices), itself last
+    for t in range(n):
+        path = [t]
+        while path[-1] != 0:
+            path.append(parents[path[-1] - 1] + 1)
+        paths.append(path[::-1])
+    span = max(roots) + n
+    pages = -(-span // block_size)
+    # Pages: one set a tree sequence, one a chain, then one a (root, node) decode copy.
+    n_tables = len(roots) + 1 + len(roots) * n
+    order = torch.randperm(n_tables * pages, generator=g) + 1
+    tables = order.view(n_tables, pages).to(torch.int32).to(device)
+    k_cache = torch.zeros(n_tables * pages + 1, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache, v_cache = k_cache.to(device), torch.zeros_like(k_cache).to(device)
+    keys = torch.randn(len(roots) + 1, span, kv_heads, head_dim, generator=g).to(dtype)
+    vals = torch.randn(len(roots) + 1, span, kv_heads, head_dim, generator=g).to(dtype)
+    qs = torch.randn(len(roots) + 1, n, heads, head_dim, generator=g).to(dtype).to(device)
+
+    def store(table: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        page = tables[table].long()[pos // block_size]
+        k_cache[page, pos % block_size] = k.to(device)
+        v_cache[page, pos % block_size] = v.to(device)
+
+    chain_root = roots[0]
+    seq_roots = [*roots, chain_root]
+    for s, root in enumerate(seq_roots):  # context, root and the tree's slots in order
+        pos = torch.arange(root + n, device=device)
+        store(s, pos, keys[s, : root + n], vals[s, : root + n])
+    # The tree mask over each sequence's last n keys; the chain's is causal.
+    mask = torch.zeros(len(seq_roots) * n, n, dtype=torch.bool)
+    for s in range(len(seq_roots)):
+        for t in range(n):
+            cols = paths[t] if s < len(roots) else range(t + 1)
+            mask[s * n + t, list(cols)] = True
+    i32 = dict(dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    lens = [n] * len(seq_roots)
+    plan = plan_chunks(lens, span, heads, kv_heads, head_dim, dtype, sms, chunk_keys, tree=True)
+    verify = chunked_attention(
+        qs[list(range(len(roots))) + [len(roots)]].flatten(0, 1), k_cache, v_cache,
+        tables[: len(seq_roots)], torch.tensor([r + n for r in seq_roots], **i32),
+        torch.arange(0, n * len(seq_roots) + 1, n, **i32), plan, scale,
+        tree_mask=mask.to(device),
+    )  # fmt: skip
+
+    def decode(table: int, q: torch.Tensor, position: int) -> torch.Tensor:
+        plan = plan_chunks([1], span, heads, kv_heads, head_dim, dtype, sms, chunk_keys)
+        return chunked_attention(
+            q[None], k_cache, v_cache, tables[table : table + 1],
+            torch.tensor([position + 1], **i32), torch.tensor([0, 1], **i32), plan, scale,
+        )[0]  # fmt: skip
+
+    equal, failed, rows, copy = True, None, 0, len(seq_roots)
+    for s, root in enumerate(roots):
+        for t in range(n):
+            # The decode's sequence: the context, then the path's keys in path order.
+            where = torch.tensor([root + i for i in paths[t]])
+            at = torch.arange(root + len(paths[t]), device=device)
+            k = torch.cat([keys[s, :root], keys[s, where]])
+            v = torch.cat([vals[s, :root], vals[s, where]])
+            store(copy, at, k, v)
+            want = decode(copy, qs[s, t], root + depth[t])
+            copy += 1
+            rows += 1
+            if not torch.equal(verify[s * n + t], want):
+                equal, failed = False, failed or f"root {root} node {t}"
+    base = len(roots) * n
+    chain_equal = all(
+        torch.equal(verify[base + t], decode(len(roots), qs[len(roots), t], chain_root + t))
+        for t in range(n)
+    )
+    return {"equal": bool(equal), "failed": failed, "rows": rows, "chain_equal": chain_equal}
+
+
 def plan_cover(
     query_lens: list[int], max_seq_len: int, heads: int, kv_heads: int, head_dim: int, **kw
 ) -> dict:
@@ -297,6 +398,7 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
             emit(name=f"gemm-{tag}-sms{sms}-bias{bias}", **out)
         emit(name=f"attention-{tag}", **attention_rows(dtype, "cpu"))
         emit(name=f"chunked-{tag}", **chunked_rows(dtype, "cpu"))
+        emit(name=f"tree-{tag}", **tree_rows(dtype, "cpu"))
     llama = dict(heads=32, kv_heads=8, head_dim=128, num_sms=132)
     for name, lens, ctx in (
         ("decode64", [1] * 64, 8192),
@@ -335,6 +437,14 @@ def test_chunked_rows_are_invariant(results, dtype):
     assert r["chunks"] >= 3, r  # positions cross two chunk boundaries
     assert r["padded_zero"], r
     assert TOLERANCE[dtype] is None or r["scaled"] < TOLERANCE[dtype], r
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_tree_rows_equal_their_paths_decodes(results, dtype):
+    r = results[f"tree-{dtype}"]
+    assert r["equal"], r
+    assert r["chain_equal"], r
+    assert r["rows"] == 3 * 9, r
 
 
 def test_chunk_plans_cover_every_token_within_the_workspace_budget(results):

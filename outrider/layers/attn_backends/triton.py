@@ -95,6 +95,7 @@ class TritonBackend(AttentionBackend):
     supports_latent = True
     takes_written_latents = True
     has_deterministic = True
+    deterministic_trees = True
 
     def __init__(self, num_splits: int | None = None, deterministic: bool = False) -> None:
         """num_splits: force this many context splits in every step (tuning, debugging);
@@ -103,9 +104,9 @@ class TritonBackend(AttentionBackend):
         deterministic: every step, decode included, runs triton_chunked.chunked_attention: one
         query tile shape, the keys split at fixed CHUNK_KEYS boundaries from key 0 and merged
         in chunk order, so a row's bits depend on its position and keys alone while a long row
-        still spreads over ceil(context / CHUNK_KEYS) programs a KV head. Tree masks are
-        refused: a tree row's visible keys sit among masked siblings, in other key tiles than a
-        decode row's."""
+        still spreads over ceil(context / CHUNK_KEYS) programs a KV head. A tree verify runs
+        one token a query tile and reads each row's keys through its mask row, in the order
+        and tiles of the decode row it must equal (triton_chunked's docstring)."""
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
         if deterministic and num_splits not in (None, 1):
@@ -125,11 +126,6 @@ class TritonBackend(AttentionBackend):
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
         if meta.tree_mask is not None:
             check_tree_mask(meta.tree_mask, sum(meta.query_lens_cpu))
-            if self.deterministic:
-                raise ValueError(
-                    "deterministic=True on CUDA verifies chains only: a tree row's keys are "
-                    "not tiled as a decode row's; use topk 1 (a chain), or deterministic=False"
-                )
         if self.deterministic:
             num_splits = 1
         meta.backend_data[_PLAN_KEY] = _StepPlan(
@@ -184,7 +180,7 @@ class TritonBackend(AttentionBackend):
         if chunks is None:
             chunks = plan.chunk_plans[key] = plan_chunks(
                 plan.query_lens, plan.max_seq_len, num_heads, k_cache.shape[2], head_dim,
-                q.dtype, _num_sms(q.device),
+                q.dtype, _num_sms(q.device), tree=meta.tree_mask is not None,
             )  # fmt: skip
         ws_key = (chunks.rows, num_heads, chunks.max_chunks, head_dim, q.device)
         workspace = plan.chunk_workspaces.get(ws_key)
@@ -194,7 +190,7 @@ class TritonBackend(AttentionBackend):
             )
         return chunked_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            chunks, scale, workspace,
+            chunks, scale, workspace, meta.tree_mask,
         )  # fmt: skip
 
     def forward_latent(self, q, latent, kv_cache, meta, scale, expand):

@@ -1,5 +1,5 @@
 r"""Batch-invariant split attention: the deterministic mode's one attention kernel pair for
-decode, chain verify and prefill chunks alike.
+decode, chain and tree verify and prefill chunks alike.
 
 A row's arithmetic may depend on its position and its keys only, yet one long row must still
 spread over many programs. So the keys of every row are cut at FIXED boundaries, multiples of
@@ -24,6 +24,17 @@ tiles are masked for it: p = 0 and alpha = 1, exact no-ops. Chunks past 2 hold n
 and the merge never reads them. So a decode row, a verify row and a prefill row at one
 position, alone or batched, chunked prefill or not, produce the same bits: one tile shape, one
 set of constexprs, the same two kernels for every step kind.
+
+Tree verifies (a tree mask, AttentionMetadata.tree_mask): a node at depth d sits at rotary
+position root + d, but its KV slot is root + 1 + its node index, among siblings it must not
+see. Its keys, in the order of the decode row it must equal, are the context, the root and its
+ancestors by depth, which are its mask row's set columns in column order (a parent's index is
+below its child's). So with `tree=True` each query tile holds one token, and key i of a row is
+read from the slot of the row's i-th visible key: the same values at the same places of the
+same tiles as the decode row at root + d, once the accepted path's KV sits in path order.
+Example, root at 100 (chunk 256, context 0..99 first), nodes [n0 (root's), n1 (root's),
+n2 (n1's)]: n2's keys are 0..99, then slots 100 (root), 102 (n1), 103 (n2) read as keys 100,
+101, 102, as the decode row at position 102 reads them after n1 and n2 are accepted.
 
 `programs` (per query tile) and the launch cuts only shape the grid: which program computes a
 chunk, or in which launch a row sits, changes no arithmetic. Both come from host lengths only
@@ -56,7 +67,11 @@ from outrider.layers.attn_backends.triton_decode import (
     dot_precision,
     load_paged_tile,
 )
-from outrider.layers.attn_backends.triton_prefill import prefill_config, query_tile
+from outrider.layers.attn_backends.triton_prefill import (
+    check_tree_mask,
+    prefill_config,
+    query_tile,
+)
 
 # Keys per chunk: a constant of the mode. 256 matches the default decode's shortest split
 # (MIN_TOKENS_PER_SPLIT): Llama-3.1-8B at C=1 and 8K context runs 8 x 32 = 256 programs on
@@ -94,6 +109,7 @@ class ChunkPlan:
     max_chunks: int
     rows: int  # workspace rows: the largest launch's
     launches: tuple[Launch, ...]
+    tree: bool = False  # one token a query tile, keys read through the row's tree mask
 
 
 @dataclass
@@ -131,11 +147,13 @@ def plan_chunks(
     num_sms: int,
     chunk_keys: int = CHUNK_KEYS,
     max_rows: int | None = None,
+    tree: bool = False,
 ) -> ChunkPlan:
     """Host ints only. query_lens must be the device query_start_loc's gaps exactly (a launch's
     workspace rows are its tokens), max_seq_len must bound every device seq_len (it sizes the
     chunks; a graph passes max_model_len). max_rows caps a launch's rows (tests); None derives
-    it from WORKSPACE_BYTES. chunk_keys other than CHUNK_KEYS is for tests only."""
+    it from WORKSPACE_BYTES. chunk_keys other than CHUNK_KEYS is for tests only. tree: the
+    step has a tree mask (one token a query tile)."""
     block_m, block_n, num_warps, num_stages = prefill_config(head_dim, dtype)
     if chunk_keys < block_n or chunk_keys % block_n:
         raise ValueError(
@@ -143,6 +161,7 @@ def plan_chunks(
             f"a chunk walks whole tiles from its first key"
         )
     block_q, group_pad = query_tile(None, num_heads // kv_heads, block_m)
+    per_tile = 1 if tree else block_q  # tokens a query tile holds
     max_chunks = max(1, -(-max_seq_len // chunk_keys))
     if max_rows is None:
         max_rows = WORKSPACE_BYTES // (num_heads * max_chunks * (head_dim + 2) * 4)
@@ -151,7 +170,7 @@ def plan_chunks(
     group: list[int] = []  # sequences of the launch being filled
 
     def tiles(n: int) -> int:
-        return max(1, -(-n // block_q))
+        return max(1, -(-n // per_tile))
 
     def add(seq0: int, seqs: int, tile0: int, n_tiles: int, token0: int, rows: int) -> None:
         busy = seqs * kv_heads * n_tiles
@@ -171,10 +190,10 @@ def plan_chunks(
     for s, n in enumerate(query_lens):
         if n > max_rows:  # one long prefill: cut it by query tiles
             flush()
-            per = max_rows // block_q
+            per = max_rows // per_tile
             for t0 in range(0, tiles(n), per):
-                first = t0 * block_q
-                rows = min(n, (t0 + per) * block_q) - first
+                first = t0 * per_tile
+                rows = min(n, (t0 + per) * per_tile) - first
                 add(s, 1, t0, min(per, tiles(n) - t0), starts[s] + first, rows)
             continue
         if sum(query_lens[g] for g in group) + n > max_rows:
@@ -184,7 +203,7 @@ def plan_chunks(
     rows = max((launch.rows for launch in launches), default=0)
     return ChunkPlan(
         block_q, group_pad, block_n, num_warps, num_stages, chunk_keys, max_chunks, max(rows, 1),
-        tuple(launches),
+        tuple(launches), tree,
     )  # fmt: skip
 
 
@@ -198,10 +217,11 @@ def chunked_attention(
     plan: ChunkPlan,  # from plan_chunks over these query lengths
     scale: float,
     workspace: ChunkWorkspace | None = None,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, M] bool (AttentionMetadata's)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
-    """Causal paged attention, every row computed with the arithmetic of a lone decode row at
-    its position (see the module docstring). No host sync. A row that sees no key (a padded
-    sequence with seq_len 0) comes out 0."""
+    """Causal paged attention, or under a tree mask, every row computed with the arithmetic of
+    a lone decode row at its position (see the module docstring). No host sync. A row that sees
+    no key (a padded sequence with seq_len 0) comes out 0."""
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, group = check_paged_inputs(q, k_cache, v_cache, block_tables)
     batch = block_tables.shape[0]
@@ -210,6 +230,18 @@ def chunked_attention(
             f"batch mismatch: block_tables has {batch} rows, seq_lens {seq_lens.shape[0]}, "
             f"query_start_loc {query_start_loc.shape[0]} (wants batch + 1)"
         )
+    if (tree_mask is not None) != plan.tree:
+        raise ValueError(
+            f"a tree mask {'given' if tree_mask is not None else 'missing'} with a plan made "
+            f"for tree={plan.tree}: pass plan_chunks(..., tree=True) exactly when there is one"
+        )
+    if tree_mask is not None:
+        check_tree_mask(tree_mask, num_tokens)
+        tree = tree_mask.view(torch.uint8)  # same bytes; Triton loads u8 plainly
+        tree = tree if tree.stride(-1) == 1 else tree.contiguous()
+        tree_m = tree.shape[1]
+    else:
+        tree, tree_m = q, 1  # never read: TREE is off
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -220,13 +252,14 @@ def chunked_attention(
     ws = workspace
     common = dict(
         GROUP=group, GROUP_PAD=plan.group_pad, BLOCK_Q=plan.block_q, HEAD_DIM=head_dim,
-        CHUNK=plan.chunk_keys,
+        CHUNK=plan.chunk_keys, TREE=plan.tree, M_PAD=triton.next_power_of_2(tree_m),
     )  # fmt: skip
     for ln in plan.launches:
         _chunk_kernel[(ln.seqs, kv_heads, ln.tiles * ln.programs)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tree,
             ws.acc, ws.m, ws.l_sum,
             scale * LOG2E, ln.seq0, ln.tile0, ln.token0, ln.rows, ln.programs, plan.max_chunks,
+            tree_m, tree.stride(0),
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -237,8 +270,8 @@ def chunked_attention(
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )  # fmt: skip
         _merge_chunks_kernel[(ln.seqs, kv_heads, ln.tiles)](
-            ws.acc, ws.m, ws.l_sum, seq_lens, query_start_loc, out,
-            ln.seq0, ln.tile0, ln.token0, ln.rows, plan.max_chunks,
+            ws.acc, ws.m, ws.l_sum, seq_lens, query_start_loc, tree, out,
+            ln.seq0, ln.tile0, ln.token0, ln.rows, plan.max_chunks, tree_m, tree.stride(0),
             *ws.acc.stride()[:3], *ws.m.stride()[:2], *out.stride()[:2],
             **common, num_warps=plan.num_warps,
         )  # fmt: skip
@@ -246,37 +279,66 @@ def chunked_attention(
 
 
 @triton.jit
+def _tree_columns(tree_ptr, stride_tree, tree_m, token, live, seq_len, M_PAD: tl.constexpr):
+    """A tree row's mask row: (rank [M_PAD], each existing visible column's place among them,
+    -1 elsewhere; the keys before the mask's columns; the visible columns). Column j is the
+    key at seq_len - tree_m + j; one at a negative position does not exist."""
+    cols = tl.arange(0, M_PAD)
+    base = seq_len - tree_m
+    vis = tl.load(tree_ptr + token * stride_tree + cols, mask=live & (cols < tree_m), other=0)
+    vis = (vis != 0) & (base + cols >= 0)
+    rank = tl.where(vis, tl.cumsum(vis.to(tl.int32), 0) - 1, -1)
+    return rank, tl.maximum(base, 0), tl.sum(vis.to(tl.int32), 0)
+
+
+@triton.jit
 def _tile_rows(
-    query_start_ptr, seq_lens_ptr, b, q_tile, token0, rows_in_launch,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    query_start_ptr, seq_lens_ptr, tree_ptr, b, q_tile, token0, rows_in_launch, tree_m,
+    stride_tree,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, TREE: tl.constexpr,
+    M_PAD: tl.constexpr,
 ):  # fmt: skip
     """The BLOCK_Q * GROUP_PAD rows of query tile q_tile of sequence b (row r = token r //
-    GROUP_PAD, head r % GROUP_PAD): (token, ws_row, head offset g, row_ok, position, kv_end),
-    kv_end the keys the tile's last query sees (0 past the query). Shared by both stages so
+    GROUP_PAD, head r % GROUP_PAD; with TREE the tile is one token, rows r < GROUP_PAD):
+    (token, ws_row, head offset g, row_ok, position, kv_end), kv_end the keys the tile's last
+    query sees (0 past the query), a tree row's position the decode row's it equals (keys
+    before the mask's columns plus its visible columns, less one). Shared by both stages so
     they agree on every row."""
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
-    first_q = q_tile * BLOCK_Q
     r = tl.arange(0, BLOCK_Q * GROUP_PAD)
-    tok = first_q + r // GROUP_PAD
     g = r % GROUP_PAD
+    if TREE:
+        first_q = q_tile
+        tok = first_q + r * 0
+        _, before, seen = _tree_columns(
+            tree_ptr, stride_tree, tree_m, q_start + q_tile, q_tile < q_len, seq_len, M_PAD
+        )
+        last = before + seen - 1
+        pos = last + r * 0
+        in_tile = r < GROUP_PAD
+        kv_end = tl.where(first_q < q_len, tl.maximum(last + 1, 0), 0)
+    else:
+        first_q = q_tile * BLOCK_Q
+        tok = first_q + r // GROUP_PAD
+        pos = seq_len - q_len + tok
+        in_tile = r >= 0
+        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len))
+        kv_end = tl.where(first_q < q_len, tl.maximum(kv_end, 0), 0)
     token = q_start + tok
     ws_row = token - token0
     # The workspace bound only guards memory: plan_chunks makes every valid row land inside.
-    row_ok = (tok < q_len) & (g < GROUP) & (ws_row >= 0) & (ws_row < rows_in_launch)
-    pos = seq_len - q_len + tok
-    kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(first_q + BLOCK_Q, q_len))
-    kv_end = tl.where(first_q < q_len, tl.maximum(kv_end, 0), 0)
+    row_ok = in_tile & (tok < q_len) & (g < GROUP) & (ws_row >= 0) & (ws_row < rows_in_launch)
     return token, ws_row, g, row_ok, pos, kv_end
 
 
 @triton.jit(do_not_specialize=["seq0", "tile0", "token0", "rows_in_launch", "programs"])
 def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, tree_ptr,
     acc_ptr, m_ptr, l_ptr,
     qk_scale,  # softmax scale * log2(e)
-    seq0, tile0, token0, rows_in_launch, programs, max_chunks,
+    seq0, tile0, token0, rows_in_launch, programs, max_chunks, tree_m, stride_tree,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -285,16 +347,26 @@ def _chunk_kernel(
     stride_mr, stride_mh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TREE: tl.constexpr,
+    M_PAD: tl.constexpr,
 ):  # fmt: skip
     b = seq0 + tl.program_id(0)
     kv_head = tl.program_id(1)
     q_tile = tile0 + tl.program_id(2) // programs
     prog = tl.program_id(2) % programs
     token, ws_row, g, row_ok, pos, kv_end = _tile_rows(
-        query_start_ptr, seq_lens_ptr, b, q_tile, token0, rows_in_launch, GROUP, GROUP_PAD,
-        BLOCK_Q,
+        query_start_ptr, seq_lens_ptr, tree_ptr, b, q_tile, token0, rows_in_launch, tree_m,
+        stride_tree, GROUP, GROUP_PAD, BLOCK_Q, TREE, M_PAD,
     )  # fmt: skip
+    if TREE:  # the row's visible columns, in order: where its keys past `before` are read
+        q_start = tl.load(query_start_ptr + b)
+        live = q_tile < tl.load(query_start_ptr + b + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + b)
+        rank, before, _ = _tree_columns(
+            tree_ptr, stride_tree, tree_m, q_start + q_tile, live, seq_len, M_PAD
+        )
+        base = seq_len - tree_m
+        cols = tl.arange(0, M_PAD)
     head = kv_head * GROUP + g
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(
@@ -318,8 +390,13 @@ def _chunk_kernel(
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             key_ok = keys < end
-            page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-            slot = keys % PAGE_SIZE
+            at = keys  # where key i is stored
+            if TREE:  # key before + i is the row's visible column of rank i
+                hit = rank[None, :] == (keys - before)[:, None]  # [BLOCK_N, M_PAD]
+                col = tl.sum(tl.where(hit, cols[None, :], 0), 1)
+                at = tl.where(keys >= before, base + col, keys)
+            page = tl.load(table + at // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            slot = at % PAGE_SIZE
             k = load_paged_tile(
                 k_ptr, kv_head, page, slot, dims, key_ok, stride_kh, stride_kb, stride_ks
             )  # [BLOCK_N, HEAD_DIM]
@@ -345,20 +422,20 @@ def _chunk_kernel(
 
 @triton.jit(do_not_specialize=["seq0", "tile0", "token0", "rows_in_launch"])
 def _merge_chunks_kernel(
-    acc_ptr, m_ptr, l_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    seq0, tile0, token0, rows_in_launch, max_chunks,
+    acc_ptr, m_ptr, l_ptr, seq_lens_ptr, query_start_ptr, tree_ptr, out_ptr,
+    seq0, tile0, token0, rows_in_launch, max_chunks, tree_m, stride_tree,
     stride_ar, stride_ah, stride_ac,
     stride_mr, stride_mh,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, M_PAD: tl.constexpr,
 ):  # fmt: skip
     b = seq0 + tl.program_id(0)
     kv_head = tl.program_id(1)
     q_tile = tile0 + tl.program_id(2)
     token, ws_row, g, row_ok, pos, kv_end = _tile_rows(
-        query_start_ptr, seq_lens_ptr, b, q_tile, token0, rows_in_launch, GROUP, GROUP_PAD,
-        BLOCK_Q,
+        query_start_ptr, seq_lens_ptr, tree_ptr, b, q_tile, token0, rows_in_launch, tree_m,
+        stride_tree, GROUP, GROUP_PAD, BLOCK_Q, TREE, M_PAD,
     )  # fmt: skip
     head = kv_head * GROUP + g
     dims = tl.arange(0, HEAD_DIM)
