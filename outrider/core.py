@@ -389,13 +389,15 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq]
     # Requests preempted (KV freed, to be recomputed) while building this batch.
     preempted: list[Request] = field(default_factory=list)
-    # Computes the contents of the sequences' token_masks (allocated, not yet filled) on the
-    # host. The runner calls it (ready_masks) once the step's forward is queued on the device,
-    # so the grammar works while the GPU does.
+    # Waits for the contents of the sequences' token_masks (allocated, being computed on the
+    # host since the batch was scheduled). The runner calls it (ready_masks) once the step's
+    # forward is queued on the device, so the grammar works while the inputs are built and
+    # the GPU runs.
     fill_masks: Callable[[], None] | None = None
 
     def ready_masks(self) -> None:
-        """Fill every ScheduledSeq.token_masks of the batch (once); read them only after."""
+        """Wait until every ScheduledSeq.token_masks of the batch is filled; read them only
+        after."""
         fill, self.fill_masks = self.fill_masks, None
         if fill is not None:
             fill()

@@ -8,8 +8,13 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             the tokens the grammar allows there (ScheduledSeq.token_masks,
                             [rows, ceil(V / 32)] int32, bit t of word t // 32 for token t); a
                             verifying sequence's row j is the mask after its drafts 0..j-1 (a
-                            tree node's: after the path to it). The runner sets every other
+                            tree node's: after the path to it). They are computed in a
+                            thread from here on (llguidance lets go of the GIL), while the
+                            step's inputs are built and its forward runs; the runner waits
+                            for them (ScheduledBatch.ready_masks), then sets every other
                             token's logit to -inf before sampling, verifying and logprobs.
+                            Every other call here waits for them first: a matcher is never
+                            read and moved at once.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
@@ -35,6 +40,8 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 import torch
 
@@ -66,6 +73,10 @@ class Grammars:
         # grammar text -> pristine llguidance.LLMatcher, the least recently used dropped first
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._matchers: dict[str, object] = {}  # request id -> its llguidance.LLMatcher
+        # The thread a step's masks are computed in, from attach_masks on (made on the first),
+        # and the computation in flight.
+        self._filler: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     def __bool__(self) -> bool:
         """Whether any constrained request is in flight."""
@@ -123,18 +134,28 @@ class Grammars:
 
     def start(self, request_id: str, spec: StructuredOutputs) -> None:
         """Follow a new request's output with a fresh copy of its compiled grammar."""
+        self._settle()
         self._matchers[request_id] = self.compile(spec).deep_copy()
 
     def forget(self, request_id: str) -> None:
+        self._settle()
         self._matchers.pop(request_id, None)
+
+    def _settle(self) -> None:
+        """Wait for the masks in flight, if any (their errors surface in ready_masks)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wait_for([pending])
 
     # -- the step -----------------------------------------------------------------------------
 
     def attach_masks(self, batch: ScheduledBatch) -> None:
         """ScheduledSeq.token_masks for every sampling sequence of a constrained request: one
         row for its next token, and one per draft node (the mask after the path to it). They
-        are allocated here and computed by batch.fill_masks, which the runner calls once the
-        step's forward is on the device (ScheduledBatch.ready_masks)."""
+        are allocated here and computed from now on in a thread; batch.fill_masks waits for
+        them (the runner calls it once the step's forward is on the device,
+        ScheduledBatch.ready_masks)."""
+        self._settle()
         seqs = [s for s in batch.seqs if s.sample and s.request.request_id in self._matchers]
         if not seqs:
             return
@@ -163,7 +184,10 @@ class Grammars:
             for matcher, drafts, out in trees:
                 _tree_masks(matcher, drafts, out)
 
-        batch.fill_masks = fill
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="outrider-masks")
+        self._pending = self._filler.submit(fill)
+        batch.fill_masks = self._pending.result
 
     def _rows(self, n: int) -> torch.Tensor:
         """[n, words] int32 of this step's host buffer, its old contents left as they are."""
@@ -178,6 +202,7 @@ class Grammars:
     def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
         """The tokens a step emitted for the request, in order; True when its grammar is
         complete (nothing may follow) or cannot go on."""
+        self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None or not tokens:
             return False
@@ -188,6 +213,7 @@ class Grammars:
         """How many of `tokens` (a step's accepted run) come before the grammar is complete,
         the completing token included: the rest would follow a request that plain decoding
         has finished. The matcher is left as it was."""
+        self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return len(tokens)
@@ -207,6 +233,7 @@ class Grammars:
         """The request's drafts cut to what its grammar allows after its output so far (chains:
         the allowed prefix; trees: the nodes whose whole path is allowed); None when nothing is
         left. Unconstrained requests keep their drafts."""
+        self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return drafts
@@ -221,6 +248,7 @@ class Grammars:
         """Drafts led by the tokens the grammar forces next (at most `limit`), and how many of
         them it forced. Drafts that already begin with them are kept whole; otherwise the
         forced run replaces them (they were guesses at what the grammar settles)."""
+        self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None or limit <= 0:
             return drafts, 0

@@ -153,6 +153,49 @@ def test_each_rows_mask_is_what_the_grammar_allows_after_the_drafts_before_it(de
     grammars.forget("mask-chain")
 
 
+def test_masks_are_computed_beside_the_caller_and_never_beside_a_matcher_move(default_grammars):
+    """attach_masks hands the masks to a thread and returns; a call that moves a matcher before
+    the runner waits for them (advance, here) waits first, so the masks are the state at
+    attach_masks, not half of the next one."""
+    import threading
+
+    grammars, tok = default_grammars
+    req = _request(grammars, {"regex": "[0-9]{3}-[a-z]+"}, "beside")
+    seq = ScheduledSeq(req, [5], 2, [0], True)
+    seen = []
+    grammars._executor = _Spy(grammars._executor, lambda: seen.append(threading.get_ident()))
+    try:
+        batch = ScheduledBatch(ForwardMode.DECODE, [seq])
+        grammars.attach_masks(batch)
+        grammars.advance("beside", tok.encode("123"))  # before the runner's wait
+        batch.ready_masks()
+    finally:
+        grammars._executor = grammars._executor.inner
+    assert seen and seen[0] != threading.get_ident()  # computed in another thread
+    digits = {t for t in _allowed(seq.token_masks[0]) if tok.decode([t]).isdigit()}
+    assert digits and "-" not in {tok.decode([t]) for t in _allowed(seq.token_masks[0])}
+    later = ScheduledBatch(ForwardMode.DECODE, [ScheduledSeq(req, [5], 5, [0], True)])
+    grammars.attach_masks(later)
+    later.ready_masks()  # after "123": the dash alone
+    assert {tok.decode([t]) for t in _allowed(later.seqs[0].token_masks[0])} == {"-"}
+    grammars.forget("beside")
+
+
+class _Spy:
+    """An llguidance executor that calls `hook` before each mask computation."""
+
+    def __init__(self, inner, hook) -> None:
+        self.inner, self._hook = inner, hook
+
+    def unsafe_compute_mask_ptr(self, *args):
+        self._hook()
+        return self.inner.unsafe_compute_mask_ptr(*args)
+
+    def unsafe_compute_mask_ptr_with_draft_token(self, *args):
+        self._hook()
+        return self.inner.unsafe_compute_mask_ptr_with_draft_token(*args)
+
+
 def test_drafts_are_cut_where_the_grammar_refuses_them(default_grammars):
     grammars, tok = default_grammars
     _request(grammars, {"regex": "[0-9]{3}-[a-z]+"}, "cut")
