@@ -6,11 +6,15 @@ and `run_worker` returns those objects (by name, or in order)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "@@interpreter-result "
@@ -21,17 +25,41 @@ def emit(**line) -> None:
     print(MARKER + json.dumps(line), flush=True)
 
 
-def run_worker(module: str, timeout: float = 600) -> list[dict]:
+def run_worker(module: str, timeout: float = 600, parts: list[str] | None = None) -> list[dict]:
     """`module`'s _worker() in a subprocess under the interpreter -> the lines it emitted, in
-    order; the subprocess's failure (with its stderr's end) fails the caller."""
+    order; the subprocess's failure (with its stderr's end) fails the caller. parts: run
+    _worker(part) for each in subprocesses of their own, as many at once as there are cores
+    (the interpreter is one Python thread), and return their lines in the parts' order."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-c", f"from {module} import _worker; _worker()"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    calls = [f"_worker({part!r})" for part in parts] if parts else ["_worker()"]
+    pending = list(enumerate(calls))
+    running: dict[int, tuple[subprocess.Popen, IO, IO]] = {}  # output in files: no pipe fills
+    out: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    with contextlib.ExitStack() as files:
+        try:
+            while pending or running:
+                while pending and len(running) < max(1, os.cpu_count() or 1):
+                    i, call = pending.pop(0)
+                    stdout = files.enter_context(tempfile.TemporaryFile("w+"))
+                    stderr = files.enter_context(tempfile.TemporaryFile("w+"))
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", f"from {module} import _worker; {call}"],
+                        cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
+                    )  # fmt: skip
+                    running[i] = (proc, stdout, stderr)
+                i, (proc, stdout, stderr) = next(iter(running.items()))
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                del running[i]
+                stdout.seek(0), stderr.seek(0)
+                assert proc.returncode == 0, f"{calls[i]}: {stderr.read()[-3000:]}"
+                out[i] = stdout.read()
+        finally:
+            for proc, _, _ in running.values():
+                proc.kill()
     return [
         json.loads(line[len(MARKER) :])
-        for line in proc.stdout.splitlines()
+        for i in sorted(out)
+        for line in out[i].splitlines()
         if line.startswith(MARKER)
     ]

@@ -386,12 +386,12 @@ def plan_cover(
     }  # fmt: skip
 
 
-def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
+def _worker(tag: str) -> None:  # runs in a subprocess per dtype, TRITON_INTERPRET=1
     from tests.unit.test_triton_attention import _patch_interpreter_index
 
     _patch_interpreter_index()  # numpy >= 2.4 against triton 3.6's interpreter: see there
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        tag = str(dtype).removeprefix("torch.")
+    if tag != "plans":
+        dtype = getattr(torch, tag)
         # K 1100: ragged against BLOCK_K; sms 8 splits it (2 or more), sms 1 does not.
         for sms, bias in ((8, False), (8, True), (1, True)):
             out = gemm_rows((1, 3, 17, 70), 80, 1100, dtype, "cpu", bias, sms=sms)
@@ -399,6 +399,7 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         emit(name=f"attention-{tag}", **attention_rows(dtype, "cpu"))
         emit(name=f"chunked-{tag}", **chunked_rows(dtype, "cpu"))
         emit(name=f"tree-{tag}", **tree_rows(dtype, "cpu"))
+        return
     llama = dict(heads=32, kv_heads=8, head_dim=128, num_sms=132)
     for name, lens, ctx in (
         ("decode64", [1] * 64, 8192),
@@ -412,7 +413,8 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    return {r["name"]: r for r in run_worker("tests.unit.test_deterministic_kernels")}
+    parts = ["float32", "float16", "bfloat16", "plans"]  # in parallel, as the cores allow
+    return {r["name"]: r for r in run_worker("tests.unit.test_deterministic_kernels", parts=parts)}
 
 
 # The largest error against the reference, over the largest |value|. None for bfloat16: numpy
