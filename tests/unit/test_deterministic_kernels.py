@@ -279,11 +279,11 @@ def tree_rows(
     """chunked_attention under a tree mask: sequences whose roots sit at `roots` (60 and 130:
     paths that cross a 64-key chunk boundary) each verify the root and a tree of
     len(parents) nodes (parents[i]: node i's parent, -1 the root), batched beside a chain
-    verify of the same length. Node i's row must equal, bit for bit, the lone decode of its
-    query at position root + depth(i) in a copy of the sequence whose keys after the context
-    are the root's and its path's, in path order (what the cache holds once the path is
-    accepted). -> {"equal", "failed": the first (root, node) that was not, "rows": rows
-    compared, "chain_equal": the chain verify's rows equal its decodes}."""
+    verify of the same length and 3 tokens of a sequence shorter than the mask. Node i's row
+    must equal, bit for bit, the lone decode of its query at position root + depth(i) in a
+    copy of the sequence whose keys after the context are the root's and its path's, in path
+    order (what the cache holds once the path is accepted). -> {"equal", "failed": the first (root, node) that was not, "rows": rows
+    compared, "chain_equal": the chain's and the short sequence's rows equal their decodes}."""
     from outrider.layers.attn_backends.triton_chunked import chunked_attention, plan_chunks
 
     g = torch.Generator().manual_seed(5)
@@ -319,21 +319,29 @@ def tree_rows(
     for s, root in enumerate(seq_roots):  # context, root and the tree's slots in order
         pos = torch.arange(root + n, device=device)
         store(s, pos, keys[s, : root + n], vals[s, : root + n])
-    # The tree mask over each sequence's last n keys; the chain's is causal.
-    mask = torch.zeros(len(seq_roots) * n, n, dtype=torch.bool)
+    # The tree mask over each sequence's last n keys; the chain's is causal. Last, SHORT
+    # tokens of a sequence shorter than the mask (context 1, in the chain's table): its
+    # columns before key 0 do not exist and are set, to be ignored.
+    short = 3
+    mask = torch.zeros(len(seq_roots) * n + short, n, dtype=torch.bool)
     for s in range(len(seq_roots)):
         for t in range(n):
             cols = paths[t] if s < len(roots) else range(t + 1)
             mask[s * n + t, list(cols)] = True
+    for t in range(short):
+        mask[len(seq_roots) * n + t, : n - short + t + 1] = True
     i32 = dict(dtype=torch.int32, device=device)
     scale = head_dim**-0.5
-    lens = [n] * len(seq_roots)
+    lens = [n] * len(seq_roots) + [short]
+    starts = [0]
+    for q_len in lens:
+        starts.append(starts[-1] + q_len)
     plan = plan_chunks(lens, span, heads, kv_heads, head_dim, dtype, sms, chunk_keys, tree=True)
     verify = chunked_attention(
-        qs[list(range(len(roots))) + [len(roots)]].flatten(0, 1), k_cache, v_cache,
-        tables[: len(seq_roots)], torch.tensor([r + n for r in seq_roots], **i32),
-        torch.arange(0, n * len(seq_roots) + 1, n, **i32), plan, scale,
-        tree_mask=mask.to(device),
+        torch.cat([qs[: len(seq_roots)].flatten(0, 1), qs[len(roots), :short]]), k_cache,
+        v_cache, tables[[*range(len(seq_roots)), len(roots)]],
+        torch.tensor([r + n for r in seq_roots] + [1 + short], **i32),
+        torch.tensor(starts, **i32), plan, scale, tree_mask=mask.to(device),
     )  # fmt: skip
 
     def decode(table: int, q: torch.Tensor, position: int) -> torch.Tensor:
@@ -361,7 +369,10 @@ def tree_rows(
     chain_equal = all(
         torch.equal(verify[base + t], decode(len(roots), qs[len(roots), t], chain_root + t))
         for t in range(n)
-    )
+    ) and all(
+        torch.equal(verify[base + n + t], decode(len(roots), qs[len(roots), t], 1 + t))
+        for t in range(short)
+    )  # fmt: skip
     return {"equal": bool(equal), "failed": failed, "rows": rows, "chain_equal": chain_equal}
 
 
