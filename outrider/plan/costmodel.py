@@ -6,6 +6,9 @@ C tokens, each kernel takes
 
     t = max(bytes / (bandwidth x mem_efficiency), flops / (peak x compute_efficiency)) + overhead
 
+(INT4 experts' bytes at the lesser of that and `sms x int4_unpack_gbs_per_sm`: their GEMM
+can be bound by unpacking them)
+
 where the overhead is what a kernel costs beyond moving its bytes or doing its FLOPs (its
 start, the ramp to full bandwidth, the tail, the gap to the next kernel in a graph): a GEMM's
 (`gemm_overhead_us`: a cuBLAS GEMV of Llama-3.1-8B's gate/up projection takes 57.6 us of bytes
@@ -66,6 +69,7 @@ class Kernel:
     # A dense GEMM's (rows, inputs, outputs): its FLOPs are done in whole tiles and whole waves
     # of tiles over the SMs (`padded_flops`). None: the FLOPs as counted.
     shape: tuple[int, float, float] | None = None
+    int4: bool = False  # reads INT4 experts: its bytes stream no faster than the SMs unpack
 
 
 SPLIT_K_MIN = 512  # the least of the input dimension one split of a split-K GEMM takes
@@ -195,6 +199,7 @@ def forward_kernels(
     kv_len = context + tokens_per_seq
     w = weight_format(m.weights).bytes_per_element
     we = weight_format(m.expert_weights or m.weights).bytes_per_element
+    int4 = weight_format(m.expert_weights or m.weights).bits == 4
     h, act = m.hidden_size, ACT_BYTES
     ks: list[Kernel] = []
     cs: list[Collective] = []
@@ -267,12 +272,13 @@ def forward_kernels(
                     touched * h * 2 * inter * we + routed * (h + 2 * inter) * act,
                     2.0 * routed * h * 2 * inter,
                     gemm=True,
+                    int4=int4,
                 )
             )
             ks.append(Kernel("experts_act", 2 * routed * 2 * inter * act, 4.0 * routed * inter))
             ks.append(Kernel("experts_down", touched * inter * h * we
                              + routed * (inter + h) * act, 2.0 * routed * inter * h,
-                             gemm=True))  # fmt: skip
+                             gemm=True, int4=int4))  # fmt: skip
             if m.num_shared_experts:
                 shared = m.num_shared_experts * inter
                 ks += [gemm("shared_gate_up", h, 2 * shared), small("shared_act", 2 * shared)]
@@ -303,10 +309,13 @@ def time_step(
 ) -> StepCost:
     gpu, link = setup.gpu, setup.link
     mem_bytes_per_us = gpu.mem_gbs * 1e3 * gpu.mem_efficiency
+    int4_bytes_per_us = mem_bytes_per_us
+    if gpu.sms:
+        int4_bytes_per_us = min(mem_bytes_per_us, gpu.sms * gpu.int4_unpack_gbs_per_sm * 1e3)
     compute_flops_per_us = gpu.bf16_tflops * 1e6 * gpu.compute_efficiency
     compute = memory = launch = 0.0
     for k in kernels:
-        t_mem = k.bytes / mem_bytes_per_us
+        t_mem = k.bytes / (int4_bytes_per_us if k.int4 else mem_bytes_per_us)
         if k.shape is not None and gpu.gemv_rows:
             t_mem *= k.shape[0] if k.shape[0] < gpu.gemv_rows else gpu.gemm_weight_reads
         t_cmp = padded_flops(k, gpu.sms) / compute_flops_per_us

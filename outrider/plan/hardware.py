@@ -41,6 +41,13 @@ class Gpu:
     # HBM parts (Llama-3.1-8B decode on the H200 measures 77% of peak for the whole step,
     # launches included: benchmarks/results/verify_cost.json).
     mem_efficiency: float = 0.85
+    # Packed INT4 (W4A16) expert bytes one SM unpacks and multiplies a second, GB/s: the grouped
+    # GEMM that reads them is bound by unpacking where the memory would feed it faster. On the
+    # H200 moe_fused.moe_gemm streams Kimi-K2.5's experts at 25-32% of copy bandwidth from 1
+    # to 64 tokens (benchmarks/results/moe_gemm_tiles.json): 27% of 4.8 TB/s over 132 SMs.
+    # INT4 experts stream at the lesser of this times the SMs and the memory's rate: an RTX PRO
+    # 6000's 188 SMs keep up with its 1.8 TB/s. Measured on the H200 only.
+    int4_unpack_gbs_per_sm: float = 9.8
     # Fraction of dense peak a bf16 GEMM reaches at the shapes of decode and verify (tens to
     # thousands of rows): 60-75% (cuBLAS at large shapes reaches ~75-80%).
     compute_efficiency: float = 0.65

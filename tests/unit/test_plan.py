@@ -90,6 +90,36 @@ def test_llama_8b_on_the_h200_matches_the_measured_step_times():
     assert predicted(16, 7) < measured["C16_k7"]
 
 
+def test_moe_shapes_on_the_h200_match_the_measured_decode_steps():
+    """benchmarks/results/moe_gpu.json: the engine's graph-replayed decode of the Moonlight
+    shape (bf16 experts) and of Kimi-K2.5's first four layers (INT4 experts) on an H200 at C
+    in 1..64, predicted by the planner with the machine constants fitted to the Llama-3.1-8B
+    shape's steps (plan_accuracy.json): within 25% everywhere. Kimi's INT4 experts stream no
+    faster than the SMs unpack them; priced at the memory's rate, C=64 came out 55% short."""
+    import dataclasses
+
+    from outrider.plan import calibrate
+
+    fitted = json.loads((RESULTS / "plan_accuracy.json").read_text())["fitted_on"]
+    gpu = dataclasses.replace(load_gpu("h200"), **fitted["llama-3.1-8b"])
+    runs = json.loads((RESULTS / "moe_gpu.json").read_text())["models"]
+    errors = {}
+    for name, run in runs.items():
+        m = dataclasses.replace(
+            from_hf_dict(run["config"], name=name), weights="bf16", kv_bytes=2,
+            expert_weights="int4" if run["int4_experts"] else None,
+        )  # fmt: skip
+        for c, row in run["decode"].items():
+            point = calibrate.Point(int(c), 0, row["step_ms"])
+            predicted = calibrate.predict_ms(m, gpu, point, graphs=True)
+            errors[name, int(c)] = predicted / row["step_ms"] - 1
+            if run["int4_experts"] and c == "64":
+                no_unpack = dataclasses.replace(gpu, int4_unpack_gbs_per_sm=1e9)
+                assert calibrate.predict_ms(m, no_unpack, point, True) < 0.6 * row["step_ms"]
+    assert len(errors) == 8, errors
+    assert all(abs(e) <= 0.25 for e in errors.values()), errors
+
+
 # -- the pieces -------------------------------------------------------------------------------
 
 
