@@ -6,6 +6,7 @@ deterministic mode. The controller's draft length changes with the batch, and a 
 
 from __future__ import annotations
 
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,12 +38,15 @@ def served(request):
     config = EngineConfig().replace(
         model={"dtype": "float32", "device": "cpu", "deterministic": request.param},
         speculative={"method": "eagle3"},  # the shipped drafter, the adaptive controller
+        cache={"num_blocks": 256},  # 4,096 tokens: the 28 requests' worst case fits twice
     )
     core = EngineCore(config)
     with ServerThread(ServerConfig(api_key=KEY), core) as server:
         client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
         client.served_model = server.state.model_name
         yield core, client
+    del core, server, client
+    gc.collect()  # the suite's process holds one engine at a time
 
 
 def _ask(client, prompt: str, temperature: float, top_p: float, seed: int | None) -> str:
