@@ -5,10 +5,10 @@ the Llama-3.1-8B shape (random bf16 weights) in both modes. First, always, the a
 kernels alone (`attention_runs`; --attention-only stops there).
 
     python benchmarks/deterministic.py [--concurrency 1 16 64] [--new-tokens 256]
-        [--configs ngram eagle3_chain eagle3_tree] [--rounds 2] [--num-prompts 16] [--draft DIR]
+        [--configs ngram eagle3_chain eagle3_tree] [--rounds 2] [--num-prompts 30] [--draft DIR]
         [--llama8b] [--attention-only] [--out-dir DIR]
 
-Each C runs every (mode, config) engine on the held-out prompts as one-turn chats in batches of
+Each C runs every (mode, config) engine on the held-out prompts (HELDOUT, then HELDOUT_FRESH) as one-turn chats in batches of
 C, `--rounds` times in a rotated order; tok/s is the median over rounds. Reported per mode and
 C: tok/s, accept length, speedup over the same mode's plain, and `identical`: how many outputs
 equal the same mode's plain output token for token. Also the deterministic plain outputs at
@@ -56,9 +56,10 @@ def default_model_runs(args) -> dict:
     from spec_gpu import batches, timed_run
 
     from outrider import LLM, SamplingParams
-    from outrider.bench.datasets import HELDOUT
+    from outrider.bench.datasets import HELDOUT, HELDOUT_FRESH
 
-    convs = [[{"role": "user", "content": p}] for p in HELDOUT[: args.num_prompts]]
+    prompts = (HELDOUT + HELDOUT_FRESH)[: args.num_prompts]
+    convs = [[{"role": "user", "content": p}] for p in prompts]
     specs = engine_specs(args.k, args.draft)
     specs = {n: specs[n] for n in ["plain", *args.configs]}
     llms, errors = {}, {}
@@ -303,7 +304,7 @@ def main() -> None:
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--num-prompts", type=int, default=16, help="held-out prompts (at most 16)")
+    ap.add_argument("--num-prompts", type=int, default=30, help="held-out prompts (at most 48)")
     ap.add_argument(
         "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS),
         help="speculative configs beside plain (default model)",
