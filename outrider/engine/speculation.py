@@ -344,11 +344,11 @@ class Speculator:
         tokens the grammar forces (a constrained request), then to what can still count."""
         grammars = self._grammars
         if grammars is not None and req.request_id in grammars:
-            if drafts is not None and drafts.num_nodes:
-                drafts = grammars.allowed_drafts(req.request_id, drafts)
             if self._tree is None and self._config.grammar_drafts:  # chains: forced tokens
                 drafts, forced = grammars.forced_drafts(req.request_id, drafts, self._k)
                 self.stats.num_forced_drafts += forced
+            elif drafts is not None and drafts.num_nodes:
+                drafts = grammars.allowed_drafts(req.request_id, drafts)
         n = min(drafts.num_nodes, self._room(req)) if drafts is not None else 0
         req.drafts = drafts.truncated(n) if n > 0 else None
 

@@ -21,9 +21,10 @@ llguidance into a matcher that follows the request's output token by token. Per 
 Drafts (Speculator): `allowed_drafts` cuts a chain at the first token the grammar refuses and
 drops a tree's nodes whose path it refuses, so every verified draft is one the constrained
 target could produce; with the masks, greedy constrained output with speculation equals
-constrained output without it. `forced_drafts`: where the grammar admits one continuation only
-(a JSON key and its quotes, a closing brace, the rest of an enum value), those tokens are
-certain and ride as drafts the target only confirms.
+constrained output without it. `forced_drafts` (chains): where the grammar admits one
+continuation only (a JSON key and its quotes, a closing brace, the rest of an enum value), those
+tokens are certain and ride as drafts the target only confirms, ahead of the drafts and where the
+grammar cuts them.
 
 Compiled grammars are cached by their text: a request whose constraint was seen before starts
 from a copy of the compiled matcher. The tokenizer's llguidance view is built on the first
@@ -245,19 +246,32 @@ class Grammars:
     def forced_drafts(
         self, request_id: str, drafts: SeqDrafts | None, limit: int
     ) -> tuple[SeqDrafts | None, int]:
-        """Drafts led by the tokens the grammar forces next (at most `limit`), and how many of
-        them it forced. Drafts that already begin with them are kept whole; otherwise the
-        forced run replaces them (they were guesses at what the grammar settles)."""
+        """A constrained request's chain drafts with the tokens its grammar forces (at most
+        `limit` in all), and how many of them it forced. Where it forces the next tokens, drafts that
+        begin with them are kept; otherwise the forced run replaces them (they were guesses at
+        what the grammar settles). The drafts are cut at the first token it refuses and there
+        continued by what it forces from that point (the drafts past the cut guessed along a
+        path the grammar does not take; `{"a` drafted after `{"` on a grammar that needs `":`
+        next becomes `":`). A chain with draft probabilities is only cut."""
         self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None or limit <= 0:
             return drafts, 0
+        tokens = list(drafts.token_ids) if drafts is not None else []
         forced = matcher.compute_ff_tokens()[:limit]
-        if not forced:
-            return drafts, 0
-        if drafts is not None and drafts.is_chain and drafts.token_ids[: len(forced)] == forced:
-            return drafts, len(forced)
-        return SeqDrafts.chain(forced), len(forced)
+        if forced and tokens[: len(forced)] != forced:
+            return SeqDrafts.chain(forced), len(forced)
+        n = matcher.validate_tokens(tokens) if tokens else 0
+        if n == len(tokens):
+            return (drafts if n else None), len(forced)
+        more: list[int] = []
+        if 0 < n < limit and drafts.draft_probs is None:
+            matcher.consume_tokens(tokens[:n])
+            more = matcher.compute_ff_tokens()[: limit - n]
+            matcher.rollback(n)
+        if not more:
+            return (drafts.truncated(n) if n else None), len(forced)
+        return SeqDrafts.chain(tokens[:n] + more), len(forced) + len(more)
 
 
 _HINTS = {

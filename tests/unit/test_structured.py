@@ -230,14 +230,38 @@ def test_tree_rows_are_masked_after_the_path_to_each_node(default_grammars):
     grammars.forget("tree")
 
 
+def test_a_cut_chain_goes_on_with_what_the_grammar_forces_there(default_grammars):
+    grammars, tok = default_grammars
+    _request(grammars, {"regex": "[0-9]{3}-abcdef"}, "cut")
+    digits, bad = tok.encode("123"), tok.encode("!")
+    rest = tok.encode("-abcdef")
+    drafts, n = grammars.forced_drafts("cut", SeqDrafts.chain(digits + bad + digits), 16)
+    assert drafts.token_ids[: len(digits)] == digits  # nothing forced before the cut
+    assert tok.decode(drafts.token_ids) == "123-abcdef" and n == len(drafts.token_ids) - len(digits)
+    short, m = grammars.forced_drafts("cut", SeqDrafts.chain(digits + bad), len(digits) + 1)
+    assert len(short.token_ids) == len(digits) + 1 == m + len(digits)  # `limit` in all
+    assert (
+        tok.decode(short.token_ids[-1:])
+        == tok.decode(rest)[: len(tok.decode(short.token_ids[-1:]))]
+    )
+    probs = torch.full((len(digits) + 1, 4), 0.25)  # sampled drafts are only cut
+    cut, k = grammars.forced_drafts("cut", SeqDrafts.chain(digits + bad, probs), 16)
+    assert cut.token_ids == digits and k == 0 and cut.draft_probs.shape[0] == len(digits)
+    assert grammars.forced_drafts("cut", SeqDrafts.chain(bad), 16) == (None, 0)
+    assert grammars.advance("cut", []) is False  # the matcher is where it was
+    grammars.forget("cut")
+
+
 def test_forced_tokens_lead_the_drafts_and_the_grammar_ends_the_run(default_grammars):
     grammars, tok = default_grammars
     _request(grammars, {"json": PERSON}, "forced")
     drafts, n = grammars.forced_drafts("forced", None, 8)
     assert n == len(drafts.token_ids) > 0
     assert tok.decode(drafts.token_ids).startswith('{"name')
-    same, m = grammars.forced_drafts("forced", SeqDrafts.chain(drafts.token_ids + [7]), 8)
-    assert m == n and same.token_ids == drafts.token_ids + [7]  # drafts that agree are kept
+    same, m = grammars.forced_drafts("forced", SeqDrafts.chain(drafts.token_ids), 8)
+    assert m == n and same.token_ids == drafts.token_ids  # drafts that agree are kept
+    cut, _ = grammars.forced_drafts("forced", SeqDrafts.chain(drafts.token_ids + [7]), 8)
+    assert cut.token_ids[:n] == drafts.token_ids and 7 not in cut.token_ids[n:]  # refused
     _request(grammars, {"choice": ["yes"]}, "end")
     yes = tok.encode("yes")
     run = yes + [next(iter(tok.eos_token_ids)), 99]
