@@ -14,7 +14,8 @@ C: tok/s, accept length, speedup over the same mode's plain, and `identical`: ho
 equal the same mode's plain output token for token. Also the deterministic plain outputs at
 every C against C=1's (the same request alone or in any batch), the first C's run again
 through the same engine (every prompt a prefix-cache hit) and through one whose prefills are
-cut into 64-token chunks, and the cost table: deterministic plain tok/s over default plain tok/s, and each speculative config's
+cut into 64-token chunks, seeded sampling (temperature 0.8, top-p 0.9) at the largest C: each
+speculative config's samples against the same mode's plain ones, and the cost table: deterministic plain tok/s over default plain tok/s, and each speculative config's
 deterministic speedup over its default speedup. Writes benchmarks/results/deterministic.json.
 CUDA only (the CPU's deterministic mode is a correctness mode, one GEMV per row).
 """
@@ -116,6 +117,7 @@ def default_model_runs(args) -> dict:
     hits_before = det_plain.engine.scheduler.block_manager.stats.hit_tokens
     again = [o.token_ids for b in batches(convs, first_c) for o in det_plain.chat(b, params)]
     hit_tokens = det_plain.engine.scheduler.block_manager.stats.hit_tokens - hits_before
+    sampled = seeded_sampling(llms, convs, max(args.concurrency), args.new_tokens)
     del llms
     gc.collect()
     chunked = LLM(dtype="bfloat16", device="cuda", num_blocks=4096, deterministic=True,
@@ -137,7 +139,37 @@ def default_model_runs(args) -> dict:
     return {"runs": runs, "errors": errors, "num_prompts": len(convs),
             "deterministic_plain_same_as_first_c": across,
             "deterministic_plain_same_as_first_c_run": same,
+            "seeded_sampling_identical_to_plain": sampled,
             "cost": cost_table(runs, args.concurrency)}  # fmt: skip
+
+
+def seeded_sampling(llms: dict, convs: list, c: int, new_tokens: int) -> dict:
+    """{mode: {cfg: "n/N"}}: each speculative config's seeded samples (temperature 0.8, top-p
+    0.9, seed = the prompt's index, batches of c) equal to the same mode's plain ones, token
+    for token. Seeded draws are keyed by (seed, position), and a speculative step accepts a
+    draft exactly when it is plain sampling's draw there."""
+    from spec_gpu import batches
+
+    from outrider import SamplingParams
+
+    out: dict = {}
+    for mode in MODES:
+        want = None
+        for (m, cfg), llm in llms.items():
+            if m != mode:
+                continue
+            ids = []
+            for batch in batches(list(enumerate(convs)), c):
+                params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=new_tokens)
+                          for i, _ in batch]  # fmt: skip
+                ids += [o.token_ids for o in llm.chat([conv for _, conv in batch], params)]
+            ids = ids[: len(convs)]  # the first pass over the prompts
+            if cfg == "plain":
+                want = ids
+            elif want is not None:
+                out.setdefault(mode, {})[cfg] = f"{identical(ids, want)}/{len(want)}"
+    print(f"seeded sampling, speculative equal to plain: {out}", flush=True)
+    return out
 
 
 def cost_table(runs: dict, concurrency: list[int]) -> dict:

@@ -45,3 +45,24 @@ def test_cost_table(bench):
     table = bench.cost_table({"c1": row}, [1])
     assert table == {"1": {"plain_tok_per_s_ratio": 0.9, "ngram_speedup_ratio": 0.933}}
     assert bench.identical([[1, 2], [3]], [[1, 2], [4]]) == 1
+
+
+def test_seeded_sampling_compares_each_config_with_its_modes_plain(bench, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # it batches as spec_gpu.py does
+    class Fake:  # a request's tokens: its seed, then a config's own mark where it differs
+        def __init__(self, off_seeds=()):
+            self.off_seeds, self.seen = set(off_seeds), []
+
+        def chat(self, convs, params):
+            self.seen += [p.seed for p in params]
+            return [
+                type("Out", (), {"token_ids": [p.seed, int(p.seed in self.off_seeds)]})()
+                for p in params
+            ]
+
+    convs = [[{"role": "user", "content": str(i)}] for i in range(5)]
+    llms = {("default", "plain"): Fake(), ("default", "ngram"): Fake(off_seeds={1, 3}),
+            ("deterministic", "plain"): Fake(), ("deterministic", "ngram"): Fake()}  # fmt: skip
+    out = bench.seeded_sampling(llms, convs, 4, 8)
+    assert out == {"default": {"ngram": "3/5"}, "deterministic": {"ngram": "5/5"}}
+    assert llms[("default", "ngram")].seen == [0, 1, 2, 3, 4, 0, 1, 2]  # batches of 4, cycled
