@@ -225,6 +225,13 @@ class EngineCore:
         drafter's bookkeeping, detokenizing, finishing, the next drafts."""
         self.speculator.trim_output(batch, output)
         self.scheduler.postprocess(batch, output)
+        # The grammars follow the step's tokens first: the next drafts are cut to, and led by,
+        # what each allows after them. True: the grammar allows no more.
+        complete = {
+            rid: self.grammars.advance(rid, new_ids)
+            for rid, new_ids in zip(output.request_ids, output.token_ids)
+            if rid in self._tracked
+        }
         self.speculator.after_postprocess(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
@@ -232,9 +239,8 @@ class EngineCore:
             if tracked is None:
                 continue  # aborted while the step ran
             req = tracked.request
-            complete = self.grammars.advance(rid, new_ids)  # True: the grammar allows no more
             text, new_ids = tracked.detokenize(new_ids)
-            if tracked.detokenizer.stop_hit or complete:
+            if tracked.detokenizer.stop_hit or complete[rid]:
                 reason = FinishReason.STOP
             else:
                 reason = check_stop(req, self.max_model_len)

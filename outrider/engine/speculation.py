@@ -32,7 +32,7 @@ from outrider.engine.detokenizer import count_until_stop
 from outrider.engine.structured import Grammars
 from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.spec_step import simple_greedy
+from outrider.executor.spec_step import masked_greedy, simple_greedy
 from outrider.speculative.base import Proposer
 from outrider.speculative.controller import SpecController, StepProfile
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
@@ -228,7 +228,9 @@ class Speculator:
             return False
         if not self.proposer.on_device and not any(s.drafts for s in batch.seqs):
             return False  # nothing to verify and nothing to draft: a plain decode step
-        if self._tree is not None and not all(map(simple_greedy, batch.seqs)):
+        if self._tree is not None and not all(
+            simple_greedy(s) or masked_greedy(s) for s in batch.seqs
+        ):
             return False  # trees that sample are verified per sequence (runner.run)
         return all(
             s.sample and s.query_len == 1 + (s.drafts.num_nodes if s.drafts else 0)
@@ -344,11 +346,17 @@ class Speculator:
         tokens the grammar forces (a constrained request), then to what can still count."""
         grammars = self._grammars
         if grammars is not None and req.request_id in grammars:
-            if self._tree is None and self._config.grammar_drafts:  # chains: forced tokens
+            forcing = self._config.grammar_drafts
+            if self._tree is None and forcing:  # chains: forced tokens
                 drafts, forced = grammars.forced_drafts(req.request_id, drafts, self._k)
                 self.stats.num_forced_drafts += forced
-            elif drafts is not None and drafts.num_nodes:
-                drafts = grammars.allowed_drafts(req.request_id, drafts)
+            else:
+                if drafts is not None and drafts.num_nodes:
+                    drafts = grammars.allowed_drafts(req.request_id, drafts)
+                if drafts is None and forcing:  # a tree the grammar refused: what it forces
+                    depth = self._tree.num_steps  # a chain, as deep as the tree's paths go
+                    drafts, forced = grammars.forced_drafts(req.request_id, None, depth)
+                    self.stats.num_forced_drafts += forced
         n = min(drafts.num_nodes, self._room(req)) if drafts is not None else 0
         req.drafts = drafts.truncated(n) if n > 0 else None
 

@@ -1,10 +1,11 @@
 """The speculative step's CUDA graphs (executor/spec_step.py): their capture, their replay, and
 under tensor parallelism rank 0's send of each replayed step and the other ranks' replay of it.
 
-Per (padded B, k) there is a verify graph (the target forward, logits, argmax and acceptance
-over the step's static buffers) and, with a drafter, a draft graph reading the verify graph's
-outputs; all share one memory pool, captured largest first. A greedy batch replays the two and
-reads the host once.
+Per (padded B, k) there is a verify graph (the target forward, logits, argmax and, for chains,
+acceptance over the step's static buffers) and, with a drafter or a tree, a draft graph reading
+the verify graph's outputs (a tree's acceptance first, so that a fixup between the two can
+decide constrained rows' targets); all share one memory pool, captured largest first. A greedy
+batch replays the two and reads the host once.
 
 Under tensor parallelism every rank captures the verify graph of each (padded B, k) in the same
 order (the all-reduces inside pair up across ranks; executor/tp_graphs.py agrees on the list
@@ -97,16 +98,20 @@ class SpecGraphs:
                     if k_draft:
                         step.draft_no_sync(out, padded, k, k_draft, full_width=True)
             torch.cuda.synchronize()
+            tree = step.tree is not None  # accepted in the second graph, after the fixup
             verify = torch.cuda.CUDAGraph()
             with step.tp.recording() as counted, torch.cuda.graph(verify, pool=self.pool):
-                out = step.verify_no_sync(padded, k, full_width=True, send=False)
+                out = step.verify_no_sync(padded, k, full_width=True, send=False, accept=not tree)
             if self.pool is None:
                 self.pool = verify.pool()
             draft = None
-            if k_draft:  # rank 0 alone: the drafter reduces nothing
+            if k_draft or tree:  # rank 0 alone: the drafter reduces nothing
                 draft = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(draft, pool=self.pool):
-                    out.drafts = step.draft_no_sync(out, padded, k, k_draft, full_width=True)
+                    if tree:
+                        step.accept_tree_no_sync(out, padded, k, full_width=True)
+                    if k_draft:
+                        out.drafts = step.draft_no_sync(out, padded, k, k_draft, full_width=True)
         self.captured[(padded, k, k_draft)] = (verify, draft, out, counted)
 
     def replay(

@@ -47,6 +47,7 @@ from outrider.executor.inputs import table_slots_no_sync
 from outrider.executor.sampler import (
     apply_token_bitmask_,
     logprob_rows_no_sync,
+    masked_argmax_no_sync,
     token_bitmask,
     unpack_logprobs,
 )
@@ -81,6 +82,9 @@ class SpecOutput:
     # draft_parents [B, N] the next tree's shape (drafts its tokens).
     path_rows: torch.Tensor | None = None
     draft_parents: torch.Tensor | None = None
+    # Trees: [B, 1 + N] the target's token at every verify row, which acceptance reads (a
+    # fixup between the two graphs rewrites a constrained row's: SpecStep.run_tree).
+    argmax: torch.Tensor | None = None
 
 
 def _greedy_argmax(seq: ScheduledSeq) -> bool:
@@ -259,10 +263,17 @@ class SpecStep:
     # -- the step ---------------------------------------------------------------------------
 
     def verify_no_sync(
-        self, padded: int, k: int, full_width: bool = False, send: bool = True
+        self,
+        padded: int,
+        k: int,
+        full_width: bool = False,
+        send: bool = True,
+        accept: bool = True,
     ) -> SpecOutput:
         """Steps 1-2 on the static buffers. send: rank 0 of several sends the forward's inputs
-        to the other ranks first (not while capturing: they capture alongside)."""
+        to the other ranks first (not while capturing: they capture alongside). Trees with
+        accept=False stop before acceptance (`accept_tree_no_sync`): out.argmax holds every
+        row's target, out.tokens and out.num_accepted are not set."""  # fmt: skip
         t = 1 + k
         s = self.inputs
         meta = self.metadata(padded, k, full_width)
@@ -285,16 +296,23 @@ class SpecStep:
         argmax = logits.argmax(dim=-1).view(padded, t)
         aux_cat = torch.cat(aux, dim=-1) if aux else None
         if self.tree is not None:
-            return self._accept_tree(meta, argmax, ids.view(padded, t)[:, 1:], logits, aux_cat)
+            out = SpecOutput(argmax, argmax[:, 0], logits, aux_cat, argmax=argmax)
+            return self.accept_tree_no_sync(out, padded, k, full_width) if accept else out
         _, accepted = verify_chain_greedy_no_sync(
             argmax, ids.view(padded, t)[:, 1:], self.num_drafts[:padded]
         )
         return SpecOutput(argmax, accepted, logits, aux_cat)
 
-    def _accept_tree(self, meta, argmax, drafts, logits, aux) -> SpecOutput:
-        """Greedy tree acceptance, the accepted nodes' KV moved into path order, and the
-        outputs gathered along the path (so the drafter extends over a chain)."""
-        padded, t = argmax.shape
+    def accept_tree_no_sync(
+        self, out: SpecOutput, padded: int, k: int, full_width: bool = False
+    ) -> SpecOutput:
+        """Greedy tree acceptance of out.argmax, the accepted nodes' KV moved into path order,
+        and the outputs gathered along the path (so the drafter extends over a chain): out's
+        tokens, num_accepted, aux and path_rows set, in place; returns it."""
+        t = 1 + k
+        meta = self.metadata(padded, k, full_width)
+        argmax, aux = out.argmax, out.aux
+        drafts = self.inputs.input_ids[: padded * t].view(padded, t)[:, 1:]
         steps = self.tree.num_steps
         starts = self.inputs.positions[: padded * t].view(padded, t)[:, 0]
         tables, bs = meta.block_tables, self.block_size
@@ -319,7 +337,8 @@ class SpecStep:
         if aux is not None:
             rows = (torch.arange(padded, device=aux.device)[:, None] * t + path_rows).reshape(-1)
             aux = aux.index_select(0, rows)
-        return SpecOutput(tokens, accepted, logits, aux, path_rows=path_rows)
+        out.tokens, out.num_accepted, out.aux, out.path_rows = tokens, accepted, aux, path_rows
+        return out
 
     def draft_no_sync(
         self, out: SpecOutput, padded: int, k: int, k_draft: int, full_width: bool = False
@@ -348,16 +367,20 @@ class SpecStep:
         """Load the batch and run the step (graphs where captured, else eagerly) -> (outputs
         for the padded batch, padded B). `fixup(out)`, when given, runs between acceptance and
         drafting and rewrites out.tokens / out.num_accepted in place for rows that are not
-        plain greedy; the drafter then starts from what it decided."""
+        plain greedy; the drafter then starts from what it decided. Trees: between the verify
+        and acceptance, rewriting out.argmax (run_tree)."""
         padded = self.padded_batch(len(batch.seqs)) or len(batch.seqs)
         self.load(batch, k, padded)
         key = (padded, k, k_draft)
         if key in self.graphs:
             return self.graphs.replay(key, fixup), padded
         with torch.inference_mode():
-            out = self.verify_no_sync(padded, k)
+            tree = self.tree is not None
+            out = self.verify_no_sync(padded, k, accept=not tree)
             if fixup is not None:
                 fixup(out)
+            if tree:
+                self.accept_tree_no_sync(out, padded, k)
             if k_draft:
                 out.drafts = self.draft_no_sync(out, padded, k, k_draft)
         return out, padded
@@ -455,14 +478,33 @@ class SpecStep:
 
     @torch.inference_mode()
     def run_tree(self, batch: ScheduledBatch) -> StepOutput:
-        """`run` for trees: every row plain greedy (the engine sends other batches through the
-        runner's eager `run`). One read: the path's tokens and rows, the accept counts, the
-        next trees."""
+        """`run` for trees: every row greedy, plain or held to a grammar (the engine sends
+        other batches through the runner's eager `run`). A constrained row's target at each
+        node is the argmax among what its grammar allows after the path there (its masks,
+        Grammars.attach_masks), decided between the verify and the acceptance, while the
+        masks were filled as the device verified. One read: the path's tokens and rows, the
+        accept counts, the next trees."""
         seqs = batch.seqs
         b, n = len(seqs), self.tree.num_nodes
-        if not all(simple_greedy(s) for s in seqs):
-            raise ValueError("the tree step decides plain greedy rows only: use run()")
-        out, _ = self.run_no_sync(batch, n, n)
+        t = 1 + n
+        masked = [i for i, s in enumerate(seqs) if masked_greedy(s)]
+        if len(masked) + sum(map(simple_greedy, seqs)) < b or any(
+            seqs[i].token_masks is None for i in masked
+        ):
+            raise ValueError("the tree step decides greedy rows only: use run()")
+
+        def fixup(out: SpecOutput) -> None:
+            batch.ready_masks()  # on the host while the device verifies
+            dev = out.argmax.device
+            idx = to_device_no_sync(masked, torch.long, dev)
+            rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+            masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
+            target = masked_argmax_no_sync(
+                out.logits, rows, to_device_no_sync(masks, torch.int32, dev)
+            )
+            out.argmax.index_copy_(0, idx, target.view(len(masked), t))
+
+        out, _ = self.run_no_sync(batch, n, n, fixup if masked else None)
         w = out.tokens.shape[1]  # 1 + S
         parts = [
             out.tokens,

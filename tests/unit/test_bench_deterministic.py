@@ -49,6 +49,7 @@ def test_cost_table(bench):
 
 def test_seeded_sampling_compares_each_config_with_its_modes_plain(bench, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # it batches as spec_gpu.py does
+
     class Fake:  # a request's tokens: its seed, then a config's own mark where it differs
         def __init__(self, off_seeds=()):
             self.off_seeds, self.seen = set(off_seeds), []

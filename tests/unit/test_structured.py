@@ -457,9 +457,16 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
     tiny_json_dir,
     prompts,  # noqa: F811
     speculative,
+    monkeypatch,
 ):
     """fp32 greedy, batches of 1 and of every prompt: token for token; every output that
     finished is valid."""
+    from outrider.executor.spec_step import SpecStep
+
+    tree_steps, run_tree = [], SpecStep.run_tree
+    monkeypatch.setattr(
+        SpecStep, "run_tree", lambda self, b: tree_steps.append(b) or run_tree(self, b)
+    )
     prompts = prompts[:5]
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(len(prompts))]
     params = _constrained(specs, max_tokens=30)
@@ -482,8 +489,10 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
     assert llm.generate([prompts[1]], params[1])[0].outputs[0].token_ids == alone[0]
     stats = llm.engine.speculator.stats
     assert stats.num_verify_steps > 0
-    # chains draft what the grammar forces; trees keep their shape (forced runs are chains)
-    assert (stats.num_forced_drafts > 0) == (speculative != "eagle3_tree")
+    # chains draft what the grammar forces, trees where it refuses the whole tree
+    assert stats.num_forced_drafts > 0
+    if speculative == "eagle3_tree":  # constrained trees verify in the tree step
+        assert tree_steps, "constrained greedy trees left the tree step"
     assert not llm.engine.grammars  # every finished request's matcher is gone
 
 
@@ -542,3 +551,32 @@ def test_the_default_model_writes_valid_json_for_its_schema():
                 out = r.outputs[0]
                 assert out.finish_reason == "stop", out.text
                 jsonschema.validate(json.loads(out.text), PERSON)
+
+
+def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
+    tiny_json_dir,
+    prompts,  # noqa: F811
+    monkeypatch,
+):
+    """The drafts a device drafter makes inside a step are cut to (and led by) what the grammar
+    allows after that step's tokens: every constrained chain verified is allowed whole from the
+    request's output so far (cut against the grammar before it had seen the step's tokens,
+    they were refused or stale forced runs)."""
+    refused, seen = [], []
+    attach = Grammars.attach_masks
+
+    def check(self, batch):
+        for s in batch.seqs:
+            rid = s.request.request_id
+            if rid in self and s.drafts is not None and s.drafts.num_nodes:
+                tokens = list(s.drafts.token_ids)
+                seen.append(rid)
+                if self._matchers[rid].validate_tokens(tokens) < len(tokens):
+                    refused.append((rid, tokens))
+        return attach(self, batch)
+
+    monkeypatch.setattr(Grammars, "attach_masks", check)
+    specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
+    llm = eagle_llm(tiny_json_dir)
+    llm.generate(prompts[:4], _constrained(specs, max_tokens=30))
+    assert len(seen) > 4 and not refused, refused[:3]
