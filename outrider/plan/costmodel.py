@@ -6,8 +6,8 @@ C tokens, each kernel takes
 
     t = max(bytes / (bandwidth x mem_efficiency), flops / (peak x compute_efficiency)) + overhead
 
-(INT4 experts' bytes at the lesser of that and `sms x int4_unpack_gbs_per_sm`: their GEMM
-can be bound by unpacking them)
+(a grouped MoE GEMM's memory time no less than the bytes its blocks take in over `sms x
+moe_block_gbs_per_sm`, or for INT4 experts, which the SMs unpack, `sms x int4_unpack_gbs_per_sm`)
 
 where the overhead is what a kernel costs beyond moving its bytes or doing its FLOPs (its
 start, the ramp to full bandwidth, the tail, the gap to the next kernel in a graph): a GEMM's
@@ -37,7 +37,17 @@ independent, an expert is missed by one token with probability 1 - k/E, so N tok
 
 which is why large batches read most of the experts and a verify of 1 + k tokens per sequence
 reads several times the expert bytes of a decode step. Real routing is skewed, so U(N) is an
-upper estimate.
+upper estimate. The engine's grouped GEMM (layers/moe_fused.py moe_gemm) runs each expert's
+rows in blocks of MOE_BLOCK_M, and every block takes in its expert's weights: the first from
+memory, the rest from L2 (an expert's blocks run together). So the SMs take in
+
+    B(N) = sum over experts of ceil(rows_e / MOE_BLOCK_M)     experts' weights (expert_blocks:
+                                                               E x E[ceil(X / M)], X ~ Bin(N, k/E))
+
+which is U(N) while few tokens share an expert; where each holds several blocks, this intake
+bounds the GEMM, not the memory. Moonlight's verify of 64 x 8 tokens: 48 rows and 3.5 blocks
+an expert, and 32 for each shared expert, which the engine runs among the routed ones with
+every token's row (`folded_shared_experts`).
 
 Collectives per forward at tp > 1: rank 0's broadcast of the step's inputs (ids, positions,
 slots, lengths, block tables, logits rows: one packed buffer, executor/tp_channel.py), two
@@ -50,6 +60,7 @@ with S x n / (n - 1) bytes out does: the same hops, S through each link.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +69,9 @@ from outrider.plan.models import ModelSpec, weight_format
 
 ACT_BYTES = 2  # activations and logits in bf16
 INPUT_BLOCK = 16  # the KV block size the engine's block tables count in (its default)
+# The rows of one expert a block of the engine's grouped MoE GEMM takes (layers/moe_fused.py
+# MOE_BLOCK_M; copied: that module imports torch, the planner does not).
+MOE_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,10 @@ class Kernel:
     # A dense GEMM's (rows, inputs, outputs): its FLOPs are done in whole tiles and whole waves
     # of tiles over the SMs (`padded_flops`). None: the FLOPs as counted.
     shape: tuple[int, float, float] | None = None
-    int4: bool = False  # reads INT4 experts: its bytes stream no faster than the SMs unpack
+    int4: bool = False  # reads INT4 experts: the SMs unpack what they take in
+    # A grouped MoE GEMM's: the bytes its blocks take in, each block its expert's weights (from
+    # L2 where another block of that expert brought them from memory). 0: not one.
+    block_bytes: float = 0.0
 
 
 SPLIT_K_MIN = 512  # the least of the input dimension one split of a split-K GEMM takes
@@ -190,6 +207,47 @@ def unique_experts(num_experts: int, per_token: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - per_token / num_experts) ** tokens)
 
 
+@functools.lru_cache(maxsize=1024)
+def expert_blocks(num_experts: int, per_token: int, tokens: int, block: int = MOE_BLOCK_M) -> float:
+    """E x E[ceil(X / M)], X ~ Binomial(N, k/E): the blocks of M rows the grouped GEMM runs for
+    N tokens routed uniformly (each expert's rows are binomial; one with none has no block).
+    U(N) while few tokens share an expert; Moonlight's 64 experts top-6: 69.8 blocks at 128
+    tokens, 127.4 at 256, 221.6 at 512 (48 rows an expert)."""
+    if num_experts == 0 or tokens == 0:
+        return 0.0
+    p = per_token / num_experts
+    if p >= 1.0:
+        return num_experts * math.ceil(tokens / block)
+    mean, sd = tokens * p, math.sqrt(tokens * p * (1.0 - p))
+    lo, hi = max(1, int(mean - 12 * sd)), min(tokens, int(mean + 12 * sd) + 1)
+    log_n, lp, lq = math.lgamma(tokens + 1), math.log(p), math.log1p(-p)
+    total = 0.0
+    for x in range(lo, hi + 1):
+        log_pmf = log_n - math.lgamma(x + 1) - math.lgamma(tokens - x + 1) + x * lp
+        total += math.ceil(x / block) * math.exp(log_pmf + (tokens - x) * lq)
+    return num_experts * total
+
+
+def grouped_gemm(
+    name: str, k_in: float, k_out: float, experts: float, blocks: float, rows: float,
+    wbytes: float, int4: bool,
+) -> Kernel:  # fmt: skip
+    """A grouped MoE GEMM of `rows` (token, expert) rows: `experts` experts' [k_in -> k_out]
+    weights read from memory, `blocks` of them taken in by the SMs."""
+    weights, acts = k_in * k_out * wbytes, rows * (k_in + k_out) * ACT_BYTES
+    return Kernel(name, experts * weights + acts, 2.0 * rows * k_in * k_out, gemm=True,
+                  int4=int4, block_bytes=blocks * weights + acts)  # fmt: skip
+
+
+def folded_shared_experts(m: ModelSpec) -> int:
+    """Shared experts the engine runs in the routed experts' grouped GEMM, as more experts every
+    token chooses (models/deepseek_v3.py: unless the routed experts are INT4, whose shared MLP
+    stays a bf16 one of its own)."""
+    if weight_format(m.expert_weights or m.weights).bits == 4:
+        return 0
+    return m.num_shared_experts
+
+
 def forward_kernels(
     m: ModelSpec, tp: int, seqs: int, tokens_per_seq: int, context: int
 ) -> tuple[list[Kernel], list[Collective], float]:
@@ -263,27 +321,21 @@ def forward_kernels(
             inter = m.moe_intermediate_size // tp
             touched = unique_experts(m.num_experts, m.experts_per_token, n)
             experts = max(experts, touched)
-            routed = n * m.experts_per_token  # token-expert pairs
+            folded = folded_shared_experts(m)  # more experts every token chooses: n rows each
+            read = touched + folded
+            blocks = expert_blocks(m.num_experts, m.experts_per_token, n)
+            blocks += folded * -(-n // MOE_BLOCK_M)
+            routed = n * (m.experts_per_token + folded)  # token-expert pairs
             ks.append(gemm("router", h, m.num_experts, 2))  # the gate stays bf16
             ks += [small("topk", m.num_experts), small("moe_align", m.experts_per_token)]
-            ks.append(
-                Kernel(
-                    "experts_gate_up",
-                    touched * h * 2 * inter * we + routed * (h + 2 * inter) * act,
-                    2.0 * routed * h * 2 * inter,
-                    gemm=True,
-                    int4=int4,
-                )
-            )
+            ks.append(grouped_gemm("experts_gate_up", h, 2 * inter, read, blocks, routed, we, int4))
             ks.append(Kernel("experts_act", 2 * routed * 2 * inter * act, 4.0 * routed * inter))
-            ks.append(Kernel("experts_down", touched * inter * h * we
-                             + routed * (inter + h) * act, 2.0 * routed * inter * h,
-                             gemm=True, int4=int4))  # fmt: skip
-            if m.num_shared_experts:
+            ks.append(grouped_gemm("experts_down", inter, h, read, blocks, routed, we, int4))
+            if m.num_shared_experts and not folded:
                 shared = m.num_shared_experts * inter
                 ks += [gemm("shared_gate_up", h, 2 * shared), small("shared_act", 2 * shared)]
                 ks.append(gemm("shared_down", shared, h))
-            ks.append(small("moe_combine", h * m.experts_per_token))
+            ks.append(small("moe_combine", h * (m.experts_per_token + folded)))
         else:
             inter = m.intermediate_size // tp
             ks += [gemm("gate_up_proj", h, 2 * inter), small("act", 2 * inter)]
@@ -309,13 +361,16 @@ def time_step(
 ) -> StepCost:
     gpu, link = setup.gpu, setup.link
     mem_bytes_per_us = gpu.mem_gbs * 1e3 * gpu.mem_efficiency
-    int4_bytes_per_us = mem_bytes_per_us
-    if gpu.sms:
-        int4_bytes_per_us = min(mem_bytes_per_us, gpu.sms * gpu.int4_unpack_gbs_per_sm * 1e3)
+    block_bytes_per_us = gpu.sms * gpu.moe_block_gbs_per_sm * 1e3
+    int4_bytes_per_us = gpu.sms * gpu.int4_unpack_gbs_per_sm * 1e3
     compute_flops_per_us = gpu.bf16_tflops * 1e6 * gpu.compute_efficiency
     compute = memory = launch = 0.0
     for k in kernels:
-        t_mem = k.bytes / (int4_bytes_per_us if k.int4 else mem_bytes_per_us)
+        t_mem = k.bytes / mem_bytes_per_us
+        if k.block_bytes and gpu.sms:  # the SMs take in every block's weights
+            t_mem = max(
+                t_mem, k.block_bytes / (int4_bytes_per_us if k.int4 else block_bytes_per_us)
+            )
         if k.shape is not None and gpu.gemv_rows:
             t_mem *= k.shape[0] if k.shape[0] < gpu.gemv_rows else gpu.gemm_weight_reads
         t_cmp = padded_flops(k, gpu.sms) / compute_flops_per_us

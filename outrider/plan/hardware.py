@@ -45,9 +45,17 @@ class Gpu:
     # GEMM that reads them is bound by unpacking where the memory would feed it faster. On the
     # H200 moe_fused.moe_gemm streams Kimi-K2.5's experts at 25-32% of copy bandwidth from 1
     # to 64 tokens (benchmarks/results/moe_gemm_tiles.json): 27% of 4.8 TB/s over 132 SMs.
-    # INT4 experts stream at the lesser of this times the SMs and the memory's rate: an RTX PRO
-    # 6000's 188 SMs keep up with its 1.8 TB/s. Measured on the H200 only.
+    # INT4 experts' blocks (moe_block_gbs_per_sm) stream at no more than this times the SMs: an
+    # RTX PRO 6000's 188 SMs keep up with its 1.8 TB/s. Measured on the H200 only.
     int4_unpack_gbs_per_sm: float = 9.8
+    # Other experts' bytes one SM takes into the grouped GEMM's blocks a second, GB/s:
+    # moe_fused.moe_gemm reads an expert's weights once per block of its rows, memory serving the
+    # first and L2 the rest (an expert's blocks run together), so where experts hold several
+    # blocks the SMs' intake bounds the GEMM, not the memory. Fitted on the H100 to Moonlight's
+    # verify of 64 x 8 tokens, 3.5 blocks an expert, whose device time its memory's rate left 8
+    # ms short (benchmarks/results/moe_gpu_h100.json): 6.6 TB/s over 132 SMs. The H200's die
+    # is the H100's; other GPUs are unmeasured.
+    moe_block_gbs_per_sm: float = 50.0
     # Fraction of dense peak a bf16 GEMM reaches at the shapes of decode and verify (tens to
     # thousands of rows): 60-75% (cuBLAS at large shapes reaches ~75-80%).
     compute_efficiency: float = 0.65

@@ -36,6 +36,7 @@ from outrider.plan.costmodel import (
     Setup,
     StepCost,
     decode_cost,
+    folded_shared_experts,
     forward_kernels,
     layer_allreduces,
     time_step,
@@ -252,7 +253,8 @@ def weights_per_gpu_gb(setup: Setup) -> float:
     we = weight_format(m.expert_weights or m.weights).bytes_per_element
     ks, _, _ = forward_kernels(m, tp, 1, 1, 0)
     dense = sum(k.bytes for k in ks if not k.name.startswith("experts_"))
-    routed = m.num_moe_layers * m.num_experts * 3 * m.hidden_size * m.moe_intermediate_size
+    stacked = m.num_experts + folded_shared_experts(m)  # the shared experts held among them
+    routed = m.num_moe_layers * stacked * 3 * m.hidden_size * m.moe_intermediate_size
     embed = m.vocab_size * m.hidden_size * 2 / tp * (0 if m.tie_word_embeddings else 1)
     return (dense + routed / tp * we + embed) / 1e9
 
