@@ -8,14 +8,15 @@ kernels alone (`attention_runs`; --attention-only stops there).
         [--configs ngram eagle3_chain eagle3_tree] [--rounds 2] [--num-prompts 30] [--draft DIR]
         [--llama8b] [--attention-only] [--out-dir DIR]
 
-Each C runs every (mode, config) engine on the held-out prompts (HELDOUT, then HELDOUT_FRESH) as one-turn chats in batches of
-C, `--rounds` times in a rotated order; tok/s is the median over rounds. Reported per mode and
-C: tok/s, accept length, speedup over the same mode's plain, and `identical`: how many outputs
-equal the same mode's plain output token for token. Also the deterministic plain outputs at
-every C against C=1's (the same request alone or in any batch), the first C's run again
-through the same engine (every prompt a prefix-cache hit) and through one whose prefills are
-cut into 64-token chunks, seeded sampling (temperature 0.8, top-p 0.9) at the largest C: each
-speculative config's samples against the same mode's plain ones, and the cost table: deterministic plain tok/s over default plain tok/s, and each speculative config's
+Each C runs every (mode, config) engine on the held-out prompts (HELDOUT, then HELDOUT_FRESH) as
+one-turn chats in batches of C, `--rounds` times in a rotated order; tok/s is the median over
+rounds. Reported per mode and C: tok/s, accept length, speedup over the same mode's plain, and
+`identical`: how many outputs equal the same mode's plain output token for token. Also the
+deterministic plain outputs at every C against C=1's (the same request alone or in any batch),
+the first C's run again through the same engine (every prompt a prefix-cache hit) and through
+one whose prefills are cut into 64-token chunks, seeded sampling (temperature 0.8, top-p 0.9) at
+the largest C: each speculative config's samples against the same mode's plain ones, and the
+cost table: deterministic plain tok/s over default plain tok/s, and each speculative config's
 deterministic speedup over its default speedup. Writes benchmarks/results/deterministic.json.
 CUDA only (the CPU's deterministic mode is a correctness mode, one GEMV per row).
 """

@@ -215,9 +215,10 @@ def test_summary_tables_by_temperature_config_constraint_and_c(bench):
     assert json.loads(json.dumps(out)) == out
 
 
-def test_configs_are_spec_gpus_chains(bench):
+def test_configs_are_spec_gpus_chains_and_tree(bench):
     specs = bench.engine_configs(4, None)
-    assert list(specs) == ["plain", "ngram", "eagle3", "ngram_nogd", "eagle3_nogd"]
+    assert list(specs) == list(bench.CONFIGS)
+    assert specs["eagle3_tree"]["topk"] > 1 and specs["eagle3_tree"]["controller"] == "fixed"
     assert specs["plain"] is None
     assert specs["ngram"] == {"method": "ngram", "num_draft_tokens": 4, "controller": "fixed"}
     assert specs["eagle3"]["method"] == "eagle3" and specs["eagle3"]["num_draft_tokens"] == 4
