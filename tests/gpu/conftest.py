@@ -23,3 +23,16 @@ def drafter_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("eagle3") / "drafter"
     save_drafter(random_drafter(target, draft_vocab=8000), path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_memory():
+    """After every GPU test: collect the engines it made (their graphs and buffers hold
+    references in cycles) and hand their cached memory back, so the next test's engine sizes
+    its KV pool on a free device whatever ran before it."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
