@@ -227,11 +227,13 @@ class EngineCore:
         self.scheduler.postprocess(batch, output)
         # The grammars follow the step's tokens first: the next drafts are cut to, and led by,
         # what each allows after them. True: the grammar allows no more.
-        complete = {
-            rid: self.grammars.advance(rid, new_ids)
-            for rid, new_ids in zip(output.request_ids, output.token_ids)
-            if rid in self._tracked
-        }
+        complete = {}
+        if self.grammars:  # any constrained request
+            complete = {
+                rid: self.grammars.advance(rid, new_ids)
+                for rid, new_ids in zip(output.request_ids, output.token_ids)
+                if rid in self._tracked
+            }
         self.speculator.after_postprocess(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
@@ -240,7 +242,7 @@ class EngineCore:
                 continue  # aborted while the step ran
             req = tracked.request
             text, new_ids = tracked.detokenize(new_ids)
-            if tracked.detokenizer.stop_hit or complete[rid]:
+            if tracked.detokenizer.stop_hit or complete.get(rid, False):
                 reason = FinishReason.STOP
             else:
                 reason = check_stop(req, self.max_model_len)

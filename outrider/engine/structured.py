@@ -163,15 +163,15 @@ class Grammars:
         rows = [1 + (s.drafts.num_nodes if s.drafts is not None else 0) for s in seqs]
         masks = self._rows(sum(rows))  # llguidance writes every word of every row
         alone, chains, trees, start = [], [], [], 0
-        for s, n in zip(seqs, rows):
+        for s, n, rows_of in zip(seqs, rows, masks.split(rows)):  # one call for every view
             matcher = self._matchers[s.request.request_id]
             if s.drafts is None or not s.drafts.num_nodes:
                 alone.append((matcher, start))
             elif s.drafts.is_chain:
                 chains.append((matcher, start, list(s.drafts.token_ids)))
             else:
-                trees.append((matcher, s.drafts, masks[start : start + n]))
-            s.token_masks = masks[start : start + n]
+                trees.append((matcher, s.drafts, rows_of))
+            s.token_masks = rows_of
             start += n
 
         def fill() -> None:
@@ -207,8 +207,8 @@ class Grammars:
         matcher = self._matchers.get(request_id)
         if matcher is None or not tokens:
             return False
-        matcher.consume_tokens(list(tokens))
-        return matcher.is_stopped() or matcher.is_error()
+        matcher.consume_tokens(tokens if isinstance(tokens, list) else list(tokens))
+        return matcher.is_stopped()  # also after an error: the matcher stops there
 
     def until_complete(self, request_id: str, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a step's accepted run) come before the grammar is complete,
