@@ -170,7 +170,7 @@ class Grammars:
             elif s.drafts.is_chain:
                 chains.append((matcher, start, list(s.drafts.token_ids)))
             else:
-                trees.append((matcher, s.drafts, rows_of))
+                trees.append((matcher, s.drafts, start))
             s.token_masks = rows_of
             start += n
 
@@ -182,8 +182,8 @@ class Grammars:
                 self._executor.unsafe_compute_mask_ptr(alone, *size)
             if chains:
                 self._executor.unsafe_compute_mask_ptr_with_draft_token(chains, *size)
-            for matcher, drafts, out in trees:
-                _tree_masks(matcher, drafts, out)
+            if trees:
+                _tree_masks(self._executor, trees, size)
 
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="outrider-masks")
@@ -339,20 +339,45 @@ def _path(drafts: SeqDrafts, node: int) -> list[int]:
     return path[::-1]
 
 
-def _tree_masks(matcher, drafts: SeqDrafts, out: torch.Tensor) -> None:
-    """Row 0: the mask after the output so far; row 1 + i: after the path to node i. The
-    matcher ends where it began."""
-    _fill(matcher, out[0])
-    for i in range(drafts.num_nodes):
-        path = _path(drafts, i)
-        if not matcher.consume_tokens(path):  # allowed_drafts keeps only allowed paths
-            raise RuntimeError(f"tree node {i} ({path}) is not allowed by the request's grammar")
-        _fill(matcher, out[1 + i])
-        matcher.rollback(len(path))
+def _tree_masks(executor, trees: list, size: tuple[int, int, int]) -> None:
+    """Every tree's rows: row `start` the mask after the output so far, row start + 1 + i after
+    the path to node i; trees: (matcher, drafts, start). In waves, node i of every tree at once
+    in llguidance's threads: each matcher walks from node i - 1 to node i (back to their common
+    ancestor, then down), so a node's path is never consumed whole. The matchers end where
+    they began."""
+    executor.unsafe_compute_mask_ptr([(m, start) for m, _, start in trees], *size)
+    paths: list[list[int]] = [[] for _ in trees]  # the nodes each matcher has consumed, in order
+    for i in range(max(d.num_nodes for _, d, _ in trees)):
+        wave = []
+        for (matcher, drafts, start), path in zip(trees, paths):
+            if i >= drafts.num_nodes:
+                continue
+            target = _path_nodes(drafts, i)
+            common = 0
+            while common < min(len(path), len(target)) and path[common] == target[common]:
+                common += 1
+            if len(path) > common:
+                matcher.rollback(len(path) - common)
+            tokens = [drafts.token_ids[n] for n in target[common:]]
+            if not matcher.consume_tokens(tokens):  # allowed_drafts keeps only allowed paths
+                raise RuntimeError(
+                    f"tree node {i} ({_path(drafts, i)}) is not allowed by the request's grammar"
+                )
+            path[:] = target
+            wave.append((matcher, start + 1 + i))
+        executor.unsafe_compute_mask_ptr(wave, *size)
+    for (matcher, _, _), path in zip(trees, paths):
+        if path:
+            matcher.rollback(len(path))
 
 
-def _fill(matcher, row: torch.Tensor) -> None:
-    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+def _path_nodes(drafts: SeqDrafts, node: int) -> list[int]:
+    """The nodes from the root's first child down to `node`."""
+    nodes = []
+    while node >= 0:
+        nodes.append(node)
+        node = drafts.parents[node]
+    return nodes[::-1]
 
 
 def _allowed_tree(matcher, drafts: SeqDrafts) -> SeqDrafts | None:

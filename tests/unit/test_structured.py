@@ -214,6 +214,42 @@ def test_drafts_are_cut_where_the_grammar_refuses_them(default_grammars):
     grammars.forget("cut")
 
 
+def test_trees_side_by_side_get_each_nodes_mask_as_a_fresh_walk_would(default_grammars):
+    """Two trees in one step, filled node by node in waves (each matcher walks back to the
+    common ancestor between nodes): every row equals the mask of a fresh matcher fed the path
+    to its node, and both matchers end where they began."""
+    grammars, tok = default_grammars
+    spec = {"choice": ["abc", "abd", "ax", "b"]}
+    a, b, c, d, x = (tok.encode(ch)[0] for ch in "abcdx")
+    trees = {
+        "t1": SeqDrafts([b], [-1]),
+        "t2": SeqDrafts([a, b, b, x, c, d], [-1, -1, 0, 0, 2, 2]),  # a, b, ab, ax, abc, abd
+    }
+    seqs = []
+    for rid, drafts in trees.items():
+        req = _request(grammars, spec, rid)
+        seqs.append(ScheduledSeq(req, [5, *drafts.token_ids], 2, [0], True, drafts))
+    batch = ScheduledBatch(ForwardMode.VERIFY, seqs)
+    grammars.attach_masks(batch)
+    batch.ready_masks()
+    words = grammars.words
+    for seq, drafts in zip(seqs, trees.values()):
+        for row in range(1 + drafts.num_nodes):
+            fresh = grammars.compile(StructuredOutputs.of(spec)).deep_copy()
+            path, node = [], row - 1
+            while node >= 0:
+                path.insert(0, drafts.token_ids[node])
+                node = drafts.parents[node]
+            assert fresh.consume_tokens(path)
+            want = torch.empty(words, dtype=torch.int32)
+            fresh.unsafe_compute_mask_ptr(want.data_ptr(), words * 4)
+            assert torch.equal(seq.token_masks[row], want), (seq.request.request_id, row)
+    for rid in trees:  # back where they began: "a" and "b" still both allowed first
+        assert grammars.allowed_drafts(rid, SeqDrafts.chain([a])) is not None
+        assert grammars.allowed_drafts(rid, SeqDrafts.chain([b])) is not None
+        grammars.forget(rid)
+
+
 def test_tree_rows_are_masked_after_the_path_to_each_node(default_grammars):
     grammars, tok = default_grammars
     req = _request(grammars, {"choice": ["ab", "ac", "b"]}, "tree")
