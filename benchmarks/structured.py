@@ -28,7 +28,9 @@ valid_fraction_finished (among outputs that ended on their own rather than at ma
 tok/s, speedup over plain unconstrained, vs_plain_matched (constrained tok/s over plain
 unconstrained requests made exactly as long as plain constrained ones, "plain matched": the
 grammar's cost for plain, speculation's gain under it otherwise; constrained outputs end
-early, so their runs weigh prefill more than unconstrained ones), the step split (runner and
+early, so their runs weigh prefill more than unconstrained ones), median_ttft_ms and
+decode_tok_per_s_stream (each stream's rate after its first token) with decode_vs_plain (that
+rate over plain's under the same constraint: what speculation changes), the step split (runner and
 host milliseconds per step: masks are computed on the host), accept length, tokens per engine
 step (prefills and steps that verified nothing included: what grammar drafts change) and every counter
 of the engine's SpecStats over the run (num_forced_drafts: drafts the grammar forced), and at
@@ -126,6 +128,24 @@ def validity_row(counts: list[dict]) -> dict:
     }
 
 
+def first_token_split(outs: list) -> dict:
+    """The run's time to first token and decode apart: the median TTFT (ms), and each stream's
+    decode rate, sum(tokens after the first) / sum(time after the first token) over requests.
+    Constrained outputs are short (tens of tokens), so a run's tok/s weighs its prefills;
+    decode_tok_per_s_stream is what speculation changes."""
+    ttft = [o.metrics.get("time_to_first_token_s") for o in outs]
+    ttft = [t for t in ttft if t is not None]
+    after = [(len(o.token_ids) - 1, o.metrics.get("e2e_latency_s"), o.metrics.get(
+        "time_to_first_token_s")) for o in outs]  # fmt: skip
+    after = [(n, e - t) for n, e, t in after if n > 0 and e is not None and t is not None]
+    seconds = sum(d for _, d in after)
+    return {
+        "median_ttft_ms": round(1e3 * statistics.median(ttft), 3) if ttft else None,
+        "decode_tok_per_s_stream": round(sum(n for n, _ in after) / seconds, 2)
+        if seconds > 0 else None,
+    }  # fmt: skip
+
+
 def spec_counters(stats) -> dict:
     """Every field of the engine's SpecStats (those the engine adds for grammars too) and its
     accept length."""
@@ -185,6 +205,7 @@ def timed_run(
         "tokens": tokens,
         "seconds": round(seconds, 3),
         "tok_per_s": round(tokens / seconds, 2),
+        **first_token_split(outs),
         "spec_stats": stats,
         "accept_length": stats["accept_length"],
         # Tokens per engine step, prefills included: unlike the accept length (over verify
@@ -282,6 +303,11 @@ def slot_rows(plains: list[dict], tries: dict, greedy: bool) -> dict:
             # (plain) or what speculation gains under it, with prefill weighing the same.
             row = by_constraint["constrained"]
             row["vs_plain_matched"] = round(row["tok_per_s"] / matched, 3)
+    for by_constraint in rows.values():  # decode alone, over plain's under the same constraint
+        for constraint, row in by_constraint.items():
+            base = rows["plain"].get(constraint, {}).get("decode_tok_per_s_stream")
+            if base and row.get("decode_tok_per_s_stream"):
+                row["decode_vs_plain"] = round(row["decode_tok_per_s_stream"] / base, 3)
     return rows
 
 
@@ -307,7 +333,7 @@ def sweep(
     ] + [("plain", MATCHED)]
     print(
         f"{'config':11s} {'constraint':13s} {'run':10s} {'tok/s':>9s} {'speedup':>8s} "
-        f"{'valid':>6s} {'accept':>7s} {'same':>6s} {'vs_pm':>6s}",
+        f"{'valid':>6s} {'accept':>7s} {'same':>6s} {'vs_pm':>6s} {'dec_vs_p':>7s}",
         flush=True,
     )
     runs: dict = {}
@@ -336,7 +362,8 @@ def sweep(
                         f"{cfg:11s} {constraint:13s} {key:10s} {row['tok_per_s']:>9.1f} "
                         f"{row['speedup']:>8.2f} {row['valid_fraction']:>6} "
                         f"{'-' if acc is None else acc:>7} {'-' if same is None else same:>6} "
-                        f"{row.get('vs_plain_matched', '-'):>6}",
+                        f"{row.get('vs_plain_matched', '-'):>6} "
+                        f"{row.get('decode_vs_plain', '-'):>7}",
                         flush=True,
                     )
     return runs
@@ -347,7 +374,7 @@ def summary_tables(runs: dict) -> dict:
     and constraint, the value by C (C and T as strings: JSON keys)."""
     metrics = (
         "tok_per_s", "speedup", "valid_fraction", "accept_length", "tokens_per_step",
-        "vs_plain_matched",
+        "vs_plain_matched", "median_ttft_ms", "decode_tok_per_s_stream", "decode_vs_plain",
     )  # fmt: skip
     out: dict = {m: {} for m in metrics}
     for key, rows in runs.items():

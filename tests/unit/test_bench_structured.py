@@ -129,8 +129,10 @@ class FakeLLM:
             self.engine.speculator.stats.record(4, 3)
             self.engine.speculator.stats.record(4, 3)
             text = "nope" if case.name in self.wrong else case.example
+            # each request: its first token after 10 ms, the rest after 10 ms more
+            metrics = {"time_to_first_token_s": 0.01, "e2e_latency_s": 0.02}
             outs.append(SimpleNamespace(text=text, token_ids=list(range(self.tokens)),
-                                        finish_reason="stop"))  # fmt: skip
+                                        finish_reason="stop", metrics=metrics))  # fmt: skip
         return outs
 
 
@@ -149,6 +151,8 @@ def test_timed_run_sends_full_batches_with_each_cases_params(bench, cases):
     assert row["spec_stats"]["num_verify_steps"] == 8  # the reset dropped the earlier count
     assert row["spec_stats"]["num_accepted_tokens"] == 24
     assert row["accept_length"] == 4.0 and len(row["ids"]) == 4
+    assert row["median_ttft_ms"] == 10.0
+    assert row["decode_tok_per_s_stream"] == 400.0  # 4 tokens after the first in 10 ms
     free = bench.timed_run(FakeLLM({c.prompt: c for c in cases}), False, cases, 0.0, 4, 9, "cpu")
     assert free["requests"] == 4 and free["validity_counts"]["valid"] == 4
 
@@ -190,6 +194,13 @@ def test_slot_rows_compare_with_plain_under_the_same_constraint(bench):
     assert "validity_counts" not in ngram and "ids" not in ngram
     sampled = bench.slot_rows(plains, tries, greedy=False)
     assert "same_output_fraction" not in sampled["ngram"]["constrained"]
+    # decode alone over plain's under the same constraint (the last round's rates)
+    tries[("plain", "constrained")][-1]["decode_tok_per_s_stream"] = 500.0
+    tries[("ngram", "constrained")][-1]["decode_tok_per_s_stream"] = 900.0
+    rows = bench.slot_rows(plains, tries, greedy=True)
+    assert rows["ngram"]["constrained"]["decode_vs_plain"] == 1.8
+    assert rows["plain"]["constrained"]["decode_vs_plain"] == 1.0
+    assert "decode_vs_plain" not in rows["ngram"]["unconstrained"]  # plain's has no rate
 
 
 def test_summary_tables_by_temperature_config_constraint_and_c(bench):
