@@ -2,7 +2,7 @@
 and tree) through `LLM`, greedy, bf16, in the default mode and the deterministic mode
 side by side in one run, at C in {1, 16, 64}; then, with --llama8b, plain and n-gram decode of
 the Llama-3.1-8B shape (random bf16 weights) in both modes. First, always, the attention
-kernels alone (`attention_runs`; --attention-only stops there).
+kernels and the GEMMs alone (`attention_runs`, `gemm_runs`; --attention-only stops there).
 
     python benchmarks/deterministic.py [--concurrency 1 16 64] [--new-tokens 256]
         [--configs ngram eagle3_chain eagle3_tree] [--rounds 2] [--num-prompts 30] [--draft DIR]
@@ -198,6 +198,42 @@ ATTENTION_CASES = [(1, 1024, 1), (1, 8192, 1), (16, 2048, 1), (64, 2048, 1), (64
                    (1, 8192, 5), (64, 2048, 5), (1, 8192, 2048)]  # fmt: skip
 
 
+# (name, in, out) of every GEMM a layer runs: the default model's (SmolLM2-135M: hidden 576,
+# 9 / 3 heads of 64, MLP 1536) and Llama-3.1-8B's; and rows: decode at C=1, 16 and 64, and a
+# chain verify of 1 + 4 at C=16 and 64.
+GEMM_SHAPES = [("smollm2.qkv", 576, 960), ("smollm2.o", 576, 576),
+               ("smollm2.gate_up", 576, 3072), ("smollm2.down", 1536, 576),
+               ("llama8b.qkv", 4096, 6144), ("llama8b.o", 4096, 4096),
+               ("llama8b.gate_up", 4096, 28672), ("llama8b.down", 14336, 4096)]  # fmt: skip
+GEMM_ROWS = [1, 16, 64, 80, 320]
+
+
+def gemm_runs() -> list[dict]:
+    """The GEMMs alone, bf16: the deterministic mode's batch-invariant Triton GEMM
+    (layers/batch_invariant.py `matmul`, one tile schedule for every row count) against the
+    default mode's F.linear (cuBLAS, which picks its tiles and split-K by the rows), at every
+    shape of GEMM_SHAPES and row count of GEMM_ROWS. us per call by triton's do_bench
+    (median): where the deterministic mode's cost is, beside `attention_runs`."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from outrider.layers.batch_invariant import matmul
+
+    out = []
+    for name, k, n in GEMM_SHAPES:
+        w = torch.randn(n, k, device="cuda").to(torch.bfloat16) * k**-0.5
+        for m in GEMM_ROWS:
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            us_default = do_bench(lambda: F.linear(x, w)) * 1e3  # noqa: B023
+            us_det = do_bench(lambda: matmul(x, w)) * 1e3  # noqa: B023
+            print(f"gemm {name} [{m} x {k}] -> {n}: default {us_default:.1f} us, "
+                  f"deterministic {us_det:.1f} us (x{us_det / us_default:.2f})", flush=True)  # fmt: skip
+            out.append({"gemm": name, "rows": m, "in": k, "out": n, "default_us": us_default,
+                        "deterministic_us": us_det, "ratio": us_det / us_default})  # fmt: skip
+    return out
+
+
 def attention_runs() -> list[dict]:
     """The attention kernels alone, bf16, at Llama-3.1-8B's heads (32 / 8, head_dim 128) and
     the default model's (9 / 3, 64): the deterministic chunked_attention, planned as a CUDA
@@ -349,7 +385,7 @@ def main() -> None:
     ap.add_argument("--skip-default", action="store_true", help="only the Llama-3.1-8B shape")
     ap.add_argument(
         "--attention-only", action="store_true",
-        help="only the attention kernels: deterministic chunked against the default mode's",
+        help="only the kernels (attention and GEMMs): deterministic against the default mode's",
     )  # fmt: skip
     ap.add_argument("--out", default="deterministic", help="result name")
     ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
@@ -363,6 +399,7 @@ def main() -> None:
     result: dict = {"concurrency": args.concurrency, "new_tokens": args.new_tokens,
                     "k": args.k, "rounds": args.rounds}  # fmt: skip
     result["attention"] = attention_runs()
+    result["gemm"] = gemm_runs()
     if not args.skip_default and not args.attention_only:
         result["default_model"] = default_model_runs(args)
     if (args.llama8b or args.skip_default) and not args.attention_only:
