@@ -332,11 +332,7 @@ def _with_decoder(tokenizer_json: str) -> str:
 
 def _path(drafts: SeqDrafts, node: int) -> list[int]:
     """The draft tokens from the root's first child down to `node`."""
-    path = []
-    while node >= 0:
-        path.append(drafts.token_ids[node])
-        node = drafts.parents[node]
-    return path[::-1]
+    return [drafts.token_ids[n] for n in _path_nodes(drafts, node)]
 
 
 def _tree_masks(executor, trees: list, size: tuple[int, int, int]) -> None:

@@ -87,6 +87,12 @@ class SpecOutput:
     argmax: torch.Tensor | None = None
 
 
+def _verify_rows(picked: list[int], t: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picked sequences' indices on the device, and their verify rows (t each, in order)."""
+    idx = to_device_no_sync(picked, torch.long, dev)
+    return idx, (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+
+
 def _greedy_argmax(seq: ScheduledSeq) -> bool:
     """Whether a row's token is an argmax of its logits as they are (greedy, no penalties, no
     logprobs, min_tokens met), a grammar's mask aside."""
@@ -238,7 +244,6 @@ class SpecStep:
         every column)."""
         t = 1 + k
         s = self.inputs
-        width = self.width if full_width else self._w
         qsl = torch.arange(0, (padded + 1) * t, t, dtype=torch.int32, device=self.device)
         s.query_start_loc[: padded + 1].copy_(qsl)
         return AttentionMetadata(
@@ -246,13 +251,17 @@ class SpecStep:
             slot_mapping=s.slot_mapping[: padded * t],
             query_start_loc=s.query_start_loc[: padded + 1],
             seq_lens=s.seq_lens[:padded],
-            block_tables=s.block_tables[:padded, :width],
+            block_tables=self._block_tables(padded, full_width),
             query_lens_cpu=[t] * padded,
             # Lengths come from device tensors (graph-safe backends); on the CPU the reference
             # backend reads them from the host lists, filled by _host_lengths.
-            seq_lens_cpu=[width * self.block_size] * padded,
+            seq_lens_cpu=[(self.width if full_width else self._w) * self.block_size] * padded,
             tree_mask=self.anc[:padded].view(padded * t, t) if self.tree is not None else None,
         )
+
+    def _block_tables(self, padded: int, full_width: bool) -> torch.Tensor:
+        """[padded, width] of the static block tables: the whole width or the last load's."""
+        return self.inputs.block_tables[:padded, : self.width if full_width else self._w]
 
     def _host_lengths(self, meta: AttentionMetadata) -> None:
         """The reference backend plans per sequence from host lengths; on the CPU reading the
@@ -310,12 +319,11 @@ class SpecStep:
         and the outputs gathered along the path (so the drafter extends over a chain): out's
         tokens, num_accepted, aux and path_rows set, in place; returns it."""
         t = 1 + k
-        meta = self.metadata(padded, k, full_width)
         argmax, aux = out.argmax, out.aux
         drafts = self.inputs.input_ids[: padded * t].view(padded, t)[:, 1:]
         steps = self.tree.num_steps
         starts = self.inputs.positions[: padded * t].view(padded, t)[:, 0]
-        tables, bs = meta.block_tables, self.block_size
+        tables, bs = self._block_tables(padded, full_width), self.block_size
         tree = (self.parents[:padded], self.anc[:padded], self.depth[:padded])
         fused_out = fused.accept_tree(
             argmax, drafts, *tree, self.num_drafts[:padded], starts, tables, bs, steps
@@ -414,8 +422,7 @@ class SpecStep:
             dev = out.tokens.device
             drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
             if masked:
-                idx = to_device_no_sync(masked, torch.long, dev)
-                rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+                idx, rows = _verify_rows(masked, t, dev)
                 masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
                 tokens, accepted = masked_greedy_chain_no_sync(
                     out.logits, rows, to_device_no_sync(masks, torch.int32, dev),
@@ -426,8 +433,7 @@ class SpecStep:
             if not rest:
                 return
             masks = token_bitmask([seqs[i] for i in rest], [t] * len(rest))
-            idx = to_device_no_sync(rest, torch.long, dev)
-            rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+            idx, rows = _verify_rows(rest, t, dev)
             logits = out.logits.index_select(0, rows)  # [F * t, V]
             if masks is not None:  # structured outputs: each row's allowed tokens
                 apply_token_bitmask_(logits, to_device_no_sync(masks, torch.int32, dev))
@@ -496,8 +502,7 @@ class SpecStep:
         def fixup(out: SpecOutput) -> None:
             batch.ready_masks()  # on the host while the device verifies
             dev = out.argmax.device
-            idx = to_device_no_sync(masked, torch.long, dev)
-            rows = (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+            idx, rows = _verify_rows(masked, t, dev)
             masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
             target = masked_argmax_no_sync(
                 out.logits, rows, to_device_no_sync(masks, torch.int32, dev)
