@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, dirty_outside_results, start_server, write_result  # noqa: E402
+from common import RESULTS, metadata, start_server, write_result  # noqa: E402
 
 CONFIGS = {"plain": [], "eagle3": ["--spec", "eagle3"], "ngram": ["--spec", "ngram"]}
 PORT, KEY = 8011, "sk-bench"
@@ -116,8 +116,10 @@ def main() -> None:
                   flush=True)  # fmt: skip
             try:
                 runs[name] = run(cfg, prompts, label=name, progress=False)
-                if runs[name].get("dirty"):  # as the result's own flag: figures in results/ aside
-                    runs[name]["dirty"] = dirty_outside_results()
+                # The commit the result itself records (benchmarks/.commit on a copied tree,
+                # figures in results/ aside), not what `bench serve` read from git here.
+                meta = metadata()
+                runs[name].update(commit=meta["commit"], dirty=meta["dirty"])
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
