@@ -24,6 +24,7 @@ kernels, so its speed and bits are unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -39,25 +40,44 @@ MIN_K_BLOCKS_PER_SPLIT = 8
 MAX_SPLITS = 16
 
 
-def gemm_config(dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), one per dtype and never by M: the
-    same instruction sequence computes a row in every batch. 64 x 64 x 64 at 4 warps is
-    Hopper's wgmma tile for 16-bit inputs; fp32 (IEEE dots, the exactness reference) uses 32s.
-    Not yet timed on a GPU: tune here, never per call."""
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One tile schedule for an [*, K] x [K, N] GEMM: every row count M gets the same one."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    splits: int  # K cut into this many ranges, their partials added in order
+    k_per_split: int  # whole BLOCK_K steps
+
+
+def gemm_config(dtype: torch.dtype, n: int, k: int, sms: int) -> GemmConfig:
+    """The tile schedule of an [*, K] x [K, N] GEMM, chosen from (dtype, N, K, SMs) and never
+    by M: the same instruction sequence computes a row in every batch. 64 x 64 x 64 at 4 warps
+    is Hopper's wgmma tile for 16-bit inputs; fp32 (IEEE dots, the exactness reference) uses
+    32s. K is split so that the N tiles times the splits cover the SMs (split_k)."""
     if dtype == torch.float32:
-        return 32, 32, 32, 4, 2
-    return 64, 64, 64, 4, 4
+        bm, bn, bk, warps, stages = 32, 32, 32, 4, 2
+    else:
+        bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
+    splits, per_split = split_k(n, k, sms, bn, bk)
+    return GemmConfig(bm, bn, bk, warps, stages, splits, per_split)
 
 
-def split_k(n: int, k: int, num_sms: int, block_n: int, block_k: int) -> tuple[int, int]:
+def split_k(
+    n: int, k: int, num_sms: int, block_n: int, block_k: int, want: int | None = None
+) -> tuple[int, int]:
     """(splits, K per split) for an [*, K] x [K, N] GEMM: enough splits that the N tiles times
     the splits cover the SMs once at small M (a decode's GEMV reads weights at every SM's
-    bandwidth only if every SM has a tile), none where the N tiles already do. A function of
-    (N, K, SMs) only, so every M gets the same split. Llama-8B shapes on 132 SMs, 64 x 64
-    tiles: o_proj (4096, 4096) -> 3 of 1408; down_proj (4096, 14336) -> 3 of 4800; gate_up
-    (28672, 4096) and lm_head (128256, 4096) -> 1."""
-    tiles_n = _cdiv(n, block_n)
-    want = _cdiv(num_sms, tiles_n)
+    bandwidth only if every SM has a tile), none where the N tiles already do; `want` asks
+    for that many instead (still capped so a split keeps MIN_K_BLOCKS_PER_SPLIT steps). A
+    function of (N, K, SMs) only, so every M gets the same split. Llama-8B shapes on 132 SMs,
+    64 x 64 tiles: o_proj (4096, 4096) -> 3 of 1408; down_proj (4096, 14336) -> 3 of 4800;
+    gate_up (28672, 4096) and lm_head (128256, 4096) -> 1."""
+    if want is None:
+        want = _cdiv(num_sms, _cdiv(n, block_n))
     most = max(1, k // (MIN_K_BLOCKS_PER_SPLIT * block_k))
     splits = max(1, min(want, most, MAX_SPLITS))
     per_split = _cdiv(_cdiv(k, splits), block_k) * block_k  # whole BLOCK_K steps
@@ -78,6 +98,7 @@ def matmul(
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: torch.Tensor | None = None,  # [N]
     sms: int | None = None,  # the split choice's SM count (default: the device's)
+    config: GemmConfig | None = None,  # a fixed schedule instead of gemm_config's (tuning)
 ) -> torch.Tensor:  # [M, N], x's dtype
     """x @ weight^T (+ bias) with each row's bits independent of M. No host sync."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -101,8 +122,8 @@ def matmul(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps, stages = gemm_config(x.dtype)
-    splits, per_split = split_k(n, k, sms or num_sms(x.device), block_n, block_k)
+    cfg = config or gemm_config(x.dtype, n, k, sms or num_sms(x.device))
+    block_m, block_n, block_k, splits = cfg.block_m, cfg.block_n, cfg.block_k, cfg.splits
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
@@ -117,12 +138,12 @@ def matmul(
         grid = (-(-n // block_n), -(-mr // block_m), splits)
         k_mod.matmul_kernel[grid](
             xs, weight, bias_arg, os_, target,
-            mr, n, k,
+            mr, n, k, cfg.k_per_split,
             xs.stride(0), weight.stride(0), os_.stride(0), target.stride(-2),
             target.stride(0) if part is not None else 0,
-            K_PER_SPLIT=per_split, HAS_BIAS=has_bias, SPLIT=splits > 1,
+            HAS_BIAS=has_bias, SPLIT=splits > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
-            num_warps=warps, num_stages=stages,
+            num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
         if part is not None:
             k_mod.reduce_splits_kernel[(mr, -(-n // 256))](

@@ -14,9 +14,9 @@ import triton.language as tl
 @triton.jit
 def matmul_kernel(
     a_ptr, w_ptr, bias_ptr, c_ptr, part_ptr,
-    M, N, K,
+    M, N, K, k_per_split,
     stride_am, stride_wn, stride_cm, stride_pm, stride_ps,
-    K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -31,13 +31,14 @@ def matmul_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    k_start = split * K_PER_SPLIT
+    k_start = split * k_per_split
     a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
     w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # Every split walks K_PER_SPLIT (whole BLOCK_K steps, fixed per layer shape); the last
-    # one's steps past K load zeros, which add nothing.
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+    # Every split walks k_per_split (whole BLOCK_K steps, fixed per layer shape); the last
+    # one's steps past K load zeros, which add nothing. A runtime bound, not a constexpr: the
+    # loop's order is the same, and one compiled kernel serves every split of a tile config.
+    for k0 in range(0, k_per_split, BLOCK_K):
         ks = k_start + k0 + rk
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)

@@ -66,10 +66,9 @@ def gemm_rows(
         )
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
     scaled = ((full.double() - ref).abs().max() / ref.abs().max()).item()
-    block_n, block_k = batch_invariant.gemm_config(dtype)[1:3]
-    splits = batch_invariant.split_k(
-        n, k, sms or batch_invariant.num_sms(x.device), block_n, block_k
-    )[0]
+    splits = batch_invariant.gemm_config(
+        dtype, n, k, sms or batch_invariant.num_sms(x.device)
+    ).splits
     return {"equal": bool(equal), "scaled": scaled, "splits": splits}
 
 
