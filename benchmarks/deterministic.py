@@ -6,7 +6,7 @@ kernels and the GEMMs alone (`attention_runs`, `gemm_runs`; --attention-only sto
 
     python benchmarks/deterministic.py [--concurrency 1 16 64] [--new-tokens 256]
         [--configs ngram eagle3_chain eagle3_tree] [--rounds 2] [--num-prompts 30] [--draft DIR]
-        [--llama8b] [--attention-only] [--out-dir DIR]
+        [--llama8b] [--attention-only] [--skip-kernels] [--profile C ...] [--out-dir DIR]
 
 Each C runs every (mode, config) engine on the held-out prompts (HELDOUT, then HELDOUT_FRESH) as
 one-turn chats in batches of C, `--rounds` times in a rotated order; tok/s is the median over
@@ -17,7 +17,8 @@ the first C's run again through the same engine (every prompt a prefix-cache hit
 one whose prefills are cut into 64-token chunks, seeded sampling (temperature 0.8, top-p 0.9) at
 the largest C: each speculative config's samples against the same mode's plain ones, and the
 cost table: deterministic plain tok/s over default plain tok/s, and each speculative config's
-deterministic speedup over its default speedup. Writes benchmarks/results/deterministic.json.
+deterministic speedup over its default speedup; with --profile, where each mode's GPU time goes
+(kernel_profiles). Writes benchmarks/results/deterministic.json.
 CUDA only (the CPU's deterministic mode is a correctness mode, one GEMV per row).
 """
 
@@ -119,6 +120,7 @@ def default_model_runs(args) -> dict:
     again = [o.token_ids for b in batches(convs, first_c) for o in det_plain.chat(b, params)]
     hit_tokens = det_plain.engine.scheduler.block_manager.stats.hit_tokens - hits_before
     sampled = seeded_sampling(llms, convs, max(args.concurrency), args.new_tokens)
+    profiles = kernel_profiles(llms, convs, args.profile) if args.profile else {}
     del llms
     gc.collect()
     chunked = LLM(dtype="bfloat16", device="cuda", num_blocks=4096, deterministic=True,
@@ -140,8 +142,54 @@ def default_model_runs(args) -> dict:
     return {"runs": runs, "errors": errors, "num_prompts": len(convs),
             "deterministic_plain_same_as_first_c": across,
             "deterministic_plain_same_as_first_c_run": same,
-            "seeded_sampling_identical_to_plain": sampled,
+            "seeded_sampling_identical_to_plain": sampled, "profiles": profiles,
             "cost": cost_table(runs, args.concurrency)}  # fmt: skip
+
+
+def kernel_profiles(llms: dict, convs: list, concurrency: list[int], new_tokens: int = 64) -> dict:
+    """Where each mode's time goes: plain and the EAGLE-3 chain, one batch of C chats of
+    `new_tokens` under torch's profiler (CUDA kernels, graph replays included) -> per C and
+    engine, wall and GPU-busy us per generated token, busy by kind (gemm / attention / other,
+    outrider/bench/step_profile.py) and the twelve costliest kernels."""
+    import torch
+    from spec_gpu import batches
+    from torch.profiler import ProfilerActivity, profile
+
+    from outrider import SamplingParams
+    from outrider.bench.step_profile import kind
+    from outrider.executor.step_timing import kernel_times
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    out: dict = {}
+    for c in concurrency:
+        batch = batches(convs, c)[0]
+        for (mode, cfg), llm in llms.items():
+            if cfg not in ("plain", "eagle3_chain"):
+                continue
+            llm.chat(batch, params)  # the same shapes once before the profiled run
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                outs = llm.chat(batch, params)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+            tokens = sum(len(o.token_ids) for o in outs)
+            by_name: dict[str, float] = {}
+            for name, us in kernel_times(prof):
+                by_name[name] = by_name.get(name, 0.0) + us
+            by_kind: dict[str, float] = {}
+            for name, us in by_name.items():
+                by_kind[kind(name)] = by_kind.get(kind(name), 0.0) + us
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+            row = {
+                "tokens": tokens,
+                "wall_us_per_token": round(wall * 1e6 / tokens, 2),
+                "busy_us_per_token": round(sum(by_name.values()) / tokens, 2),
+                "by_kind_us_per_token": {k: round(v / tokens, 2) for k, v in by_kind.items()},
+                "top_us_per_token": {n[:90]: round(us / tokens, 3) for n, us in top},
+            }
+            out.setdefault(f"c{c}", {})[f"{mode}/{cfg}"] = row
+            print(f"profile C={c} {mode}/{cfg}: {row}", flush=True)
+    return out
 
 
 def seeded_sampling(llms: dict, convs: list, c: int, new_tokens: int) -> dict:
@@ -387,6 +435,14 @@ def main() -> None:
         "--attention-only", action="store_true",
         help="only the kernels (attention and GEMMs): deterministic against the default mode's",
     )  # fmt: skip
+    ap.add_argument(
+        "--profile", type=int, nargs="*", default=None, metavar="C",
+        help="also profile plain and the EAGLE-3 chain, both modes, at these C (kernel_profiles)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--skip-kernels", action="store_true",
+        help="skip the attention and GEMM kernels alone (attention_runs, gemm_runs)",
+    )  # fmt: skip
     ap.add_argument("--out", default="deterministic", help="result name")
     ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
     args = ap.parse_args()
@@ -398,8 +454,9 @@ def main() -> None:
         sys.exit("benchmarks/deterministic.py measures CUDA kernels: run it on a GPU machine")
     result: dict = {"concurrency": args.concurrency, "new_tokens": args.new_tokens,
                     "k": args.k, "rounds": args.rounds}  # fmt: skip
-    result["attention"] = attention_runs()
-    result["gemm"] = gemm_runs()
+    if not args.skip_kernels:
+        result["attention"] = attention_runs()
+        result["gemm"] = gemm_runs()
     if not args.skip_default and not args.attention_only:
         result["default_model"] = default_model_runs(args)
     if (args.llama8b or args.skip_default) and not args.attention_only:

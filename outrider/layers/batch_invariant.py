@@ -53,15 +53,33 @@ class GemmConfig:
     k_per_split: int  # whole BLOCK_K steps
 
 
+# bf16/fp16 tile schedules (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) by the weight's size,
+# fitted to benchmarks/deterministic_gemm.py on the H100 (results/deterministic_gemm_h100.json:
+# every candidate at 1, 4, 16, 64 and 256 rows in CUDA graphs, scored by the mean over row
+# counts of time over that row count's best). Small weights (the default model's layers, its
+# drafter's): narrow 32-wide tiles, many programs for few bytes, within 1-13% of each row
+# count's best. Middle (Llama-8B's qkv, o, down): 128 x 128 K steps. Wide ones (LM heads,
+# Llama-8B's gate_up): 128 x 128 tiles at 8 warps, which halve the 256-row verify's time.
+SMALL_WEIGHT = 1 << 22  # N x K elements
+WIDE_N = 24576
+TILES_SMALL = (64, 32, 128, 4, 3)
+TILES_MIDDLE = (64, 128, 128, 4, 4)
+TILES_WIDE = (128, 128, 64, 8, 3)
+
+
 def gemm_config(dtype: torch.dtype, n: int, k: int, sms: int) -> GemmConfig:
     """The tile schedule of an [*, K] x [K, N] GEMM, chosen from (dtype, N, K, SMs) and never
-    by M: the same instruction sequence computes a row in every batch. 64 x 64 x 64 at 4 warps
-    is Hopper's wgmma tile for 16-bit inputs; fp32 (IEEE dots, the exactness reference) uses
-    32s. K is split so that the N tiles times the splits cover the SMs (split_k)."""
+    by M: the same instruction sequence computes a row in every batch. fp32 (IEEE dots, the
+    exactness reference) uses 32s; 16-bit inputs take TILES_SMALL, _MIDDLE or _WIDE by the
+    weight's size. K is split so that the N tiles times the splits fill the SMs (split_k)."""
     if dtype == torch.float32:
         bm, bn, bk, warps, stages = 32, 32, 32, 4, 2
+    elif n * k <= SMALL_WEIGHT:
+        bm, bn, bk, warps, stages = TILES_SMALL
+    elif n >= WIDE_N:
+        bm, bn, bk, warps, stages = TILES_WIDE
     else:
-        bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
+        bm, bn, bk, warps, stages = TILES_MIDDLE
     splits, per_split = split_k(n, k, sms, bn, bk)
     return GemmConfig(bm, bn, bk, warps, stages, splits, per_split)
 
@@ -69,15 +87,15 @@ def gemm_config(dtype: torch.dtype, n: int, k: int, sms: int) -> GemmConfig:
 def split_k(
     n: int, k: int, num_sms: int, block_n: int, block_k: int, want: int | None = None
 ) -> tuple[int, int]:
-    """(splits, K per split) for an [*, K] x [K, N] GEMM: enough splits that the N tiles times
-    the splits cover the SMs once at small M (a decode's GEMV reads weights at every SM's
-    bandwidth only if every SM has a tile), none where the N tiles already do; `want` asks
-    for that many instead (still capped so a split keeps MIN_K_BLOCKS_PER_SPLIT steps). A
-    function of (N, K, SMs) only, so every M gets the same split. Llama-8B shapes on 132 SMs,
-    64 x 64 tiles: o_proj (4096, 4096) -> 3 of 1408; down_proj (4096, 14336) -> 3 of 4800;
-    gate_up (28672, 4096) and lm_head (128256, 4096) -> 1."""
+    """(splits, K per split) for an [*, K] x [K, N] GEMM: as many splits as the N tiles fit
+    into the SMs whole (a decode's GEMV reads weights at every SM's bandwidth only if every
+    SM has a tile), none where the N tiles already fill them; `want` asks for that many
+    instead. Capped so a split keeps MIN_K_BLOCKS_PER_SPLIT steps. A function of (N, K, SMs)
+    only, so every M gets the same split. Llama-8B shapes on 132 SMs, 128-wide tiles and
+    128-long K steps: qkv (6144, 4096) -> 2 of 2048; o_proj (4096, 4096) -> 4 of 1024;
+    down_proj (4096, 14336) -> 4 of 3584; the default model's layers -> 1."""
     if want is None:
-        want = _cdiv(num_sms, _cdiv(n, block_n))
+        want = num_sms // _cdiv(n, block_n)
     most = max(1, k // (MIN_K_BLOCKS_PER_SPLIT * block_k))
     splits = max(1, min(want, most, MAX_SPLITS))
     per_split = _cdiv(_cdiv(k, splits), block_k) * block_k  # whole BLOCK_K steps

@@ -27,12 +27,15 @@ pytestmark = pytest.mark.gpu
 
 # (N, K) of every Llama-3.1-8B GEMM: qkv, o_proj, gate_up, down, lm_head.
 LLAMA8B_GEMMS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+# The default model's and its drafter's: narrow small-weight tiles, the wide LM head's, the
+# drafter's middle-sized one.
+DEFAULT_GEMMS = [(960, 576), (576, 1536), (576, 1728), (49152, 576), (16384, 576)]
 BATCHES = (1, 2, 3, 4, 5, 8, 13, 16, 32, 48, 64)
 LLAMA8B_ATTENTION = dict(heads=32, kv_heads=8, head_dim=128)
 
 
-@pytest.mark.parametrize(("n", "k"), LLAMA8B_GEMMS)
-def test_gemm_rows_invariant_at_llama8b_shapes(n, k):
+@pytest.mark.parametrize(("n", "k"), LLAMA8B_GEMMS + DEFAULT_GEMMS)
+def test_gemm_rows_invariant_at_real_shapes(n, k):
     out = gemm_rows(BATCHES + (320, 2048), n, k, torch.bfloat16, "cuda", bias=False)
     assert out["equal"], out
     assert out["scaled"] < 1e-2, out

@@ -3,7 +3,8 @@ are the same alone and inside batches of other sizes.
 
 - batch_invariant.matmul (every linear and the LM head on CUDA): row i of x @ W^T alone equals
   row i inside batches of 3, 17 and 70 rows, with K split and unsplit, with and without a
-  bias; and the product is x @ W^T within rounding.
+  bias; and the product is x @ W^T within rounding. The GPU test adds every tile schedule
+  gemm_config picks at real shapes.
 - the Triton backend built with deterministic=True (batch-invariant split attention,
   triton_chunked): a query row at position p gives the same bits as a one-token decode (alone
   and beside other sequences), as a row of a chain verify, as a row of a prefill chunk and of
@@ -402,9 +403,10 @@ def _worker(tag: str) -> None:  # runs in a subprocess per dtype, TRITON_INTERPR
     _patch_interpreter_index()  # numpy >= 2.4 against triton 3.6's interpreter: see there
     if tag != "plans":
         dtype = getattr(torch, tag)
-        # K 1100: ragged against BLOCK_K; sms 8 splits it (2 or more), sms 1 does not.
+        # K 2100: ragged against every BLOCK_K; sms 8 splits it (2 or more: a split keeps 8
+        # K steps, 128 long for 16-bit inputs), sms 1 does not.
         for sms, bias in ((8, False), (8, True), (1, True)):
-            out = gemm_rows((1, 3, 17, 70), 80, 1100, dtype, "cpu", bias, sms=sms)
+            out = gemm_rows((1, 3, 17, 70), 80, 2100, dtype, "cpu", bias, sms=sms)
             emit(name=f"gemm-{tag}-sms{sms}-bias{bias}", **out)
         emit(name=f"attention-{tag}", **attention_rows(dtype, "cpu"))
         emit(name=f"chunked-{tag}", **chunked_rows(dtype, "cpu"))
