@@ -147,7 +147,7 @@ def default_model_runs(args) -> dict:
 
 
 def kernel_profiles(llms: dict, convs: list, concurrency: list[int], new_tokens: int = 64) -> dict:
-    """Where each mode's time goes: plain and the EAGLE-3 chain, one batch of C chats of
+    """Where each mode's time goes: plain and EAGLE-3 (chain, tree), one batch of C chats of
     `new_tokens` under torch's profiler (CUDA kernels, graph replays included) -> per C and
     engine, wall and GPU-busy us per generated token, busy by kind (gemm / attention / other,
     outrider/bench/step_profile.py) and the twelve costliest kernels."""
@@ -164,7 +164,7 @@ def kernel_profiles(llms: dict, convs: list, concurrency: list[int], new_tokens:
     for c in concurrency:
         batch = batches(convs, c)[0]
         for (mode, cfg), llm in llms.items():
-            if cfg not in ("plain", "eagle3_chain"):
+            if cfg not in ("plain", "eagle3_chain", "eagle3_tree"):
                 continue
             llm.chat(batch, params)  # the same shapes once before the profiled run
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -437,7 +437,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--profile", type=int, nargs="*", default=None, metavar="C",
-        help="also profile plain and the EAGLE-3 chain, both modes, at these C (kernel_profiles)",
+        help="also profile plain and EAGLE-3, both modes, at these C (kernel_profiles)",
     )  # fmt: skip
     ap.add_argument(
         "--skip-kernels", action="store_true",
