@@ -398,31 +398,35 @@ def _chunk_kernel(
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             key_ok = keys < end
-            tail = False
-            if TREE:
-                tail = n0 + BLOCK_N > before
-            if tail:
-                # Keys past `before` differ by token: each live token's walk of this tile,
-                # kept for its rows only (every row's tile-start state goes in, as alone).
-                m2, l2, acc2 = m, l_sum, acc
-                for t in range(0, n_live):
-                    rank, _, _ = _tree_columns(
-                        tree_ptr, stride_tree, tree_m, first + t, t < n_live, seq_len, M_PAD
-                    )
-                    # key before + i is token t's visible column of rank i
-                    hit = rank[None, :] == (keys - before)[:, None]  # [BLOCK_N, M_PAD]
-                    col = tl.sum(tl.where(hit, cols[None, :], 0), 1)
-                    at = tl.where(keys >= before, base + col, keys)
-                    m_t, l_t, acc_t = _key_tile(
-                        q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, at, keys, key_ok, pos,
+            if TREE:  # alone: a runtime test beside it would compile both without TREE
+                if n0 + BLOCK_N > before:
+                    # Keys past `before` differ by token: each live token's walk of this tile,
+                    # kept for its rows only (every row's tile-start state goes in, as alone).
+                    m2, l2, acc2 = m, l_sum, acc
+                    for t in range(0, n_live):
+                        rank, _, _ = _tree_columns(
+                            tree_ptr, stride_tree, tree_m, first + t, t < n_live, seq_len, M_PAD
+                        )
+                        # key before + i is token t's visible column of rank i
+                        hit = rank[None, :] == (keys - before)[:, None]  # [BLOCK_N, M_PAD]
+                        col = tl.sum(tl.where(hit, cols[None, :], 0), 1)
+                        at = tl.where(keys >= before, base + col, keys)
+                        m_t, l_t, acc_t = _key_tile(
+                            q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, at, keys, key_ok, pos,
+                            dims, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb,
+                            stride_vs, PAGE_SIZE, DOT_PRECISION,
+                        )  # fmt: skip
+                        mine = local == t
+                        m2 = tl.where(mine, m_t, m2)
+                        l2 = tl.where(mine, l_t, l2)
+                        acc2 = tl.where(mine[:, None], acc_t, acc2)
+                    m, l_sum, acc = m2, l2, acc2
+                else:
+                    m, l_sum, acc = _key_tile(
+                        q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, keys, keys, key_ok, pos,
                         dims, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb,
                         stride_vs, PAGE_SIZE, DOT_PRECISION,
                     )  # fmt: skip
-                    mine = local == t
-                    m2 = tl.where(mine, m_t, m2)
-                    l2 = tl.where(mine, l_t, l2)
-                    acc2 = tl.where(mine[:, None], acc_t, acc2)
-                m, l_sum, acc = m2, l2, acc2
             else:
                 m, l_sum, acc = _key_tile(
                     q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, keys, keys, key_ok, pos,
