@@ -104,9 +104,9 @@ class TritonBackend(AttentionBackend):
         deterministic: every step, decode included, runs triton_chunked.chunked_attention: one
         query tile shape, the keys split at fixed CHUNK_KEYS boundaries from key 0 and merged
         in chunk order, so a row's bits depend on its position and keys alone while a long row
-        still spreads over ceil(context / CHUNK_KEYS) programs a KV head. A tree verify reads
-        each row's keys past the context through its mask row, in the order and tiles of the
-        decode row it must equal (triton_chunked's docstring)."""
+        still spreads over ceil(context / CHUNK_KEYS) programs a KV head. A tree verify runs
+        one token a query tile and reads each row's keys through its mask row, in the order
+        and tiles of the decode row it must equal (triton_chunked's docstring)."""
         if num_splits is not None and num_splits < 1:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
         if deterministic and num_splits not in (None, 1):

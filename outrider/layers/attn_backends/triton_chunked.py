@@ -29,13 +29,9 @@ Tree verifies (a tree mask, AttentionMetadata.tree_mask): a node at depth d sits
 position root + d, but its KV slot is root + 1 + its node index, among siblings it must not
 see. Its keys, in the order of the decode row it must equal, are the context, the root and its
 ancestors by depth, which are its mask row's set columns in column order (a parent's index is
-below its child's). So with `tree=True` key i of a row is read from the slot of the row's i-th
-visible key: the same values at the same places of the same tiles as the decode row at
-root + d, once the accepted path's KV sits in path order. A query tile holds BLOCK_Q tokens as
-for a chain: the context's key tiles (keys before the mask's columns) are the same for every
-token and walked once for all; a tile reaching into the mask's columns is walked once per live
-token with that token's keys, each walk kept for that token's rows only (`_key_tile` writes a
-row's arithmetic once for both).
+below its child's). So with `tree=True` each query tile holds one token, and key i of a row is
+read from the slot of the row's i-th visible key: the same values at the same places of the
+same tiles as the decode row at root + d, once the accepted path's KV sits in path order.
 Example, root at 100 (chunk 256, context 0..99 first), nodes [n0 (root's), n1 (root's),
 n2 (n1's)]: n2's keys are 0..99, then slots 100 (root), 102 (n1), 103 (n2) read as keys 100,
 101, 102, as the decode row at position 102 reads them after n1 and n2 are accepted.
@@ -113,7 +109,7 @@ class ChunkPlan:
     max_chunks: int
     rows: int  # workspace rows: the largest launch's
     launches: tuple[Launch, ...]
-    tree: bool = False  # keys past the context read through each row's tree mask
+    tree: bool = False  # one token a query tile, keys read through the row's tree mask
 
 
 @dataclass
@@ -157,7 +153,7 @@ def plan_chunks(
     workspace rows are its tokens), max_seq_len must bound every device seq_len (it sizes the
     chunks; a graph passes max_model_len). max_rows caps a launch's rows (tests); None derives
     it from WORKSPACE_BYTES. chunk_keys other than CHUNK_KEYS is for tests only. tree: the
-    step has a tree mask."""
+    step has a tree mask (one token a query tile)."""
     block_m, block_n, num_warps, num_stages = prefill_config(head_dim, dtype)
     if chunk_keys < block_n or chunk_keys % block_n:
         raise ValueError(
@@ -165,7 +161,7 @@ def plan_chunks(
             f"a chunk walks whole tiles from its first key"
         )
     block_q, group_pad = query_tile(None, num_heads // kv_heads, block_m)
-    per_tile = block_q  # tokens a query tile holds
+    per_tile = 1 if tree else block_q  # tokens a query tile holds
     max_chunks = max(1, -(-max_seq_len // chunk_keys))
     if max_rows is None:
         max_rows = WORKSPACE_BYTES // (num_heads * max_chunks * (head_dim + 2) * 4)
@@ -303,30 +299,26 @@ def _tile_rows(
     M_PAD: tl.constexpr,
 ):  # fmt: skip
     """The BLOCK_Q * GROUP_PAD rows of query tile q_tile of sequence b (row r = token r //
-    GROUP_PAD, head r % GROUP_PAD): (token, ws_row, head offset g, row_ok, position, kv_end),
-    kv_end the keys the tile's furthest-seeing query sees (0 past the query), a tree row's
-    position the decode row's it equals (keys before the mask's columns plus its visible
-    columns, less one). Shared by both stages so they agree on every row."""
+    GROUP_PAD, head r % GROUP_PAD; with TREE the tile is one token, rows r < GROUP_PAD):
+    (token, ws_row, head offset g, row_ok, position, kv_end), kv_end the keys the tile's last
+    query sees (0 past the query), a tree row's position the decode row's it equals (keys
+    before the mask's columns plus its visible columns, less one). Shared by both stages so
+    they agree on every row."""
     q_start = tl.load(query_start_ptr + b)
     q_len = tl.load(query_start_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     r = tl.arange(0, BLOCK_Q * GROUP_PAD)
     g = r % GROUP_PAD
-    if TREE:  # a row's position: the keys before the mask's columns plus its visible ones
-        first_q = q_tile * BLOCK_Q
-        tok = first_q + r // GROUP_PAD
-        live = tok < q_len
-        base = seq_len - tree_m
-        cols = tl.arange(0, M_PAD)
-        vis = tl.load(
-            tree_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_tree + cols[None, :],
-            mask=live[:, None] & (cols < tree_m)[None, :],
-            other=0,
+    if TREE:
+        first_q = q_tile
+        tok = first_q + r * 0
+        _, before, seen = _tree_columns(
+            tree_ptr, stride_tree, tree_m, q_start + q_tile, q_tile < q_len, seq_len, M_PAD
         )
-        vis = (vis != 0) & (base + cols >= 0)[None, :]
-        pos = tl.maximum(base, 0) + tl.sum(vis.to(tl.int32), 1) - 1
-        in_tile = r >= 0
-        kv_end = tl.max(tl.where(live, pos + 1, 0), 0)
+        last = before + seen - 1
+        pos = last + r * 0
+        in_tile = r < GROUP_PAD
+        kv_end = tl.where(first_q < q_len, tl.maximum(last + 1, 0), 0)
     else:
         first_q = q_tile * BLOCK_Q
         tok = first_q + r // GROUP_PAD
@@ -366,14 +358,14 @@ def _chunk_kernel(
         query_start_ptr, seq_lens_ptr, tree_ptr, b, q_tile, token0, rows_in_launch, tree_m,
         stride_tree, GROUP, GROUP_PAD, BLOCK_Q, TREE, M_PAD,
     )  # fmt: skip
-    if TREE:  # keys from `before` on are read through each token's mask row
+    if TREE:  # the row's visible columns, in order: where its keys past `before` are read
         q_start = tl.load(query_start_ptr + b)
-        first = q_start + q_tile * BLOCK_Q
-        n_live = tl.minimum(tl.load(query_start_ptr + b + 1) - first, BLOCK_Q)
-        local = token - first  # the row's token within the tile
+        live = q_tile < tl.load(query_start_ptr + b + 1) - q_start
         seq_len = tl.load(seq_lens_ptr + b)
+        rank, before, _ = _tree_columns(
+            tree_ptr, stride_tree, tree_m, q_start + q_tile, live, seq_len, M_PAD
+        )
         base = seq_len - tree_m
-        before = tl.maximum(base, 0)
         cols = tl.arange(0, M_PAD)
     head = kv_head * GROUP + g
     dims = tl.arange(0, HEAD_DIM)
@@ -398,74 +390,34 @@ def _chunk_kernel(
         for n0 in range(start, end, BLOCK_N):
             keys = n0 + tl.arange(0, BLOCK_N)
             key_ok = keys < end
-            if TREE:  # alone: a runtime test beside it would compile both without TREE
-                if n0 + BLOCK_N > before:
-                    # Keys past `before` differ by token: each live token's walk of this tile,
-                    # kept for its rows only (every row's tile-start state goes in, as alone).
-                    m2, l2, acc2 = m, l_sum, acc
-                    for t in range(0, n_live):
-                        rank, _, _ = _tree_columns(
-                            tree_ptr, stride_tree, tree_m, first + t, t < n_live, seq_len, M_PAD
-                        )
-                        # key before + i is token t's visible column of rank i
-                        hit = rank[None, :] == (keys - before)[:, None]  # [BLOCK_N, M_PAD]
-                        col = tl.sum(tl.where(hit, cols[None, :], 0), 1)
-                        at = tl.where(keys >= before, base + col, keys)
-                        m_t, l_t, acc_t = _key_tile(
-                            q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, at, keys, key_ok, pos,
-                            dims, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb,
-                            stride_vs, PAGE_SIZE, DOT_PRECISION,
-                        )  # fmt: skip
-                        mine = local == t
-                        m2 = tl.where(mine, m_t, m2)
-                        l2 = tl.where(mine, l_t, l2)
-                        acc2 = tl.where(mine[:, None], acc_t, acc2)
-                    m, l_sum, acc = m2, l2, acc2
-                else:
-                    m, l_sum, acc = _key_tile(
-                        q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, keys, keys, key_ok, pos,
-                        dims, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb,
-                        stride_vs, PAGE_SIZE, DOT_PRECISION,
-                    )  # fmt: skip
-            else:
-                m, l_sum, acc = _key_tile(
-                    q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, keys, keys, key_ok, pos,
-                    dims, qk_scale, stride_kh, stride_kb, stride_ks, stride_vh, stride_vb,
-                    stride_vs, PAGE_SIZE, DOT_PRECISION,
-                )  # fmt: skip
+            at = keys  # where key i is stored
+            if TREE:  # key before + i is the row's visible column of rank i
+                hit = rank[None, :] == (keys - before)[:, None]  # [BLOCK_N, M_PAD]
+                col = tl.sum(tl.where(hit, cols[None, :], 0), 1)
+                at = tl.where(keys >= before, base + col, keys)
+            page = tl.load(table + at // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            slot = at % PAGE_SIZE
+            k = load_paged_tile(
+                k_ptr, kv_head, page, slot, dims, key_ok, stride_kh, stride_kb, stride_ks
+            )  # [BLOCK_N, HEAD_DIM]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            # Keys past a row's position (a later row's, in a verify or prefill tile) leave it
+            # exactly as a decode row's shorter walk does: p = 0, alpha = 2^0 = 1.
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            v = load_paged_tile(
+                v_ptr, kv_head, page, slot, dims, key_ok, stride_vh, stride_vb, stride_vs
+            )  # [BLOCK_N, HEAD_DIM]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
         tl.store(acc_dst + c * stride_ac, acc, mask=row_ok[:, None])
         tl.store(m_dst + c, m, mask=row_ok)
         tl.store(l_dst + c, l_sum, mask=row_ok)
-
-
-@triton.jit
-def _key_tile(
-    q, m, l_sum, acc, k_ptr, v_ptr, table, kv_head, at, keys, key_ok, pos, dims, qk_scale,
-    stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs,
-    PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One BLOCK_N key tile of a chunk's walk for every row of the tile: keys `keys`, key i
-    stored at position at[i]; keys past a row's position (a later row's, in a verify or
-    prefill tile) leave it exactly as a decode row's shorter walk does: p = 0, alpha = 2^0 =
-    1. -> (m, l_sum, acc) after the tile. The one place a row's arithmetic is written."""
-    page = tl.load(table + at // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    slot = at % PAGE_SIZE
-    k = load_paged_tile(
-        k_ptr, kv_head, page, slot, dims, key_ok, stride_kh, stride_kb, stride_ks
-    )  # [BLOCK_N, HEAD_DIM]
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    visible = (keys[None, :] <= pos[:, None]) & key_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_sum = l_sum * alpha + tl.sum(p, 1)
-    v = load_paged_tile(
-        v_ptr, kv_head, page, slot, dims, key_ok, stride_vh, stride_vb, stride_vs
-    )  # [BLOCK_N, HEAD_DIM]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_sum, acc
 
 
 @triton.jit(do_not_specialize=["seq0", "tile0", "token0", "rows_in_launch"])
