@@ -108,9 +108,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("requests")
     g.add_argument(
         "--dataset", nargs="+", default=[d["dataset"]], metavar=("NAME", "PATH"),
-        help=f"{', '.join(DATASETS)}: the built-in chat prompts; a ShareGPT-style JSON/JSONL "
-        f"file (--dataset sharegpt PATH; first user turn of each record); random words "
-        f"(default: {d['dataset']})",
+        help=f"{', '.join(DATASETS)}: the built-in chat prompts; the built-in tasks on a text "
+        f"given in the prompt (rewrite, fix, answer from it); a ShareGPT-style JSON/JSONL file (--dataset sharegpt "
+        f"PATH; first user turn of each record); random words (default: {d['dataset']})",
     )  # fmt: skip
     g.add_argument(
         "--random-input-len", type=int, default=d["random_input_len"],

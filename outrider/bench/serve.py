@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import httpx
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-DATASETS = ("builtin", "sharegpt", "random")
+DATASETS = ("builtin", "grounded", "sharegpt", "random")
 
 
 class BenchError(RuntimeError):
@@ -110,11 +110,13 @@ class BenchConfig:
                 hint = " (inf: no gaps between arrivals)" if flag == "--request-rate" else ""
                 raise ValueError(f"{flag} {value} must be positive{hint}")
         if self.dataset not in DATASETS:
-            raise ValueError(f"--dataset {self.dataset!r}: use builtin, sharegpt PATH or random")
+            raise ValueError(
+                f"--dataset {self.dataset!r}: use builtin, grounded, sharegpt PATH or random"
+            )
         if (self.dataset == "sharegpt") != (self.dataset_path is not None):
             given = " ".join(v for v in (self.dataset, self.dataset_path) if v)
             raise ValueError(
-                "--dataset sharegpt takes a file (--dataset sharegpt PATH); builtin and random "
+                "--dataset sharegpt takes a file (--dataset sharegpt PATH); builtin, grounded and random "
                 f"take none (got --dataset {given})"
             )
         if self.temperature < 0:

@@ -498,7 +498,7 @@ def test_bad_dataset_files_are_clear_errors(tmp_path):
         file_prompts(empty)
 
 
-def test_load_prompts_builtin_sharegpt_and_random(tmp_path):
+def test_load_prompts_builtin_grounded_sharegpt_and_random(tmp_path):
     from outrider.bench.datasets import GROUNDED, HELDOUT, HELDOUT_FRESH
 
     base = {"base_url": "http://x", "num_prompts": 12, "max_tokens": 32, "seed": 3}
@@ -508,6 +508,9 @@ def test_load_prompts_builtin_sharegpt_and_random(tmp_path):
     assert {p.max_tokens for p in builtin} == {32}
     assert load_prompts(BenchConfig(**base)) == builtin  # seeded
     assert load_prompts(BenchConfig(**{**base, "seed": 4})) != builtin
+    grounded = load_prompts(BenchConfig(**base, dataset="grounded"))
+    assert {p.text for p in grounded} <= set(GROUNDED)  # the text-reusing tasks only
+    assert len({p.text for p in grounded}) == min(12, len(GROUNDED))
 
     path = tmp_path / "two.jsonl"
     path.write_text('{"messages": [{"role": "user", "content": "a"}]}\n'
@@ -535,7 +538,10 @@ def test_load_prompts_builtin_sharegpt_and_random(tmp_path):
         (["--base-url", "localhost:8000"], "'localhost:8000' is not an http(s) URL"),
         (["--dataset", "sharegpt", "/nonexistent/sg.json"], "no file '/nonexistent/sg.json'"),
         (["--dataset", "sharegpt"], "--dataset sharegpt takes a file"),
-        (["--dataset", "bogus"], "--dataset 'bogus': use builtin, sharegpt PATH or random"),
+        (
+            ["--dataset", "bogus"],
+            "--dataset 'bogus': use builtin, grounded, sharegpt PATH or random",
+        ),
         (["--request-rate", "0"], "--request-rate 0.0 must be positive"),
     ],
 )
