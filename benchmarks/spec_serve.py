@@ -4,18 +4,26 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
 
     python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
                                     [--max-tokens 256] [--configs plain eagle3 ngram]
-                                    [--rounds N] [--out NAME]
+                                    [--request-rates R ...] [--dataset builtin|grounded]
+                                    [--engine-c1] [--rounds N] [--out NAME]
 
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
-one port. With --rounds N the configurations take turns N times (plain, eagle3, ngram, plain,
+one port. A sweep is the concurrency points, then one point per --request-rates R (Poisson
+arrivals at R requests/s, at most --num-prompts in flight: the load a rate brings, not a cap).
+--dataset grounded loads the tasks on a text given in the prompt alone (where n-gram pays).
+With --engine-c1 each configuration then runs through `LLM` at one stream on the same prompts
+(spec_gpu.py's timed_run), the engine as a script sees it: the server's C=1 speedup over the
+engine's is what the server path gives up. With --rounds N the configurations take turns N times (plain, eagle3, ngram, plain,
 ...): a machine whose speed drifts (a shared CPU: +-5% from one run to the next) then weighs
 on every configuration alike, and each speedup is the median of the rounds' own (each round's
 configuration over that round's plain), every round's listed beside it.
 
 Writes benchmarks/results/spec_serve.json (spec_serve_cpu.json without a GPU; `--out`): the
 per-configuration `bench serve` results of the first round under `runs` (and every round's
-under `rounds_runs`), the speedup of each over plain in output tokens/s and in median TPOT at
-each concurrency, each server's start-up (the command to its first healthy answer) and its
+under `rounds_runs`; rate points under each run's `rate_points`), the speedup of each over
+plain in output tokens/s and in median TPOT at each concurrency and rate, its median TTFT over
+plain's (`ttft_over_plain`, > 1 is slower), with --engine-c1 `engine_c1`, `engine_speedup_c1`
+and `server_share_of_engine_c1`, each server's start-up (the command to its first healthy answer) and its
 ratio to plain's; and <out>_*.png (the first round). Speculative servers keep their step
 profile in a folder of this run (OUTRIDER_STEP_PROFILES): the first round starts as on a fresh
 machine (`startup_s`, measuring it), later rounds as a restart (`startup_restart_s`, reading it).
@@ -24,6 +32,8 @@ machine (`startup_s`, measuring it), later rounds as a restart (`startup_restart
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import os
 import signal
 import statistics
@@ -39,19 +49,61 @@ CONFIGS = {"plain": [], "eagle3": ["--spec", "eagle3"], "ngram": ["--spec", "ngr
 PORT, KEY = 8011, "sk-bench"
 
 
-def speedups(runs: dict, key: str, better_high: bool) -> dict[str, dict[str, float]]:
-    """config -> {concurrency: its `key` over plain's (inverted for times: > 1 is faster)}."""
-    base = {p["max_concurrency"]: p.get(key) for p in runs["plain"]["points"]}
+def speedups(
+    runs: dict, key: str, better_high: bool, points: str = "points", by: str = "max_concurrency"
+) -> dict[str, dict[str, float]]:
+    """config -> {point: its `key` over plain's (inverted for times: > 1 is faster)}, points
+    named by their `by` (concurrency, or request_rate for `rate_points`)."""
+    base = {p[by]: p.get(key) for p in runs["plain"].get(points, [])}
     out = {}
     for name, run in runs.items():
         if name == "plain":
             continue
         row = {}
-        for p in run["points"]:
-            b, v = base.get(p["max_concurrency"]), p.get(key)
+        for p in run.get(points, []):
+            b, v = base.get(p[by]), p.get(key)
             if b and v:
-                row[str(p["max_concurrency"])] = round(v / b if better_high else b / v, 3)
+                row[str(p[by])] = round(v / b if better_high else b / v, 3)
         out[name] = row
+    return out
+
+
+def round_speedups(runs: dict) -> dict[str, dict]:
+    """One round's speedups: throughput and TPOT (> 1 faster) and TTFT over plain's (> 1
+    slower), at each concurrency and each rate."""
+    out = {}
+    for kind, key, high in (
+        ("throughput", "output_throughput", True),
+        ("tpot", "median_tpot_ms", False),
+        ("ttft_over_plain", "median_ttft_ms", True),
+    ):
+        out[kind] = speedups(runs, key, high)
+        out[f"{kind}_rate"] = speedups(runs, key, high, "rate_points", "request_rate")
+    return out
+
+
+def engine_c1(configs: list[str], prompts: list, max_tokens: int) -> dict:
+    """Each configuration through `LLM` at one stream, built as `outrider serve --spec NAME`
+    builds its engine (default dtype, device and controller), on the bench's prompts as
+    one-turn chats: tok/s and accept length (spec_gpu.py's timed_run)."""
+    import torch
+    from spec_gpu import timed_run
+
+    from outrider import LLM, SamplingParams
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    convs = [[{"role": "user", "content": p.text}] for p in prompts]
+    out = {}
+    for name in configs:
+        llm = LLM(speculative=None if name == "plain" else {"method": name})
+        llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=8))  # kernels, graphs
+        row = timed_run(llm, convs, 1, max_tokens, device)
+        out[name] = {"tok_per_s": row["tok_per_s"], "accept_length": row["accept_length"]}
+        print(f"engine   C=1   {name:8s} {row['tok_per_s']:9.1f} tok/s", flush=True)
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -62,7 +114,7 @@ def median_speedups(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict
         points = {c for r in rounds for c in r.get(name, {})}
         out[name] = {
             c: round(statistics.median(r[name][c] for r in rounds if c in r.get(name, {})), 3)
-            for c in sorted(points, key=int)
+            for c in sorted(points, key=float)
         }
     return out
 
@@ -78,6 +130,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument(
+        "--request-rates", type=float, nargs="*", default=[], metavar="R",
+        help="Poisson arrival rates (requests/s), a point each after the concurrency sweep",
+    )  # fmt: skip
+    ap.add_argument("--dataset", default="builtin", choices=["builtin", "grounded"])
+    ap.add_argument(
+        "--engine-c1", action="store_true",
+        help="also each configuration through LLM at C=1: the server's speedup beside the engine's",
+    )  # fmt: skip
     ap.add_argument(
         "--rounds", type=int, default=1,
         help="times the configurations take turns; speedups are the rounds' median",
@@ -98,7 +159,10 @@ def main() -> None:
     cfg = BenchConfig(
         base_url=f"http://127.0.0.1:{PORT}", api_key=KEY, max_concurrency=tuple(args.concurrency),
         num_prompts=args.num_prompts, max_tokens=args.max_tokens, temperature=0.0,
+        dataset=args.dataset,
     )  # fmt: skip
+    if any(r <= 0 for r in args.request_rates):
+        ap.error(f"--request-rates {args.request_rates}: every rate must be positive")
     prompts = load_prompts(cfg)
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
     os.environ["OUTRIDER_STEP_PROFILES"] = str(work / "step_profiles")  # the servers inherit it
@@ -116,6 +180,12 @@ def main() -> None:
                   flush=True)  # fmt: skip
             try:
                 runs[name] = run(cfg, prompts, label=name, progress=False)
+                for rate in args.request_rates:  # the server stays up: one point each
+                    at_rate = dataclasses.replace(
+                        cfg, request_rate=rate, max_concurrency=(args.num_prompts,)
+                    )
+                    point = run(at_rate, prompts, label=name, progress=False)["points"][0]
+                    runs[name].setdefault("rate_points", []).append(point)
                 # The commit the result itself records (benchmarks/.commit on a copied tree,
                 # figures in results/ aside), not what `bench serve` read from git here.
                 meta = metadata()
@@ -125,16 +195,18 @@ def main() -> None:
                 proc.wait(timeout=60)
             if r == 0:
                 files.append(write_run(runs[name], work))
-            for p in runs[name]["points"]:
-                print(f"{name:8s} C={p['max_concurrency']:<3} {p['output_throughput']:9.1f} "
-                      f"tok/s  TPOT p50 {p.get('median_tpot_ms') or 0:7.2f} ms  accept "
-                      f"{p.get('accept_length')}", flush=True)  # fmt: skip
+            for p in runs[name]["points"] + runs[name].get("rate_points", []):
+                at = (f"C={p['max_concurrency']:<3}" if p in runs[name]["points"]
+                      else f"R={p['request_rate']}")  # fmt: skip
+                print(f"{name:8s} {at} {p['output_throughput']:9.1f} tok/s  TTFT p50 "
+                      f"{p.get('median_ttft_ms') or 0:7.2f} ms  TPOT p50 "
+                      f"{p.get('median_tpot_ms') or 0:7.2f} ms  accept {p.get('accept_length')}",
+                      flush=True)  # fmt: skip
         rounds.append(runs)
     plots = plot_results(load_results(files), RESULTS, prefix=f"{args.out}_")
-    per_round = {
-        "throughput": [speedups(runs, "output_throughput", True) for runs in rounds],
-        "tpot": [speedups(runs, "median_tpot_ms", False) for runs in rounds],
-    }
+    per_round = [round_speedups(runs) for runs in rounds]
+    medians = {kind: median_speedups([r[kind] for r in per_round]) for kind in per_round[0]}
+    engine = engine_c1(args.configs, prompts, args.max_tokens) if args.engine_c1 else None
     startup = {n: ts[0] for n, ts in starts.items()}
     restart = {n: statistics.median(ts[1:]) for n, ts in starts.items() if len(ts) > 1}
     result = {
@@ -143,10 +215,16 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
-        "speedup_throughput": median_speedups(per_round["throughput"]),
-        "speedup_tpot": median_speedups(per_round["tpot"]),
-        "speedup_throughput_rounds": per_round["throughput"],
-        "speedup_tpot_rounds": per_round["tpot"],
+        "dataset": args.dataset,
+        "request_rates": args.request_rates,
+        "speedup_throughput": medians["throughput"],
+        "speedup_tpot": medians["tpot"],
+        "ttft_over_plain": medians["ttft_over_plain"],
+        "speedup_throughput_rate": medians["throughput_rate"],
+        "speedup_tpot_rate": medians["tpot_rate"],
+        "ttft_over_plain_rate": medians["ttft_over_plain_rate"],
+        "speedup_throughput_rounds": [r["throughput"] for r in per_round],
+        "speedup_tpot_rounds": [r["tpot"] for r in per_round],
         "startup_s": startup,
         "startup_vs_plain": {n: round(t / startup["plain"], 2) for n, t in startup.items()},
         "startup_restart_s": restart,
@@ -155,6 +233,16 @@ def main() -> None:
         "rounds_runs": rounds[1:],
         "plots": [p.name for p in plots],
     }
+    if engine is not None:
+        base = engine["plain"]["tok_per_s"]
+        speed = {n: round(r["tok_per_s"] / base, 3) for n, r in engine.items() if n != "plain"}
+        server = medians["throughput"]
+        result.update(
+            engine_c1=engine, engine_speedup_c1=speed,
+            server_share_of_engine_c1={
+                n: round(server[n]["1"] / v, 3) for n, v in speed.items() if "1" in server[n]
+            },
+        )  # fmt: skip
     print(write_result(args.out, result))
 
 
