@@ -10,6 +10,8 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
 one port. A sweep is the concurrency points, then one point per --request-rates R (Poisson
 arrivals at R requests/s, at most --num-prompts in flight: the load a rate brings, not a cap).
+Every point sends the same prompts, so all but a server's first meet them in its prefix cache
+(their TTFT is a warm server's).
 --dataset grounded loads the tasks on a text given in the prompt alone (where n-gram pays).
 With --engine-c1 each configuration then runs through `LLM` at one stream on the same prompts
 (spec_gpu.py's timed_run), the engine as a script sees it: the server's C=1 speedup over the
