@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import time_graph, write_result  # noqa: E402
 
 # (name, K, N): x [M, K] @ W[N, K]^T
 SHAPES = {
@@ -39,8 +39,6 @@ SHAPES = {
         ("llama8b.lm_head", 4096, 128256),
     ],
 }  # fmt: skip
-CALLS_PER_GRAPH = 10
-REPLAYS = 5
 SMEM_BYTES = 220 * 1024  # Hopper's 227 KB less the kernel's own
 
 
@@ -61,31 +59,6 @@ def tiles() -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def graph_us(fn) -> float:
-    """us per call of fn, CALLS_PER_GRAPH calls captured in one CUDA graph, median of REPLAYS
-    timed replays (after one warm replay)."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    del g
-    return statistics.median(times)
-
-
 def shape_runs(name: str, k: int, n: int, rows: list[int], sms: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -94,7 +67,7 @@ def shape_runs(name: str, k: int, n: int, rows: list[int], sms: int) -> dict:
 
     w = (torch.randn(n, k, device="cuda") * k**-0.5).to(torch.bfloat16)
     xs = {m: torch.randn(m, k, device="cuda").to(torch.bfloat16) for m in rows}
-    cublas = {m: graph_us(lambda m=m: F.linear(xs[m], w)) for m in rows}
+    cublas = {m: 1e3 * time_graph(lambda m=m: F.linear(xs[m], w)) for m in rows}
     now = gemm_config(torch.bfloat16, n, k, sms)
     configs = []
     for bm, bn, bk, warps, stages in tiles():
@@ -110,7 +83,9 @@ def shape_runs(name: str, k: int, n: int, rows: list[int], sms: int) -> dict:
     runs = []
     for cfg in configs:
         try:
-            us = {m: graph_us(lambda m=m, cfg=cfg: matmul(xs[m], w, config=cfg)) for m in rows}
+            us = {
+                m: 1e3 * time_graph(lambda m=m, cfg=cfg: matmul(xs[m], w, config=cfg)) for m in rows
+            }
         except Exception as e:  # a schedule that does not compile or fit: skip it
             print(f"{name}: {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue

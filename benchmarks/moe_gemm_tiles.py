@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import time_graph, write_result  # noqa: E402
 from gpu_decode import copy_bandwidth_gbs  # noqa: E402
 
 # (name, experts in the stack, chosen a token, hidden, intermediate, INT4)
@@ -51,25 +51,6 @@ def random_experts(e: int, n: int, k: int, int4: bool, g: torch.Generator):
                           generator=g)  # fmt: skip
     scale = torch.rand(e, n, k // GROUP, device=dev, generator=g) * 0.01
     return words, scale.to(torch.bfloat16)
-
-
-def time_graph(fn, reps: int = 10) -> float:
-    """Median ms of one call, from a CUDA graph of `reps` calls replayed five times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[2]
 
 
 def main() -> int:

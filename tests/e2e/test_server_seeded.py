@@ -6,6 +6,7 @@ deterministic mode. The controller's draft length changes with the batch, and a 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,18 +29,18 @@ SEEDED = [
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["default", "deterministic"])
-def served(request):
+@contextlib.contextmanager
+def seeded_server(model: dict, num_blocks: int | None = None):
+    """An engine of `model` (EngineConfig.model fields) with the default adaptive EAGLE-3
+    (the shipped drafter) behind a test server -> (core, an OpenAI client of it)."""
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
     from outrider.server.config import ServerConfig
     from outrider.server.server import ServerThread
 
-    config = EngineConfig().replace(
-        model={"dtype": "float32", "device": "cpu", "deterministic": request.param},
-        speculative={"method": "eagle3"},  # the shipped drafter, the adaptive controller
-        cache={"num_blocks": 256},  # 4,096 tokens: the 28 requests' worst case fits twice
-    )
+    config = EngineConfig().replace(model=model, speculative={"method": "eagle3"})
+    if num_blocks is not None:
+        config = config.replace(cache={"num_blocks": num_blocks})
     core = EngineCore(config)
     with ServerThread(ServerConfig(api_key=KEY), core) as server:
         client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
@@ -47,6 +48,14 @@ def served(request):
         yield core, client
     del core, server, client
     gc.collect()  # the suite's process holds one engine at a time
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["default", "deterministic"])
+def served(request):
+    # 256 blocks, 4,096 tokens: the 28 requests' worst case fits twice
+    model = {"dtype": "float32", "device": "cpu", "deterministic": request.param}
+    with seeded_server(model, num_blocks=256) as pair:
+        yield pair
 
 
 def _ask(client, prompt: str, temperature: float, top_p: float, seed: int | None) -> str:

@@ -7,13 +7,10 @@ may fall either way; that is what the deterministic mode is for."""
 
 from __future__ import annotations
 
-import gc
-
-import openai
 import pytest
 
 from tests.e2e.test_server_seeded import (  # noqa: F401  (collected here with this `served`)
-    KEY,
+    seeded_server,
     test_a_seed_gives_one_text_alone_batched_and_under_load,
 )
 
@@ -22,20 +19,5 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def served():
-    from outrider.config import EngineConfig
-    from outrider.engine.engine import EngineCore
-    from outrider.server.config import ServerConfig
-    from outrider.server.server import ServerThread
-
-    config = EngineConfig().replace(
-        model={"dtype": "bfloat16", "device": "cuda", "deterministic": True},
-        speculative={"method": "eagle3"},  # the shipped drafter, the adaptive controller
-        cache={"num_blocks": 512},
-    )
-    core = EngineCore(config)
-    with ServerThread(ServerConfig(api_key=KEY), core) as server:
-        client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=300)
-        client.served_model = server.state.model_name
-        yield core, client
-    del core, server, client
-    gc.collect()
+    with seeded_server({"dtype": "bfloat16", "device": "cuda", "deterministic": True}) as pair:
+        yield pair
