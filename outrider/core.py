@@ -372,6 +372,9 @@ class ScheduledSeq:
     # A constrained request's allowed tokens at each sampling row (engine/structured.py): [1 +
     # draft nodes, ceil(V / 32)] int32 on the host, bit t % 32 of word t // 32 for token t.
     token_masks: torch.Tensor | None = None
+    # A constrained greedy row of a plain decode step decided on the host from its top logits
+    # (Grammars.pick) instead of a mask: no mask is computed for it unless none of them fits.
+    grammar_topk: bool = False
 
     @property
     def query_len(self) -> int:
@@ -432,6 +435,11 @@ class StepOutput:
     # Per sampling sequence: the drafts a drafter on the device made for the next step (the
     # speculative step drafts right after verifying); None when the step made none.
     next_drafts: list[SeqDrafts] | None = None
+    # Rows with ScheduledSeq.grammar_topk: row -> (top ids, their logits, best first), and
+    # those rows' logits on the device in the same order (for a row none of whose top ids its
+    # grammar allows). token_ids holds their unmasked argmax until the engine picks.
+    grammar_candidates: dict[int, tuple[list[int], list[float]]] | None = None
+    grammar_logits: torch.Tensor | None = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from outrider import env
 from outrider.config import EngineConfig
 from outrider.core import (
     FinishReason,
+    ForwardMode,
     Request,
     RequestOutput,
     SamplingParams,
@@ -29,7 +30,7 @@ from outrider.engine.structured import Grammars
 from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.sampler import make_generator
+from outrider.executor.sampler import make_generator, masked_argmax
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 
@@ -188,11 +189,18 @@ class EngineCore:
             batch = self.scheduler.schedule(max_drafts=max_drafts, lookahead=lookahead)
             if batch.is_empty:
                 return []
-            if self.grammars:
-                self.grammars.attach_masks(batch)
             speculative = self.speculator.is_speculative_step(batch)
+            if self.grammars:
+                plain = (
+                    not speculative
+                    and batch.mode != ForwardMode.VERIFY
+                    and not any(s.drafts for s in batch.seqs)
+                )
+                self.grammars.attach_masks(batch, plain=plain)
             if speculative or not (self._async and overlap.can_run_ahead(batch)):
                 output = self.speculator.run(batch) if speculative else self.runner.run(batch)
+                if output.grammar_candidates:
+                    self._pick_grammar_tokens(batch, output)
                 deltas = self._advance(batch, output)
                 self.speculator.record_step(batch, speculative, t0)
                 return deltas
@@ -201,6 +209,19 @@ class EngineCore:
         tokens = ids.tolist()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
         return self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
+
+    def _pick_grammar_tokens(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):
+        the argmax among what each grammar allows, from the row's top logits, or where those
+        cannot tell, from its mask computed now."""
+        sampling = [s for s in batch.seqs if s.sample]
+        for j, (row, (ids, values)) in enumerate(output.grammar_candidates.items()):
+            rid = sampling[row].request.request_id
+            token = self.grammars.pick(rid, ids, values)
+            if token is None:
+                mask = self.grammars.mask_row(rid)
+                token = masked_argmax(output.grammar_logits[j : j + 1], mask)[0]
+            output.token_ids[row] = [token]
 
     def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:
         """Launch the decode after `batch` on its sampled ids, still on the device; None when

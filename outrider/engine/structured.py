@@ -15,6 +15,12 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             token's logit to -inf before sampling, verifying and logprobs.
                             Every other call here waits for them first: a matcher is never
                             read and moved at once.
+    pick(rid, ids, values)  a plain step's greedy rows instead (attach_masks(plain=True) gives
+                            them no mask): the argmax among what the grammar allows, from the
+                            row's top logits read with the step's tokens, each checked by the
+                            matcher; where none is allowed (or a tie reaches the last one),
+                            `mask_row` computes the mask then. A step of 64 constrained greedy
+                            rows checks a few tokens a row where it filled 64 vocabulary masks.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
@@ -47,6 +53,7 @@ from concurrent.futures import wait as wait_for
 import torch
 
 from outrider.core import ScheduledBatch, SeqDrafts, StructuredOutputs
+from outrider.executor.spec_step import masked_greedy
 from outrider.loaders.tokenizer import Tokenizer
 
 MAX_CACHED = 512  # compiled grammars kept; a server seeing more distinct ones recompiles
@@ -150,14 +157,23 @@ class Grammars:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def attach_masks(self, batch: ScheduledBatch) -> None:
+    def attach_masks(self, batch: ScheduledBatch, plain: bool = False) -> None:
         """ScheduledSeq.token_masks for every sampling sequence of a constrained request: one
         row for its next token, and one per draft node (the mask after the path to it). They
         are allocated here and computed from now on in a thread; batch.fill_masks waits for
         them (the runner calls it once the step's forward is on the device,
-        ScheduledBatch.ready_masks)."""
+        ScheduledBatch.ready_masks).
+
+        plain: the step is a plain decode through the runner (no drafts, not speculative).
+        Its greedy constrained rows (greedy, no penalties or logprobs, min_tokens met) get no
+        mask: ScheduledSeq.grammar_topk, and the engine picks their token from the row's top
+        logits (`pick`), a mask computed only where none of them is allowed."""
         self._settle()
         seqs = [s for s in batch.seqs if s.sample and s.request.request_id in self._matchers]
+        if plain:
+            for s in seqs:
+                s.grammar_topk = masked_greedy(s)
+            seqs = [s for s in seqs if not s.grammar_topk]
         if not seqs:
             return
         rows = [1 + (s.drafts.num_nodes if s.drafts is not None else 0) for s in seqs]
@@ -199,6 +215,33 @@ class Grammars:
             buf = torch.empty(size, self.words, dtype=torch.int32, pin_memory=self._pinned)
             self._buffers[self._turn] = buf
         return buf[:n]
+
+    def pick(self, request_id: str, ids: Sequence[int], values: Sequence[float]) -> int | None:
+        """The argmax among what the request's grammar allows next, from the row's top logits
+        (`ids` by descending `values`): the allowed id of the highest value, the lowest id of
+        those tied there, as an argmax over the masked row gives. None where it cannot be told
+        from them: none is allowed, or the value reached ties the last one (more may tie past
+        them); then `mask_row` decides."""
+        self._settle()
+        matcher = self._matchers[request_id]
+        best, best_value = None, None
+        for token, value in zip(ids, values):
+            if best_value is not None and value < best_value:
+                break
+            if matcher.validate_tokens([token]) == 1 and (best is None or token < best):
+                best, best_value = token, value
+        if best is None or values[-1] == best_value:
+            return None
+        return best
+
+    def mask_row(self, request_id: str) -> torch.Tensor:
+        """[1, words] int32: the request's allowed next tokens, computed now."""
+        self._settle()
+        row = torch.empty(1, self.words, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(self._matchers[request_id], 0)], row.data_ptr(), self.words * 4, 1
+        )
+        return row
 
     def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
         """The tokens a step emitted for the request, in order; True when its grammar is

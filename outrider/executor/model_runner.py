@@ -21,7 +21,12 @@ from outrider.executor import step_timing, tp_graphs
 from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
-from outrider.executor.sampler import Sampler, apply_token_bitmask_, token_bitmask
+from outrider.executor.sampler import (
+    Sampler,
+    apply_token_bitmask_,
+    token_bitmask,
+    top_candidates,
+)
 from outrider.executor.spec_step import SpecStep
 from outrider.executor.tp_channel import TARGET_GRAPH, StepSender
 from outrider.executor.verify_step import sample_and_verify, tree_kv_slots
@@ -331,9 +336,18 @@ class ModelRunner:
         if batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in sampling):
             out = self.sampler(logits, sampling)
             logprobs = None if out.logprobs is None else [[lp or {}] for lp in out.logprobs]
-            return StepOutput(
+            step = StepOutput(
                 ids, [[t] for t in out.token_ids], logprobs=logprobs, aux_hidden=aux_hidden
             )
+            picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
+            if picked:  # their grammar decides among their top logits (Grammars.pick)
+                step.grammar_logits = logits.index_select(
+                    0, torch.as_tensor(picked, device=logits.device)
+                )
+                step.grammar_candidates = top_candidates(step.grammar_logits, picked)
+            return step
+        if any(s.grammar_topk for s in sampling):
+            raise ValueError("grammar_topk rows are for plain decode steps: give them masks")
         tokens, accepted, logprobs = sample_and_verify(self.sampler, logits, sampling)
         src, dst = tree_kv_slots(sampling, accepted, self.block_size)
         if src:  # trees verified here: accepted nodes' KV into path order

@@ -123,6 +123,29 @@ def _back_to_back(masks: Sequence[torch.Tensor | None], rows: Sequence[int]) -> 
     return True
 
 
+# Top logits read for a constrained greedy row decided on the host (Grammars.pick).
+GRAMMAR_TOPK = 16
+
+
+def top_candidates(
+    logits: torch.Tensor, rows: Sequence[int]
+) -> dict[int, tuple[list[int], list[float]]]:
+    """logits [R, V] (on the device) -> {rows[r]: (the GRAMMAR_TOPK highest ids of row r,
+    their values as float32 holds them), best first}. One host read."""
+    k = min(GRAMMAR_TOPK, logits.shape[-1])
+    values, ids = logits.float().topk(k, dim=-1)
+    host = torch.cat([ids.double(), values.double()], dim=1).tolist()  # CPU-GPU sync point
+    return {row: ([int(t) for t in h[:k]], h[k:]) for row, h in zip(rows, host)}
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> list[int]:
+    """logits [R, V] (any device), bitmask [R, W] int32 on the host -> each row's argmax among
+    the tokens its bitmask allows (the first of tied ones)."""
+    masked = logits.float().clone()
+    apply_token_bitmask_(masked, to_device_no_sync(bitmask, torch.int32, masked.device))
+    return masked.argmax(dim=-1).tolist()  # CPU-GPU sync point
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> -inf wherever bitmask [R, W] int32 (same device) has a 0 bit (bit
     t % 32 of word t // 32 for token t; tokens past 32 W are refused). In place; returns it.

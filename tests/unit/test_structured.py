@@ -22,7 +22,13 @@ from outrider.core import (
     StructuredOutputs,
 )
 from outrider.engine.structured import Grammars
-from outrider.executor.sampler import apply_token_bitmask_, token_bitmask
+from outrider.executor.sampler import (
+    GRAMMAR_TOPK,
+    apply_token_bitmask_,
+    masked_argmax,
+    token_bitmask,
+    top_candidates,
+)
 from outrider.executor.verify_step import (
     masked_greedy_chain_no_sync,
     verify_chain_rows_no_sync,
@@ -392,6 +398,69 @@ def test_greedy_constrained_rows_accept_as_the_sampler_would_decide_them():
     assert bool(allowed[rows, tokens.reshape(-1)].all())
 
 
+def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_grammars):
+    """Grammars.pick over a row's top GRAMMAR_TOPK logits gives the argmax among the tokens
+    the grammar allows (the lowest of tied ones), or None where they cannot tell it (none
+    allowed, or a tie reaching the last one): at several points of a JSON object, for random
+    rows, rows whose best tokens the grammar refuses, and tied rows."""
+    grammars, tok = default_grammars
+    req = _request(grammars, {"json": PERSON}, "pick")
+    rid = req.request_id
+    g = torch.Generator().manual_seed(11)
+    matcher = grammars._matchers[rid]
+    picked = fell_back = 0
+    for prefix in ["", '{"name": "Al', '{"name": "Al", "age": 4']:
+        ids = tok.encode(prefix) if prefix else []
+        matcher.consume_tokens(ids)
+        mask = grammars.mask_row(rid)
+        allowed = sorted(_allowed(mask[0]))
+        refused = [t for t in range(grammars.vocab_size) if t not in set(allowed)][:64]
+        rows = []
+        for case in range(12):
+            row = torch.randn(grammars.vocab_size, generator=g)
+            if case % 3 == 1:  # the best tokens refused, an allowed one behind them
+                row[refused[: GRAMMAR_TOPK // 2]] = 10.0
+                row[allowed[case % len(allowed)]] = 9.0
+            if case % 3 == 2:  # two allowed tokens tied at the top
+                row[allowed[0]] = row[allowed[-1]] = 12.0
+            rows.append(row)
+        rows.append(torch.full((grammars.vocab_size,), 1.0))  # all tied: past the top ids
+        rows.append(torch.zeros(grammars.vocab_size).index_fill_(0, torch.tensor(refused), 5.0))
+        logits = torch.stack(rows)
+        want = masked_argmax(logits, mask.expand(len(rows), -1))
+        for r, (ids_r, values) in top_candidates(logits, list(range(len(rows)))).items():
+            got = grammars.pick(rid, ids_r, values)
+            if got is None:
+                fell_back += 1
+                got = masked_argmax(logits[r : r + 1], grammars.mask_row(rid))[0]
+            else:
+                picked += 1
+            assert got == want[r], (prefix, r)
+        matcher.rollback(len(ids))
+    assert picked >= 20 and fell_back >= 6  # both ways were taken
+    grammars.forget(rid)
+
+
+def test_plain_greedy_constrained_rows_take_no_mask_and_the_same_tokens(
+    tiny_json_dir,
+    prompts,  # noqa: F811
+    monkeypatch,
+):
+    """A plain engine decides its greedy constrained rows from their top logits (no mask
+    computed): token for token what the masks give, for the tiny model's four constraints."""
+    params = _constrained([TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)], max_tokens=30)
+    llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256)
+    picks, pick = [], Grammars.pick
+    monkeypatch.setattr(Grammars, "pick", lambda *a: picks.append(a[1]) or pick(*a))
+    lazy = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
+    assert len(picks) > 20
+    attach = Grammars.attach_masks
+    monkeypatch.setattr(Grammars, "attach_masks", lambda self, b, plain=False: attach(self, b))
+    picks.clear()
+    masked = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
+    assert not picks and lazy == masked
+
+
 def test_sampled_rows_keep_the_masked_targets_law():
     """Rows at temperature 1 verifying one draft: the first emitted token follows the softmax
     over the allowed tokens (chi-square), and never a refused one."""
@@ -601,7 +670,7 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
     refused, seen = [], []
     attach = Grammars.attach_masks
 
-    def check(self, batch):
+    def check(self, batch, plain=False):
         for s in batch.seqs:
             rid = s.request.request_id
             if rid in self and s.drafts is not None and s.drafts.num_nodes:
@@ -609,7 +678,7 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
                 seen.append(rid)
                 if self._matchers[rid].validate_tokens(tokens) < len(tokens):
                     refused.append((rid, tokens))
-        return attach(self, batch)
+        return attach(self, batch, plain)
 
     monkeypatch.setattr(Grammars, "attach_masks", check)
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
