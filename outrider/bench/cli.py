@@ -109,8 +109,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dataset", nargs="+", default=[d["dataset"]], metavar=("NAME", "PATH"),
         help=f"{', '.join(DATASETS)}: the built-in chat prompts; the built-in tasks on a text "
-        f"given in the prompt (rewrite, fix, answer from it); a ShareGPT-style JSON/JSONL file (--dataset sharegpt "
-        f"PATH; first user turn of each record); random words (default: {d['dataset']})",
+        f"given in the prompt (rewrite, fix, answer from it); a ShareGPT-style JSON/JSONL file "
+        f"(--dataset sharegpt PATH; first user turn of each record); random words (default: "
+        f"{d['dataset']})",
     )  # fmt: skip
     g.add_argument(
         "--random-input-len", type=int, default=d["random_input_len"],

@@ -116,8 +116,8 @@ class BenchConfig:
         if (self.dataset == "sharegpt") != (self.dataset_path is not None):
             given = " ".join(v for v in (self.dataset, self.dataset_path) if v)
             raise ValueError(
-                "--dataset sharegpt takes a file (--dataset sharegpt PATH); builtin, grounded and random "
-                f"take none (got --dataset {given})"
+                "--dataset sharegpt takes a file (--dataset sharegpt PATH); builtin, grounded "
+                f"and random take none (got --dataset {given})"
             )
         if self.temperature < 0:
             raise ValueError(f"--temperature {self.temperature} must be 0 (greedy) or more")

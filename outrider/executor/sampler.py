@@ -139,11 +139,12 @@ def top_candidates(
 
 
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> list[int]:
-    """logits [R, V] (any device), bitmask [R, W] int32 on the host -> each row's argmax among
-    the tokens its bitmask allows (the first of tied ones)."""
-    masked = logits.float().clone()
-    apply_token_bitmask_(masked, to_device_no_sync(bitmask, torch.int32, masked.device))
-    return masked.argmax(dim=-1).tolist()  # CPU-GPU sync point
+    """masked_argmax_no_sync over every row of logits [R, V] (any device), bitmask [R, W]
+    int32 on the host, read back: each row's argmax among the tokens its bitmask allows."""
+    dev = logits.device
+    rows = torch.arange(logits.shape[0], device=dev)
+    bits = to_device_no_sync(bitmask, torch.int32, dev)
+    return masked_argmax_no_sync(logits, rows, bits).tolist()  # CPU-GPU sync point
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
