@@ -372,8 +372,9 @@ class ScheduledSeq:
     # A constrained request's allowed tokens at each sampling row (engine/structured.py): [1 +
     # draft nodes, ceil(V / 32)] int32 on the host, bit t % 32 of word t // 32 for token t.
     token_masks: torch.Tensor | None = None
-    # A constrained greedy row of a plain decode step decided on the host from its top logits
-    # (Grammars.pick) instead of a mask: no mask is computed for it unless none of them fits.
+    # A constrained greedy row decided on the host from its top logits (ScheduledBatch.
+    # grammar_path) instead of masks, in a plain decode step or a speculative step (SpecStep):
+    # no mask is computed for it unless none of them fits.
     grammar_topk: bool = False
 
     @property
@@ -384,6 +385,14 @@ class ScheduledSeq:
     def context_len(self) -> int:
         """Tokens visible to this sequence's last query once this step's KV is written."""
         return self.start_pos + len(self.token_ids)
+
+
+# A verify row's GRAMMAR_TOPK highest token ids and their logits, best first.
+Candidates = tuple[list[int], list[float]]
+GrammarPath = Callable[
+    ["ScheduledSeq", Sequence[Candidates], Callable[[int, torch.Tensor], int]],
+    list[tuple[int, int]],
+]
 
 
 @dataclass
@@ -397,6 +406,12 @@ class ScheduledBatch:
     # forward is queued on the device, so the grammar works while the inputs are built and
     # the GPU runs.
     fill_masks: Callable[[], None] | None = None
+    # The grammars' decision for a grammar_topk row (engine/structured.py, Grammars.path):
+    # (seq, its verify rows' top candidates, decide) -> [(row, token)], the token the grammar
+    # lets the target pick at each row of the path its drafts follow; decide(row, mask [1, W]
+    # int32) is the argmax of that row's logits among what the mask allows, for a row none of
+    # whose candidates the grammar allows.
+    grammar_path: GrammarPath | None = None
 
     def ready_masks(self) -> None:
         """Wait until every ScheduledSeq.token_masks of the batch is filled; read them only
@@ -438,7 +453,7 @@ class StepOutput:
     # Rows with ScheduledSeq.grammar_topk: row -> (top ids, their logits, best first), and
     # those rows' logits on the device in the same order (for a row none of whose top ids its
     # grammar allows). token_ids holds their unmasked argmax until the engine picks.
-    grammar_candidates: dict[int, tuple[list[int], list[float]]] | None = None
+    grammar_candidates: dict[int, Candidates] | None = None
     grammar_logits: torch.Tensor | None = None
 
 

@@ -190,13 +190,9 @@ class EngineCore:
             if batch.is_empty:
                 return []
             speculative = self.speculator.is_speculative_step(batch)
-            if self.grammars:
-                plain = (
-                    not speculative
-                    and batch.mode != ForwardMode.VERIFY
-                    and not any(s.drafts for s in batch.seqs)
-                )
-                self.grammars.attach_masks(batch, plain=plain)
+            if self.grammars:  # greedy rows picked from their top logits where the step can
+                plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
+                self.grammars.attach_masks(batch, pick=speculative or plain)
             if speculative or not (self._async and overlap.can_run_ahead(batch)):
                 output = self.speculator.run(batch) if speculative else self.runner.run(batch)
                 if output.grammar_candidates:
@@ -215,12 +211,12 @@ class EngineCore:
         the argmax among what each grammar allows, from the row's top logits, or where those
         cannot tell, from its mask computed now."""
         sampling = [s for s in batch.seqs if s.sample]
-        for j, (row, (ids, values)) in enumerate(output.grammar_candidates.items()):
-            rid = sampling[row].request.request_id
-            token = self.grammars.pick(rid, ids, values)
-            if token is None:
-                mask = self.grammars.mask_row(rid)
-                token = masked_argmax(output.grammar_logits[j : j + 1], mask)[0]
+        for j, (row, candidates) in enumerate(output.grammar_candidates.items()):
+
+            def decide(_: int, mask: torch.Tensor, j: int = j) -> int:
+                return masked_argmax(output.grammar_logits[j : j + 1], mask)[0]
+
+            ((_, token),) = self.grammars.path(sampling[row], [candidates], decide)
             output.token_ids[row] = [token]
 
     def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:

@@ -15,12 +15,15 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             token's logit to -inf before sampling, verifying and logprobs.
                             Every other call here waits for them first: a matcher is never
                             read and moved at once.
-    pick(rid, ids, values)  a plain step's greedy rows instead (attach_masks(plain=True) gives
-                            them no mask): the argmax among what the grammar allows, from the
-                            row's top logits read with the step's tokens, each checked by the
-                            matcher; where none is allowed (or a tie reaches the last one),
+    path(seq, ...)          greedy rows instead, in plain decode steps and speculative steps
+                            (attach_masks(pick=True) gives them no mask): each verify row's
+                            target is the argmax among what the grammar allows (`pick`), from
+                            the row's top logits read after the forward, each checked by the
+                            matcher, walking the drafts only as far as the targets accept
+                            them; where none is allowed (or a tie reaches the last one),
                             `mask_row` computes the mask then. A step of 64 constrained greedy
-                            rows checks a few tokens a row where it filled 64 vocabulary masks.
+                            rows checks a few tokens a row where it filled a vocabulary mask
+                            per row and draft.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
@@ -46,13 +49,13 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 
 import torch
 
-from outrider.core import ScheduledBatch, SeqDrafts, StructuredOutputs
+from outrider.core import Candidates, ScheduledBatch, ScheduledSeq, SeqDrafts, StructuredOutputs
 from outrider.executor.spec_step import masked_greedy
 from outrider.loaders.tokenizer import Tokenizer
 
@@ -157,22 +160,25 @@ class Grammars:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def attach_masks(self, batch: ScheduledBatch, plain: bool = False) -> None:
+    def attach_masks(self, batch: ScheduledBatch, pick: bool = False) -> None:
         """ScheduledSeq.token_masks for every sampling sequence of a constrained request: one
         row for its next token, and one per draft node (the mask after the path to it). They
         are allocated here and computed from now on in a thread; batch.fill_masks waits for
         them (the runner calls it once the step's forward is on the device,
         ScheduledBatch.ready_masks).
 
-        plain: the step is a plain decode through the runner (no drafts, not speculative).
-        Its greedy constrained rows (greedy, no penalties or logprobs, min_tokens met) get no
-        mask: ScheduledSeq.grammar_topk, and the engine picks their token from the row's top
-        logits (`pick`), a mask computed only where none of them is allowed."""
+        pick: the step decides greedy rows from their top logits (a plain decode step through
+        the runner, or a speculative step). Its greedy constrained rows (greedy, no penalties
+        or logprobs, min_tokens met) get no mask: ScheduledSeq.grammar_topk, decided by `path`
+        (batch.grammar_path), a mask computed only where none of a row's candidates is
+        allowed."""
         self._settle()
         seqs = [s for s in batch.seqs if s.sample and s.request.request_id in self._matchers]
-        if plain:
+        if pick:
             for s in seqs:
                 s.grammar_topk = masked_greedy(s)
+            if any(s.grammar_topk for s in seqs):
+                batch.grammar_path = self.path
             seqs = [s for s in seqs if not s.grammar_topk]
         if not seqs:
             return
@@ -233,6 +239,48 @@ class Grammars:
         if best is None or values[-1] == best_value:
             return None
         return best
+
+    def path(
+        self,
+        seq: ScheduledSeq,
+        candidates: Sequence[Candidates],  # per verify row: 0 the root, 1 + i after node i
+        decide: Callable[[int, torch.Tensor], int],
+    ) -> list[tuple[int, int]]:
+        """A grammar_topk row's targets, row by row along the path its drafts follow: the
+        root's token is the argmax among what the grammar allows (`pick` from the row's top
+        candidates, or `decide(row, mask_row)` where they cannot tell); where a draft node
+        (child of the row) carries that token, the grammar follows it and its row is next.
+        Returns [(row, target)], the root first; the last target is the one no draft matched
+        (the bonus token). Rows off the path are not decided: the acceptance never reads them.
+
+            drafts a b c (a chain), picks: root -> a, row 1 -> b, row 2 -> x (not c)
+            -> [(0, a), (1, b), (2, x)]: drafts a b accepted, x emitted after them
+
+        The matcher ends where it began."""
+        rid = seq.request.request_id
+        matcher = self._matchers[rid]
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; -1 the root
+        if seq.drafts is not None:  # siblings carry distinct tokens
+            for node, (token, parent) in enumerate(zip(seq.drafts.token_ids, seq.drafts.parents)):
+                children[(parent, token)] = node
+        targets: list[tuple[int, int]] = []
+        node, consumed = -1, 0
+        try:
+            while True:
+                row = node + 1
+                ids, values = candidates[row]
+                token = self.pick(rid, ids, values)
+                if token is None:
+                    token = decide(row, self.mask_row(rid))
+                targets.append((row, token))
+                node = children.get((node, token), -1)
+                if node < 0 or not matcher.consume_token(token):
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                matcher.rollback(consumed)
+        return targets
 
     def mask_row(self, request_id: str) -> torch.Tensor:
         """[1, words] int32: the request's allowed next tokens, computed now."""

@@ -47,8 +47,10 @@ from outrider.executor.inputs import table_slots_no_sync
 from outrider.executor.sampler import (
     apply_token_bitmask_,
     logprob_rows_no_sync,
+    masked_argmax,
     masked_argmax_no_sync,
     token_bitmask,
+    top_candidates,
     unpack_logprobs,
 )
 from outrider.executor.spec_graphs import SpecGraphs
@@ -91,6 +93,30 @@ def _verify_rows(picked: list[int], t: int, dev: torch.device) -> tuple[torch.Te
     """The picked sequences' indices on the device, and their verify rows (t each, in order)."""
     idx = to_device_no_sync(picked, torch.long, dev)
     return idx, (idx[:, None] * t + torch.arange(t, device=dev)).reshape(-1)
+
+
+def _grammar_targets(
+    batch: ScheduledBatch, picked: list[int], logits: torch.Tensor, t: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The picked sequences' indices on the device, and their targets [F, t] int64 there: at
+    each verify row of the path its drafts follow, the argmax among what its grammar allows
+    (batch.grammar_path, from the rows' top logits). Rows off the path hold token 0: no
+    accepted node hangs below them, and a chain's rows past its first mismatch never count.
+    One host read, and one more per row whose top logits the grammar refuses all."""
+    dev = logits.device
+    idx, rows = _verify_rows(picked, t, dev)
+    top = top_candidates(logits.index_select(0, rows), range(len(picked) * t))  # CPU-GPU sync
+    candidates = list(top.values())
+    targets = torch.zeros(len(picked), t, dtype=torch.long)
+    for j, i in enumerate(picked):
+
+        def decide(row: int, mask: torch.Tensor, i: int = i) -> int:
+            return masked_argmax(logits[i * t + row : i * t + row + 1], mask)[0]
+
+        seq_candidates = candidates[j * t : (j + 1) * t]
+        for row, token in batch.grammar_path(batch.seqs[i], seq_candidates, decide):
+            targets[j, row] = token
+    return idx, to_device_no_sync(targets, torch.long, dev)
 
 
 def _greedy_argmax(seq: ScheduledSeq) -> bool:
@@ -409,10 +435,12 @@ class SpecStep:
         seqs = batch.seqs
         b, t = len(seqs), 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
-        # Greedy rows but for their grammar's mask (laid out by Grammars.attach_masks, filled
-        # while the device verifies); the rest sample, penalise or ask for logprobs.
+        # Greedy rows but for their grammar: picked on the host from their top logits
+        # (ScheduledSeq.grammar_topk), or by their masks (laid out by Grammars.attach_masks,
+        # filled while the device verifies); the rest sample, penalise or ask for logprobs.
+        picked = [i for i in fix if seqs[i].grammar_topk]
         masked = [i for i in fix if masked_greedy(seqs[i]) and seqs[i].token_masks is not None]
-        rest = sorted(set(fix) - set(masked))
+        rest = sorted(set(fix) - set(masked) - set(picked))
         asked = [i for i in rest if seqs[i].request.params.logprobs is not None]
         top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
         packed: list[torch.Tensor] = []
@@ -421,6 +449,13 @@ class SpecStep:
             batch.ready_masks()  # on the host while the device verifies
             dev = out.tokens.device
             drafts = self.inputs.input_ids[: out.tokens.numel()].view(-1, t)[:, 1:]
+            if picked:
+                idx, target = _grammar_targets(batch, picked, out.logits, t)
+                tokens, accepted = verify_chain_greedy_no_sync(
+                    target, drafts.index_select(0, idx), self.num_drafts.index_select(0, idx).long()
+                )
+                out.tokens.index_copy_(0, idx, tokens)
+                out.num_accepted.index_copy_(0, idx, accepted)
             if masked:
                 idx, rows = _verify_rows(masked, t, dev)
                 masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
@@ -493,8 +528,9 @@ class SpecStep:
         seqs = batch.seqs
         b, n = len(seqs), self.tree.num_nodes
         t = 1 + n
-        masked = [i for i, s in enumerate(seqs) if masked_greedy(s)]
-        if len(masked) + sum(map(simple_greedy, seqs)) < b or any(
+        picked = [i for i, s in enumerate(seqs) if s.grammar_topk]
+        masked = [i for i, s in enumerate(seqs) if masked_greedy(s) and not s.grammar_topk]
+        if len(picked) + len(masked) + sum(map(simple_greedy, seqs)) < b or any(
             seqs[i].token_masks is None for i in masked
         ):
             raise ValueError("the tree step decides greedy rows only: use run()")
@@ -502,14 +538,18 @@ class SpecStep:
         def fixup(out: SpecOutput) -> None:
             batch.ready_masks()  # on the host while the device verifies
             dev = out.argmax.device
-            idx, rows = _verify_rows(masked, t, dev)
-            masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
-            target = masked_argmax_no_sync(
-                out.logits, rows, to_device_no_sync(masks, torch.int32, dev)
-            )
-            out.argmax.index_copy_(0, idx, target.view(len(masked), t))
+            if picked:
+                idx, target = _grammar_targets(batch, picked, out.logits, t)
+                out.argmax.index_copy_(0, idx, target)
+            if masked:
+                idx, rows = _verify_rows(masked, t, dev)
+                masks = token_bitmask([seqs[i] for i in masked], [t] * len(masked))
+                target = masked_argmax_no_sync(
+                    out.logits, rows, to_device_no_sync(masks, torch.int32, dev)
+                )
+                out.argmax.index_copy_(0, idx, target.view(len(masked), t))
 
-        out, _ = self.run_no_sync(batch, n, n, fixup if masked else None)
+        out, _ = self.run_no_sync(batch, n, n, fixup if picked or masked else None)
         w = out.tokens.shape[1]  # 1 + S
         parts = [
             out.tokens,

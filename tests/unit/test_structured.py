@@ -441,6 +441,53 @@ def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_gr
     grammars.forget(rid)
 
 
+def test_a_picked_path_follows_the_drafts_as_far_as_the_masked_targets_accept(
+    default_grammars,
+):
+    """Grammars.path over a chain's verify rows gives, row by row, the masked argmax (each
+    row's mask after the drafts before it) as far as the drafts equal it, and the first
+    target no draft matched: for every cut, with the cut row's top logits all refused (a
+    mask computed there) or not."""
+    grammars, tok = default_grammars
+    req = _request(grammars, {"json": PERSON}, "path")
+    drafts = tok.encode('{"name": "Al')
+    t = 1 + len(drafts)
+    seq = ScheduledSeq(req, [5, *drafts], 2, [0], True, SeqDrafts.chain(drafts))
+    batch = ScheduledBatch(ForwardMode.VERIFY, [seq])
+    grammars.attach_masks(batch)
+    batch.ready_masks()
+    masks = seq.token_masks.clone()
+    g = torch.Generator().manual_seed(3)
+    decided, walked = [], 0
+    for cut in range(t):
+        for refuse_top in (False, True):
+            logits = torch.randn(t, grammars.vocab_size, generator=g)
+            logits[torch.arange(cut), drafts[:cut]] = 20.0  # the targets take drafts < cut
+            if refuse_top:
+                allowed = _allowed(masks[cut])
+                refused = [x for x in range(grammars.vocab_size) if x not in allowed]
+                logits[cut, refused[:GRAMMAR_TOPK]] = 30.0
+            want = masked_argmax(logits, masks)
+            accepted = 0
+            while accepted < len(drafts) and want[accepted] == drafts[accepted]:
+                accepted += 1
+            candidates = list(top_candidates(logits, list(range(t))).values())
+
+            def decide(row, mask, logits=logits):
+                decided.append(row)
+                return masked_argmax(logits[row : row + 1], mask)[0]
+
+            got = grammars.path(seq, candidates, decide)
+            assert got == [(r, want[r]) for r in range(accepted + 1)], (cut, refuse_top)
+            walked = max(walked, accepted)
+    assert walked == len(drafts) and len(decided) >= t  # every draft taken; masks computed
+    plain = ScheduledBatch(ForwardMode.DECODE, [ScheduledSeq(req, [5], 2, [0], True)])
+    grammars.attach_masks(plain)
+    plain.ready_masks()
+    assert torch.equal(plain.seqs[0].token_masks[0], masks[0])  # the matcher rolled back
+    grammars.forget("path")
+
+
 def test_plain_greedy_constrained_rows_take_no_mask_and_the_same_tokens(
     tiny_json_dir,
     prompts,  # noqa: F811
@@ -455,7 +502,7 @@ def test_plain_greedy_constrained_rows_take_no_mask_and_the_same_tokens(
     lazy = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
     assert len(picks) > 20
     attach = Grammars.attach_masks
-    monkeypatch.setattr(Grammars, "attach_masks", lambda self, b, plain=False: attach(self, b))
+    monkeypatch.setattr(Grammars, "attach_masks", lambda self, b, pick=False: attach(self, b))
     picks.clear()
     masked = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
     assert not picks and lazy == masked
@@ -572,6 +619,13 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
     monkeypatch.setattr(
         SpecStep, "run_tree", lambda self, b: tree_steps.append(b) or run_tree(self, b)
     )
+    paths, path = [], Grammars.path
+
+    def walk(self, seq, candidates, decide):
+        paths.append((seq.drafts is not None and seq.drafts.num_nodes, seq.token_masks))
+        return path(self, seq, candidates, decide)
+
+    monkeypatch.setattr(Grammars, "path", walk)
     prompts = prompts[:5]
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(len(prompts))]
     params = _constrained(specs, max_tokens=30)
@@ -588,8 +642,11 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
     else:
         llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
                   speculative=speculative)  # fmt: skip
+    paths.clear()
     got = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # verify rows decided from their top logits, no mask computed for them
+    assert any(drafted for drafted, _ in paths) and all(m is None for _, m in paths)
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert llm.generate([prompts[1]], params[1])[0].outputs[0].token_ids == alone[0]
     stats = llm.engine.speculator.stats
@@ -670,7 +727,7 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
     refused, seen = [], []
     attach = Grammars.attach_masks
 
-    def check(self, batch, plain=False):
+    def check(self, batch, pick=False):
         for s in batch.seqs:
             rid = s.request.request_id
             if rid in self and s.drafts is not None and s.drafts.num_nodes:
@@ -678,7 +735,7 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
                 seen.append(rid)
                 if self._matchers[rid].validate_tokens(tokens) < len(tokens):
                     refused.append((rid, tokens))
-        return attach(self, batch, plain)
+        return attach(self, batch, pick)
 
     monkeypatch.setattr(Grammars, "attach_masks", check)
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
