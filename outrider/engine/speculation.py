@@ -26,7 +26,14 @@ from pathlib import Path
 
 from outrider import env
 from outrider.config import SpecConfig
-from outrider.core import ForwardMode, Request, ScheduledBatch, SeqDrafts, StepOutput
+from outrider.core import (
+    ForwardMode,
+    Request,
+    ScheduledBatch,
+    ScheduledSeq,
+    SeqDrafts,
+    StepOutput,
+)
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import count_until_stop
 from outrider.engine.structured import Grammars
@@ -71,6 +78,9 @@ class Speculator:
         self.last_k = 0
         self.steps_by_k: dict[int, int] = {}
         self._skip_propose = False  # the step's requests are drafted inside the next one
+        # A speculative step's prompt chunks, run beside it: (their batch, their output).
+        self._prefilled: tuple[ScheduledBatch, StepOutput] | None = None
+        self._speculated = False  # the step ran through `run`
         self._aside_ms = 0.0  # the step's catch-up of deferred draft rows, not its k's cost
 
     # -- configuration ----------------------------------------------------------------------
@@ -222,36 +232,56 @@ class Speculator:
             self._k = self.controller.choose(ids)
 
     def is_speculative_step(self, batch: ScheduledBatch) -> bool:
-        """Whether the batch runs as one speculative step: chains, every sequence decoding
-        (its root and at most k drafts), and speculation on this step."""
-        if not self._stepped or self._k == 0 or batch.mode == ForwardMode.PREFILL:
+        """Whether the batch runs as a speculative step: speculation on this step, and every
+        decoding sequence its root and at most k drafts (a tree: greedy). A prefill step
+        qualifies by its decoding sequences: they run as the speculative step and its prompt
+        chunks beside it as a plain forward (`run`)."""
+        if not self._stepped or self._k == 0:
             return False
-        if not self.proposer.on_device and not any(s.drafts for s in batch.seqs):
+        decoding = [s for s in batch.seqs if not _prompt_chunk(s)]
+        if not decoding:
+            return False
+        if not self.proposer.on_device and not any(s.drafts for s in decoding):
             return False  # nothing to verify and nothing to draft: a plain decode step
         if self._tree is not None and not all(
-            simple_greedy(s) or masked_greedy(s) for s in batch.seqs
+            simple_greedy(s) or masked_greedy(s) for s in decoding
         ):
             return False  # trees that sample are verified per sequence (runner.run)
         return all(
             s.sample and s.query_len == 1 + (s.drafts.num_nodes if s.drafts else 0)
-            for s in batch.seqs
+            for s in decoding
         )
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """The speculative step on the runner: verify, accept and (a device drafter) draft the
-        next k. Only for a batch is_speculative_step accepted."""
+        next k. Only for a batch is_speculative_step accepted. A prefill step's prompt chunks
+        run after it as a plain forward of their own: in one forward with the decodes, every
+        request's step would be an eager one that drafts nothing inside it (at a server's high
+        concurrency a request arrives nearly every step). Their draft rows are deferred
+        (after_postprocess) and drafted inside their first speculative step."""
         on_device = self.proposer.on_device
-        self._drafted_only = on_device and not any(s.drafts for s in batch.seqs)
+        prompts = [s for s in batch.seqs if _prompt_chunk(s)]
+        decoding = [s for s in batch.seqs if not _prompt_chunk(s)]
+        decode = _part(batch, decoding) if prompts else batch
+        self._drafted_only = on_device and not any(s.drafts for s in decode.seqs)
         if on_device:  # the draft KV of the plain steps before this one, which the step reads
             t0 = time.perf_counter()
             self.proposer.catch_up()
             self._aside_ms += (time.perf_counter() - t0) * 1e3
-        return self._runner.run_spec(batch, self._k, self._k if on_device else 0)
+        out = self._runner.run_spec(decode, self._k, self._k if on_device else 0)
+        self._speculated = True
+        if not prompts:
+            return out
+        prefill = _part(batch, prompts)
+        self._prefilled = (prefill, self._runner.run(prefill))
+        return _merged(batch, out, self._prefilled[1])
 
     def trim_output(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """Before the scheduler appends the step's tokens: count the decode step by the drafts
         it verified, and cut each accepted run at its first stop."""
-        if batch.mode != ForwardMode.PREFILL and self.proposer is not None:
+        speculated, self._speculated = self._speculated, False
+        decoding = batch.mode != ForwardMode.PREFILL or speculated
+        if self.proposer is not None and decoding:
             k = self._k if output.num_accepted is not None else 0
             self.last_k = k
             self.steps_by_k[k] = self.steps_by_k.get(k, 0) + 1
@@ -259,13 +289,16 @@ class Speculator:
                 steps = seq.request.metrics.steps_by_k
                 steps[k] = steps.get(k, 0) + 1
         if output.num_accepted is not None:
-            self._cut_at_token_stops(batch, output)
+            self._cut_at_token_stops(batch, output, decoding)
 
-    def _cut_at_token_stops(self, batch: ScheduledBatch, output: StepOutput) -> None:
+    def _cut_at_token_stops(
+        self, batch: ScheduledBatch, output: StepOutput, decoding: bool
+    ) -> None:
         """Several tokens may arrive at once from a verify: keep those up to the first EOS /
-        stop id / max_tokens / context end, and record acceptance statistics."""
+        stop id / max_tokens / context end, and record acceptance statistics (the controller's
+        from the decoding rows of a decoding or speculative step)."""
         sampling = [s for s in batch.seqs if s.sample]
-        observe = self.controller is not None and batch.mode != ForwardMode.PREFILL
+        observe = self.controller is not None and decoding
         # The controller's update is Python per row (~10 us): at most _OBSERVED_ROWS rows a
         # step, a different share each step, keep it far below a step's time at any batch.
         stride = -(-len(sampling) // _OBSERVED_ROWS)
@@ -275,6 +308,7 @@ class Speculator:
                 observe
                 and i % stride == self._observe_phase
                 and (seq.drafts is not None or not self.proposer.on_device)
+                and not _prompt_chunk(seq)
             ):
                 # A host proposer drafts all it can (up to the most k): drafts short of k, or
                 # none, yielded nothing there and count as rejected. A device drafter's rows
@@ -302,8 +336,17 @@ class Speculator:
         each request's drafts for the next one; otherwise a drafter sees what the target
         computed."""
         self._skip_propose = False
+        prefilled, self._prefilled = self._prefilled, None
         if output.next_drafts is not None:
             self._take_drafts(batch, output)
+            if prefilled is not None and self.proposer.on_device:  # the prompts beside it
+                if self._tree is None:  # chains: drafted inside their first speculative step
+                    t0 = time.perf_counter()
+                    self.proposer.defer(*prefilled)
+                    self._aside_ms += (time.perf_counter() - t0) * 1e3
+                    self._skip_propose = True
+                else:  # the tree step verifies a tree a row: drafted after this step
+                    self.proposer.observe(*prefilled)
         elif self.proposer is None:
             return
         elif self._defers(batch):
@@ -390,7 +433,7 @@ class Speculator:
         aside, self._aside_ms = self._aside_ms, 0.0
         if self.controller is None:
             return
-        if speculative:
+        if speculative and batch.mode != ForwardMode.PREFILL:  # not beside prompt chunks
             k = self._k
         elif batch.mode == ForwardMode.DECODE and self._k == 0:
             k = 0
@@ -435,3 +478,65 @@ class Speculator:
         if req.num_computed_tokens + need > self._max_model_len:
             return False  # the last few tokens of the context decode plainly
         return self._block_manager.allocate(req, need)
+
+
+def _prompt_chunk(seq: ScheduledSeq) -> bool:
+    """Whether a sequence computes a chunk of its prompt (scheduler._mode's test), not a decode."""
+    return seq.drafts is None and (seq.query_len > 1 or not seq.sample)
+
+
+def _part(batch: ScheduledBatch, seqs: list[ScheduledSeq]) -> ScheduledBatch:
+    """The batch's `seqs` as a batch of their own, sharing its masks and grammar picks."""
+    if any(_prompt_chunk(s) for s in seqs):
+        mode = ForwardMode.PREFILL
+    else:
+        mode = ForwardMode.VERIFY if any(s.drafts is not None for s in seqs) else ForwardMode.DECODE
+    return ScheduledBatch(mode, seqs, fill_masks=batch.fill_masks, grammar_path=batch.grammar_path)
+
+
+def _merged(batch: ScheduledBatch, spec: StepOutput, plain: StepOutput) -> StepOutput:
+    """One output in the batch's order from the speculative step's (its decoding sequences)
+    and the prompt chunks' plain forward's: no drafts accepted, none made, for the prompts.
+
+        batch [d0, p0, d1], sampling: spec rows [d0, d1], plain rows [p0]
+        -> request_ids [d0, p0, d1], a grammar candidate of plain row 0 becomes row 1"""
+    rows: list[tuple[bool, int]] = []  # (from spec, index there) per sampling sequence
+    n_spec = n_plain = 0
+    for s in batch.seqs:
+        if not s.sample:
+            continue
+        if _prompt_chunk(s):
+            rows.append((False, n_plain))
+            n_plain += 1
+        else:
+            rows.append((True, n_spec))
+            n_spec += 1
+
+    def pick(field, spec_default, plain_default):
+        a, b = getattr(spec, field), getattr(plain, field)
+        if a is None and b is None:
+            return None
+        return [
+            (a[i] if a is not None else spec_default(i))
+            if from_spec
+            else (b[i] if b is not None else plain_default(i))
+            for from_spec, i in rows
+        ]
+
+    def no_logprobs(out: StepOutput):
+        return lambda i: [{} for _ in out.token_ids[i]]
+
+    candidates = None
+    if plain.grammar_candidates:
+        at = {i: row for row, (from_spec, i) in enumerate(rows) if not from_spec}
+        candidates = {at[i]: c for i, c in plain.grammar_candidates.items()}
+    return StepOutput(
+        [s.request.request_id for s in batch.seqs if s.sample],
+        pick("token_ids", None, None),
+        num_accepted=pick("num_accepted", None, lambda i: 0),
+        logprobs=pick("logprobs", no_logprobs(spec), no_logprobs(plain)),
+        accepted_nodes=pick("accepted_nodes", None, lambda i: []),
+        next_drafts=pick("next_drafts", None, lambda i: None),
+        grammar_candidates=candidates,
+        grammar_logits=plain.grammar_logits,
+    )
