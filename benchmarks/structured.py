@@ -8,7 +8,7 @@ constrained only), greedy and sampled, over a concurrency sweep.
         [--concurrency 1 16 64]
         [--temperatures 0 0.8] [--max-tokens 200] [--num-schemas N] [--rounds 3] [--k 4]
         [--cases PATH] [--model DIR] [--draft DIR] [--dtype auto] [--device cuda]
-        [--out NAME] [--out-dir DIR] [--plot PATH]
+        [--grammar-masks] [--out NAME] [--out-dir DIR] [--plot PATH]
 
 Every configuration is built first (plain always). Before any constrained request, the plain
 engine times what a constraint costs before its first token: `EngineCore.validate`, which
@@ -467,9 +467,21 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="result name (default structured / _cpu)")
     ap.add_argument("--out-dir", default=None, help="directory for the JSON (e.g. $OUT)")
     ap.add_argument("--plot", default=None, help="PNG path (default: beside the JSON)")
+    ap.add_argument(
+        "--grammar-masks",
+        action="store_true",
+        help="decide greedy constrained rows by vocabulary masks, as sampled ones are, instead "
+        "of from their top logits (Grammars.path): what the picks save or cost, run beside",
+    )
     args = ap.parse_args()
 
     from outrider import LLM, SamplingParams
+
+    if args.grammar_masks:
+        from outrider.engine.structured import Grammars
+
+        attach = Grammars.attach_masks
+        Grammars.attach_masks = lambda self, batch, pick=False: attach(self, batch)
 
     cuda = args.device.startswith("cuda")
     concurrency = args.concurrency or ([1, 16, 64] if cuda else [1, 4])
@@ -516,6 +528,7 @@ def main() -> None:
     gc.collect()
     result = {
         "device": args.device,
+        "grammar_masks": args.grammar_masks,
         "dtype": args.dtype,
         "model": args.model,
         "max_tokens": args.max_tokens,
