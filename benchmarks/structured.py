@@ -184,6 +184,7 @@ def timed_run(
     engine = llm.engine
     engine.speculator.reset_stats()
     before = _clock(engine)
+    grammar_before = dataclasses.replace(engine.grammars.counters)
     _sync(device)
     outs, t0 = [], time.perf_counter()
     for start in range(0, len(idx), c):
@@ -195,6 +196,7 @@ def timed_run(
     tokens = sum(len(o.token_ids) for o in outs)
     stats = spec_counters(engine.speculator.stats)
     split = step_split(before, _clock(engine))
+    grammar = grammar_split(grammar_before, engine.grammars.counters, split)
     counts = validity(
         [cases[i] for i in idx],
         [o.text for o in outs],
@@ -214,8 +216,25 @@ def timed_run(
         # verifying ones).
         "tokens_per_step": round(tokens / split["steps"], 3) if split else None,
         "step_split": split,
+        "grammar": grammar,
         "validity_counts": counts,
         "ids": [o.token_ids for o in outs],
+    }
+
+
+def grammar_split(before, after, split: dict | None) -> dict:
+    """The grammars' work over a run (engine/structured.py GrammarCounters): mask rows filled
+    ahead of the forwards, rows picked from their top logits, masks those picks still needed,
+    and the host milliseconds a step spent picking (inside the runner's time for speculative
+    steps, in the host's for plain ones)."""
+    steps = split["steps"] if split else 0
+    return {
+        "mask_rows": after.mask_rows - before.mask_rows,
+        "picked_rows": after.picked_rows - before.picked_rows,
+        "late_masks": after.late_masks - before.late_masks,
+        "path_ms_per_step": round((after.path_s - before.path_s) / steps * 1e3, 3)
+        if steps
+        else None,
     }
 
 

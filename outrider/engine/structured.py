@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from dataclasses import dataclass
 
 import torch
 
@@ -62,8 +64,19 @@ from outrider.loaders.tokenizer import Tokenizer
 MAX_CACHED = 512  # compiled grammars kept; a server seeing more distinct ones recompiles
 
 
+@dataclass
+class GrammarCounters:
+    """What the grammars did, since the engine started (benchmarks read differences)."""
+
+    mask_rows: int = 0  # vocabulary masks filled ahead of a forward (attach_masks)
+    picked_rows: int = 0  # rows decided from their top logits (`path`)
+    late_masks: int = 0  # of those, rows none of whose candidates was allowed: a mask then
+    path_s: float = 0.0  # host seconds in `path`, its late masks and their argmax included
+
+
 class Grammars:
-    """The constrained requests of one engine, by request id."""
+    """The constrained requests of one engine, by request id. `counters` (GrammarCounters)
+    is read by benchmarks."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, pinned: bool = False) -> None:
         """pinned: masks are laid out in page-locked host memory (a CUDA engine's: its copy to
@@ -88,6 +101,7 @@ class Grammars:
         # and the computation in flight.
         self._filler: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self.counters = GrammarCounters()
 
     def __bool__(self) -> bool:
         """Whether any constrained request is in flight."""
@@ -183,6 +197,7 @@ class Grammars:
         if not seqs:
             return
         rows = [1 + (s.drafts.num_nodes if s.drafts is not None else 0) for s in seqs]
+        self.counters.mask_rows += sum(rows)
         masks = self._rows(sum(rows))  # llguidance writes every word of every row
         alone, chains, trees, start = [], [], [], 0
         for s, n, rows_of in zip(seqs, rows, masks.split(rows)):  # one call for every view
@@ -257,6 +272,7 @@ class Grammars:
             -> [(0, a), (1, b), (2, x)]: drafts a b accepted, x emitted after them
 
         The matcher ends where it began."""
+        t0 = time.perf_counter()
         rid = seq.request.request_id
         matcher = self._matchers[rid]
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; -1 the root
@@ -272,6 +288,7 @@ class Grammars:
                 token = self.pick(rid, ids, values)
                 if token is None:
                     token = decide(row, self.mask_row(rid))
+                    self.counters.late_masks += 1
                 targets.append((row, token))
                 node = children.get((node, token), -1)
                 if node < 0 or not matcher.consume_token(token):
@@ -280,6 +297,8 @@ class Grammars:
         finally:
             if consumed:
                 matcher.rollback(consumed)
+        self.counters.picked_rows += len(targets)
+        self.counters.path_s += time.perf_counter() - t0
         return targets
 
     def mask_row(self, request_id: str) -> torch.Tensor:

@@ -5,6 +5,7 @@ engine constrained output is valid and, greedy, the same token for token with sp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -459,6 +460,7 @@ def test_a_picked_path_follows_the_drafts_as_far_as_the_masked_targets_accept(
     masks = seq.token_masks.clone()
     g = torch.Generator().manual_seed(3)
     decided, walked = [], 0
+    before = dataclasses.replace(grammars.counters)
     for cut in range(t):
         for refuse_top in (False, True):
             logits = torch.randn(t, grammars.vocab_size, generator=g)
@@ -481,6 +483,9 @@ def test_a_picked_path_follows_the_drafts_as_far_as_the_masked_targets_accept(
             assert got == [(r, want[r]) for r in range(accepted + 1)], (cut, refuse_top)
             walked = max(walked, accepted)
     assert walked == len(drafts) and len(decided) >= t  # every draft taken; masks computed
+    counters = grammars.counters
+    assert counters.late_masks - before.late_masks == len(decided)
+    assert counters.picked_rows - before.picked_rows > 2 * t and counters.path_s > before.path_s
     plain = ScheduledBatch(ForwardMode.DECODE, [ScheduledSeq(req, [5], 2, [0], True)])
     grammars.attach_masks(plain)
     plain.ready_masks()
