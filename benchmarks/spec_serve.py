@@ -5,7 +5,7 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
     python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
                                     [--max-tokens 256] [--configs plain eagle3 ngram]
                                     [--request-rates R ...] [--dataset builtin|grounded]
-                                    [--engine-c1] [--rounds N] [--out NAME]
+                                    [--engine-c1] [--rounds N] [--out NAME] [--out-dir DIR]
 
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
 one port. A sweep is the concurrency points, then one point per --request-rates R (Poisson
@@ -149,11 +149,22 @@ def main() -> None:
         "--out", default=None,
         help="result name (default spec_serve on a GPU machine, spec_serve_cpu without one)",
     )  # fmt: skip
+    ap.add_argument("--out-dir", default=None, help="directory for the JSON and PNGs (e.g. $OUT)")
     args = ap.parse_args()
     if args.out is None:
         import torch
 
         args.out = "spec_serve" if torch.cuda.is_available() else "spec_serve_cpu"
+    out_dir = Path(args.out_dir) if args.out_dir else RESULTS
+    if args.out.endswith(".json") or "/" in args.out:
+        ap.error(f"--out {args.out}: give a name (no folder, no .json); --out-dir takes the folder")
+    if args.num_prompts < 2 * max(args.concurrency):
+        print(
+            f"note: {args.num_prompts} prompts at C={max(args.concurrency)} make one wave at most;"
+            f" its throughput is the wave's ramp and tail (--num-prompts "
+            f"{2 * max(args.concurrency)} or more measures a steady load)",
+            flush=True,
+        )
     if "plain" not in args.configs:
         ap.error("--configs needs plain: every speedup is over it")
     if args.rounds < 1:
@@ -205,7 +216,7 @@ def main() -> None:
                       f"{p.get('median_tpot_ms') or 0:7.2f} ms  accept {p.get('accept_length')}",
                       flush=True)  # fmt: skip
         rounds.append(runs)
-    plots = plot_results(load_results(files), RESULTS, prefix=f"{args.out}_")
+    plots = plot_results(load_results(files), out_dir, prefix=f"{args.out}_")
     per_round = [round_speedups(runs) for runs in rounds]
     medians = {kind: median_speedups([r[kind] for r in per_round]) for kind in per_round[0]}
     engine = engine_c1(args.configs, prompts, args.max_tokens) if args.engine_c1 else None
@@ -245,7 +256,7 @@ def main() -> None:
                 n: round(server[n]["1"] / v, 3) for n, v in speed.items() if "1" in server[n]
             },
         )  # fmt: skip
-    print(write_result(args.out, result))
+    print(write_result(args.out, result, out_dir))
 
 
 if __name__ == "__main__":
