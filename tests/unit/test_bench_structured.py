@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from outrider.engine.structured import GrammarCounters
 from outrider.speculative.stats import SpecStats
 from tests.benchmarks import load_benchmark
 
@@ -116,13 +117,17 @@ class FakeLLM:
         runner = SimpleNamespace(run=lambda *a: None, run_spec=lambda *a: None,
                                  launch=lambda *a: None)  # fmt: skip
         spec = SimpleNamespace(stats=SpecStats(), steps_by_k={}, reset_stats=self._reset)
-        self.engine = SimpleNamespace(runner=runner, speculator=spec, step=lambda: None)
+        grammars = SimpleNamespace(counters=GrammarCounters())
+        self.engine = SimpleNamespace(
+            runner=runner, speculator=spec, grammars=grammars, step=lambda: None
+        )
 
     def _reset(self):
         self.engine.speculator.stats = SpecStats()
 
     def chat(self, convs, params):
         self.batches.append([(c[0]["content"], p) for c, p in zip(convs, params)])
+        self.engine.grammars.counters.picked_rows += len(convs)  # as if each picked a row
         outs = []
         for conv in convs:
             case = self.by_prompt[conv[0]["content"]]
@@ -153,6 +158,7 @@ def test_timed_run_sends_full_batches_with_each_cases_params(bench, cases):
     assert row["accept_length"] == 4.0 and len(row["ids"]) == 4
     assert row["median_ttft_ms"] == 10.0
     assert row["decode_tok_per_s_stream"] == 400.0  # 4 tokens after the first in 10 ms
+    assert row["grammar"]["picked_rows"] == 4 and row["grammar"]["late_masks"] == 0
     free = bench.timed_run(FakeLLM({c.prompt: c for c in cases}), False, cases, 0.0, 4, 9, "cpu")
     assert free["requests"] == 4 and free["validity_counts"]["valid"] == 4
 
