@@ -1,6 +1,7 @@
 """EAGLE-3 on CUDA: greedy output with a drafter (random weights: losslessness does not depend
 on its quality) equals plain decoding in fp32, chain and tree, with the target's CUDA graphs
-returning the aux streams; the graphs' aux output equals the eager forward's."""
+returning the aux streams, also where prompts are prefilled beside speculative steps; the
+graphs' aux output equals the eager forward's."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from outrider.bench.datasets import GROUNDED, OPEN
 pytestmark = pytest.mark.gpu
 
 
-def _eagle_llm(path: str, topk: int) -> LLM:
+def _eagle_llm(path: str, topk: int, **options) -> LLM:
     return LLM(
         dtype="float32", device="cuda", gpu_memory_utilization=0.2,
         speculative={"method": "eagle3", "controller": "fixed", "draft": path, "num_draft_tokens": 4, "topk": topk,
-                     "num_steps": 3 if topk > 1 else None},
+                     "num_steps": 3 if topk > 1 else None}, **options,
     )  # fmt: skip
 
 
@@ -38,6 +39,34 @@ def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
     graphs = runner.spec_step.graphs
     assert graphs and all(draft is not None for _, draft, *_ in graphs.captured.values())
     assert (runner.spec_step.tree is not None) == (topk > 1)
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_prompts_prefilled_beside_graphed_speculative_steps(drafter_path, topk, monkeypatch):
+    """Three requests at once with outputs of different lengths: later prompts are prefilled in
+    steps whose other requests speculate, their graph-replayed step and the prompts' plain
+    forward side by side (Speculator.run). Output equals plain decoding's (fp32), and every KV
+    block comes back."""
+    from outrider.core import ForwardMode
+    from outrider.engine.speculation import Speculator
+
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    params = [SamplingParams(temperature=0, max_tokens=12 + 10 * i) for i in range(len(convs))]
+    plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, max_num_seqs=3)
+    want = [o.token_ids for o in plain.chat(convs, params)]
+    del plain
+    split, run = [], Speculator.run
+    monkeypatch.setattr(
+        Speculator,
+        "run",
+        lambda self, b: split.append(b.mode == ForwardMode.PREFILL) or run(self, b),
+    )
+    spec = _eagle_llm(drafter_path, topk, max_num_seqs=3)
+    outs = spec.chat(convs, params)
+    assert [o.token_ids for o in outs] == want
+    assert any(split) and sum(split) < len(split)  # prefill steps among the graphed ones
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_graph_aux_streams_equal_eager(drafter_path):
