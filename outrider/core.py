@@ -373,7 +373,7 @@ class ScheduledSeq:
     # draft nodes, ceil(V / 32)] int32 on the host, bit t % 32 of word t // 32 for token t.
     token_masks: torch.Tensor | None = None
     # A constrained greedy row decided on the host from its top logits (ScheduledBatch.
-    # grammar_path) instead of masks, in a plain decode step or a speculative step (SpecStep):
+    # grammar_paths) instead of masks, in a plain decode step or a speculative step (SpecStep):
     # no mask is computed for it unless none of them fits.
     grammar_topk: bool = False
 
@@ -389,9 +389,13 @@ class ScheduledSeq:
 
 # A verify row's GRAMMAR_TOPK highest token ids and their logits, best first.
 Candidates = tuple[list[int], list[float]]
-GrammarPath = Callable[
-    ["ScheduledSeq", Sequence[Candidates], Callable[[int, torch.Tensor], int]],
-    list[tuple[int, int]],
+GrammarPaths = Callable[
+    [
+        Sequence["ScheduledSeq"],
+        Sequence[Sequence[Candidates]],
+        Callable[[list[tuple[int, int]], torch.Tensor], list[int]],
+    ],
+    list[list[tuple[int, int]]],
 ]
 
 
@@ -406,12 +410,12 @@ class ScheduledBatch:
     # forward is queued on the device, so the grammar works while the inputs are built and
     # the GPU runs.
     fill_masks: Callable[[], None] | None = None
-    # The grammars' decision for a grammar_topk row (engine/structured.py, Grammars.path):
-    # (seq, its verify rows' top candidates, decide) -> [(row, token)], the token the grammar
-    # lets the target pick at each row of the path its drafts follow; decide(row, mask [1, W]
-    # int32) is the argmax of that row's logits among what the mask allows, for a row none of
-    # whose candidates the grammar allows.
-    grammar_path: GrammarPath | None = None
+    # The grammars' decision for grammar_topk rows (engine/structured.py, Grammars.paths):
+    # (seqs, each one's verify rows' top candidates, decide) -> per seq [(row, token)], the
+    # token the grammar lets the target pick at each row of the path its drafts follow;
+    # decide([(seq index, row)], masks [n, W] int32) -> the argmax of each such row's logits
+    # among what its mask allows, for rows none of whose candidates the grammar allows.
+    grammar_paths: GrammarPaths | None = None
 
     def ready_masks(self) -> None:
         """Wait until every ScheduledSeq.token_masks of the batch is filled; read them only

@@ -211,12 +211,18 @@ class EngineCore:
         the argmax among what each grammar allows, from the row's top logits, or where those
         cannot tell, from its mask computed now."""
         sampling = [s for s in batch.seqs if s.sample]
-        for j, (row, candidates) in enumerate(output.grammar_candidates.items()):
+        rows = list(output.grammar_candidates)  # grammar_logits holds their rows in this order
 
-            def decide(_: int, mask: torch.Tensor, j: int = j) -> int:
-                return masked_argmax(output.grammar_logits[j : j + 1], mask)[0]
+        def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
+            at = torch.as_tensor([j for j, _ in late], device=output.grammar_logits.device)
+            return masked_argmax(output.grammar_logits.index_select(0, at), masks)
 
-            ((_, token),) = self.grammars.path(sampling[row], [candidates], decide)
+        paths = self.grammars.paths(
+            [sampling[row] for row in rows],
+            [[output.grammar_candidates[row]] for row in rows],
+            decide,
+        )
+        for row, ((_, token),) in zip(rows, paths):
             output.token_ids[row] = [token]
 
     def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:

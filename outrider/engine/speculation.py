@@ -491,7 +491,9 @@ def _part(batch: ScheduledBatch, seqs: list[ScheduledSeq]) -> ScheduledBatch:
         mode = ForwardMode.PREFILL
     else:
         mode = ForwardMode.VERIFY if any(s.drafts is not None for s in seqs) else ForwardMode.DECODE
-    return ScheduledBatch(mode, seqs, fill_masks=batch.fill_masks, grammar_path=batch.grammar_path)
+    return ScheduledBatch(
+        mode, seqs, fill_masks=batch.fill_masks, grammar_paths=batch.grammar_paths
+    )
 
 
 def _merged(batch: ScheduledBatch, spec: StepOutput, plain: StepOutput) -> StepOutput:

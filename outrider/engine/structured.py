@@ -15,15 +15,15 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             token's logit to -inf before sampling, verifying and logprobs.
                             Every other call here waits for them first: a matcher is never
                             read and moved at once.
-    path(seq, ...)          greedy rows instead, in plain decode steps and speculative steps
+    paths(seqs, ...)        greedy rows instead, in plain decode steps and speculative steps
                             (attach_masks(pick=True) gives them no mask): each verify row's
                             target is the argmax among what the grammar allows (`pick`), from
                             the row's top logits read after the forward, each checked by the
                             matcher, walking the drafts only as far as the targets accept
-                            them; where none is allowed (or a tie reaches the last one),
-                            `mask_row` computes the mask then. A step of 64 constrained greedy
-                            rows checks a few tokens a row where it filled a vocabulary mask
-                            per row and draft.
+                            them; where none is allowed (or a tie reaches the last one), its
+                            mask is computed then, a round's such rows in one call. A step of
+                            64 constrained greedy rows checks a few tokens a row where it
+                            filled a vocabulary mask per row and draft.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
@@ -183,8 +183,8 @@ class Grammars:
 
         pick: the step decides greedy rows from their top logits (a plain decode step through
         the runner, or a speculative step). Its greedy constrained rows (greedy, no penalties
-        or logprobs, min_tokens met) get no mask: ScheduledSeq.grammar_topk, decided by `path`
-        (batch.grammar_path), a mask computed only where none of a row's candidates is
+        or logprobs, min_tokens met) get no mask: ScheduledSeq.grammar_topk, decided by `paths`
+        (batch.grammar_paths), a mask computed only where none of a row's candidates is
         allowed."""
         self._settle()
         seqs = [s for s in batch.seqs if s.sample and s.request.request_id in self._matchers]
@@ -192,7 +192,7 @@ class Grammars:
             for s in seqs:
                 s.grammar_topk = masked_greedy(s)
             if any(s.grammar_topk for s in seqs):
-                batch.grammar_path = self.path
+                batch.grammar_paths = self.paths
             seqs = [s for s in seqs if not s.grammar_topk]
         if not seqs:
             return
@@ -242,73 +242,72 @@ class Grammars:
         (`ids` by descending `values`): the allowed id of the highest value, the lowest id of
         those tied there, as an argmax over the masked row gives. None where it cannot be told
         from them: none is allowed, or the value reached ties the last one (more may tie past
-        them); then `mask_row` decides."""
+        them); then its mask decides."""
         self._settle()
-        matcher = self._matchers[request_id]
-        best, best_value = None, None
-        for token, value in zip(ids, values):
-            if best_value is not None and value < best_value:
-                break
-            if matcher.validate_tokens([token]) == 1 and (best is None or token < best):
-                best, best_value = token, value
-        if best is None or values[-1] == best_value:
-            return None
-        return best
+        return _pick(self._matchers[request_id], ids, values)
 
-    def path(
+    def paths(
         self,
-        seq: ScheduledSeq,
-        candidates: Sequence[Candidates],  # per verify row: 0 the root, 1 + i after node i
-        decide: Callable[[int, torch.Tensor], int],
-    ) -> list[tuple[int, int]]:
-        """A grammar_topk row's targets, row by row along the path its drafts follow: the
-        root's token is the argmax among what the grammar allows (`pick` from the row's top
-        candidates, or `decide(row, mask_row)` where they cannot tell); where a draft node
-        (child of the row) carries that token, the grammar follows it and its row is next.
-        Returns [(row, target)], the root first; the last target is the one no draft matched
-        (the bonus token). Rows off the path are not decided: the acceptance never reads them.
+        seqs: Sequence[ScheduledSeq],
+        candidates: Sequence[Sequence[Candidates]],  # per seq, per verify row (0 the root)
+        decide: Callable[[list[tuple[int, int]], torch.Tensor], list[int]],
+    ) -> list[list[tuple[int, int]]]:
+        """Each grammar_topk sequence's targets, row by row along the path its drafts follow:
+        a row's token is the argmax among what the grammar allows (`pick` from the row's top
+        candidates); where a draft node (child of the row) carries that token, the grammar
+        follows it and its row is next. Per sequence [(row, target)], the root first; the last
+        target is the one no draft matched (the bonus token). Rows off the path are not
+        decided: the acceptance never reads them.
 
             drafts a b c (a chain), picks: root -> a, row 1 -> b, row 2 -> x (not c)
             -> [(0, a), (1, b), (2, x)]: drafts a b accepted, x emitted after them
 
-        The matcher ends where it began."""
+        Rows whose candidates cannot tell (a late mask) wait for the round's end: their masks
+        are computed in one call, in llguidance's threads, and `decide([(seq index, row)],
+        masks [n, words] int32)` gives their tokens in one go; their walks then go on. The
+        matchers end where they began."""
         t0 = time.perf_counter()
-        rid = seq.request.request_id
-        matcher = self._matchers[rid]
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node; -1 the root
-        if seq.drafts is not None:  # siblings carry distinct tokens
-            for node, (token, parent) in enumerate(zip(seq.drafts.token_ids, seq.drafts.parents)):
-                children[(parent, token)] = node
-        targets: list[tuple[int, int]] = []
-        node, consumed = -1, 0
+        self._settle()
+        walks = [_Walk(self._matchers[s.request.request_id], s.drafts) for s in seqs]
+        going = list(range(len(walks)))
         try:
-            while True:
-                row = node + 1
-                ids, values = candidates[row]
-                token = self.pick(rid, ids, values)
-                if token is None:
-                    token = decide(row, self.mask_row(rid))
-                    self.counters.late_masks += 1
-                targets.append((row, token))
-                node = children.get((node, token), -1)
-                if node < 0 or not matcher.consume_token(token):
-                    break
-                consumed += 1
+            while going:
+                late = []
+                for i in going:
+                    walk = walks[i]
+                    while not walk.done:
+                        ids, values = candidates[i][walk.row]
+                        token = _pick(walk.matcher, ids, values)
+                        if token is None:
+                            late.append(i)
+                            break
+                        walk.take(token)
+                if late:
+                    masks = self._masks([walks[i].matcher for i in late])
+                    tokens = decide([(i, walks[i].row) for i in late], masks)
+                    for i, token in zip(late, tokens):
+                        walks[i].take(token)
+                    self.counters.late_masks += len(late)
+                going = [i for i in late if not walks[i].done]
         finally:
-            if consumed:
-                matcher.rollback(consumed)
-        self.counters.picked_rows += len(targets)
+            for walk in walks:
+                walk.rewind()
+        self.counters.picked_rows += sum(len(w.targets) for w in walks)
         self.counters.path_s += time.perf_counter() - t0
-        return targets
+        return [w.targets for w in walks]
+
+    def _masks(self, matchers: list) -> torch.Tensor:
+        """[n, words] int32: each matcher's allowed next tokens, computed now in one call."""
+        rows = torch.empty(len(matchers), self.words, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], rows.data_ptr(), self.words * 4, len(rows)
+        )
+        return rows
 
     def mask_row(self, request_id: str) -> torch.Tensor:
         """[1, words] int32: the request's allowed next tokens, computed now."""
         self._settle()
-        row = torch.empty(1, self.words, dtype=torch.int32)
-        self._executor.unsafe_compute_mask_ptr(
-            [(self._matchers[request_id], 0)], row.data_ptr(), self.words * 4, 1
-        )
-        return row
+        return self._masks([self._matchers[request_id]])
 
     def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
         """The tokens a step emitted for the request, in order; True when its grammar is
@@ -438,6 +437,51 @@ def _with_decoder(tokenizer_json: str) -> str:
                            "use_regex": True}  # fmt: skip
         return json.dumps(data)
     return tokenizer_json
+
+
+def _pick(matcher, ids: Sequence[int], values: Sequence[float]) -> int | None:
+    """Grammars.pick on a matcher."""
+    best, best_value = None, None
+    for token, value in zip(ids, values):
+        if best_value is not None and value < best_value:
+            break
+        if matcher.validate_tokens([token]) == 1 and (best is None or token < best):
+            best, best_value = token, value
+    if best is None or values[-1] == best_value:
+        return None
+    return best
+
+
+class _Walk:
+    """One sequence's walk in Grammars.paths: the node it stands on (-1 the root), the targets
+    so far, the draft tokens the matcher consumed."""
+
+    def __init__(self, matcher, drafts: SeqDrafts | None) -> None:
+        self.matcher = matcher
+        self.children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        if drafts is not None:  # siblings carry distinct tokens
+            for node, (token, parent) in enumerate(zip(drafts.token_ids, drafts.parents)):
+                self.children[(parent, token)] = node
+        self.node, self.consumed, self.done = -1, 0, False
+        self.targets: list[tuple[int, int]] = []
+
+    @property
+    def row(self) -> int:
+        return self.node + 1
+
+    def take(self, token: int) -> None:
+        """The current row's target; on to the draft node carrying it, if any."""
+        self.targets.append((self.row, token))
+        node = self.children.get((self.node, token), -1)
+        if node < 0 or not self.matcher.consume_token(token):
+            self.done = True
+            return
+        self.node, self.consumed = node, self.consumed + 1
+
+    def rewind(self) -> None:
+        if self.consumed:
+            self.matcher.rollback(self.consumed)
+            self.consumed = 0
 
 
 def _path(drafts: SeqDrafts, node: int) -> list[int]:

@@ -100,21 +100,26 @@ def _grammar_targets(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The picked sequences' indices on the device, and their targets [F, t] int64 there: at
     each verify row of the path its drafts follow, the argmax among what its grammar allows
-    (batch.grammar_path, from the rows' top logits). Rows off the path hold token 0: no
+    (batch.grammar_paths, from the rows' top logits). Rows off the path hold token 0: no
     accepted node hangs below them, and a chain's rows past its first mismatch never count.
-    One host read, and one more per row whose top logits the grammar refuses all."""
+    One host read, and one more per round of rows whose top logits the grammar refuses all."""
     dev = logits.device
     idx, rows = _verify_rows(picked, t, dev)
     top = top_candidates(logits.index_select(0, rows), range(len(picked) * t))  # CPU-GPU sync
     candidates = list(top.values())
+
+    def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
+        at = torch.as_tensor([picked[j] * t + row for j, row in late], device=dev)
+        return masked_argmax(logits.index_select(0, at), masks)  # CPU-GPU sync point
+
+    paths = batch.grammar_paths(
+        [batch.seqs[i] for i in picked],
+        [candidates[j * t : (j + 1) * t] for j in range(len(picked))],
+        decide,
+    )
     targets = torch.zeros(len(picked), t, dtype=torch.long)
-    for j, i in enumerate(picked):
-
-        def decide(row: int, mask: torch.Tensor, i: int = i) -> int:
-            return masked_argmax(logits[i * t + row : i * t + row + 1], mask)[0]
-
-        seq_candidates = candidates[j * t : (j + 1) * t]
-        for row, token in batch.grammar_path(batch.seqs[i], seq_candidates, decide):
+    for j, path in enumerate(paths):
+        for row, token in path:
             targets[j, row] = token
     return idx, to_device_no_sync(targets, torch.long, dev)
 

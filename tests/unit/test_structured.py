@@ -442,55 +442,67 @@ def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_gr
     grammars.forget(rid)
 
 
-def test_a_picked_path_follows_the_drafts_as_far_as_the_masked_targets_accept(
+def test_picked_paths_follow_the_drafts_as_far_as_the_masked_targets_accept(
     default_grammars,
 ):
-    """Grammars.path over a chain's verify rows gives, row by row, the masked argmax (each
-    row's mask after the drafts before it) as far as the drafts equal it, and the first
-    target no draft matched: for every cut, with the cut row's top logits all refused (a
-    mask computed there) or not."""
+    """Grammars.paths over chains' verify rows gives, row by row, the masked argmax (each row's
+    mask after the drafts before it) as far as the drafts equal it, and the first target no
+    draft matched: a chain for every cut, with the cut row's top logits all refused (a late
+    mask there) or not, all in one call, the late rows of a round decided together."""
     grammars, tok = default_grammars
-    req = _request(grammars, {"json": PERSON}, "path")
     drafts = tok.encode('{"name": "Al')
     t = 1 + len(drafts)
-    seq = ScheduledSeq(req, [5, *drafts], 2, [0], True, SeqDrafts.chain(drafts))
-    batch = ScheduledBatch(ForwardMode.VERIFY, [seq])
+    cuts = [(cut, refuse_top) for cut in range(t) for refuse_top in (False, True)]
+    reqs = [_request(grammars, {"json": PERSON}, f"path{n}") for n in range(len(cuts))]
+    seqs = [ScheduledSeq(r, [5, *drafts], 2, [0], True, SeqDrafts.chain(drafts)) for r in reqs]
+    batch = ScheduledBatch(ForwardMode.VERIFY, seqs[:1])
     grammars.attach_masks(batch)
     batch.ready_masks()
-    masks = seq.token_masks.clone()
+    masks = seqs[0].token_masks.clone()  # every chain's: one grammar, one output so far
     g = torch.Generator().manual_seed(3)
-    decided, walked = [], 0
+    rows, wants, accepts = [], [], []
+    for cut, refuse_top in cuts:
+        logits = torch.randn(t, grammars.vocab_size, generator=g)
+        logits[torch.arange(cut), drafts[:cut]] = 20.0  # the targets take drafts < cut
+        if refuse_top:
+            allowed = _allowed(masks[cut])
+            refused = [x for x in range(grammars.vocab_size) if x not in allowed]
+            logits[cut, refused[:GRAMMAR_TOPK]] = 30.0
+        want = masked_argmax(logits, masks)
+        accepted = 0
+        while accepted < len(drafts) and want[accepted] == drafts[accepted]:
+            accepted += 1
+        rows.append(logits)
+        wants.append(want)
+        accepts.append(accepted)
+    candidates = [list(top_candidates(x, list(range(t))).values()) for x in rows]
+    calls = []
+
+    def decide(late, late_masks):
+        calls.append(late)
+        return [
+            masked_argmax(rows[i][row : row + 1], late_masks[n : n + 1])[0]
+            for n, (i, row) in enumerate(late)
+        ]
+
     before = dataclasses.replace(grammars.counters)
-    for cut in range(t):
-        for refuse_top in (False, True):
-            logits = torch.randn(t, grammars.vocab_size, generator=g)
-            logits[torch.arange(cut), drafts[:cut]] = 20.0  # the targets take drafts < cut
-            if refuse_top:
-                allowed = _allowed(masks[cut])
-                refused = [x for x in range(grammars.vocab_size) if x not in allowed]
-                logits[cut, refused[:GRAMMAR_TOPK]] = 30.0
-            want = masked_argmax(logits, masks)
-            accepted = 0
-            while accepted < len(drafts) and want[accepted] == drafts[accepted]:
-                accepted += 1
-            candidates = list(top_candidates(logits, list(range(t))).values())
-
-            def decide(row, mask, logits=logits):
-                decided.append(row)
-                return masked_argmax(logits[row : row + 1], mask)[0]
-
-            got = grammars.path(seq, candidates, decide)
-            assert got == [(r, want[r]) for r in range(accepted + 1)], (cut, refuse_top)
-            walked = max(walked, accepted)
-    assert walked == len(drafts) and len(decided) >= t  # every draft taken; masks computed
+    got = grammars.paths(seqs, candidates, decide)
+    for n, (path, want, accepted) in enumerate(zip(got, wants, accepts)):
+        assert path == [(r, want[r]) for r in range(accepted + 1)], cuts[n]
+    assert max(accepts) == len(drafts)  # a chain taken whole
+    late = sum(len(c) for c in calls)
+    assert late >= t and len(calls) < late  # a late mask per refused cut, several a call
     counters = grammars.counters
-    assert counters.late_masks - before.late_masks == len(decided)
-    assert counters.picked_rows - before.picked_rows > 2 * t and counters.path_s > before.path_s
-    plain = ScheduledBatch(ForwardMode.DECODE, [ScheduledSeq(req, [5], 2, [0], True)])
-    grammars.attach_masks(plain)
-    plain.ready_masks()
-    assert torch.equal(plain.seqs[0].token_masks[0], masks[0])  # the matcher rolled back
-    grammars.forget("path")
+    assert counters.late_masks - before.late_masks == late
+    assert counters.picked_rows - before.picked_rows == sum(a + 1 for a in accepts)
+    assert counters.path_s > before.path_s
+    for req in reqs[:: len(reqs) - 1]:  # the matchers rolled back
+        plain = ScheduledBatch(ForwardMode.DECODE, [ScheduledSeq(req, [5], 2, [0], True)])
+        grammars.attach_masks(plain)
+        plain.ready_masks()
+        assert torch.equal(plain.seqs[0].token_masks[0], masks[0])
+    for req in reqs:
+        grammars.forget(req.request_id)
 
 
 def test_plain_greedy_constrained_rows_take_no_mask_and_the_same_tokens(
@@ -502,15 +514,14 @@ def test_plain_greedy_constrained_rows_take_no_mask_and_the_same_tokens(
     computed): token for token what the masks give, for the tiny model's four constraints."""
     params = _constrained([TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)], max_tokens=30)
     llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256)
-    picks, pick = [], Grammars.pick
-    monkeypatch.setattr(Grammars, "pick", lambda *a: picks.append(a[1]) or pick(*a))
+    counters = llm.engine.grammars.counters
     lazy = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
-    assert len(picks) > 20
+    picked, masked_rows = counters.picked_rows, counters.mask_rows
+    assert picked > 20 and masked_rows == 0
     attach = Grammars.attach_masks
     monkeypatch.setattr(Grammars, "attach_masks", lambda self, b, pick=False: attach(self, b))
-    picks.clear()
     masked = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
-    assert not picks and lazy == masked
+    assert counters.picked_rows == picked and counters.mask_rows > 20 and lazy == masked
 
 
 def test_sampled_rows_keep_the_masked_targets_law():
@@ -624,13 +635,13 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
     monkeypatch.setattr(
         SpecStep, "run_tree", lambda self, b: tree_steps.append(b) or run_tree(self, b)
     )
-    paths, path = [], Grammars.path
+    paths, walk_paths = [], Grammars.paths
 
-    def walk(self, seq, candidates, decide):
-        paths.append((seq.drafts is not None and seq.drafts.num_nodes, seq.token_masks))
-        return path(self, seq, candidates, decide)
+    def walk(self, seqs, candidates, decide):
+        paths.extend((s.drafts is not None and s.drafts.num_nodes, s.token_masks) for s in seqs)
+        return walk_paths(self, seqs, candidates, decide)
 
-    monkeypatch.setattr(Grammars, "path", walk)
+    monkeypatch.setattr(Grammars, "paths", walk)
     prompts = prompts[:5]
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(len(prompts))]
     params = _constrained(specs, max_tokens=30)
