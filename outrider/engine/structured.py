@@ -17,7 +17,7 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             read and moved at once.
     paths(seqs, ...)        greedy rows instead, in plain decode steps and speculative steps
                             (attach_masks(pick=True) gives them no mask): each verify row's
-                            target is the argmax among what the grammar allows (`pick`), from
+                            target is the argmax among what the grammar allows (`_pick`), from
                             the row's top logits read after the forward, each checked by the
                             matcher, walking the drafts only as far as the targets accept
                             them; where none is allowed (or a tie reaches the last one), its
@@ -237,15 +237,6 @@ class Grammars:
             self._buffers[self._turn] = buf
         return buf[:n]
 
-    def pick(self, request_id: str, ids: Sequence[int], values: Sequence[float]) -> int | None:
-        """The argmax among what the request's grammar allows next, from the row's top logits
-        (`ids` by descending `values`): the allowed id of the highest value, the lowest id of
-        those tied there, as an argmax over the masked row gives. None where it cannot be told
-        from them: none is allowed, or the value reached ties the last one (more may tie past
-        them); then its mask decides."""
-        self._settle()
-        return _pick(self._matchers[request_id], ids, values)
-
     def paths(
         self,
         seqs: Sequence[ScheduledSeq],
@@ -253,7 +244,7 @@ class Grammars:
         decide: Callable[[list[tuple[int, int]], torch.Tensor], list[int]],
     ) -> list[list[tuple[int, int]]]:
         """Each grammar_topk sequence's targets, row by row along the path its drafts follow:
-        a row's token is the argmax among what the grammar allows (`pick` from the row's top
+        a row's token is the argmax among what the grammar allows (`_pick` from the row's top
         candidates); where a draft node (child of the row) carries that token, the grammar
         follows it and its row is next. Per sequence [(row, target)], the root first; the last
         target is the one no draft matched (the bonus token). Rows off the path are not
@@ -303,11 +294,6 @@ class Grammars:
             [(m, i) for i, m in enumerate(matchers)], rows.data_ptr(), self.words * 4, len(rows)
         )
         return rows
-
-    def mask_row(self, request_id: str) -> torch.Tensor:
-        """[1, words] int32: the request's allowed next tokens, computed now."""
-        self._settle()
-        return self._masks([self._matchers[request_id]])
 
     def advance(self, request_id: str, tokens: Sequence[int]) -> bool:
         """The tokens a step emitted for the request, in order; True when its grammar is
@@ -440,7 +426,10 @@ def _with_decoder(tokenizer_json: str) -> str:
 
 
 def _pick(matcher, ids: Sequence[int], values: Sequence[float]) -> int | None:
-    """Grammars.pick on a matcher."""
+    """The argmax among what the matcher allows next, from a row's top logits (`ids` by
+    descending `values`): the allowed id of the highest value, the lowest id of those tied
+    there, as an argmax over the masked row gives. None where it cannot be told from them:
+    none is allowed, or the value reached ties the last one (more may tie past them)."""
     best, best_value = None, None
     for token, value in zip(ids, values):
         if best_value is not None and value < best_value:

@@ -400,20 +400,24 @@ def test_greedy_constrained_rows_accept_as_the_sampler_would_decide_them():
 
 
 def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_grammars):
-    """Grammars.pick over a row's top GRAMMAR_TOPK logits gives the argmax among the tokens
-    the grammar allows (the lowest of tied ones), or None where they cannot tell it (none
-    allowed, or a tie reaching the last one): at several points of a JSON object, for random
-    rows, rows whose best tokens the grammar refuses, and tied rows."""
+    """Grammars.paths over a row's top GRAMMAR_TOPK logits gives the argmax among the tokens
+    the grammar allows (the lowest of tied ones), and leaves to its mask (`decide`) the rows
+    where they cannot tell it (none allowed, or a tie reaching the last one): at several
+    points of a JSON object, for random rows, rows whose best tokens the grammar refuses, and
+    tied rows, a request each."""
     grammars, tok = default_grammars
-    req = _request(grammars, {"json": PERSON}, "pick")
-    rid = req.request_id
     g = torch.Generator().manual_seed(11)
-    matcher = grammars._matchers[rid]
     picked = fell_back = 0
-    for prefix in ["", '{"name": "Al', '{"name": "Al", "age": 4']:
+    for n, prefix in enumerate(["", '{"name": "Al', '{"name": "Al", "age": 4']):
         ids = tok.encode(prefix) if prefix else []
-        matcher.consume_tokens(ids)
-        mask = grammars.mask_row(rid)
+        reqs = [_request(grammars, {"json": PERSON}, f"pick{n}-{r}") for r in range(14)]
+        seqs = [ScheduledSeq(req, [5], 2, [0], True) for req in reqs]  # each its root row alone
+        for req in reqs:
+            grammars._matchers[req.request_id].consume_tokens(ids)
+        batch = ScheduledBatch(ForwardMode.DECODE, seqs[:1])
+        grammars.attach_masks(batch)
+        batch.ready_masks()
+        mask = seqs[0].token_masks[:1].clone()
         allowed = sorted(_allowed(mask[0]))
         refused = [t for t in range(grammars.vocab_size) if t not in set(allowed)][:64]
         rows = []
@@ -429,17 +433,21 @@ def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_gr
         rows.append(torch.zeros(grammars.vocab_size).index_fill_(0, torch.tensor(refused), 5.0))
         logits = torch.stack(rows)
         want = masked_argmax(logits, mask.expand(len(rows), -1))
-        for r, (ids_r, values) in top_candidates(logits, list(range(len(rows)))).items():
-            got = grammars.pick(rid, ids_r, values)
-            if got is None:
-                fell_back += 1
-                got = masked_argmax(logits[r : r + 1], grammars.mask_row(rid))[0]
-            else:
-                picked += 1
-            assert got == want[r], (prefix, r)
-        matcher.rollback(len(ids))
+        candidates = top_candidates(logits, list(range(len(rows))))
+        late_rows = []
+
+        def decide(late, masks, logits=logits, late_rows=late_rows, mask=mask):
+            late_rows.extend(i for i, _ in late)
+            assert torch.equal(masks, mask.expand(len(late), -1))
+            return masked_argmax(logits[[i for i, _ in late]], masks)
+
+        paths = grammars.paths(seqs, [[candidates[r]] for r in range(len(rows))], decide)
+        assert [p for ((_, p),) in paths] == want, prefix
+        fell_back += len(late_rows)
+        picked += len(rows) - len(late_rows)
+        for req in reqs:
+            grammars.forget(req.request_id)
     assert picked >= 20 and fell_back >= 6  # both ways were taken
-    grammars.forget(rid)
 
 
 def test_picked_paths_follow_the_drafts_as_far_as_the_masked_targets_accept(
