@@ -490,7 +490,7 @@ def main() -> None:
         "--grammar-masks",
         action="store_true",
         help="decide greedy constrained rows by vocabulary masks, as sampled ones are, instead "
-        "of from their top logits (Grammars.path): what the picks save or cost, run beside",
+        "of from their top logits (Grammars.paths): what the picks save or cost, run beside",
     )
     args = ap.parse_args()
 

@@ -340,7 +340,7 @@ class ModelRunner:
                 ids, [[t] for t in out.token_ids], logprobs=logprobs, aux_hidden=aux_hidden
             )
             picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
-            if picked:  # their grammar decides among their top logits (Grammars.pick)
+            if picked:  # their grammar decides among their top logits (Grammars.paths)
                 step.grammar_logits = logits.index_select(
                     0, torch.as_tensor(picked, device=logits.device)
                 )

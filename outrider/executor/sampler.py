@@ -123,7 +123,7 @@ def _back_to_back(masks: Sequence[torch.Tensor | None], rows: Sequence[int]) -> 
     return True
 
 
-# Top logits read for a constrained greedy row decided on the host (Grammars.pick).
+# Top logits read for a constrained greedy row decided on the host (Grammars.paths).
 GRAMMAR_TOPK = 16
 
 
