@@ -122,6 +122,7 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
     row = run_outrider(engine, concurrency, prompt_len, steps + 1, during=prof)
     kernels = kernel_times(prof)
     n = row["steps"]
+    spans = sorted(kernel_spans(prof))
     by_name = Counter(name for name, _ in kernels)
     us_by_name: Counter = Counter()
     for name, us in kernels:
@@ -131,6 +132,7 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
         "kernels_per_step": round(len(kernels) / n, 1),
         "busy_ms_per_step": round(sum(us for _, us in kernels) / 1e3 / n, 3),
         "wall_ms_per_step": round(row["step_ms"], 3),  # profiled: slower than unprofiled
+        **idle_per_step(spans, n),
         # name -> [launches, microseconds] per step, costliest first
         "by_name_per_step": {
             k[:90]: [round(by_name[k] / n, 2), round(us / n, 1)]
@@ -139,8 +141,44 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
     }
 
 
-def build_engine(hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int):
-    """An EngineCore on random weights of `hf`'s shape, CUDA graphs up to max_c sequences."""
+def kernel_spans(prof) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every GPU kernel, copy and fill the profiler saw."""
+    from torch.autograd import DeviceType
+
+    return [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    ]
+
+
+def idle_per_step(spans: list[tuple[float, float]], steps: int, host_gap_us: float = 20.0) -> dict:
+    """Where the device waits in a stretch of `steps` steps, per step: gaps between one
+    kernel's end and the next one's start, split into those shorter than `host_gap_us` (one
+    kernel launched after another, inside a graph replay) and the longer ones (the device
+    waiting on the host between steps)."""
+    short = long = 0.0
+    end = None
+    for s, e in spans:
+        if end is not None and s > end:
+            gap = s - end
+            if gap < host_gap_us:
+                short += gap
+            else:
+                long += gap
+        end = e if end is None else max(end, e)
+    return {
+        "launch_gaps_ms_per_step": round(short / 1e3 / steps, 3),
+        "host_gaps_ms_per_step": round(long / 1e3 / steps, 3),
+    }
+
+
+def build_engine(
+    hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int, overlap: bool = False
+):
+    """An EngineCore on random weights of `hf`'s shape, CUDA graphs up to max_c sequences;
+    overlap: async scheduling (the next plain decode launched before this one's tokens are
+    read)."""
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
 
@@ -148,7 +186,8 @@ def build_engine(hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len:
         model={"dtype": str(dtype).removeprefix("torch."), "device": device,
                "max_model_len": max_len, "cuda_graph_max_batch": max_c},
         cache={"gpu_memory_utilization": 0.85, "enable_prefix_caching": False},
-        scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": 8192},
+        scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": 8192,
+                   "async_scheduling": overlap},
     )  # fmt: skip
     if device == "cpu":
         config = config.replace(cache={"num_blocks": 64})
@@ -166,9 +205,14 @@ def kernels_per_decode_step(hf: dict, concurrency: int = 1) -> float:
         torch.cuda.empty_cache()
 
 
-def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidth: float) -> dict:
+def measure(
+    name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidth: float,
+    overlap: bool | None = None,
+) -> dict:  # fmt: skip
+    """Decode at each --concurrency and the profiled stretches; overlap: async scheduling
+    (None: the engine's default)."""
     t0 = time.perf_counter()
-    engine = build_engine(hf, device, dtype, max(args.concurrency), args.max_model_len)
+    engine = build_engine(hf, device, dtype, max(args.concurrency), args.max_model_len, overlap)
     build_s = time.perf_counter() - t0
     model = engine.runner.model
     kv_bytes = dtype.itemsize
@@ -185,13 +229,15 @@ def measure(name: str, hf: dict, args, device: str, dtype: torch.dtype, bandwidt
             "roofline_tok_per_s": round(roof, 1) if roof else None,
             "share_of_roofline": round(r["tok_per_s"] / roof, 3) if roof else None,
         }
-        print(f"{name} C={c}: {rows[str(c)]}", flush=True)
+        print(f"{name}{' overlap' if overlap else ''} C={c}: {rows[str(c)]}", flush=True)
     profiles = {}
     for c in args.profile_concurrency:
         profiles[str(c)] = profile_decode(engine, c, args.prompt_len, 8, device)
         p = profiles[str(c)]
-        print(f"{name} C={c} profiled: {p['kernels_per_step']} kernels a step, busy "
-              f"{p['busy_ms_per_step']} ms", flush=True)  # fmt: skip
+        print(f"{name}{' overlap' if overlap else ''} C={c} profiled: {p['kernels_per_step']} "
+              f"kernels a step, busy {p['busy_ms_per_step']} ms, gaps "
+              f"{p['launch_gaps_ms_per_step']} (launch) + {p['host_gaps_ms_per_step']} (host) "
+              f"ms", flush=True)  # fmt: skip
     result = {
         "config": {k: v for k, v in hf.items() if k != "quantization_config"},
         "int4_experts": hf.get("quantization_config") is not None,
@@ -276,6 +322,10 @@ def main() -> int:
     ap.add_argument("--plan-batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--plan-ks", type=int, nargs="+", default=[1, 3, 7])
     ap.add_argument("--plan-reps", type=int, default=10)
+    ap.add_argument(
+        "--overlap", action="store_true",
+        help="measure decode again with async scheduling on (under each model's 'overlap')",
+    )  # fmt: skip
     ap.add_argument("--out-dir", default=None, help="where moe_gpu.json goes")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in fp32")
     args = ap.parse_args()
@@ -292,6 +342,8 @@ def main() -> int:
     results = {}
     for name, hf in models.items():
         results[name] = measure(name, hf, args, device, dtype, bandwidth)
+        if args.overlap:
+            results[name]["overlap"] = measure(name, hf, args, device, dtype, bandwidth, True)
         if args.plan_batches:
             results[name]["plan"] = plan_check(name, hf, args, device, dtype)
             gc.collect()
