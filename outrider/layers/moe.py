@@ -104,6 +104,20 @@ class GroupedTopkRouter(nn.Module):
         exact = bool(torch.equal(low.float(), w))
         self.weight_bf16 = low if exact and moe_fused.mm_fp32_out(w.device) else None
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """forward's weights and ids, and where the fused kernels serve a step of at most
+        moe_fused.GATE_MAX_TOKENS tokens, the layout of their rows over the E + always
+        experts (moe_layout_no_sync's), all from one launch with the logits; else None."""
+        if fused.use_fused(x) and x.shape[0] <= moe_fused.GATE_MAX_TOKENS:
+            low = self.weight_bf16 is not None and x.dtype in (torch.bfloat16, torch.float16)
+            return moe_fused.moe_gate_no_sync(
+                x, self.weight_bf16 if low else self.weight, self.e_score_correction_bias,
+                self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
+                self.routed_scaling_factor, self.always,
+            )  # fmt: skip
+        weights, ids = self(x)
+        return weights, ids, None
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> weights [T, top_k + always] float32, expert ids [T, top_k + always]
         int64. Where the fused kernels serve, steps 1-6 after the logits' GEMV are one launch
@@ -262,9 +276,10 @@ class FusedExperts(nn.Module):
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k] int64
         add: torch.Tensor | None = None,  # [T, H] added to the sum (the shared experts')
+        layout: torch.Tensor | None = None,  # moe_layout_no_sync(ids, E + shared) if known
     ) -> torch.Tensor:  # [T, H]
         if x.shape[0] <= FUSED_MAX_TOKENS:
-            out = self.forward_fused(x, weights, ids, add)
+            out = self.forward_fused(x, weights, ids, add, layout)
             if out is not None:
                 return out
         out = self.forward_reference(x, weights, ids)
@@ -282,15 +297,13 @@ class FusedExperts(nn.Module):
         weights: torch.Tensor,  # [T, top_k] float32
         ids: torch.Tensor,  # [T, top_k] int64
         add: torch.Tensor | None = None,  # [T, H]
+        layout: torch.Tensor | None = None,  # as forward's
     ) -> torch.Tensor | None:  # [T, H]; None where the fused kernels do not serve x
         """No host reads: graph-safe."""
         rows = ids.reshape(-1)  # [R]: row r is token r // top_k's choice r % top_k
         # The rows sorted by expert once, for both GEMMs (they route the same rows).
-        layout = (
-            moe_fused.moe_layout_no_sync(rows, self.num_experts + self.num_shared)
-            if fused.use_fused(x)
-            else None
-        )
+        if layout is None and fused.use_fused(x):
+            layout = moe_fused.moe_layout_no_sync(rows, self.num_experts + self.num_shared)
         h = self._moe_gemm(x, rows, ids.shape[1], False, layout)  # [R, I]: silu(gate) * up
         if h is None:
             return None

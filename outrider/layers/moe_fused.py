@@ -247,15 +247,8 @@ def moe_route_no_sync(
     as the fp32 GEMV up to the order of the sums."""
     t = x.shape[0]
     experts = router.shape[0]
-    if experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(
-            f"moe_route_no_sync: {experts} experts in n_group={n_group} groups keeping "
-            f"topk_group={topk_group}: n_group must divide the experts and 1 <= topk_group <= "
-            f"n_group"
-        )
+    _check_groups(experts, n_group, topk_group)
     size = experts // n_group
-    if topk_group < n_group and size < 2:
-        raise ValueError(f"moe_route_no_sync: groups of {size} expert(s) have no two best")
     weights = torch.empty(t, top_k + always, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k + always, dtype=torch.int64, device=x.device)
     if not t:
@@ -271,6 +264,98 @@ def moe_route_no_sync(
         S_PAD=_kernels().next_pow2(size), K_PAD=_kernels().next_pow2(top_k + always), num_warps=4,
     )  # fmt: skip
     return weights, ids
+
+
+# moe_gate_no_sync serves steps of at most this many tokens (its last program routes them
+# one by one; longer steps route one program per token after cuBLAS's logits GEMM).
+GATE_MAX_TOKENS = 16
+# Router weights a program of moe_gate_kernel multiplies in registers at once: EB experts x BK.
+_GATE_TILE = 2048
+
+
+def moe_gate_programs(num_experts: int) -> int:
+    """Experts per program of moe_gate_kernel: about 96 programs for Kimi's 384 experts, 32 for
+    Moonlight's 64, at least 2 experts each."""
+    return max(2, min(16, _kernels().next_pow2(-(-num_experts // 96))))
+
+
+def moe_gate_no_sync(
+    x: torch.Tensor,  # [T, H], T <= GATE_MAX_TOKENS
+    router: torch.Tensor,  # [E, H]: fp32, or its bf16 copy where exact
+    bias: torch.Tensor,  # [E] float32 score-correction bias
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scale: float,
+    always: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # weights, ids, layout
+    """moe_route_no_sync and then moe_layout_no_sync(ids, E + always) in one launch, logits
+    included: each program takes a slice of the experts' logits for every token (fp32
+    products and sums: bf16 router weights are exact in fp32 products with bf16 or fp16
+    activations), and the last to finish routes the tokens and lays out their rows. Where the
+    router's GEMM, its choice and the layout took three launches (about 10 us at one token on
+    the H200), this takes one. Each token's logits are summed in an order that depends on
+    nothing but the token (batch-invariant); it differs from cuBLAS's."""
+    t, width = x.shape[0], top_k + always
+    experts, hidden = router.shape
+    if t > GATE_MAX_TOKENS:
+        raise ValueError(f"moe_gate_no_sync: {t} tokens, past GATE_MAX_TOKENS={GATE_MAX_TOKENS}")
+    _check_groups(experts, n_group, topk_group)
+    size = experts // n_group
+    dev = x.device
+    weights = torch.empty(t, width, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, width, dtype=torch.int64, device=dev)
+    rows, slot_experts = t * width, experts + always
+    slots = moe_layout_slots(rows, slot_experts)
+    layout = torch.empty(slots, dtype=torch.int32, device=dev)
+    if not t:
+        return weights, ids, layout
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    router = router if router.is_contiguous() else router.contiguous()
+    eb = moe_gate_programs(experts)
+    bk = min(_kernels().next_pow2(hidden), _GATE_TILE // eb)
+    programs = -(-experts // eb)
+    logits = torch.empty(t, experts, dtype=torch.float32, device=dev)
+    e_pad = _kernels().next_pow2(slot_experts + 1)
+    starts = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    k = _kernels()
+    k.moe_gate_kernel[(programs,)](
+        x, router, bias, logits, _gate_count(dev), weights, ids, layout, starts, x.stride(0),
+        scale, slots,
+        T=t, H=hidden, EB=eb, BK=bk, PROGRAMS=programs, GROUPS=n_group, GROUP_SIZE=size,
+        KEEP_GROUPS=topk_group, TOP_K=top_k, ALWAYS=always, NORM=norm_topk_prob,
+        G_PAD=k.next_pow2(n_group), S_PAD=k.next_pow2(size), K_PAD=k.next_pow2(width),
+        E_SLOTS=slot_experts, E_SLOTS_PAD=e_pad, BLOCK_M=MOE_BLOCK_M, CHUNK=_LAYOUT_CHUNK,
+        CHUNKS=k.next_pow2(-(-rows // _LAYOUT_CHUNK)), FILL=_LAYOUT_FILL,
+        FILLS=k.next_pow2(-(-slots // _LAYOUT_FILL)), num_warps=4,
+    )  # fmt: skip
+    return weights, ids, layout
+
+
+_GATE_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _gate_count(device: torch.device) -> torch.Tensor:
+    """moe_gate_kernel's arrival count on `device`: one int32, zero between launches (each
+    launch's last program puts it back). Launches on one stream never overlap, so every
+    layer shares it."""
+    count = _GATE_COUNTS.get(device)
+    if count is None:
+        count = _GATE_COUNTS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return count
+
+
+def _check_groups(experts: int, n_group: int, topk_group: int) -> None:
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(
+            f"moe_route_no_sync: {experts} experts in n_group={n_group} groups keeping "
+            f"topk_group={topk_group}: n_group must divide the experts and 1 <= topk_group <= "
+            f"n_group"
+        )
+    size = experts // n_group
+    if topk_group < n_group and size < 2:
+        raise ValueError(f"moe_route_no_sync: groups of {size} expert(s) have no two best")
 
 
 def moe_combine(

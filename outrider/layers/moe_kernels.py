@@ -17,15 +17,32 @@ def moe_route_kernel(
     TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr,
     S_PAD: tl.constexpr, K_PAD: tl.constexpr,
 ):  # fmt: skip
-    # One program per token: its E router logits as a [G_PAD, S_PAD] tile of groups, every
-    # choice a max over the tile. Slot (g, s) is expert g * GROUP_SIZE + s; padding holds -inf
-    # and is never chosen. Choices are found by value, ties to the lower expert id.
+    # One program per token.
     t = tl.program_id(0).to(tl.int64)
+    width = TOP_K + ALWAYS
+    _route_token(
+        logits_ptr + t * stride_l, bias_ptr, weights_ptr + t * width, ids_ptr + t * width, scale,
+        GROUPS, GROUP_SIZE, KEEP_GROUPS, TOP_K, ALWAYS, NORM, G_PAD, S_PAD, K_PAD,
+    )  # fmt: skip
+
+
+@triton.jit
+def _route_token(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, scale,
+    GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, KEEP_GROUPS: tl.constexpr,
+    TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr, G_PAD: tl.constexpr,
+    S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    # One token's choice from its E router logits (fp32) at logits_ptr, as a [G_PAD, S_PAD]
+    # tile of groups, every choice a max over the tile. Slot (g, s) is expert g * GROUP_SIZE +
+    # s; padding holds -inf and is never chosen. Choices are found by value, ties to the
+    # lower expert id. Writes TOP_K + ALWAYS weights and ids.
     g = tl.arange(0, G_PAD)
     s = tl.arange(0, S_PAD)
     ok = (g < GROUPS)[:, None] & (s < GROUP_SIZE)[None, :]
     expert = g[:, None] * GROUP_SIZE + s[None, :]
-    logit = tl.load(logits_ptr + t * stride_l + expert, mask=ok, other=0.0)
+    # .cg: past L1, as moe_gate_kernel's last program reads logits other programs stored.
+    logit = tl.load(logits_ptr + expert, mask=ok, other=0.0, cache_modifier=".cg")
     score = tl.where(ok, tl.sigmoid(logit), 0.0)
     bias = tl.load(bias_ptr + expert, mask=ok, other=0.0)
     biased = tl.where(ok, score + bias, float("-inf"))
@@ -61,8 +78,8 @@ def moe_route_kernel(
     weight = tl.where(j < TOP_K, weight, 1.0)
     chosen = tl.where(j < TOP_K, chosen, GROUPS * GROUP_SIZE + j - TOP_K)
     width = TOP_K + ALWAYS
-    tl.store(weights_ptr + t * width + j, weight, mask=j < width)
-    tl.store(ids_ptr + t * width + j, chosen, mask=j < width)
+    tl.store(weights_ptr + j, weight, mask=j < width)
+    tl.store(ids_ptr + j, chosen, mask=j < width)
 
 
 @triton.jit
@@ -71,9 +88,19 @@ def moe_layout_kernel(
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr,
 ):  # fmt: skip
-    # One program (the whole layout depends on every row). starts_ptr: [E_PAD] int32 scratch,
-    # each expert's next free slot. Rows are read CHUNK at a time; bin E counts the padding
-    # of the last chunk (E_PAD > E) and is never placed.
+    # One program (the whole layout depends on every row).
+    _layout(ids_ptr, layout_ptr, starts_ptr, rows, slots, E, E_PAD, BLOCK_M, CHUNK, CHUNKS,
+            FILL, FILLS)  # fmt: skip
+
+
+@triton.jit
+def _layout(
+    ids_ptr, layout_ptr, starts_ptr, rows, slots,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr,
+):  # fmt: skip
+    # starts_ptr: [E_PAD] int32 scratch, each expert's next free slot. Rows are read CHUNK at
+    # a time; bin E counts the padding of the last chunk (E_PAD > E) and is never placed.
     # 1. Rows per expert -> blocks per expert -> each expert's first slot.
     bins = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -102,6 +129,55 @@ def moe_layout_kernel(
         tl.debug_barrier()
         tl.store(starts_ptr + bins, placed)
         tl.debug_barrier()
+
+
+@triton.jit
+def moe_gate_kernel(
+    x_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr, layout_ptr,
+    starts_ptr, stride_x, scale, slots,
+    T: tl.constexpr, H: tl.constexpr, EB: tl.constexpr, BK: tl.constexpr,
+    PROGRAMS: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    KEEP_GROUPS: tl.constexpr, TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr,
+    G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, E_SLOTS: tl.constexpr,
+    E_SLOTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr,
+):  # fmt: skip
+    # A MoE layer's router for T tokens in one launch. Program p computes the logits of
+    # experts [p EB, (p + 1) EB) for every token (fp32 products and sums, each token's sum in
+    # the same order whatever T is) into logits_ptr [T, E]; the program that finishes last
+    # (count_ptr, an int32 zero between launches, which it puts back) routes every token as
+    # moe_route_kernel and lays their rows out as moe_layout_kernel.
+    p = tl.program_id(0)
+    experts = GROUPS * GROUP_SIZE
+    e = p * EB + tl.arange(0, EB)
+    e_ok = e < experts
+    k = tl.arange(0, BK)
+    for t in range(T):
+        acc = tl.zeros([EB, BK], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + k
+            x = tl.load(x_ptr + t * stride_x + kk, mask=kk < H, other=0.0).to(tl.float32)
+            w = tl.load(
+                w_ptr + e[:, None] * H + kk[None, :],
+                mask=e_ok[:, None] & (kk < H)[None, :], other=0.0,
+            ).to(tl.float32)  # fmt: skip
+            acc += w * x[None, :]
+        tl.store(logits_ptr + t * experts + e, tl.sum(acc, 1), mask=e_ok)
+    tl.debug_barrier()  # every thread's logits stored before the count says so
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if done == PROGRAMS - 1:
+        tl.store(count_ptr, 0)
+        tl.debug_barrier()
+        width = TOP_K + ALWAYS
+        for t in range(T):
+            _route_token(
+                logits_ptr + t * experts, bias_ptr, weights_ptr + t * width, ids_ptr + t * width,
+                scale, GROUPS, GROUP_SIZE, KEEP_GROUPS, TOP_K, ALWAYS, NORM, G_PAD, S_PAD,
+                K_PAD,
+            )  # fmt: skip
+        tl.debug_barrier()
+        _layout(ids_ptr, layout_ptr, starts_ptr, T * width, slots, E_SLOTS, E_SLOTS_PAD,
+                BLOCK_M, CHUNK, CHUNKS, FILL, FILLS)  # fmt: skip
 
 
 @triton.jit

@@ -73,6 +73,34 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
             dtypes=[str(got_w.dtype), str(got_ids.dtype)],
         )
 
+    # The router's logits, choice and layout in one launch, at one token, a few and the most.
+    for name, experts, top_k, groups, keep, norm, scaling, always, hidden in ROUTERS:
+        router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, norm, scaling, always)
+        router.weight.data = torch.randn(experts, hidden, generator=gen)
+        router.e_score_correction_bias.data = torch.randn(experts, generator=gen) * 0.5
+        for tokens in (1, 5, moe_fused.GATE_MAX_TOKENS):
+            x = torch.randn(tokens, hidden, generator=gen)
+            want_w, want_ids = router(x)  # CPU: the torch path
+            got_w, got_ids, layout = moe_fused.moe_gate_no_sync(
+                x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
+                scaling, always,
+            )  # fmt: skip
+            order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
+            fused.use_fused = lambda x: False
+            want_layout = moe_fused.moe_layout_no_sync(got_ids, experts + always)
+            fused.use_fused = real
+            emit(
+                name=f"gate-{name}-{tokens}",
+                same_ids=torch.equal(got_ids.gather(1, order_g), want_ids.gather(1, order_w)),
+                weight_diff=(got_w.gather(1, order_g) - want_w.gather(1, order_w))
+                .abs()
+                .max()
+                .item(),
+                same_layout=torch.equal(layout, want_layout),
+                count=int(moe_fused._gate_count(x.device).item()),
+                width=got_ids.shape[1],
+            )
+
     for name, rows, experts in LAYOUTS:
         ids = torch.randint(0, experts, (rows,), generator=gen)
         ids[: rows // 3] = experts - 1  # one crowded expert, the last
@@ -170,15 +198,22 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
 
     from outrider.executor.kv_cache import KVPool
 
-    prompts = [[5, 9, 33, 100, 7], list(range(40, 71))]
-    for interleave in (True, False):
-        fused.use_fused = real
-        plain = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
-        fused.use_fused = lambda x: True
-        got = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
-        fused.use_fused = real
-        diff = (got - plain).abs().max().item()
-        emit(name=f"deepseek-forward-{interleave}", scaled=diff / plain.abs().max().item())
+    # 36 tokens: routed by cuBLAS's logits and one program per token; 7: by moe_gate_kernel.
+    for short in (False, True):
+        prompts = (
+            [[5, 9, 33], [7, 8, 100, 2]] if short else [[5, 9, 33, 100, 7], list(range(40, 71))]
+        )
+        for interleave in (True, False):
+            fused.use_fused = real
+            plain = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
+            fused.use_fused = lambda x: True
+            got = run_forward(tiny_deepseek(interleave), prefill_batch(prompts))
+            fused.use_fused = real
+            diff = (got - plain).abs().max().item()
+            emit(
+                name=f"deepseek-forward-{interleave}{'-short' if short else ''}",
+                scaled=diff / plain.abs().max().item(),
+            )
 
 
 TINY_DEEPSEEK = {
@@ -211,6 +246,17 @@ def test_route_chooses_the_references_experts_with_its_weights(results, name):
     assert r["dtypes"] == ["torch.float32", "torch.int64"]
 
 
+@pytest.mark.parametrize("name", [r[0] for r in ROUTERS])
+def test_gate_kernel_routes_and_lays_out_as_the_router_and_layout(results, name):
+    """moe_gate_no_sync (logits, choice and layout in one launch; its last program routes)
+    against the torch router and the layout reference, at 1, 5 and GATE_MAX_TOKENS tokens."""
+    for tokens in (1, 5, 16):
+        r = results[f"gate-{name}-{tokens}"]
+        assert r["same_ids"] and r["same_layout"], r
+        assert r["weight_diff"] <= 1e-6, r
+        assert r["count"] == 0, r  # the arrival count is back to zero for the next launch
+
+
 @pytest.mark.parametrize("name", [r[0] for r in LAYOUTS])
 def test_layout_kernel_equals_the_torch_reference(results, name):
     r = results[f"layout-{name}"]
@@ -231,10 +277,11 @@ def test_gated_grouped_gemm_equals_the_gemm_then_silu_and_mul(results, weights):
     assert r["scaled"] <= 1e-6 and r["shape"] == [21, 40], r
 
 
+@pytest.mark.parametrize("short", ["", "-short"])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interleave):
-    # fp32: only sums' order differs (the norm, the top_k sum, the GEMMs' K tiles).
-    r = results[f"deepseek-forward-{interleave}"]
+def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interleave, short):
+    # fp32: only sums' order differs (the norm, the top_k sum, the GEMMs' K tiles, the router).
+    r = results[f"deepseek-forward-{interleave}{short}"]
     assert r["scaled"] <= 1e-5, r
 
 
