@@ -115,12 +115,21 @@ def hf_config(spec: ModelSpec, layers: int, dense: int) -> dict:
     }  # fmt: skip
 
 
-def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
+def random_checkpoint(
+    hf: dict,
+    device: str,
+    dtype: torch.dtype,
+    residual_write_scale: float = 1.0,
+    tied_head: bool = False,
+):
     """A Checkpoint of `hf`'s shape whose iter_tensors makes each HF-named tensor on `device`
     when asked: unquantized weights N(0, STD) in `dtype` (norms 1), routed experts as
     compressed-tensors INT4 (random int32 words of 8 nibbles, bf16 scales per 32 inputs) where
     `hf` has a quantization_config, else like the rest. Without q_lora_rank the queries come
-    from one q_proj (Moonlight, DeepSeek-V2-Lite)."""
+    from one q_proj (Moonlight, DeepSeek-V2-Lite). The layers' writes into the residual stream
+    (o_proj, every down projection: dense, shared, routed, INT4 scales) are
+    `residual_write_scale` times that; `tied_head`: the LM head's rows are the embedding's (its
+    own tensor still), as synthetic_accept.py's Llama shapes."""
     from outrider.loaders.checkpoint import Checkpoint
     from outrider.loaders.hf_config import config_from_hf
 
@@ -135,22 +144,26 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
         def iter_tensors(self):
             g = torch.Generator(device=device).manual_seed(0)
 
-            def normal(*shape: int) -> torch.Tensor:
-                return torch.randn(shape, device=device, dtype=dtype, generator=g) * STD
+            def normal(*shape: int, scale: float = 1.0) -> torch.Tensor:
+                return torch.randn(shape, device=device, dtype=dtype, generator=g) * STD * scale
 
             def ones(n: int) -> torch.Tensor:
                 return torch.ones(n, device=device, dtype=dtype)
 
-            def int4(out: int, inp: int) -> dict[str, torch.Tensor]:
+            def int4(out: int, inp: int, factor: float = 1.0) -> dict[str, torch.Tensor]:
                 # Uniform nibbles: q in [-8, 7], std ~4.6; scales ~STD / 4.6 keep W ~ STD.
                 words = torch.randint(-(2**31), 2**31 - 1, (out, inp // 8), dtype=torch.int32,
                                       device=device, generator=g)  # fmt: skip
-                scale = torch.rand(out, inp // GROUP, device=device, generator=g) * STD / 2.3
+                scale = (
+                    torch.rand(out, inp // GROUP, device=device, generator=g) * STD * factor / 2.3
+                )
                 shape = torch.tensor([out, inp], device=device)
                 return {"weight_packed": words, "weight_scale": scale.to(torch.bfloat16),
                         "weight_shape": shape}  # fmt: skip
 
-            yield "model.embed_tokens.weight", normal(vocab, h)
+            write = residual_write_scale
+            embedding = normal(vocab, h)
+            yield "model.embed_tokens.weight", embedding
             for i in range(hf["num_hidden_layers"]):
                 p = f"model.layers.{i}."
                 yield p + "input_layernorm.weight", ones(h)
@@ -165,12 +178,12 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
                 yield a + "kv_a_proj_with_mqa.weight", normal(lora + rope, h)
                 yield a + "kv_a_layernorm.weight", ones(lora)
                 yield a + "kv_b_proj.weight", normal(heads * (nope + v), lora)
-                yield a + "o_proj.weight", normal(h, heads * v)
+                yield a + "o_proj.weight", normal(h, heads * v, scale=write)
                 mlp = p + "mlp."
                 if i < hf["first_k_dense_replace"]:
                     yield mlp + "gate_proj.weight", normal(inter, h)
                     yield mlp + "up_proj.weight", normal(inter, h)
-                    yield mlp + "down_proj.weight", normal(h, inter)
+                    yield mlp + "down_proj.weight", normal(h, inter, scale=write)
                     continue
                 yield mlp + "gate.weight", normal(experts, h)
                 # Zero correction bias: random hidden states then route near-uniformly.
@@ -180,16 +193,17 @@ def random_checkpoint(hf: dict, device: str, dtype: torch.dtype):
                     for part, (out, inp) in (("gate", (moe, h)), ("up", (moe, h)),
                                              ("down", (h, moe))):  # fmt: skip
                         name = f"{mlp}experts.{e}.{part}_proj."
+                        scale = write if part == "down" else 1.0
                         if not quantized:
-                            yield name + "weight", normal(out, inp)
+                            yield name + "weight", normal(out, inp, scale=scale)
                             continue
-                        for kind, t in int4(out, inp).items():
+                        for kind, t in int4(out, inp, scale).items():
                             yield name + kind, t
                 yield mlp + "shared_experts.gate_proj.weight", normal(shared, h)
                 yield mlp + "shared_experts.up_proj.weight", normal(shared, h)
-                yield mlp + "shared_experts.down_proj.weight", normal(h, shared)
+                yield mlp + "shared_experts.down_proj.weight", normal(h, shared, scale=write)
             yield "model.norm.weight", ones(h)
-            yield "lm_head.weight", normal(vocab, h)
+            yield "lm_head.weight", embedding if tied_head else normal(vocab, h)
 
     return Checkpoint(Path("random"), "random", hf, config_from_hf(hf), _NullTokenizer(), _Random())
 

@@ -3,12 +3,13 @@ the engine for a model that has no trained drafter, beside the planner's predict
 
     python benchmarks/synthetic_accept.py [--model llama-3.1-8b] [--curves 0.6,0.8,0.9] [--k 3]
         [--concurrency 1 16 64] [--prompt-len 128] [--new-tokens 256] [--gpu PROFILE.json]
-    python benchmarks/synthetic_accept.py --smoke          # a tiny random model on the CPU
+    python benchmarks/synthetic_accept.py --smoke [--model moe-tiny]  # tiny, random, the CPU
     torchrun --standalone --nproc-per-node N benchmarks/synthetic_accept.py \
         --tensor-parallel-size N [--link pcie5-nop2p] ...  # the model over N GPUs
 
---model: a built-in shape (`llama-3.1-8b`, `tiny`) built with random weights on the device,
-or a local model directory. A curve is one rate (the conditional acceptance at every draft
+--model: a built-in shape (`llama-3.1-8b`, `tiny`; the DeepSeek-V3 family's `moonlight-16b-a3b`,
+`kimi-k2.5` (its first 4 layers, INT4 experts) and `moe-tiny`) built with random weights on the
+device, or a local model directory. A curve is one rate (the conditional acceptance at every draft
 position: 0.8 gives P(position i accepted) = 0.8^i) or one rate a position, '/' between them
 (0.9/0.8/0.6, the last repeating); --curves separates curves by commas.
 
@@ -55,6 +56,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
+from kimi_layers import KIMI  # noqa: E402
+from kimi_layers import hf_config as kimi_hf_config  # noqa: E402
+from kimi_layers import random_checkpoint as moe_random_checkpoint  # noqa: E402
+from moe_gpu import MOONLIGHT  # noqa: E402
+from moe_gpu import SMOKE as MOE_SMOKE  # noqa: E402
 
 TINY = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
@@ -62,7 +68,14 @@ TINY = dict(
     rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
 )  # fmt: skip
-SHAPES = {"llama-3.1-8b": LLAMA_8B, "tiny": TINY}
+# The DeepSeek-V3 family: Moonlight-16B-A3B (bf16 experts), Kimi-K2.5's first 4 layers (INT4
+# experts), and a tiny one for the CPU.
+MOE_SHAPES = {
+    "moonlight-16b-a3b": MOONLIGHT,
+    "kimi-k2.5": kimi_hf_config(KIMI, 4, 1),
+    "moe-tiny": MOE_SMOKE,
+}
+SHAPES = {"llama-3.1-8b": LLAMA_8B, "tiny": TINY, **MOE_SHAPES}
 
 
 # Random weights of std 0.02 through 32 layers leave every argmax a near-tie, which a verify's
@@ -148,9 +161,9 @@ def planner_setup(engine, hf_config: dict, gpu: str | None, link: str = "nvlink4
     runner = engine.runner
     name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[runner.dtype]
     elem = torch.tensor([], dtype=runner.dtype).element_size()
-    model = dataclasses.replace(
-        from_hf_dict(hf_config), weights=name, expert_weights=None, kv_bytes=elem
-    )
+    base = from_hf_dict(hf_config)
+    experts = base.expert_weights if hf_config.get("quantization_config") else None  # INT4
+    model = dataclasses.replace(base, weights=name, expert_weights=experts, kv_bytes=elem)
     if gpu:
         profile = load_gpu(gpu)
     elif runner.device.type == "cuda":
@@ -193,7 +206,8 @@ def build_engine(args):
         )
     if key in SHAPES:
         hf = dict(SHAPES[key])
-        checkpoint = random_checkpoint(
+        make = moe_random_checkpoint if key in MOE_SHAPES else random_checkpoint
+        checkpoint = make(
             hf, device, getattr(torch, dtype), residual_write_scale=RESIDUAL_WRITE_SCALE,
             tied_head=True,
         )  # fmt: skip
@@ -243,7 +257,9 @@ def run(args: argparse.Namespace) -> dict | None:
     """The measurement main() describes, on the engine `args` build; the payload, on rank 0.
     Under torchrun ranks > 0 follow rank 0 inside build_engine and end their process there."""
     if args.smoke:
-        args.model, args.device, args.dtype = "tiny", "cpu", "float32"
+        # The tiny Llama, or with --model moe-tiny the tiny DeepSeek-V3 (MLA, routed experts).
+        args.model = "moe-tiny" if args.model == "moe-tiny" else "tiny"
+        args.device, args.dtype = "cpu", "float32"
         args.concurrency, args.prompt_len, args.new_tokens = [1, 4], 16, 24
         args.curves = "1.0,0.5"
         torch.set_num_threads(1)  # tiny shapes: a second thread only adds contention

@@ -130,16 +130,17 @@ def _curve(acceptance: list[float], n: int) -> list[float]:
 
 
 def drafter_model(target: ModelSpec, d: Drafter) -> ModelSpec:
-    """The drafter as a Llama-shaped ModelSpec (MLA targets get 128-wide heads, 8 KV heads)."""
+    """The drafter as a Llama-shaped ModelSpec: the target's heads, and for an MLA target
+    multi-head attention over v_head_dim-wide heads, as the drafter outrider builds
+    (DeepseekV3Config.eagle3_draft_layer)."""
     h = target.hidden_size
-    heads = h // 128 if target.mla else target.num_heads
     return ModelSpec(
         name=f"{target.name}-eagle3",
         hidden_size=h,
         num_layers=d.layers,
-        num_heads=heads,
-        num_kv_heads=8 if target.mla else target.num_kv_heads,
-        head_dim=128 if target.mla else target.head_dim,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_heads if target.mla else target.num_kv_heads,
+        head_dim=target.v_head_dim if target.mla else target.head_dim,
         intermediate_size=d.intermediate_size or target.intermediate_size,
         vocab_size=d.vocab_size,
     )

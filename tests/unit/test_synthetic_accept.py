@@ -158,10 +158,13 @@ def test_cost_drafter_runs_the_network_and_stays_lossless(llm, prompts, plain):
 
 
 @pytest.mark.slow
-def test_benchmark_smoke_writes_result(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
+def test_benchmark_smoke_writes_result(tmp_path, model):
+    """The tiny Llama and the tiny DeepSeek-V3 (MLA, routed experts, its residual writes
+    scaled down as the Llama shapes')."""
     out = tmp_path / "synthetic.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/synthetic_accept.py"), "--smoke",
-           "--out-dir", str(out)]  # fmt: skip
+           "--model", model, "--out-dir", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads(out.read_text())
