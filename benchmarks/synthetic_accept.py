@@ -194,7 +194,7 @@ def build_engine(args):
     config = EngineConfig().replace(
         model=model, cache=cache,
         scheduler={"max_num_seqs": max_c, "max_num_batched_tokens": max(2048, args.prompt_len)},
-        speculative={"num_draft_tokens": args.k, "controller": "fixed"},
+        speculative={"num_draft_tokens": args.k, "controller": args.controller},
         parallel={"tensor_parallel_size": tp},
     )  # fmt: skip
     key = args.model.strip().lower()
@@ -234,6 +234,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument(
+        "--controller", default="fixed", choices=["fixed", "adaptive"],
+        help="fixed: k drafts every step; adaptive: the engine's controller chooses 0..k a step",
+    )  # fmt: skip
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("--gpu", default=None, help="planner GPU: a built-in name or a profile JSON")
@@ -366,6 +370,7 @@ def run(args: argparse.Namespace) -> dict | None:
         "planner_link": setup.link.name,
         "graphs": setup.graphs,
         "k": args.k,
+        "controller": args.controller,
         "curves": [list(c) for c in curves],
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
