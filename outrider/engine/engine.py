@@ -200,9 +200,9 @@ class EngineCore:
                 deltas = self._advance(batch, output)
                 self.speculator.record_step(batch, speculative, t0)
                 return deltas
-            ids = self.runner.launch(batch)
-        self._ahead = self._run_ahead(batch, ids)
-        tokens = ids.tolist()  # CPU-GPU sync point (the device is busy with the step run ahead)
+            ids = overlap.Pending.start(self.runner.launch(batch))
+        self._ahead = self._run_ahead(batch, ids.device)
+        tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
         return self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
 
@@ -241,7 +241,7 @@ class EngineCore:
         if len(keep) != len(batch.seqs):
             ids = ids.index_select(0, torch.as_tensor(keep, device=ids.device))
         self.num_steps_run_ahead += 1
-        return overlap.Ahead(next_batch, self.runner.launch(next_batch, ids))
+        return overlap.Ahead(next_batch, overlap.Pending.start(self.runner.launch(next_batch, ids)))
 
     def _advance(self, batch: ScheduledBatch, output: StepOutput) -> list[RequestOutput]:
         """Everything after the forward: stops inside accepted runs, the scheduler's and the

@@ -29,11 +29,41 @@ PLACEHOLDER = 0  # the token id written into a step's host inputs; the device id
 
 
 @dataclass
+class Pending:
+    """A launched step's sampled ids on their way to the host. On CUDA the copy into pinned
+    memory is queued right after the step samples them, before the next step is launched, and
+    an event marks it: reading them then waits for this step alone. A plain `.tolist()` after
+    the next step's launch queues its copy behind that step and waits for it too, which left
+    the device idle while the host did the bookkeeping the overlap was for."""
+
+    device: torch.Tensor  # [B] int64, the ids where the step left them
+    host: torch.Tensor | None = None  # pinned [B], filled once `event` completes
+    event: torch.cuda.Event | None = None
+
+    @classmethod
+    def start(cls, ids: torch.Tensor) -> Pending:
+        if ids.device.type != "cuda":
+            return cls(ids)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(ids, host, event)
+
+    def read(self) -> list[int]:
+        """The ids on the host: waits for the step that sampled them (and what ran before it)."""
+        if self.event is None:
+            return self.device.tolist()  # CPU-GPU sync point (none on the CPU)
+        self.event.synchronize()  # CPU-GPU sync point: this step's copy only
+        return self.host.tolist()
+
+
+@dataclass
 class Ahead:
     """A launched step whose tokens are not read yet."""
 
     batch: ScheduledBatch
-    token_ids: torch.Tensor  # [len(batch.seqs)] int64 on the device
+    token_ids: Pending
 
 
 def can_run_ahead(batch: ScheduledBatch) -> bool:
