@@ -322,8 +322,8 @@ def moe_gate_no_sync(
     k = _kernels()
     k.moe_gate_kernel[(programs,)](
         x, router, bias, logits, _gate_count(dev), weights, ids, layout, starts, x.stride(0),
-        scale, slots,
-        T=t, H=hidden, EB=eb, BK=bk, PROGRAMS=programs, GROUPS=n_group, GROUP_SIZE=size,
+        scale, slots, t,
+        T=k.next_pow2(t), H=hidden, EB=eb, BK=bk, PROGRAMS=programs, GROUPS=n_group, GROUP_SIZE=size,
         KEEP_GROUPS=topk_group, TOP_K=top_k, ALWAYS=always, NORM=norm_topk_prob,
         G_PAD=k.next_pow2(n_group), S_PAD=k.next_pow2(size), K_PAD=k.next_pow2(width),
         E_SLOTS=slot_experts, E_SLOTS_PAD=e_pad, BLOCK_M=MOE_BLOCK_M, CHUNK=_LAYOUT_CHUNK,

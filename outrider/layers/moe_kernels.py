@@ -134,7 +134,7 @@ def _layout(
 @triton.jit
 def moe_gate_kernel(
     x_ptr, w_ptr, bias_ptr, logits_ptr, count_ptr, weights_ptr, ids_ptr, layout_ptr,
-    starts_ptr, stride_x, scale, slots,
+    starts_ptr, stride_x, scale, slots, tokens,
     T: tl.constexpr, H: tl.constexpr, EB: tl.constexpr, BK: tl.constexpr,
     PROGRAMS: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     KEEP_GROUPS: tl.constexpr, TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr,
@@ -142,7 +142,8 @@ def moe_gate_kernel(
     E_SLOTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr,
 ):  # fmt: skip
-    # A MoE layer's router for T tokens in one launch. Program p computes the logits of
+    # A MoE layer's router for `tokens` <= T tokens in one launch (T a power of two: a few
+    # compilations serve every step size). Program p computes the logits of
     # experts [p EB, (p + 1) EB) for every token (fp32 products and sums, each token's sum in
     # the same order whatever T is) into logits_ptr [T, E]; the program that finishes last
     # (count_ptr, an int32 zero between launches, which it puts back) routes every token as
@@ -156,27 +157,29 @@ def moe_gate_kernel(
         acc = tl.zeros([EB, BK], dtype=tl.float32)
         for k0 in range(0, H, BK):
             kk = k0 + k
-            x = tl.load(x_ptr + t * stride_x + kk, mask=kk < H, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + t * stride_x + kk, mask=(kk < H) & (t < tokens), other=0.0)
+            x = x.to(tl.float32)
             w = tl.load(
                 w_ptr + e[:, None] * H + kk[None, :],
                 mask=e_ok[:, None] & (kk < H)[None, :], other=0.0,
             ).to(tl.float32)  # fmt: skip
             acc += w * x[None, :]
-        tl.store(logits_ptr + t * experts + e, tl.sum(acc, 1), mask=e_ok)
+        tl.store(logits_ptr + t * experts + e, tl.sum(acc, 1), mask=e_ok & (t < tokens))
     tl.debug_barrier()  # every thread's logits stored before the count says so
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if done == PROGRAMS - 1:
         tl.store(count_ptr, 0)
         tl.debug_barrier()
         width = TOP_K + ALWAYS
-        for t in range(T):
-            _route_token(
-                logits_ptr + t * experts, bias_ptr, weights_ptr + t * width, ids_ptr + t * width,
-                scale, GROUPS, GROUP_SIZE, KEEP_GROUPS, TOP_K, ALWAYS, NORM, G_PAD, S_PAD,
-                K_PAD,
-            )  # fmt: skip
+        for t in range(T):  # (a runtime bound trips the CPU interpreter)
+            if t < tokens:
+                _route_token(
+                    logits_ptr + t * experts, bias_ptr, weights_ptr + t * width,
+                    ids_ptr + t * width, scale, GROUPS, GROUP_SIZE, KEEP_GROUPS, TOP_K, ALWAYS,
+                    NORM, G_PAD, S_PAD, K_PAD,
+                )  # fmt: skip
         tl.debug_barrier()
-        _layout(ids_ptr, layout_ptr, starts_ptr, T * width, slots, E_SLOTS, E_SLOTS_PAD,
+        _layout(ids_ptr, layout_ptr, starts_ptr, tokens * width, slots, E_SLOTS, E_SLOTS_PAD,
                 BLOCK_M, CHUNK, CHUNKS, FILL, FILLS)  # fmt: skip
 
 
