@@ -301,9 +301,15 @@ class SpecController:
         self._decision = k = prev if keep else best
         probe = False
         if k == 0 and len(self._ks) > 1:
+            # Judged by the start-up profile, not the live times: a k whose first live steps
+            # stalled (kernels compiling at their first use, an allocation) would otherwise
+            # look unable to win, never be probed, and hold speculation off at that batch size
+            # for good (Moonlight at C=16 on the H200: 1.01x plain where a fixed k gave 2.17x).
+            # A probe's step, timed, then replaces the stalls (record_step).
+            prof = self._profile.step_ms
             probe_k = max(self._ks[1:], key=tps.__getitem__)
-            probe = self._plain_ms >= self.probe_every * step_ms(batch, probe_k) and any(
-                (1 + j) * step_ms(batch, 0) > (1 + self.hysteresis) * step_ms(batch, j)
+            probe = self._plain_ms >= self.probe_every * prof(batch, probe_k) and any(
+                (1 + j) * prof(batch, 0) > (1 + self.hysteresis) * prof(batch, j)
                 for j in self._ks[1:]
             )
             if probe:
@@ -347,6 +353,8 @@ class SpecController:
         window = self._live.get((bucket, k))
         if window is None:
             window = self._live[(bucket, k)] = deque(maxlen=self.live_window)
+        elif ms < 0.5 * self._live_ms[(bucket, k)]:
+            window.clear()  # what it cost before were stalls: this step is what it costs now
         window.append(ms)
         live = self._live_ms[(bucket, k)] = _robust(window)
         self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)

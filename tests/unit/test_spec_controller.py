@@ -279,7 +279,8 @@ def test_host_work_timed_at_one_k_is_assumed_for_the_ks_not_yet_timed():
 
 def test_one_stalled_step_does_not_hold_a_k_off():
     """Live times are the median of the recent steps (the least of fewer than 3): a stalled step
-    among normal ones moves nothing, a stalled first step is undone by the next normal one."""
+    among normal ones moves nothing, a stalled first step is undone by the next normal one (and
+    dropped: a step under half what the window said replaces it)."""
     table = StepProfile({4: {0: 10.0, 1: 11.0, 2: 12.0}})
     ctl = SpecController(table, max_k=2, hysteresis=0.0, prior=0.9)
     ids = [f"r{i}" for i in range(4)]
@@ -289,7 +290,7 @@ def test_one_stalled_step_does_not_hold_a_k_off():
     assert ctl._step_ms(4, 2) == 12.5 and ctl.choose(ids) == 2
     for ms in (12.0, 300.0, 13.0, 12.5):
         ctl.record_step(4, 2, ms)
-    assert ctl._step_ms(4, 2) == 12.75 and ctl.choose(ids) == 2  # of 200 12.5 12 300 13 12.5
+    assert ctl._step_ms(4, 2) == 12.5 and ctl.choose(ids) == 2  # of 12.5 12 300 13 12.5
     for _ in range(9):  # slow every time now: the window turns over
         ctl.record_step(4, 2, 60.0)
     assert ctl._step_ms(4, 2) == 60.0 and ctl.choose(ids) == 0
@@ -349,3 +350,26 @@ def test_no_plain_probe_once_plain_was_timed():
         ctl.record_step(1, k, 60.0 if k else 50.0)
         ctl.observe("r", k, k)  # every draft accepted
     assert set(ks) == {4}
+
+
+def test_stalled_first_speculative_steps_do_not_hold_speculation_off():
+    """The first speculative steps at a batch size stall (kernels compiling at first use) and
+    turn speculation off there. Probes are judged by the start-up profile, so one comes after
+    probe_every plain steps' time; its normal time replaces the stalls and speculation is back."""
+    table = StepProfile({16: {0: 10.0, 3: 12.0}})
+    ctl = SpecController(table, max_k=3, ks=[0, 3], hysteresis=0.0, probe_every=8)
+    ids = [f"r{i}" for i in range(16)]
+    for rid in ids:
+        for _ in range(20):
+            ctl.observe(rid, 3, 2)  # two of three drafts accepted: speculation pays at 12 ms
+    assert ctl.choose(ids) == 3
+    for ms in (900.0, 700.0, 800.0):  # three stalled steps
+        ctl.record_step(16, 3, ms)
+    ks = []
+    for _ in range(40):
+        k = ctl.choose(ids)
+        ks.append(k)
+        ctl.record_step(16, k, 10.0 if k == 0 else 12.0)
+    first = ks.index(3)
+    assert ks[0] == 0 and first <= 11, ks  # a probe once plain ran 8 x 12 ms
+    assert ctl._step_ms(16, 3) == 12.0 and set(ks[first:]) == {3}, ks
