@@ -207,6 +207,8 @@ def build_engine(args):
         )
     if key in SHAPES:
         hf = dict(SHAPES[key])
+        if key == "kimi-k2.5":
+            hf = kimi_hf_config(KIMI, args.kimi_layers, 1)
         make = moe_random_checkpoint if key in MOE_SHAPES else random_checkpoint
         checkpoint = make(
             hf, device, getattr(torch, dtype), residual_write_scale=RESIDUAL_WRITE_SCALE,
@@ -235,6 +237,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument(
+        "--kimi-layers", type=int, default=4,
+        help="kimi-k2.5: the layers built (1 dense, then INT4 MoE; 8 take ~60 GB)",
+    )  # fmt: skip
     ap.add_argument(
         "--controller", default="fixed", choices=["fixed", "adaptive"],
         help="fixed: k drafts every step; adaptive: the engine's controller chooses 0..k a step",
@@ -371,6 +377,7 @@ def run(args: argparse.Namespace) -> dict | None:
     engine.shutdown()  # the other tensor-parallel ranks stop (nothing on one rank)
     return {
         "model": args.model,
+        "layers": hf.get("num_hidden_layers"),
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "planner_gpu": setup.gpu.name,
