@@ -203,8 +203,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
     max_long_partial_prefills: int = 1
     # Launch the next plain decode step before reading this one's tokens, so the host's
-    # bookkeeping overlaps the device's work (engine/overlap.py). None: off for now (on CUDA
-    # once measured there); the CPU gains nothing from it.
+    # bookkeeping overlaps the device's work (engine/overlap.py). None: on where the model runs
+    # on CUDA (benchmarks/results/moe_gpu.json: +11% at one stream for the Moonlight shape on
+    # the H200, +36% for Kimi-K2.5's), off on the CPU, which gains nothing from it.
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

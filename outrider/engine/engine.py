@@ -63,9 +63,12 @@ class EngineCore:
             self.tokenizer, self.vocab_size, pinned=self.runner.device.type == "cuda"
         )
         proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
-        # Async scheduling (engine/overlap.py): opt-in until measured on a GPU; speculative
+        # Async scheduling (engine/overlap.py): on CUDA unless asked otherwise; speculative
         # steps are not run ahead.
-        self._async = bool(config.scheduler.async_scheduling) and proposer is None
+        overlap_on = config.scheduler.async_scheduling
+        if overlap_on is None:
+            overlap_on = self.runner.device.type == "cuda"
+        self._async = overlap_on and proposer is None
         self._ahead: overlap.Ahead | None = None
         self.num_steps_run_ahead = 0
         self.speculator = Speculator(

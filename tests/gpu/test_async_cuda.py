@@ -17,7 +17,7 @@ def test_async_scheduling_on_cuda_equals_sync():
     sync = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, async_scheduling=False)
     want = [o.token_ids for o in sync.chat(convs, params)]
     del sync
-    llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, async_scheduling=True)
+    llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2)  # on by default
     assert llm.engine._async and llm.engine.runner.graphs is not None
     assert [o.token_ids for o in llm.chat(convs, params)] == want
     assert llm.engine.num_steps_run_ahead > 20

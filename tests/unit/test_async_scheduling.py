@@ -64,8 +64,8 @@ def test_async_scheduling_gives_the_same_outputs(tiny_dir, prompts):  # noqa: F8
     assert [o.token_ids for o in again] == [o.token_ids for o in want]
 
 
-def test_async_scheduling_is_off_by_default_and_with_speculation(tiny_dir):  # noqa: F811
-    assert not _llm(tiny_dir, None).engine._async
+def test_async_scheduling_is_off_by_default_on_the_cpu_and_with_speculation(tiny_dir):  # noqa: F811
+    assert not _llm(tiny_dir, None).engine._async  # None: on CUDA only (tests/gpu)
     spec = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
         async_scheduling=True, speculative={"method": "ngram", "controller": "fixed"},
