@@ -44,12 +44,16 @@ class EngineCore:
         self.checkpoint = checkpoint or open_checkpoint(config.model.model or env.default_model())
         self.tokenizer = self.checkpoint.tokenizer
         self.runner = self._start_runner(config)
+        # Before the block manager: a drafter's KV pool takes its share of the budget from the
+        # target's (ModelRunner.make_room_for).
+        proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # Within the KV pool, so check_stop's context limit also keeps every request in it.
         self.context = context_limit(self.runner, config)
         self.max_model_len = self.context.tokens
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
+        self.runner.hand_out_kv()
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.max_model_len, self.runner.device.type
         )
@@ -62,7 +66,6 @@ class EngineCore:
         self.grammars = Grammars(
             self.tokenizer, self.vocab_size, pinned=self.runner.device.type == "cuda"
         )
-        proposer = build_proposer(config.speculative, self.runner, self.checkpoint)
         # Async scheduling (engine/overlap.py): on CUDA unless asked otherwise; speculative
         # steps are not run ahead.
         overlap_on = config.scheduler.async_scheduling

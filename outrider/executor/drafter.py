@@ -119,7 +119,9 @@ class Eagle3Drafter:
         embed = runner.model.model.embed_tokens if self.sharded else runner.embedding_for_drafter()
         draft.bind_embedding(embed)
         layout = draft.kv_layout(runner.dtype)
-        # Same block ids as the target's pool (+1 scratch block, as there).
+        # Same block ids as the target's pool (+1 scratch block, as there), within the budget
+        # the target's was sized to where it still can be (engine start-up).
+        runner.make_room_for(layout.bytes_per_token * self.block_size)
         self.kv_pool = KVPool(layout, 1, runner.num_blocks + 1, self.block_size, self.device)
         draft.attention_layers()[0].kv_cache = self.kv_pool.layer(0)
         self._frontier: dict[str, Frontier] = {}

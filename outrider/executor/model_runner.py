@@ -77,6 +77,7 @@ class ModelRunner:
         self._whole_embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         # One block more than the block manager hands out: padded graph rows write there.
         self._num_blocks = num_blocks
+        self._kv_handed_out = False  # hand_out_kv
         self.kv_pool = KVPool(layout, len(attention), num_blocks + 1, self.block_size, self.device)
         for i, attn in enumerate(attention):
             attn.kv_cache = self.kv_pool.layer(i)
@@ -111,6 +112,47 @@ class ModelRunner:
     def num_blocks(self) -> int:
         """Blocks the block manager may hand out (the pool holds one more, a scratch block)."""
         return self._num_blocks
+
+    def make_room_for(self, bytes_per_block: int) -> None:
+        """Shrink the KV pool so that a second pool of as many blocks, `bytes_per_block` each
+        (a drafter's, whose block ids are the target's), fits in the budget this one was sized
+        to. Beside an MLA target's latents a drafter's multi-head KV is no small share
+        (Moonlight's 27 layers of latents: 31 KB a token; its EAGLE-3 layer's 16 heads: 8 KB),
+        and a pool sized to the whole budget left it no room (an H200 at
+        gpu_memory_utilization 0.9 held back 14 GB for a 25 GB drafter pool).
+
+        Only where the budget sized the pool (cache.num_blocks unset), on one rank, and before
+        anything holds its blocks (`hand_out_kv`: the block manager, the graphs); else
+        nothing changes."""
+        if self.config.cache.num_blocks is not None or self.tp.size > 1 or self._kv_handed_out:
+            return
+        own = self.kv_pool.nbytes // (self._num_blocks + 1)
+        blocks = self._num_blocks * own // (own + bytes_per_block)
+        if blocks < 2:
+            raise ValueError(
+                f"the KV budget holds {self._num_blocks} blocks of the model's {own} bytes, and "
+                f"beside a drafter's {bytes_per_block} bytes a block only {blocks}: raise "
+                f"gpu_memory_utilization (or cpu_kv_bytes) or lower max_model_len"
+            )
+        layout, attention = self.kv_pool.layout, self.model.attention_layers()
+        for attn in attention:
+            attn.kv_cache = {}
+        self.kv_pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the old pool back with the device before the new one
+        self.kv_pool = KVPool(layout, len(attention), blocks + 1, self.block_size, self.device)
+        for i, attn in enumerate(attention):
+            attn.kv_cache = self.kv_pool.layer(i)
+        log.info(
+            "KV pool %d blocks (from %d): a drafter's pool of %d bytes a block shares the budget",
+            blocks, self._num_blocks, bytes_per_block,
+        )  # fmt: skip
+        self._num_blocks = blocks
+
+    def hand_out_kv(self) -> None:
+        """The pool's blocks are in use from now on (the engine's block manager holds their
+        ids): make_room_for no longer shrinks it."""
+        self._kv_handed_out = True
 
     def embedding_for_drafter(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """The target's token embedding as a drafter on rank 0 uses it (ids [T] -> [T, H]): the
@@ -202,6 +244,7 @@ class ModelRunner:
             step = self.spec_step
             tree = step.tree.num_nodes if step is not None and step.tree is not None else 0
             self.tp_sender.capture(self.spec_ks, step is not None, tree)
+        self._kv_handed_out = True  # the graphs hold the pool's addresses
         self._capture()
 
     def follow_capture(self, ks: tuple[int, ...], spec: bool, tree_nodes: int) -> None:

@@ -144,3 +144,27 @@ def test_the_trained_drafter_round_trips_sglang_and_vllm_layouts(target, trained
     served = _spec_llm(path, tmp_path / "sglang")
     assert [o.token_ids for o in served.generate(prompts, GREEDY)] == plain
     assert served.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_the_drafters_pool_shares_the_kv_budget_with_the_targets(target, trained):
+    """Pools sized by the byte budget (no num_blocks): the drafter's multi-head pool takes its
+    share from the target's latent one, so the two together stay within the budget, both with
+    the same block count, and the output is still plain's."""
+    path, _, llm = target
+    data, result = trained
+    budget = 2 << 20
+    alone = LLM(str(path), dtype="float32", device="cpu", cpu_kv_bytes=budget)
+    spec = {"method": "eagle3", "controller": "fixed", "draft": str(result.drafter),
+            "num_draft_tokens": 3}  # fmt: skip
+    served = LLM(str(path), dtype="float32", device="cpu", cpu_kv_bytes=budget, speculative=spec)
+    runner, proposer = served.engine.runner, served.engine.speculator.proposer
+    target_pool, draft_pool = runner.kv_pool.nbytes, proposer.kv_pool.nbytes
+    assert alone.engine.runner.kv_pool.nbytes <= budget + target_pool // runner.num_blocks
+    # Each pool holds one scratch block past the shared block count.
+    block = target_pool // (runner.num_blocks + 1) + draft_pool // (runner.num_blocks + 1)
+    assert target_pool + draft_pool <= budget + block
+    assert runner.num_blocks < alone.engine.runner.num_blocks
+    assert served.engine.block_manager.num_blocks == runner.num_blocks
+    prompts = _prompts(data)
+    plain = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in served.generate(prompts, GREEDY)] == plain
