@@ -3,7 +3,8 @@ and kernels per step, for the Moonlight-16B-A3B shape (bf16 experts) and the Kim
 (its first layers, INT4 experts), with random weights made on the device.
 
     python benchmarks/moe_gpu.py [--model moonlight-16b-a3b kimi-k2.5] [--kimi-layers 4]
-                                 [--concurrency 1 4 16 64] [--new-tokens 64] [--out-dir DIR]
+                                 [--concurrency 1 4 16 64] [--new-tokens 64] [--overlap]
+                                 [--synthetic-curves 0.55,0.75,0.91] [--hf] [--out-dir DIR]
     python benchmarks/moe_gpu.py --smoke --out-dir /tmp/moe   # tiny, CPU, seconds
 
 Decode is measured as the engine runs it (EngineCore.step, CUDA graphs where the model
@@ -25,7 +26,15 @@ machine constants fitted to the dense model's points (`outrider plan --calibrate
 predict the MoE shape's (`cross_error`; goal within 25%), and each verify step over the plain
 step at its batch (`verify_over_plain`). --plan-batches with no value skips it.
 
-Writes moe_gpu.json (--smoke: moe_gpu_smoke.json) under benchmarks/results or --out-dir.
+Then speculation on each shape (`synthetic`, benchmarks/synthetic_accept.py): an EAGLE-3
+drafter of the target's shape inside every step, drafts corrupted to --synthetic-curves
+(accept lengths about 2.0, 2.7 and 3.5 at k=3), at each --synthetic-concurrency, with k fixed
+and with the adaptive controller: accept length against the curve's, speedup over plain.
+--hf adds HF transformers' decode at C=1 on the same shape (bf16 experts only). --overlap
+measures decode again with async scheduling on.
+
+Writes moe_gpu.json (--smoke: moe_gpu_smoke.json) under benchmarks/results or --out-dir, and a
+PNG beside it: tok/s and share of the roofline against C.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import save_figure, write_result  # noqa: E402
 from gpu_decode import LLAMA_8B, copy_bandwidth_gbs, run_outrider  # noqa: E402
 from kimi_layers import KIMI, hf_config, random_checkpoint  # noqa: E402
 from plan_accuracy import compare, measure_interleaved  # noqa: E402
@@ -304,6 +313,111 @@ def plan_check(name: str, hf: dict, args, device: str, dtype: torch.dtype) -> di
     }
 
 
+# Acceptance curves whose accept lengths at k=3 are about 2.0, 2.7 and 3.5 (the range published
+# Kimi-K2.5 EAGLE-3 drafters reach: 2.7 on MT-Bench to 3.8 on tool calls).
+SYNTHETIC_CURVES = "0.55,0.75,0.91"
+
+
+def synthetic(name: str, args, device: str, controller: str) -> dict:
+    """benchmarks/synthetic_accept.py on this shape: plain decode, then speculation at each
+    --synthetic-curves curve with an EAGLE-3 drafter of the target's shape inside every step,
+    at each --synthetic-concurrency, `controller` choosing the drafts ("fixed": k every step;
+    "adaptive": the engine's controller). Per curve and C: accept length against the curve's,
+    speedup over plain, the planner's speedup at the measured accept length."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:  # (a test's loader leaves sys.path as it was)
+        sys.path.insert(0, here)
+    import synthetic_accept  # here, not above: it imports this module's shapes
+
+    smoke = device == "cpu"
+    ns = argparse.Namespace(
+        model="moe-tiny" if smoke else name, curves=args.synthetic_curves, k=args.synthetic_k,
+        concurrency=args.synthetic_concurrency, prompt_len=16 if smoke else args.prompt_len,
+        new_tokens=24 if smoke else args.synthetic_tokens, draft_vocab=32000, device=device,
+        dtype="float32" if smoke else "bfloat16", gpu=None, seed=0, tensor_parallel_size=1,
+        link="nvlink4", out_dir=None, smoke=False, controller=controller,
+        kimi_layers=args.kimi_layers,
+    )  # fmt: skip
+    payload = synthetic_accept.run(ns)
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    keep = ("accept_length", "target_accept_length", "speedup", "tok_per_s", "plain_tok_per_s",
+            "predicted_speedup_at_measured", "lossless")  # fmt: skip
+    rows = {}
+    for r in payload["rows"]:
+        curve = "/".join(map(str, r["curve"]))
+        rows.setdefault(curve, {})[str(r["concurrency"])] = {k: r[k] for k in keep}
+    return {"controller": controller, "k": ns.k, "new_tokens": ns.new_tokens, "curves": rows}
+
+
+def run_hf(hf: dict, prompt_len: int, new_tokens: int) -> dict:
+    """HF transformers' DeepseekV3ForCausalLM of `hf`'s shape, bf16 on CUDA with its own random
+    weights (a step's time does not depend on them), greedy `generate` at one stream: decode
+    tok/s as the difference of a long and a one-token generate (the prefill cancels)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**hf)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, hf["vocab_size"], (1, prompt_len), device="cuda")
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+    def timed(model, n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        torch.cuda.synchronize()  # CPU-GPU sync point: the timed region ends on the device
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        timed(model, 4)  # warm-up
+        full, one = timed(model, new_tokens), timed(model, 1)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {
+        "transformers": transformers.__version__,
+        "tok_per_s": round((new_tokens - 1) / (full - one), 1),
+        "new_tokens": new_tokens,
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    """tok/s and share of the roofline against C, one line per model and scheduling mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+        return
+    fig, (tps, share) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, run in results.items():
+        for label, rows in (
+            (name, run["decode"]),
+            (f"{name} overlap", run.get("overlap", {}).get("decode")),
+        ):
+            if not rows:
+                continue
+            cs = sorted(rows, key=int)
+            tps.plot(
+                [int(c) for c in cs], [rows[c]["tok_per_s"] for c in cs], marker="o", label=label
+            )
+            if rows[cs[0]].get("share_of_roofline") is not None:
+                share.plot([int(c) for c in cs], [rows[c]["share_of_roofline"] for c in cs],
+                           marker="o", label=label)  # fmt: skip
+    for ax, ylabel in ((tps, "decode tokens/s"), (share, "share of the copy-bandwidth roofline")):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrency (sequences a step)", ylabel=ylabel)
+        if ax.lines:  # (no roofline without a measured bandwidth: the CPU)
+            ax.legend(fontsize=8)
+    share.axhline(0.5, color="grey", linestyle="--", linewidth=1)
+    share.axhline(0.8, color="grey", linestyle=":", linewidth=1)
+    save_figure(fig, path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -326,6 +440,19 @@ def main() -> int:
         "--overlap", action="store_true",
         help="measure decode again with async scheduling on (under each model's 'overlap')",
     )  # fmt: skip
+    ap.add_argument(
+        "--synthetic-curves",
+        default=SYNTHETIC_CURVES,
+        help="speculation at these acceptance curves (synthetic_accept.py); '' skips",
+    )
+    ap.add_argument("--synthetic-concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--synthetic-k", type=int, default=3)
+    ap.add_argument("--synthetic-tokens", type=int, default=128)
+    ap.add_argument(
+        "--hf",
+        action="store_true",
+        help="HF transformers' decode at C=1 beside (bf16 experts only)",
+    )
     ap.add_argument("--out-dir", default=None, help="where moe_gpu.json goes")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in fp32")
     args = ap.parse_args()
@@ -335,6 +462,7 @@ def main() -> int:
         args.concurrency, args.profile_concurrency = [1, 2], [1]
         args.prompt_len, args.new_tokens, args.max_model_len = 8, 4, 64
         args.plan_batches, args.plan_ks, args.plan_reps = [1, 2], [1], 1
+        args.synthetic_curves, args.synthetic_concurrency = "1.0,0.5", [1, 2]
     else:
         device, dtype = "cuda", torch.bfloat16
         bandwidth = copy_bandwidth_gbs()
@@ -349,6 +477,16 @@ def main() -> int:
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+        if args.synthetic_curves:
+            results[name]["synthetic"] = {
+                c: synthetic(name, args, device, c) for c in ("fixed", "adaptive")
+            }
+        if args.hf and device == "cuda":
+            if hf.get("quantization_config") is None:
+                results[name]["hf"] = run_hf(hf, args.prompt_len, args.new_tokens)
+                print(f"{name} HF transformers C=1: {results[name]['hf']}", flush=True)
+            else:
+                results[name]["hf"] = {"skipped": "INT4 (compressed-tensors) experts"}
     path = write_result(
         "moe_gpu_smoke" if args.smoke else "moe_gpu",
         {"device": device, "dtype": str(dtype), "copy_bandwidth_gbs": round(bandwidth, 1),
@@ -356,6 +494,7 @@ def main() -> int:
         args.out_dir,
     )  # fmt: skip
     print(f"wrote {path}")
+    plot(results, path.with_suffix(".png"))
     return 0
 
 

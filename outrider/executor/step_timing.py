@@ -101,8 +101,12 @@ def profile_steps(
 
 
 def default_batch_sizes(runner: ModelRunner) -> tuple[int, ...]:
-    """The batch sizes profile_steps times when given none: every captured one, else 1 and 4."""
-    return tuple(runner.spec_step.batch_sizes) if runner.graphs is not None else (1, 4)
+    """The batch sizes profile_steps times when given none: every captured one, else 1 and 4
+    (no more than the speculative step holds: cuda_graph_max_batch sizes it on the CPU too)."""
+    if runner.graphs is not None:
+        return tuple(runner.spec_step.batch_sizes)
+    most = max(runner.spec_step.batch_sizes) if runner.spec_step is not None else 4
+    return tuple(sorted({1, min(4, most)}))
 
 
 def _dummy_batch(runner: ModelRunner, rng: random.Random, b: int, k: int) -> ScheduledBatch:

@@ -16,6 +16,7 @@ def bench():
     return load_benchmark("moe_gpu.py")
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_row(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["moe_gpu.py", "--smoke", "--out-dir", str(tmp_path)])
     assert bench.main() == 0
@@ -34,6 +35,16 @@ def test_smoke_run_writes_every_row(bench, tmp_path, monkeypatch):
     ratio = plan["verify_over_plain"]["2"]["1"]
     row = {(r["batch"], r["k"]): r["measured_ms"] for r in plan["rows"]}
     assert ratio == pytest.approx(row[2, 1] / row[2, 0], abs=1e-3)
+    # Speculation at each curve and C, k fixed and adaptive: lossless; with k fixed, the full
+    # acceptance of curve 1.0 seen (the adaptive controller may keep a tiny CPU model plain).
+    for controller in ("fixed", "adaptive"):
+        spec = smoke["synthetic"][controller]
+        assert spec["controller"] == controller and set(spec["curves"]) == {"1.0", "0.5"}
+        for curve in spec["curves"].values():
+            assert set(curve) == {"1", "2"} and all(r["lossless"] for r in curve.values())
+    fixed = smoke["synthetic"]["fixed"]["curves"]["1.0"]
+    assert all(r["accept_length"] > 2 for r in fixed.values()), fixed
+    assert (tmp_path / "moe_gpu_smoke.png").is_file()
 
 
 def test_expected_experts_follows_uniform_routing(bench):
