@@ -3,7 +3,7 @@ and kernels per step, for the Moonlight-16B-A3B shape (bf16 experts) and the Kim
 (its first layers, INT4 experts), with random weights made on the device.
 
     python benchmarks/moe_gpu.py [--model moonlight-16b-a3b kimi-k2.5] [--kimi-layers 4]
-                                 [--concurrency 1 4 16 64] [--new-tokens 64] [--overlap]
+                                 [--concurrency 1 4 16 64] [--new-tokens 64] [--sync]
                                  [--synthetic-curves 0.55,0.75,0.91] [--hf] [--out-dir DIR]
     python benchmarks/moe_gpu.py --smoke --out-dir /tmp/moe   # tiny, CPU, seconds
 
@@ -30,8 +30,8 @@ Then speculation on each shape (`synthetic`, benchmarks/synthetic_accept.py): an
 drafter of the target's shape inside every step, drafts corrupted to --synthetic-curves
 (accept lengths about 2.0, 2.7 and 3.5 at k=3), at each --synthetic-concurrency, with k fixed
 and with the adaptive controller: accept length against the curve's, speedup over plain.
---hf adds HF transformers' decode at C=1 on the same shape (bf16 experts only). --overlap
-measures decode again with async scheduling on.
+--hf adds HF transformers' decode at C=1 on the same shape (bf16 experts only). --sync measures
+decode again with async scheduling off (it is on by default on CUDA).
 
 Writes moe_gpu.json (--smoke: moe_gpu_smoke.json) under benchmarks/results or --out-dir, and a
 PNG beside it: tok/s and share of the roofline against C.
@@ -183,11 +183,11 @@ def idle_per_step(spans: list[tuple[float, float]], steps: int, host_gap_us: flo
 
 
 def build_engine(
-    hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int, overlap: bool = False
+    hf: dict, device: str, dtype: torch.dtype, max_c: int, max_len: int, overlap: bool | None = None
 ):
     """An EngineCore on random weights of `hf`'s shape, CUDA graphs up to max_c sequences;
     overlap: async scheduling (the next plain decode launched before this one's tokens are
-    read)."""
+    read; None: the engine's default, on for CUDA)."""
     from outrider.config import EngineConfig
     from outrider.engine.engine import EngineCore
 
@@ -219,7 +219,7 @@ def measure(
     overlap: bool | None = None,
 ) -> dict:  # fmt: skip
     """Decode at each --concurrency and the profiled stretches; overlap: async scheduling
-    (None: the engine's default)."""
+    (None: the engine's default, on for CUDA)."""
     t0 = time.perf_counter()
     engine = build_engine(hf, device, dtype, max(args.concurrency), args.max_model_len, overlap)
     build_s = time.perf_counter() - t0
@@ -238,12 +238,12 @@ def measure(
             "roofline_tok_per_s": round(roof, 1) if roof else None,
             "share_of_roofline": round(r["tok_per_s"] / roof, 3) if roof else None,
         }
-        print(f"{name}{' overlap' if overlap else ''} C={c}: {rows[str(c)]}", flush=True)
+        print(f"{name}{' sync' if overlap is False else ''} C={c}: {rows[str(c)]}", flush=True)
     profiles = {}
     for c in args.profile_concurrency:
         profiles[str(c)] = profile_decode(engine, c, args.prompt_len, 8, device)
         p = profiles[str(c)]
-        print(f"{name}{' overlap' if overlap else ''} C={c} profiled: {p['kernels_per_step']} "
+        print(f"{name}{' sync' if overlap is False else ''} C={c} profiled: {p['kernels_per_step']} "
               f"kernels a step, busy {p['busy_ms_per_step']} ms, gaps "
               f"{p['launch_gaps_ms_per_step']} (launch) + {p['host_gaps_ms_per_step']} (host) "
               f"ms", flush=True)  # fmt: skip
@@ -397,7 +397,7 @@ def plot(results: dict, path: Path) -> None:
     for name, run in results.items():
         for label, rows in (
             (name, run["decode"]),
-            (f"{name} overlap", run.get("overlap", {}).get("decode")),
+            (f"{name} sync", run.get("sync", {}).get("decode")),
         ):
             if not rows:
                 continue
@@ -437,8 +437,8 @@ def main() -> int:
     ap.add_argument("--plan-ks", type=int, nargs="+", default=[1, 3, 7])
     ap.add_argument("--plan-reps", type=int, default=10)
     ap.add_argument(
-        "--overlap", action="store_true",
-        help="measure decode again with async scheduling on (under each model's 'overlap')",
+        "--sync", action="store_true",
+        help="measure decode again with async scheduling off (under each model's 'sync')",
     )  # fmt: skip
     ap.add_argument(
         "--synthetic-curves",
@@ -470,8 +470,8 @@ def main() -> int:
     results = {}
     for name, hf in models.items():
         results[name] = measure(name, hf, args, device, dtype, bandwidth)
-        if args.overlap:
-            results[name]["overlap"] = measure(name, hf, args, device, dtype, bandwidth, True)
+        if args.sync:
+            results[name]["sync"] = measure(name, hf, args, device, dtype, bandwidth, False)
         if args.plan_batches:
             results[name]["plan"] = plan_check(name, hf, args, device, dtype)
             gc.collect()
