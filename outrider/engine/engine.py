@@ -66,12 +66,12 @@ class EngineCore:
         self.grammars = Grammars(
             self.tokenizer, self.vocab_size, pinned=self.runner.device.type == "cuda"
         )
-        # Async scheduling (engine/overlap.py): on CUDA unless asked otherwise; speculative
-        # steps are not run ahead.
+        # Async scheduling (engine/overlap.py): on CUDA unless asked otherwise; never while a
+        # proposer speculates (`_async`).
         overlap_on = config.scheduler.async_scheduling
         if overlap_on is None:
             overlap_on = self.runner.device.type == "cuda"
-        self._async = overlap_on and proposer is None
+        self._async_asked = bool(overlap_on)
         self._ahead: overlap.Ahead | None = None
         self.num_steps_run_ahead = 0
         self.speculator = Speculator(
@@ -175,6 +175,12 @@ class EngineCore:
         self._tracked.pop(request_id, None)
         self.speculator.forget(request_id)
         self.grammars.forget(request_id)
+
+    @property
+    def _async(self) -> bool:
+        """Whether plain decode steps run ahead: asked for, and no proposer (one given later,
+        Speculator.use_proposer, turns it off: its plain steps feed the drafter)."""
+        return self._async_asked and self.speculator.proposer is None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

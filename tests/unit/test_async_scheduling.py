@@ -71,6 +71,11 @@ def test_async_scheduling_is_off_by_default_on_the_cpu_and_with_speculation(tiny
         async_scheduling=True, speculative={"method": "ngram", "controller": "fixed"},
     )  # fmt: skip
     assert not spec.engine._async
+    # A proposer given later (benchmarks build drafters after the engine) turns it off too.
+    later = _llm(tiny_dir, True)
+    assert later.engine._async
+    later.engine.speculator.use_proposer(spec.engine.speculator.proposer)
+    assert not later.engine._async
 
 
 def test_a_running_request_left_out_of_a_step_stops_running_ahead(tiny_dir):  # noqa: F811
