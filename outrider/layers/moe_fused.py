@@ -247,7 +247,7 @@ def moe_route_no_sync(
     as the fp32 GEMV up to the order of the sums."""
     t = x.shape[0]
     experts = router.shape[0]
-    _check_groups(experts, n_group, topk_group)
+    _check_groups(experts, n_group, topk_group, "moe_route_no_sync")
     size = experts // n_group
     weights = torch.empty(t, top_k + always, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k + always, dtype=torch.int64, device=x.device)
@@ -301,7 +301,7 @@ def moe_gate_no_sync(
     experts, hidden = router.shape
     if t > GATE_MAX_TOKENS:
         raise ValueError(f"moe_gate_no_sync: {t} tokens, past GATE_MAX_TOKENS={GATE_MAX_TOKENS}")
-    _check_groups(experts, n_group, topk_group)
+    _check_groups(experts, n_group, topk_group, "moe_gate_no_sync")
     size = experts // n_group
     dev = x.device
     weights = torch.empty(t, width, dtype=torch.float32, device=dev)
@@ -346,16 +346,16 @@ def _gate_count(device: torch.device) -> torch.Tensor:
     return count
 
 
-def _check_groups(experts: int, n_group: int, topk_group: int) -> None:
+def _check_groups(experts: int, n_group: int, topk_group: int, caller: str) -> None:
     if experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(
-            f"moe_route_no_sync: {experts} experts in n_group={n_group} groups keeping "
+            f"{caller}: {experts} experts in n_group={n_group} groups keeping "
             f"topk_group={topk_group}: n_group must divide the experts and 1 <= topk_group <= "
             f"n_group"
         )
     size = experts // n_group
     if topk_group < n_group and size < 2:
-        raise ValueError(f"moe_route_no_sync: groups of {size} expert(s) have no two best")
+        raise ValueError(f"{caller}: groups of {size} expert(s) have no two best")
 
 
 def moe_combine(
