@@ -109,6 +109,20 @@ def write_result(name: str, payload: dict, directory: str | Path | None = None) 
     return path
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), or None where matplotlib is not
+    installed: a plotting benchmark then says so and writes its JSON without the PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+        return None
+    return plt
+
+
 def save_figure(fig, path: Path) -> None:
     """Lay out, write (making its folder) and close a matplotlib figure, and say where."""
     import matplotlib.pyplot as plt

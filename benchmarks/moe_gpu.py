@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_figure, write_result  # noqa: E402
+from common import pyplot, save_figure, write_result  # noqa: E402
 from gpu_decode import LLAMA_8B, copy_bandwidth_gbs, run_outrider  # noqa: E402
 from kimi_layers import KIMI, hf_config, random_checkpoint  # noqa: E402
 from plan_accuracy import compare, measure_interleaved  # noqa: E402
@@ -385,13 +385,8 @@ def run_hf(hf: dict, prompt_len: int, new_tokens: int) -> dict:
 
 def plot(results: dict, path: Path) -> None:
     """tok/s and share of the roofline against C, one line per model and scheduling mode."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, (tps, share) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, run in results.items():

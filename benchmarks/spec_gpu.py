@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_figure, write_result  # noqa: E402
+from common import pyplot, save_figure, write_result  # noqa: E402
 
 CONFIGS = ("ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3")
 SUMMARY_KEYS = {"heldout": "speedup", "grounded": "speedup_grounded"}
@@ -205,13 +205,8 @@ def summarize(tries: list[dict]) -> dict:
 
 
 def plot(runs_summary: dict, sets: list[str], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(sets), figsize=(6 * len(sets), 4.5), squeeze=False)
     for ax, set_name in zip(axes[0], sets):

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save_figure, write_result  # noqa: E402
+from common import pyplot, save_figure, write_result  # noqa: E402
 from spec_gpu import (  # noqa: E402
     _clock,
     _sync,
@@ -408,13 +408,8 @@ def summary_tables(runs: dict) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     by_t = summary["tok_per_s"]
     fig, axes = plt.subplots(1, len(by_t), figsize=(6 * len(by_t), 4.5), squeeze=False)
