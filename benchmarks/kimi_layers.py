@@ -46,6 +46,7 @@ prediction is then the graphed one; elsewhere every step runs eagerly and is pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import resource
@@ -115,12 +116,48 @@ def hf_config(spec: ModelSpec, layers: int, dense: int) -> dict:
     }  # fmt: skip
 
 
+@contextlib.contextmanager
+def shared_expert_storage():
+    """Inside: every Int4FusedExperts built holds the same four routed-expert tensors as the
+    first one of its shape, so the whole depth of Kimi-K2.5 (60 MoE layers of 8.5 GB of INT4
+    experts each) fits one GPU with ~9 GB of experts. A step reads what the real model's does:
+    each layer reads the experts it routes to, and a layer's 8 (of 384) are rarely the ones
+    the layer before read, with hundreds of MB of other weights between (L2 is 50 MB). Step
+    time does not depend on the values (random anyway); each layer's load writes the shared
+    tensors again."""
+    from torch import nn
+
+    from outrider.layers.moe import Int4FusedExperts
+
+    built = Int4FusedExperts.__init__
+    shared: dict[tuple, nn.Parameter] = {}
+
+    def init(self, *args, **kwargs):
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            built(self, *args, **kwargs)
+        for name, param in list(self.named_parameters(recurse=False)):
+            key = (name, tuple(param.shape), param.dtype, device)
+            if key not in shared:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                shared[key] = nn.Parameter(empty, requires_grad=False)
+            vars(shared[key]).update(vars(param))  # weight_loader, expected_shards
+            setattr(self, name, shared[key])
+
+    Int4FusedExperts.__init__ = init
+    try:
+        yield
+    finally:
+        Int4FusedExperts.__init__ = built
+
+
 def random_checkpoint(
     hf: dict,
     device: str,
     dtype: torch.dtype,
     residual_write_scale: float = 1.0,
     tied_head: bool = False,
+    share_experts: bool = False,
 ):
     """A Checkpoint of `hf`'s shape whose iter_tensors makes each HF-named tensor on `device`
     when asked: unquantized weights N(0, STD) in `dtype` (norms 1), routed experts as
@@ -129,7 +166,10 @@ def random_checkpoint(
     from one q_proj (Moonlight, DeepSeek-V2-Lite). The layers' writes into the residual stream
     (o_proj, every down projection: dense, shared, routed, INT4 scales) are
     `residual_write_scale` times that; `tied_head`: the LM head's rows are the embedding's (its
-    own tensor still), as synthetic_accept.py's Llama shapes."""
+    own tensor still), as synthetic_accept.py's Llama shapes. `share_experts`: every INT4
+    routed expert of a shape is made once and handed out for all of them (the loads behind
+    shared_expert_storage write one tensor each time; making 60 x 1152 of them would take
+    minutes)."""
     from outrider.loaders.checkpoint import Checkpoint
     from outrider.loaders.hf_config import config_from_hf
 
@@ -150,7 +190,16 @@ def random_checkpoint(
             def ones(n: int) -> torch.Tensor:
                 return torch.ones(n, device=device, dtype=dtype)
 
+            made: dict[tuple, dict[str, torch.Tensor]] = {}
+
             def int4(out: int, inp: int, factor: float = 1.0) -> dict[str, torch.Tensor]:
+                if share_experts:
+                    if (out, inp, factor) not in made:
+                        made[out, inp, factor] = make_int4(out, inp, factor)
+                    return made[out, inp, factor]
+                return make_int4(out, inp, factor)
+
+            def make_int4(out: int, inp: int, factor: float) -> dict[str, torch.Tensor]:
                 # Uniform nibbles: q in [-8, 7], std ~4.6; scales ~STD / 4.6 keep W ~ STD.
                 words = torch.randint(-(2**31), 2**31 - 1, (out, inp // 8), dtype=torch.int32,
                                       device=device, generator=g)  # fmt: skip

@@ -3,11 +3,13 @@ Moonlight-16B-A3B experts (bf16, 64 routed + 2 shared, 8 a token) and the Kimi-K
 (INT4 group 32, 384, 8 a token) at 1, 4, 16 and 64 tokens, gate_up (gated) and down apart,
 with the share of copy bandwidth that the bytes of the experts the step reads make of it.
 
-    python benchmarks/moe_gemm_tiles.py [--tokens 1 4 16 64] [--out-dir DIR]
+    python benchmarks/moe_gemm_tiles.py [--tokens 1 4 16 64] [--models kimi-k2.5] [--out-dir DIR]
 
 Each time is a CUDA graph of 10 launches replayed (launch cost out of it), the median of 5
 replays. Writes moe_gemm_tiles.json: every candidate's time, and the best tile per (model,
-GEMM, tokens) beside moe_fused.moe_tile's choice, which was read from an earlier run of it.
+GEMM, tokens) beside moe_fused.moe_tile's choice, which was read from an earlier run of it;
+for INT4 the chosen tile also with its nibbles dequantized one at a time
+(moe_fused.INT4_DEQUANT_PAIRS off), the path before the PTX pairs.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--models", nargs="+", default=[m[0] for m in MODELS],
+                    choices=[m[0] for m in MODELS])  # fmt: skip
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
 
@@ -69,7 +73,7 @@ def main() -> int:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     results = []
-    for name, e, k, h, inter, int4 in MODELS:
+    for name, e, k, h, inter, int4 in (m for m in MODELS if m[0] in args.models):
         gemms = {
             "gate_up": (random_experts(e, 2 * inter, h, int4, g), h, True),
             "down": (random_experts(e, h, inter, int4, g), inter, False),
@@ -103,9 +107,23 @@ def main() -> int:
                 chosen = next(r for r in rows if all(r[k] == v for k, v in pick.items()))
                 print(f"{name} {gemm} T={t} experts {touched}: best {best} chosen "
                       f"{chosen['ms']} ms ({chosen['share']})", flush=True)  # fmt: skip
-                results.append({"model": name, "gemm": gemm, "tokens": t,
-                                "experts_touched": touched, "bytes_gb": round(need / 1e9, 4),
-                                "best": best, "chosen": chosen, "all": rows})  # fmt: skip
+                row = {"model": name, "gemm": gemm, "tokens": t, "experts_touched": touched,
+                       "bytes_gb": round(need / 1e9, 4), "best": best, "chosen": chosen,
+                       "all": rows}  # fmt: skip
+                if int4:  # the chosen tile again, its nibbles dequantized one at a time
+                    moe_fused.INT4_DEQUANT_PAIRS = False
+                    try:
+                        with torch.inference_mode():
+                            ms = time_graph(functools.partial(
+                                moe_fused.moe_gemm, a, ids, w, rows_per_a, s, GROUP, layout,
+                                gated, moe_fused.moe_tile(ids.numel(), int4, gated),
+                            ))  # fmt: skip
+                    finally:
+                        moe_fused.INT4_DEQUANT_PAIRS = True
+                    share = need / (ms / 1e3) / (bandwidth * 1e9)
+                    row["chosen_per_element"] = {"ms": round(ms, 4), "share": round(share, 3)}
+                    print(f"  per element: {ms:.4f} ms ({share:.3f})", flush=True)
+                results.append(row)
     path = write_result(
         "moe_gemm_tiles",
         {"copy_bandwidth_gbs": round(bandwidth, 1), "group": GROUP, "results": results},

@@ -8,8 +8,10 @@ the engine for a model that has no trained drafter, beside the planner's predict
         --tensor-parallel-size N [--link pcie5-nop2p] ...  # the model over N GPUs
 
 --model: a built-in shape (`llama-3.1-8b`, `tiny`; the DeepSeek-V3 family's `moonlight-16b-a3b`,
-`kimi-k2.5` (its first 4 layers, INT4 experts) and `moe-tiny`) built with random weights on the
-device, or a local model directory. A curve is one rate (the conditional acceptance at every draft
+`kimi-k2.5` (its first --kimi-layers layers, INT4 experts) and `moe-tiny`) built with random
+weights on the device, or a local model directory. Kimi's INT4 MoE layers hold one shared copy of
+the routed experts (kimi_layers.shared_expert_storage: each layer still reads the experts it
+routes to), so all 61 layers fit one GPU. A curve is one rate (the conditional acceptance at every draft
 position: 0.8 gives P(position i accepted) = 0.8^i) or one rate a position, '/' between them
 (0.9/0.8/0.6, the last repeating); --curves separates curves by commas.
 
@@ -56,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 from gpu_decode import LLAMA_8B, random_checkpoint  # noqa: E402
-from kimi_layers import KIMI  # noqa: E402
+from kimi_layers import KIMI, shared_expert_storage  # noqa: E402
 from kimi_layers import hf_config as kimi_hf_config  # noqa: E402
 from kimi_layers import random_checkpoint as moe_random_checkpoint  # noqa: E402
 from moe_gpu import MOONLIGHT  # noqa: E402
@@ -209,12 +211,15 @@ def build_engine(args):
         hf = dict(SHAPES[key])
         if key == "kimi-k2.5":
             hf = kimi_hf_config(KIMI, args.kimi_layers, 1)
-        make = moe_random_checkpoint if key in MOE_SHAPES else random_checkpoint
+        make, share = random_checkpoint, {}
+        if key in MOE_SHAPES:  # INT4 layers share one copy of the routed experts
+            make, share = moe_random_checkpoint, {"share_experts": True}
         checkpoint = make(
             hf, device, getattr(torch, dtype), residual_write_scale=RESIDUAL_WRITE_SCALE,
-            tied_head=True,
+            tied_head=True, **share,
         )  # fmt: skip
-        engine = EngineCore(config, checkpoint)
+        with shared_expert_storage():
+            engine = EngineCore(config, checkpoint)
         return engine, hf
     if not Path(args.model).expanduser().is_dir():
         raise SystemExit(
@@ -239,7 +244,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument(
         "--kimi-layers", type=int, default=4,
-        help="kimi-k2.5: the layers built (1 dense, then INT4 MoE; 8 take ~60 GB)",
+        help="kimi-k2.5: the layers built (1 dense, then INT4 MoE sharing one copy of the "
+        "routed experts: all 61 take ~33 GB)",
     )  # fmt: skip
     ap.add_argument(
         "--controller", default="fixed", choices=["fixed", "adaptive"],

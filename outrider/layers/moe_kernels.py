@@ -211,7 +211,7 @@ def moe_gemm_kernel(
     a_ptr, w_ptr, s_ptr, ids_ptr, rows_ptr, out_ptr, n,
     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
     K: tl.constexpr, ROWS_PER_A: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-    DOT_F32: tl.constexpr, BF16_BITS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_F32: tl.constexpr, DEQUANT: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (b, j): block b of the expert-sorted layout (BLOCK_M row ids, all one expert's,
@@ -225,6 +225,9 @@ def moe_gemm_kernel(
     # takes fp32 operands with full fp32 products (fp32 activations: not TF32's 10-bit
     # mantissa; the CPU interpreter: its dot reads bf16 as raw integers). Products of values
     # already rounded to a's dtype are exact in fp32, so only the order of the sums changes.
+    # DEQUANT, how INT4 nibbles become weights: 0 fp32 arithmetic (the interpreter, fp16 or
+    # fp32 activations), 1 bf16 bit tricks an element, 2 PTX bf16x2 pairs (bf16 on CUDA, a
+    # word's eight inputs in one scale group); all three give the same bf16 weights.
     # K is a constexpr: a model has two (hidden, intermediate), so two compilations; a runtime
     # loop bound also trips the CPU interpreter under numpy 2.
     b = tl.program_id(0)
@@ -246,13 +249,13 @@ def moe_gemm_kernel(
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         acc = _moe_tile_dot(
-            a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok, K, INT4, GROUP, DOT_F32, BF16_BITS,
+            a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok, K, INT4, GROUP, DOT_F32, DEQUANT,
             BLOCK_K, BLOCK_N,
         )  # fmt: skip
         if GATED:
             up = _moe_tile_dot(
                 a_rows, m_ok, up, w_cols + n * stride_wn, s_cols + n * stride_sn, k0, n_ok, K,
-                INT4, GROUP, DOT_F32, BF16_BITS, BLOCK_K, BLOCK_N,
+                INT4, GROUP, DOT_F32, DEQUANT, BLOCK_K, BLOCK_N,
             )  # fmt: skip
     out = out_ptr + rows[:, None] * stride_out + cols[None, :]
     dtype = out_ptr.dtype.element_ty
@@ -267,7 +270,7 @@ def moe_gemm_kernel(
 def _moe_tile_dot(
     a_rows, m_ok, acc, w_cols, s_cols, k0, n_ok,
     K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr,
-    BF16_BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    DEQUANT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # acc + a @ the weight tile: the BLOCK_K inputs from k0 of the rows at a_rows, the BLOCK_N
     # columns at w_cols.
@@ -281,23 +284,37 @@ def _moe_tile_dot(
         words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)  # [BLOCK_K / 8, N]
         if GROUP % 8 == 0:  # a word's eight inputs share one scale group
             scale = tl.load(s_cols[None, :] + (kw * 8 // GROUP)[:, None], mask=ok, other=0.0)
-        for i in tl.static_range(8):
-            ks = kw * 8 + i
-            a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :],
-                        other=0.0)  # fmt: skip
-            if GROUP % 8 != 0:
-                scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
-            # Arithmetic shift of a negative word drags the sign in; the mask drops it.
-            nibble = (words >> (4 * i)) & 0xF
-            if BF16_BITS:
-                # 0x4300 | q is the bfloat16 of 128 + q: the nibble becomes a bf16 with no
-                # integer conversion, 136 off q - 8 exactly. q * scale is exact before its one
-                # rounding to bf16, as the fp32 product rounded to bf16 is.
-                q = (nibble | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0
-                w = q.to(tl.bfloat16) * scale.to(tl.bfloat16)
-            else:
-                w = ((nibble - 8).to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
-            acc = _dot(a, w, acc, DOT_F32)
+        if DEQUANT == 2:  # two words a PTX call, nibble i of both as one bf16x2 lane pair
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                _DEQUANT_PAIRS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scale.to(tl.bfloat16)],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2,
+            )  # fmt: skip
+            acc = _nibble_dot(a_rows, m_ok, kw, 0, w0, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 1, w1, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 2, w2, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 3, w3, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 4, w4, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 5, w5, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 6, w6, acc, K, DOT_F32)
+            acc = _nibble_dot(a_rows, m_ok, kw, 7, w7, acc, K, DOT_F32)
+        else:
+            for i in tl.static_range(8):
+                ks = kw * 8 + i
+                a = tl.load(a_rows[:, None] + ks[None, :],
+                            mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
+                if GROUP % 8 != 0:
+                    scale = tl.load(s_cols[None, :] + (ks // GROUP)[:, None], mask=ok, other=0.0)
+                # Arithmetic shift of a negative word drags the sign in; the mask drops it.
+                nibble = (words >> (4 * i)) & 0xF
+                if DEQUANT == 1:
+                    # 0x4300 | q is the bfloat16 of 128 + q: the nibble becomes a bf16 with no
+                    # integer conversion, 136 off q - 8 exactly. q * scale is exact before its
+                    # one rounding to bf16, as the fp32 product rounded to bf16 is.
+                    q = (nibble | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0
+                    w = q.to(tl.bfloat16) * scale.to(tl.bfloat16)
+                else:
+                    w = ((nibble - 8).to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+                acc = _dot(a, w, acc, DOT_F32)
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -306,6 +323,44 @@ def _moe_tile_dot(
         w = tl.load(w_cols[None, :] + ks[:, None], mask=ok, other=0.0).to(a.dtype)
         acc = _dot(a, w, acc, DOT_F32)
     return acc
+
+
+# Two INT4 words ($8, $9) and their bf16 scales ($10, packed) in, nibble i of both words as
+# bf16 (q - 8) * scale out in $i (word $8's in the low half). prmt gathers the two words' low
+# halves (nibbles 0-3) into `lo` and high halves (4-7) into `hi`, so one shift, and, or reaches
+# the same nibble of both; 0x4300 | q is the bfloat16 of 128 + q, the first fma (x 1, - 136)
+# gives q - 8 exactly, the second the product rounded once, as the fp32 product rounded to
+# bf16 is (adding -0 leaves every product, zeros included, as it is). 34 instructions for 16
+# weights, where the per-element path takes about ten an element.
+_DEQUANT_PAIRS = tl.constexpr(
+    """{
+.reg .b32 lo, hi, t, one, off, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 off, 0xC308C308;
+mov.b32 nz, 0x80008000;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+"""
+    + "".join(
+        f"""shr.u32 t, {half}, {4 * (i % 4)};
+and.b32 t, t, 0x000F000F;
+or.b32 t, t, 0x43004300;
+fma.rn.bf16x2 t, t, one, off;
+fma.rn.bf16x2 ${i}, t, $10, nz;
+"""
+        for i, half in enumerate(["lo"] * 4 + ["hi"] * 4)
+    )
+    + "}"
+)
+
+
+@triton.jit
+def _nibble_dot(a_rows, m_ok, kw, i: tl.constexpr, w, acc, K: tl.constexpr,
+                DOT_F32: tl.constexpr):  # fmt: skip
+    # acc + the activations of inputs 8 kw + i @ w, nibble i's dequantized weights.
+    ks = kw * 8 + i
+    a = tl.load(a_rows[:, None] + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
+    return _dot(a, w, acc, DOT_F32)
 
 
 @triton.jit

@@ -289,3 +289,28 @@ def test_w4a16_moe_gemm_at_kimi_dims_matches_dequantize_then_bf16(n, k):
     ref_err = (ref.float() - truth).abs().max().item()
     assert err <= max(2 * ref_err, 2**-7 * truth.abs().max().item()), (err, ref_err)
     assert truth.abs().max() > 0.5
+
+
+@pytest.mark.parametrize("gated, tokens", [(True, 1), (True, 16), (False, 4), (False, 64)])
+def test_int4_dequant_pairs_equal_the_per_element_path(gated, tokens, monkeypatch):
+    """The PTX path that dequantizes two INT4 words a call (moe_kernels._DEQUANT_PAIRS) makes
+    the same bf16 weights as the one-element-at-a-time path, so moe_gemm's outputs are equal
+    bit for bit, gate_up (gated, rows sharing a token's activation) and down alike; every
+    nibble value occurs (random words) and the scales differ per group and column."""
+    torch.manual_seed(0)
+    experts, top_k, group, n, k = 64, 8, 32, 512, 1024
+    words = torch.randint(-(2**31), 2**31, (experts, n, k // 8), dtype=torch.int32, device="cuda")
+    scale = ((torch.rand(experts, n, k // group, device="cuda") + 0.5) / k**0.5).bfloat16()
+    rows_per_a = top_k if gated else 1
+    _, ids = _routing(tokens, num=experts, top_k=top_k)
+    rows = ids.reshape(-1)
+    a = torch.randn(rows.numel() // rows_per_a, k, device="cuda", dtype=torch.bfloat16)
+
+    def run(pairs: bool) -> torch.Tensor:
+        monkeypatch.setattr(moe_fused, "INT4_DEQUANT_PAIRS", pairs)
+        assert moe_fused._dequant(a, group) == (2 if pairs else 1)
+        return moe_fused.moe_gemm(a, rows, words, rows_per_a, scale, group, gated=gated)
+
+    out, per_element = run(True), run(False)
+    assert out.abs().max() > 0.1
+    assert torch.equal(out, per_element)

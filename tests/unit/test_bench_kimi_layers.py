@@ -62,3 +62,43 @@ def test_smoke_derives_per_layer_times(bench):
             predicted = row["moe_layer_predicted_ms"]
             assert error == pytest.approx(predicted / measured - 1, rel=0.01, abs=1e-3)
     assert "MoE ms" in bench.table(result)
+
+
+def test_shared_expert_storage_holds_one_copy_and_computes_as_separate_copies(bench):
+    """Layers built under shared_expert_storage hold the same routed-expert tensors (one
+    allocation for the whole depth), and a decode over them equals the same checkpoint built
+    with a copy per layer: the share changes where the bytes live, not what a step computes."""
+    import torch
+
+    hf = bench.hf_config(bench.SMOKE, 4, 1)
+
+    def runner(shared: bool):
+        checkpoint = bench.random_checkpoint(hf, "cpu", torch.float32, share_experts=True)
+        if not shared:
+            return bench.build_runner(checkpoint, "cpu", "float32", (0,), 1)
+        with bench.shared_expert_storage():
+            return bench.build_runner(checkpoint, "cpu", "float32", (0,), 1)
+
+    one, apart = runner(True), runner(False)
+    experts = [layer.mlp.experts for layer in one.model.model.layers[1:]]
+    assert len(experts) == 3
+    for name in ("gate_up_proj_packed", "gate_up_proj_scale", "down_proj_packed"):
+        first = getattr(experts[0], name)
+        assert all(getattr(e, name) is first for e in experts[1:]), name
+        separate = [getattr(layer.mlp.experts, name) for layer in apart.model.model.layers[1:]]
+        assert len({t.data_ptr() for t in separate}) == 3
+        assert all(torch.equal(first, t) for t in separate)
+    # Back outside: a model built now holds its own experts again.
+    again = bench.build_runner(
+        bench.random_checkpoint(hf, "cpu", torch.float32), "cpu", "float32", (0,), 1
+    )
+    ptrs = {layer.mlp.experts.down_proj_scale.data_ptr() for layer in again.model.model.layers[1:]}
+    assert len(ptrs) == 3
+    x = torch.tensor([3, 17, 101, 7])
+    with torch.inference_mode():  # each MoE layer's MLP in turn, routing included
+        h_one = one.model.model.embed_tokens(x)
+        h_apart = apart.model.model.embed_tokens(x)
+        for a, b in zip(one.model.model.layers[1:], apart.model.model.layers[1:], strict=True):
+            h_one, h_apart = a.mlp(h_one), b.mlp(h_apart)
+    assert h_one.abs().max() > 0
+    assert torch.equal(h_one, h_apart)
