@@ -216,7 +216,13 @@ class EngineCore:
         self._ahead = self._run_ahead(batch, ids.device)
         tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
-        return self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
+        deltas = self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
+        if self._ahead is not None and all(s.request.is_finished for s in self._ahead.batch.seqs):
+            # Every row it continues finished with this step: nothing of it is wanted (its KV
+            # writes land in finished requests' slots before anything launched later). Kept,
+            # the next run's first step would take it, a proposer given since included.
+            self._ahead = None
+        return deltas
 
     def _pick_grammar_tokens(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.gpu
 def test_ngram_greedy_equals_plain_on_cuda():
     convs = [[{"role": "user", "content": p}] for p in GROUNDED[:6] + OPEN[:4]]
     params = SamplingParams(temperature=0, max_tokens=64)
-    plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2)
+    plain = LLM(dtype="float32", device="cuda", num_blocks=1024)
     want = [o.token_ids for o in plain.chat(convs, params)]
     del plain
     spec = LLM(
         dtype="float32",
         device="cuda",
-        gpu_memory_utilization=0.2,
+        num_blocks=1024,
         speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 5},
     )
     outs = spec.chat(convs, params)

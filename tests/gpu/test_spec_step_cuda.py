@@ -72,7 +72,7 @@ def test_steady_state_replays_graphs_and_reads_the_host_once(drafter_path, metho
         spec.update(method="eagle3", draft=drafter_path)
     if method == "eagle3_tree":
         spec.update(TREE)
-    llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2, speculative=spec)
+    llm = LLM(dtype="bfloat16", device="cuda", num_blocks=1024, speculative=spec)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     prompts = _prompts(llm, concurrency)
     if method == "ngram":  # drafts for every row: n-gram finds none in some rows otherwise
@@ -85,7 +85,7 @@ def test_steady_state_replays_graphs_and_reads_the_host_once(drafter_path, metho
 
 @pytest.mark.parametrize("concurrency", [1, 4, 16])
 def test_spec_step_greedy_equals_plain_fp32(drafter_path, concurrency):
-    plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2)
+    plain = LLM(dtype="float32", device="cuda", num_blocks=1024)
     prompts = _prompts(plain, concurrency)
     params = SamplingParams(temperature=0, max_tokens=40)
     want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -95,7 +95,7 @@ def test_spec_step_greedy_equals_plain_fp32(drafter_path, concurrency):
         {"method": "eagle3", "draft": drafter_path, "num_draft_tokens": 4, "controller": "fixed"},
         {"method": "eagle3", "draft": drafter_path, "controller": "fixed", **TREE},
     ):
-        llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec)
+        llm = LLM(dtype="float32", device="cuda", num_blocks=1024, speculative=spec)
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert got == want, spec
         assert llm.engine.runner.spec_step.graphs

@@ -101,3 +101,18 @@ def test_a_running_request_left_out_of_a_step_stops_running_ahead(tiny_dir):  # 
                 return finished
 
     assert drive(True) == drive(False)  # L ends when b has, not after c as well
+
+
+def test_no_step_is_left_ahead_once_every_request_finished(tiny_dir, prompts):  # noqa: F811
+    """The last step of a run launches one more ahead before it knows its requests finish;
+    that step is dropped then, not left for the next run's first step to take (with a drafter
+    attached in between, it would hand the drafter a step without its hidden states)."""
+    llm = _llm(tiny_dir, True)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = llm.generate(prompts[:2], params)
+    assert llm.engine.num_steps_run_ahead > 3
+    assert llm.engine._ahead is None
+    steps = llm.engine.num_steps_run_ahead
+    again = llm.generate(prompts[:2], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert llm.engine._ahead is None and llm.engine.num_steps_run_ahead > steps
