@@ -9,7 +9,9 @@ Each time is a CUDA graph of 10 launches replayed (launch cost out of it), the m
 replays. Writes moe_gemm_tiles.json: every candidate's time, and the best tile per (model,
 GEMM, tokens) beside moe_fused.moe_tile's choice, which was read from an earlier run of it;
 for INT4 the chosen tile also with its nibbles dequantized one at a time
-(moe_fused.INT4_DEQUANT_PAIRS off), the path before the PTX pairs.
+(moe_fused.INT4_DEQUANT_PAIRS off), the path before the PTX pairs, and the one-GEMV-a-row
+kernel's launch shapes (moe_fused.moe_gemv); per point `default` is what moe_gemm runs given no
+tile (what a model's step runs). --paths gemv skips the tile sweep (the chosen tile only).
 """
 
 from __future__ import annotations
@@ -44,6 +46,29 @@ def candidates(int4: bool):
         yield MoeTile(64, 64, 4, 4)
 
 
+def _timed(call, need: float, bandwidth: float) -> dict | None:
+    """call's time (a graph of 10 launches, the median of 5 replays) and the share of copy
+    bandwidth `need` bytes make of it; None where the launch shape does not fit an SM."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        with torch.inference_mode():
+            ms = time_graph(call)
+    except OutOfResources:  # shared memory past the SM's: not a candidate
+        return None
+    share = need / (ms / 1e3) / (bandwidth * 1e9)
+    return {"ms": round(ms, 4), "share": round(share, 3)}
+
+
+def gemv_candidates():
+    from outrider.layers.moe_fused import GemvTile
+
+    for n, k in itertools.product((32, 64, 128), (256, 512)):
+        yield GemvTile(n, k, 4)
+    yield GemvTile(64, 256, 8)
+    yield GemvTile(128, 256, 8)
+
+
 def random_experts(e: int, n: int, k: int, int4: bool, g: torch.Generator):
     """[e, n, k] bf16 experts, or INT4 packed words and bf16 scales of that shape."""
     dev = g.device
@@ -62,10 +87,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--models", nargs="+", default=[m[0] for m in MODELS],
                     choices=[m[0] for m in MODELS])  # fmt: skip
+    ap.add_argument(
+        "--paths", nargs="+", default=["tiles", "gemv"], choices=["tiles", "gemv"],
+        help="tiles: sweep the grouped GEMM's tiles (else time moe_tile's choice only); gemv: "
+        "sweep the INT4 GEMV's launch shapes",
+    )  # fmt: skip
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
-
-    from triton.runtime.errors import OutOfResources
 
     from outrider.layers import moe_fused
 
@@ -88,23 +116,22 @@ def main() -> int:
                 per_expert = w[0].numel() * w.element_size()
                 per_expert += s[0].numel() * s.element_size() if s is not None else 0
                 need = touched * per_expert
+                base = (a, ids, w, rows_per_a)
+
+                def timed(fn, *extra, base=base, need=need) -> dict | None:
+                    return _timed(functools.partial(fn, *base, *extra), need, bandwidth)
+
+                group = GROUP if int4 else 0
+                pick = moe_fused.moe_tile(ids.numel(), int4, gated)
+                tiles = candidates(int4) if "tiles" in args.paths else [pick]
                 rows = []
-                for tile in candidates(int4):
-                    call = functools.partial(
-                        moe_fused.moe_gemm, a, ids, w, rows_per_a, s, GROUP if int4 else 0,
-                        layout, gated, tile,
-                    )  # fmt: skip
-                    try:
-                        with torch.inference_mode():
-                            ms = time_graph(call)
-                    except OutOfResources:  # shared memory past the SM's: not a candidate
-                        continue
-                    share = need / (ms / 1e3) / (bandwidth * 1e9)
-                    rows.append({**dataclasses.asdict(tile), "ms": round(ms, 4),
-                                 "share": round(share, 3)})  # fmt: skip
+                for tile in tiles:
+                    got = timed(moe_fused.moe_gemm, s, group, layout, gated, tile)
+                    if got is not None:
+                        rows.append({**dataclasses.asdict(tile), **got})
                 best = min(rows, key=lambda r: r["ms"])
-                pick = dataclasses.asdict(moe_fused.moe_tile(ids.numel(), int4, gated))
-                chosen = next(r for r in rows if all(r[k] == v for k, v in pick.items()))
+                want = dataclasses.asdict(pick)
+                chosen = next(r for r in rows if all(r[k] == v for k, v in want.items()))
                 print(f"{name} {gemm} T={t} experts {touched}: best {best} chosen "
                       f"{chosen['ms']} ms ({chosen['share']})", flush=True)  # fmt: skip
                 row = {"model": name, "gemm": gemm, "tokens": t, "experts_touched": touched,
@@ -113,16 +140,24 @@ def main() -> int:
                 if int4:  # the chosen tile again, its nibbles dequantized one at a time
                     moe_fused.INT4_DEQUANT_PAIRS = False
                     try:
-                        with torch.inference_mode():
-                            ms = time_graph(functools.partial(
-                                moe_fused.moe_gemm, a, ids, w, rows_per_a, s, GROUP, layout,
-                                gated, moe_fused.moe_tile(ids.numel(), int4, gated),
-                            ))  # fmt: skip
+                        row["chosen_per_element"] = timed(
+                            moe_fused.moe_gemm, s, group, layout, gated, pick
+                        )
                     finally:
                         moe_fused.INT4_DEQUANT_PAIRS = True
-                    share = need / (ms / 1e3) / (bandwidth * 1e9)
-                    row["chosen_per_element"] = {"ms": round(ms, 4), "share": round(share, 3)}
-                    print(f"  per element: {ms:.4f} ms ({share:.3f})", flush=True)
+                    print(f"  per element: {row['chosen_per_element']}", flush=True)
+                if int4 and "gemv" in args.paths:  # one GEMV a row
+                    gemv = []
+                    for tile in gemv_candidates():
+                        got = timed(moe_fused.moe_gemv, s, group, gated, tile)
+                        if got is not None:
+                            gemv.append({**dataclasses.asdict(tile), **got})
+                    row["gemv_best"] = min(gemv, key=lambda r: r["ms"])
+                    row["gemv_all"] = gemv
+                    print(f"  gemv best: {row['gemv_best']}", flush=True)
+                # What a model's step runs: moe_gemm with no tile given.
+                row["default"] = timed(moe_fused.moe_gemm, s, group, layout, gated)
+                print(f"  moe_gemm's own choice: {row['default']}", flush=True)
                 results.append(row)
     path = write_result(
         "moe_gemm_tiles",

@@ -192,6 +192,8 @@ def moe_gemm(
             f"experts, which need {moe_layout_slots(rows, experts)}: build it with "
             f"moe_layout_no_sync(ids, {experts})"
         )
+    if int4 and tile is None and rows <= MOE_GEMV_MAX_ROWS and group_size % 8 == 0:
+        return _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out)
     tile = tile or moe_tile(rows, int4, gated)
     if int4 and tile.block_k < 128:
         raise ValueError(f"moe_gemm: INT4 weights need a tile's block_k >= 128, not {tile}")
@@ -205,6 +207,69 @@ def moe_gemm(
         DEQUANT=_dequant(a, group_size), GATED=gated, BLOCK_M=MOE_BLOCK_M,
         BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# INT4 products of at most this many rows (tokens x choices: 16 tokens of Kimi's 8) run as one
+# GEMV a row (moe_gemv): at few rows a block of the grouped GEMM holds one real row, and the
+# tensor-core path spends its time moving dequantized weights into the MMA's layout.
+MOE_GEMV_MAX_ROWS = 128
+
+
+@dataclass(frozen=True)
+class GemvTile:
+    """moe_gemv's launch shape: BLOCK_N output columns, a BLOCK_K slice of K a step (>= 8)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+
+
+def moe_gemv(
+    a: torch.Tensor,
+    ids: torch.Tensor,
+    weight: torch.Tensor,  # INT4 packed [E, N, ceil(K / 8)] int32
+    rows_per_a: int,
+    scale: torch.Tensor,  # [E, N, ceil(K / group_size)]
+    group_size: int,
+    gated: bool = False,
+    tile: GemvTile | None = None,
+) -> torch.Tensor | None:
+    """moe_gemm's product for INT4 weights, one program per (row, BLOCK_N columns) on the CUDA
+    cores: what moe_gemm runs for at most MOE_GEMV_MAX_ROWS rows. The same weights (rounded
+    to a's dtype) and fp32 products; the sums' order differs. None where the fused path does
+    not serve."""
+    width = a.shape[1]
+    if weight.shape[-1] != -(-width // 8) or group_size % 8:
+        raise ValueError(
+            f"moe_gemv: INT4 activations of width {width} need packed weights of "
+            f"{-(-width // 8)} words per row and a group size that is a multiple of 8, got "
+            f"{tuple(weight.shape)} and group_size={group_size}"
+        )
+    if not fused.use_fused(a) or a.dtype not in MOE_DTYPES:
+        return None
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    ids = ids.reshape(-1).contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    n = weight.shape[1] // 2 if gated else weight.shape[1]
+    out = torch.empty(ids.numel(), n, dtype=a.dtype, device=a.device)
+    return _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out, tile)
+
+
+def _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out, tile=None):
+    tile = tile or GemvTile()
+    if not out.shape[0]:
+        return out
+    n = out.shape[1]
+    grid = (out.shape[0], -(-n // tile.block_n))
+    _kernels().moe_gemv_kernel[grid](
+        a, weight, scale, ids, out, n,
+        a.stride(0), weight.stride(0), weight.stride(1), scale.stride(0), scale.stride(1),
+        out.stride(0),
+        K=a.shape[1], ROWS_PER_A=rows_per_a, GROUP=group_size, DEQUANT=_dequant(a, group_size),
+        GATED=gated, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.num_warps,
     )  # fmt: skip
     return out
 

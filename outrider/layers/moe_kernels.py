@@ -368,3 +368,79 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, w, acc)
+
+
+@triton.jit
+def moe_gemv_kernel(
+    a_ptr, w_ptr, s_ptr, ids_ptr, out_ptr, n,
+    stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    K: tl.constexpr, ROWS_PER_A: tl.constexpr, GROUP: tl.constexpr, DEQUANT: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (r, j): row r of the product, a[r // ROWS_PER_A] @ W[ids[r]]^T, its j-th BLOCK_N
+    # output columns, for INT4 weights (as moe_gemm_kernel's, a word's eight inputs in one
+    # scale group) and few rows: each row streams its expert's words itself, on the CUDA
+    # cores, where a tensor-core tile of 16 rows would hold one real row and pass every
+    # dequantized weight through shared memory to reach the MMA's operand layout. The
+    # weights are rounded to a's dtype as moe_gemm_kernel rounds them, the products taken in
+    # fp32 (exact) and summed per column in fp32: [BLOCK_K / 8, BLOCK_N] partial sums over K,
+    # then one sum over their rows. GATED: gate and up columns, silu(gate) * up stored.
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + r).to(tl.int64)
+    a_row = a_ptr + (r // ROWS_PER_A) * stride_a
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < n
+    w_cols = w_ptr + e * stride_we + cols.to(tl.int64) * stride_wn
+    s_cols = s_ptr + e * stride_se + cols.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        acc = _gemv_tile(a_row, acc, w_cols, s_cols, kw, n_ok, K, GROUP, DEQUANT)
+        if GATED:
+            up = _gemv_tile(a_row, up, w_cols + n * stride_wn, s_cols + n * stride_sn, kw, n_ok,
+                            K, GROUP, DEQUANT)  # fmt: skip
+    dtype = out_ptr.dtype.element_ty
+    out = tl.sum(acc, axis=0)
+    if GATED:  # rounded where moe_gemm_kernel rounds
+        g = out.to(dtype).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        out = act * tl.sum(up, axis=0).to(dtype).to(tl.float32)
+    tl.store(out_ptr + r * stride_out + cols, out.to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _gemv_tile(a_row, acc, w_cols, s_cols, kw, n_ok, K: tl.constexpr, GROUP: tl.constexpr,
+               DEQUANT: tl.constexpr):  # fmt: skip
+    # acc + the products of words kw (all eight nibbles) with their inputs, per (word, column).
+    ok = (kw < (K + 7) // 8)[:, None] & n_ok[None, :]
+    words = tl.load(w_cols[None, :] + kw[:, None], mask=ok, other=0)  # [BLOCK_K / 8, N]
+    scale = tl.load(s_cols[None, :] + (kw * 8 // GROUP)[:, None], mask=ok, other=0.0)
+    if DEQUANT == 2:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+            _DEQUANT_PAIRS, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scale.to(tl.bfloat16)],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2,
+        )  # fmt: skip
+        acc += _gemv_nibble(a_row, kw, 0, w0, K)
+        acc += _gemv_nibble(a_row, kw, 1, w1, K)
+        acc += _gemv_nibble(a_row, kw, 2, w2, K)
+        acc += _gemv_nibble(a_row, kw, 3, w3, K)
+        acc += _gemv_nibble(a_row, kw, 4, w4, K)
+        acc += _gemv_nibble(a_row, kw, 5, w5, K)
+        acc += _gemv_nibble(a_row, kw, 6, w6, K)
+        acc += _gemv_nibble(a_row, kw, 7, w7, K)
+    else:
+        for i in tl.static_range(8):
+            nibble = (words >> (4 * i)) & 0xF
+            a_dtype = a_row.dtype.element_ty
+            w = ((nibble - 8).to(tl.float32) * scale.to(tl.float32)).to(a_dtype)
+            acc += _gemv_nibble(a_row, kw, i, w, K)
+    return acc
+
+
+@triton.jit
+def _gemv_nibble(a_row, kw, i: tl.constexpr, w, K: tl.constexpr):
+    # The products of nibble i's weights w [BLOCK_K / 8, N] with inputs 8 kw + i, in fp32.
+    ks = kw * 8 + i
+    a = tl.load(a_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+    return a[:, None] * w.to(tl.float32)

@@ -233,8 +233,18 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         deq = torch.stack([dequantize_int4(packed[i], scale[i], k_in, group, torch.float32)
                            for i in range(e)])  # fmt: skip
         a = torch.randn(19, k_in)
-        got = moe_fused.moe_gemm(a, crowded, packed, 2, scale, group)
+        got = moe_fused.moe_gemm(a, crowded, packed, 2, scale, group)  # GEMV where it serves
         report(f"moe-gemm-int4-{k_in}-{group}", got, rowwise(a, crowded, deq, 2))
+        tiles = moe_fused.moe_gemm(a, crowded, packed, 2, scale, group, tile=moe_fused.MoeTile())
+        report(f"moe-gemm-int4-{k_in}-{group}-tiles", tiles, rowwise(a, crowded, deq, 2))
+        if group % 8 == 0:  # the GEMV itself, gated too, against the tensor-core path's
+            gemv = moe_fused.moe_gemv(a, crowded, packed, 2, scale, group)
+            report(f"moe-gemv-int4-{k_in}-{group}", gemv, rowwise(a, crowded, deq, 2))
+            gated = moe_fused.moe_gemv(a, crowded, packed, 2, scale, group, gated=True)
+            want = moe_fused.moe_gemm(
+                a, crowded, packed, 2, scale, group, gated=True, tile=moe_fused.MoeTile()
+            )
+            report(f"moe-gemv-gated-int4-{k_in}-{group}", gated, want)
     a, w = torch.randn(37, 100, dtype=torch.bfloat16), torch.randn(e, n, 100, dtype=torch.bfloat16)
     report("moe-gemm-bf16", moe_fused.moe_gemm(a, crowded, w), rowwise(a, crowded, w, 1))
     layout = moe_fused.moe_layout_no_sync(crowded, e)
@@ -383,9 +393,31 @@ def test_moe_gemm_matches_the_row_by_row_product(results, route, rows_per_a):
     assert r["scaled"] <= 1e-5, r
 
 
+@pytest.mark.parametrize("path", ["", "-tiles"])
 @pytest.mark.parametrize("case", ["160-32", "203-32", "192-48", "512-256"])
-def test_moe_gemm_int4_matches_the_dequantized_product(results, case):
-    assert results[f"moe-gemm-int4-{case}"]["scaled"] <= 1e-5, results[f"moe-gemm-int4-{case}"]
+def test_moe_gemm_int4_matches_the_dequantized_product(results, case, path):
+    # "": moe_gemm's own choice (the GEMV for these few rows where the group allows it);
+    # "-tiles": a tile given, the tensor-core grouped GEMM.
+    r = results[f"moe-gemm-int4-{case}{path}"]
+    assert r["scaled"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("case", ["160-32", "203-32", "192-48", "512-256"])
+def test_int4_gemv_matches_the_dequantized_product_and_the_gated_grouped_gemm(results, case):
+    r = results[f"moe-gemv-int4-{case}"]
+    assert r["scaled"] <= 1e-5, r
+    # silu(gate) * up from one launch, as the tensor-core path computes it (sums reordered).
+    r = results[f"moe-gemv-gated-int4-{case}"]
+    assert r["scaled"] <= 1e-5, r
+
+
+def test_int4_gemv_refuses_groups_that_split_a_word():
+    from outrider.layers import moe_fused
+
+    ids = torch.tensor([0])
+    packed = torch.zeros(1, 4, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="group_size=12"):
+        moe_fused.moe_gemv(torch.randn(1, 24), ids, packed, 1, torch.ones(1, 4, 2), 12)
 
 
 def test_moe_gemm_bf16_and_a_shared_layout(results):
