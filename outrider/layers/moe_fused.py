@@ -258,8 +258,16 @@ def moe_gemv(
     return _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out, tile)
 
 
+def gemv_tile(gated: bool) -> GemvTile:
+    """moe_gemv's launch shape, from the H100 sweep in
+    benchmarks/results/moe_gemm_tiles_gemv_h100.json (Kimi-K2.5's experts at 1, 4 and 16
+    tokens): gate_up's two accumulators run best on eight warps (60-68% of copy bandwidth),
+    down on four."""
+    return GemvTile(64, 256, 8 if gated else 4)
+
+
 def _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out, tile=None):
-    tile = tile or GemvTile()
+    tile = tile or gemv_tile(gated)
     if not out.shape[0]:
         return out
     n = out.shape[1]
