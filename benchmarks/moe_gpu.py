@@ -478,7 +478,10 @@ def main() -> int:
             }
         if args.hf and device == "cuda":
             if hf.get("quantization_config") is None:
-                results[name]["hf"] = run_hf(hf, args.prompt_len, args.new_tokens)
+                try:  # a failure here keeps the engine's figures above
+                    results[name]["hf"] = run_hf(hf, args.prompt_len, args.new_tokens)
+                except Exception as e:  # noqa: BLE001
+                    results[name]["hf"] = {"error": f"{type(e).__name__}: {e}"[:500]}
                 print(f"{name} HF transformers C=1: {results[name]['hf']}", flush=True)
             else:
                 results[name]["hf"] = {"skipped": "INT4 (compressed-tensors) experts"}
