@@ -7,7 +7,8 @@ C tokens, each kernel takes
     t = max(bytes / (bandwidth x mem_efficiency), flops / (peak x compute_efficiency)) + overhead
 
 (a grouped MoE GEMM's memory time no less than the bytes its blocks take in over `sms x
-moe_block_gbs_per_sm`, or for INT4 experts, which the SMs unpack, `sms x int4_unpack_gbs_per_sm`)
+moe_block_gbs_per_sm`, or for INT4 experts, which the SMs unpack, `sms x int4_unpack_gbs_per_sm`,
+and at few rows, one GEMV a row, each row's expert over `sms x int4_gemv_gbs_per_sm`)
 
 where the overhead is what a kernel costs beyond moving its bytes or doing its FLOPs (its
 start, the ramp to full bandwidth, the tail, the gap to the next kernel in a graph): a GEMM's
@@ -72,6 +73,9 @@ INPUT_BLOCK = 16  # the KV block size the engine's block tables count in (its de
 # The rows of one expert a block of the engine's grouped MoE GEMM takes (layers/moe_fused.py
 # MOE_BLOCK_M; copied: that module imports torch, the planner does not).
 MOE_BLOCK_M = 16
+# INT4 experts' products of at most this many (token, expert) rows run as one GEMV a row, each
+# row streaming its own expert's weights (layers/moe_fused.py MOE_GEMV_MAX_ROWS; copied).
+INT4_GEMV_MAX_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Kernel:
     # A grouped MoE GEMM's: the bytes its blocks take in, each block its expert's weights (from
     # L2 where another block of that expert brought them from memory). 0: not one.
     block_bytes: float = 0.0
+    gemv: bool = False  # INT4 experts one GEMV a row: taken in at int4_gemv_gbs_per_sm
 
 
 SPLIT_K_MIN = 512  # the least of the input dimension one split of a split-K GEMM takes
@@ -233,10 +238,13 @@ def grouped_gemm(
     wbytes: float, int4: bool,
 ) -> Kernel:  # fmt: skip
     """A grouped MoE GEMM of `rows` (token, expert) rows: `experts` experts' [k_in -> k_out]
-    weights read from memory, `blocks` of them taken in by the SMs."""
+    weights read from memory, `blocks` of them taken in by the SMs; INT4 at no more than
+    INT4_GEMV_MAX_ROWS rows, one GEMV a row, whose SMs take in one expert's weights a row."""
     weights, acts = k_in * k_out * wbytes, rows * (k_in + k_out) * ACT_BYTES
+    gemv = int4 and rows <= INT4_GEMV_MAX_ROWS
     return Kernel(name, experts * weights + acts, 2.0 * rows * k_in * k_out, gemm=True,
-                  int4=int4, block_bytes=blocks * weights + acts)  # fmt: skip
+                  int4=int4, block_bytes=(rows if gemv else blocks) * weights + acts,
+                  gemv=gemv)  # fmt: skip
 
 
 def folded_shared_experts(m: ModelSpec) -> int:
@@ -363,14 +371,16 @@ def time_step(
     mem_bytes_per_us = gpu.mem_gbs * 1e3 * gpu.mem_efficiency
     block_bytes_per_us = gpu.sms * gpu.moe_block_gbs_per_sm * 1e3
     int4_bytes_per_us = gpu.sms * gpu.int4_unpack_gbs_per_sm * 1e3
+    gemv_bytes_per_us = gpu.sms * gpu.int4_gemv_gbs_per_sm * 1e3
     compute_flops_per_us = gpu.bf16_tflops * 1e6 * gpu.compute_efficiency
     compute = memory = launch = 0.0
     for k in kernels:
         t_mem = k.bytes / mem_bytes_per_us
         if k.block_bytes and gpu.sms:  # the SMs take in every block's weights
-            t_mem = max(
-                t_mem, k.block_bytes / (int4_bytes_per_us if k.int4 else block_bytes_per_us)
-            )
+            rate = block_bytes_per_us
+            if k.int4:
+                rate = gemv_bytes_per_us if k.gemv else int4_bytes_per_us
+            t_mem = max(t_mem, k.block_bytes / rate)
         if k.shape is not None and gpu.gemv_rows:
             t_mem *= k.shape[0] if k.shape[0] < gpu.gemv_rows else gpu.gemm_weight_reads
         t_cmp = padded_flops(k, gpu.sms) / compute_flops_per_us

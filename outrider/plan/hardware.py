@@ -48,6 +48,12 @@ class Gpu:
     # INT4 experts' blocks (moe_block_gbs_per_sm) stream at no more than this times the SMs: an
     # RTX PRO 6000's 188 SMs keep up with its 1.8 TB/s. Measured on the H200 only.
     int4_unpack_gbs_per_sm: float = 9.8
+    # The same for moe_fused.moe_gemv, which runs INT4 products of few rows (at most 128) one
+    # GEMV a row on the CUDA cores, each row taking in its own expert's packed bytes: on the
+    # H100 Kimi-K2.5's experts at 1, 4 and 16 tokens stream at 1.8-2.4 TB/s of them
+    # (benchmarks/results/moe_gemm_tiles_gemv_h100.json, 60-68% of copy bandwidth): 14-18 GB/s
+    # an SM. The H200's die is the H100's; other GPUs are unmeasured.
+    int4_gemv_gbs_per_sm: float = 16.0
     # Other experts' bytes one SM takes into the grouped GEMM's blocks a second, GB/s:
     # moe_fused.moe_gemm reads an expert's weights once per block of its rows, memory serving the
     # first and L2 the rest (an expert's blocks run together), so where experts hold several
