@@ -185,6 +185,7 @@ def timed_run(
     engine.speculator.reset_stats()
     before = _clock(engine)
     grammar_before = dataclasses.replace(engine.grammars.counters)
+    ahead_before = (engine.num_steps_run_ahead, engine.num_steps_run_ahead_dropped)
     _sync(device)
     outs, t0 = [], time.perf_counter()
     for start in range(0, len(idx), c):
@@ -217,6 +218,12 @@ def timed_run(
         "tokens_per_step": round(tokens / split["steps"], 3) if split else None,
         "step_split": split,
         "grammar": grammar,
+        # Async scheduling: steps run ahead, and those dropped because a grammar refused the
+        # unmasked argmax a greedy constrained row ran ahead on.
+        "run_ahead": {
+            "steps": engine.num_steps_run_ahead - ahead_before[0],
+            "dropped": engine.num_steps_run_ahead_dropped - ahead_before[1],
+        },
         "validity_counts": counts,
         "ids": [o.token_ids for o in outs],
     }

@@ -34,6 +34,12 @@ from outrider.executor.sampler import make_generator, masked_argmax
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 
+# A batch with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds
+# or better that no grammar refuses its row's guess; the refusal rate is a running average over
+# rows with this weight for the newest.
+AHEAD_GRAMMAR_ODDS = 0.75
+GRAMMAR_MISS_RATE = 0.05
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
@@ -74,6 +80,11 @@ class EngineCore:
         self._async_asked = bool(overlap_on)
         self._ahead: overlap.Ahead | None = None
         self.num_steps_run_ahead = 0
+        # Steps run ahead on a greedy constrained row's unmasked argmax that its grammar then
+        # refused (dropped), and how often a constrained row's grammar refuses its argmax (a
+        # running average over rows): a batch runs ahead only while that seems unlikely.
+        self.num_steps_run_ahead_dropped = 0
+        self._grammar_miss = 0.0
         self.speculator = Speculator(
             config.speculative, self.runner, self.block_manager, self.max_model_len, proposer,
             self.grammars,
@@ -205,7 +216,7 @@ class EngineCore:
             if self.grammars:  # greedy rows picked from their top logits where the step can
                 plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
                 self.grammars.attach_masks(batch, pick=speculative or plain)
-            if speculative or not (self._async and overlap.can_run_ahead(batch)):
+            if speculative or not (self._async and self._can_run_ahead(batch)):
                 output = self.speculator.run(batch) if speculative else self.runner.run(batch)
                 if output.grammar_candidates:
                     self._pick_grammar_tokens(batch, output)
@@ -216,7 +227,16 @@ class EngineCore:
         self._ahead = self._run_ahead(batch, ids.device)
         tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
-        deltas = self._advance(batch, StepOutput(rids, [[t] for t in tokens]))
+        output = StepOutput(rids, [[t] for t in tokens])
+        if ids.grammar is not None:  # greedy constrained rows: their grammars pick now
+            output.grammar_candidates = ids.candidates()
+            output.grammar_logits = ids.grammar.logits
+            self._pick_grammar_tokens(batch, output)
+            guessed = any(output.token_ids[r] != [tokens[r]] for r in ids.grammar.rows)
+            if guessed and self._ahead is not None:  # it ran on a token a grammar refused
+                self._ahead = None
+                self.num_steps_run_ahead_dropped += 1
+        deltas = self._advance(batch, output)
         if self._ahead is not None and all(s.request.is_finished for s in self._ahead.batch.seqs):
             # Every row it continues finished with this step: nothing of it is wanted (its KV
             # writes land in finished requests' slots before anything launched later). Kept,
@@ -241,12 +261,23 @@ class EngineCore:
             decide,
         )
         for row, ((_, token),) in zip(rows, paths):
+            miss = output.token_ids[row] != [token]  # its unmasked argmax, refused
+            self._grammar_miss += GRAMMAR_MISS_RATE * (miss - self._grammar_miss)
             output.token_ids[row] = [token]
+
+    def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
+        """overlap.can_run_ahead, and for greedy constrained rows (run ahead on a guess, their
+        unmasked argmax) odds of at least AHEAD_GRAMMAR_ODDS that every guess holds, at the
+        rate their grammars have refused argmaxes lately."""
+        if not overlap.can_run_ahead(batch):
+            return False
+        guesses = sum(s.grammar_topk for s in batch.seqs)
+        return not guesses or (1.0 - self._grammar_miss) ** guesses >= AHEAD_GRAMMAR_ODDS
 
     def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:
         """Launch the decode after `batch` on its sampled ids, still on the device; None when
         requests wait to be scheduled or the step cannot run ahead."""
-        if self.scheduler.num_waiting or not overlap.can_run_ahead(batch):
+        if self.scheduler.num_waiting or not self._can_run_ahead(batch):
             return None
         # A running request that `batch` left out (a long prefill given no budget) would be left
         # out of every step run ahead after it too.

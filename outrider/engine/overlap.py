@@ -14,6 +14,10 @@ requests wait).
 
 Only plain decode runs ahead: every sequence samples one token with no drafts, no logprobs,
 no penalties and no active min_tokens (those read output tokens the host does not have yet).
+Greedy constrained sequences run ahead on a guess: step n+1 takes their unmasked argmax of step
+n, which is the grammar's pick whenever the grammar allows it; where it does not, the engine
+drops step n+1 once it has read step n (its KV writes are rewritten by the step that replaces
+it) and decides from step n's top candidates as a step not run ahead does.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq
+from outrider.core import Candidates, ForwardMode, LaunchedGrammar, ScheduledBatch, ScheduledSeq
 from outrider.engine.block_manager import BlockManager
+from outrider.executor.sampler import unpack_candidates
 
 PLACEHOLDER = 0  # the token id written into a step's host inputs; the device ids replace it
 
@@ -39,16 +44,25 @@ class Pending:
     device: torch.Tensor  # [B] int64, the ids where the step left them
     host: torch.Tensor | None = None  # pinned [B], filled once `event` completes
     event: torch.cuda.Event | None = None
+    grammar: LaunchedGrammar | None = None  # greedy constrained rows' logits and candidates
+    grammar_host: torch.Tensor | None = None  # pinned copy of grammar.candidates
 
     @classmethod
-    def start(cls, ids: torch.Tensor) -> Pending:
+    def start(cls, launched: tuple[torch.Tensor, LaunchedGrammar | None]) -> Pending:
+        """ModelRunner.launch's ids and grammar rows, on their way to the host."""
+        ids, grammar = launched
         if ids.device.type != "cuda":
-            return cls(ids)
+            return cls(ids, grammar=grammar)
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
+        grammar_host = None
+        if grammar is not None:
+            top = grammar.candidates
+            grammar_host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
+            grammar_host.copy_(top, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(ids, host, event)
+        return cls(ids, host, event, grammar, grammar_host)
 
     def read(self) -> list[int]:
         """The ids on the host: waits for the step that sampled them (and what ran before it)."""
@@ -56,6 +70,14 @@ class Pending:
             return self.device.tolist()  # CPU-GPU sync point (none on the CPU)
         self.event.synchronize()  # CPU-GPU sync point: this step's copy only
         return self.host.tolist()
+
+    def candidates(self) -> dict[int, Candidates] | None:
+        """The greedy constrained rows' top candidates (as StepOutput.grammar_candidates), once
+        `read` has returned; None without such rows."""
+        if self.grammar is None:
+            return None
+        top = self.grammar.candidates if self.grammar_host is None else self.grammar_host
+        return unpack_candidates(top.tolist(), self.grammar.rows)  # (on the host after read)
 
 
 @dataclass
@@ -75,8 +97,10 @@ def can_run_ahead(batch: ScheduledBatch) -> bool:
         p = s.request.params
         if not s.sample or s.drafts is not None or s.query_len != 1:
             return False
-        if p.logprobs is not None or p.has_penalties or p.structured_outputs is not None:
-            return False  # (a grammar's next mask needs this step's token on the host)
+        if p.logprobs is not None or p.has_penalties:
+            return False
+        if p.structured_outputs is not None and not s.grammar_topk:
+            return False  # a sampled row's mask needs the token before it on the host
         if len(s.request.output_token_ids) < p.min_tokens:
             return False  # the sampler would count an output one token short
     return True
@@ -97,8 +121,13 @@ def next_batch(
         s = batch.seqs[i]
         if s.start_pos + 2 > max_model_len or not blocks.allocate(s.request, 2):
             return None
-    seqs = [
-        ScheduledSeq(s.request, [PLACEHOLDER], s.start_pos + 1, s.request.block_ids, sample=True)
-        for s in (batch.seqs[i] for i in keep)
-    ]
-    return ScheduledBatch(ForwardMode.DECODE, seqs), keep
+    seqs = [_one_further(batch.seqs[i]) for i in keep]
+    nxt = ScheduledBatch(ForwardMode.DECODE, seqs)
+    nxt.grammar_paths = batch.grammar_paths
+    return nxt, keep
+
+
+def _one_further(s: ScheduledSeq) -> ScheduledSeq:
+    # The same sequence's next decode row, its token still on the device.
+    pos, blocks = s.start_pos + 1, s.request.block_ids
+    return ScheduledSeq(s.request, [PLACEHOLDER], pos, blocks, True, grammar_topk=s.grammar_topk)

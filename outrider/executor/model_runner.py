@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from outrider.config import EngineConfig
 from outrider.core import (
     ForwardMode,
+    LaunchedGrammar,
     ScheduledBatch,
     StepOutput,
 )
@@ -26,6 +27,7 @@ from outrider.executor.sampler import (
     apply_token_bitmask_,
     token_bitmask,
     top_candidates,
+    top_candidates_no_sync,
 )
 from outrider.executor.spec_step import SpecStep
 from outrider.executor.tp_channel import TARGET_GRAPH, StepSender
@@ -418,14 +420,23 @@ class ModelRunner:
         return step_timing.default_batch_sizes(self)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def launch(
+        self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, LaunchedGrammar | None]:
         """A DECODE step without waiting for it: forward, logits and sampling are queued on the
         device and the sampled ids [B] returned there (read them with .tolist() later). Plain
         rows only: no drafts, no logprobs (engine/overlap.py decides). The aux streams of a
-        drafter are made as in `run`, so a runner that captured its graphs with them replays."""
+        drafter are made as in `run`, so a runner that captured its graphs with them replays.
+        Greedy constrained rows (grammar_topk) sample their unmasked argmax; their logits and
+        top candidates come back beside, for their grammar to pick from once read."""
         hidden, _, inputs = self.forward(batch, self.aux_layers, input_ids=input_ids)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sampler.sample_no_sync(logits, batch.seqs)
+        ids = self.sampler.sample_no_sync(logits, batch.seqs)
+        picked = [i for i, s in enumerate(batch.seqs) if s.grammar_topk]
+        if not picked:
+            return ids, None
+        rows = logits.index_select(0, torch.as_tensor(picked, device=logits.device))
+        return ids, LaunchedGrammar(picked, rows, top_candidates_no_sync(rows))
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         """KV slot moves in this rank's pool and, under tensor parallelism, every rank's."""

@@ -132,10 +132,24 @@ def top_candidates(
 ) -> dict[int, tuple[list[int], list[float]]]:
     """logits [R, V] (on the device) -> {rows[r]: (the GRAMMAR_TOPK highest ids of row r,
     their values as float32 holds them), best first}. One host read."""
+    packed = top_candidates_no_sync(logits)
+    return unpack_candidates(packed.tolist(), rows)  # CPU-GPU sync point
+
+
+def top_candidates_no_sync(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> [R, 2 k] float64 where it is: each row's GRAMMAR_TOPK (k) highest ids,
+    then their values as float32 holds them, best first (exact in float64: ids < 2^53)."""
     k = min(GRAMMAR_TOPK, logits.shape[-1])
     values, ids = logits.float().topk(k, dim=-1)
-    host = torch.cat([ids.double(), values.double()], dim=1).tolist()  # CPU-GPU sync point
-    return {row: ([int(t) for t in h[:k]], h[k:]) for row, h in zip(rows, host)}
+    return torch.cat([ids.double(), values.double()], dim=1)
+
+
+def unpack_candidates(
+    host: Sequence[Sequence[float]], rows: Sequence[int]
+) -> dict[int, tuple[list[int], list[float]]]:
+    """top_candidates_no_sync's rows, read to the host, as top_candidates gives them."""
+    k = len(host[0]) // 2 if host else 0
+    return {row: ([int(t) for t in h[:k]], list(h[k:])) for row, h in zip(rows, host)}
 
 
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> list[int]:

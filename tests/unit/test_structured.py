@@ -766,3 +766,53 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
     llm = eagle_llm(tiny_json_dir)
     llm.generate(prompts[:4], _constrained(specs, max_tokens=30))
     assert len(seen) > 4 and not refused, refused[:3]
+
+
+@pytest.mark.parametrize("odds", [None, 0.0], ids=["guarded", "always"])
+def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
+    tiny_json_dir,
+    prompts,  # noqa: F811
+    odds,
+    monkeypatch,
+):
+    """Async scheduling forced on (the CPU): greedy constrained rows run ahead on their
+    unmasked argmax, and where a grammar refuses it the step run ahead is dropped and the
+    grammar's pick taken: the same tokens as one step at a time, batched and alone, a mix of
+    constrained and unconstrained rows included. "always": run ahead whatever the refusal rate
+    (every drop path taken); "guarded": the engine's odds."""
+    from outrider.engine import engine as engine_module
+
+    if odds is not None:
+        monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", odds)
+    specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
+    params = _constrained(specs, max_tokens=30) + [SamplingParams(temperature=0, max_tokens=48)]
+    batch = prompts[:5]
+
+    def llm(async_scheduling: bool) -> LLM:
+        return LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+                   async_scheduling=async_scheduling)  # fmt: skip
+
+    sync = llm(False)
+    want = [o.outputs[0] for o in sync.generate(batch, params)]
+    ahead = llm(True)
+    got = [o.outputs[0] for o in ahead.generate(batch, params)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    for spec, out in zip(specs, got):
+        _check_valid(spec, out.text, out.finish_reason)
+    engine = ahead.engine
+    # The tiny random model's argmax is mostly refused: guarded, the batch stops guessing
+    # after its first steps (the unconstrained row runs ahead alone at the end); always, it
+    # runs ahead and drops.
+    assert engine._grammar_miss > 0.3
+    assert engine.num_steps_run_ahead > 0
+    if odds == 0.0:
+        assert engine.num_steps_run_ahead_dropped > 5
+    else:
+        assert engine.num_steps_run_ahead_dropped <= 2
+    for i in (0, 3):
+        alone = ahead.generate([batch[i]], params[i])[0].outputs[0].token_ids
+        assert alone == want[i].token_ids
+    assert not engine.grammars and engine._ahead is None
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
