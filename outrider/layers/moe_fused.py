@@ -343,13 +343,15 @@ def moe_route_no_sync(
 # one by one; longer steps route one program per token after cuBLAS's logits GEMM).
 GATE_MAX_TOKENS = 16
 # Router weights a program of moe_gate_kernel multiplies in registers at once: EB experts x BK.
-_GATE_TILE = 2048
+_GATE_TILE = 8192
 
 
 def moe_gate_programs(num_experts: int) -> int:
-    """Experts per program of moe_gate_kernel: about 96 programs for Kimi's 384 experts, 32 for
-    Moonlight's 64, at least 2 experts each."""
-    return max(2, min(16, _kernels().next_pow2(-(-num_experts // 96))))
+    """Experts per program of moe_gate_kernel: 192 programs for Kimi's 384 experts, 128 for
+    DeepSeek-V3's 256, 32 for Moonlight's 64 (at least 2 experts each), each taking its
+    experts' router rows in one or two tiles of _GATE_TILE weights: many short programs, where
+    fewer walking a row in fourteen small tiles waited on each."""
+    return max(2, min(16, _kernels().next_pow2(-(-num_experts // 192))))
 
 
 def moe_gate_no_sync(
@@ -401,7 +403,7 @@ def moe_gate_no_sync(
         G_PAD=k.next_pow2(n_group), S_PAD=k.next_pow2(size), K_PAD=k.next_pow2(width),
         E_SLOTS=slot_experts, E_SLOTS_PAD=e_pad, BLOCK_M=MOE_BLOCK_M, CHUNK=_LAYOUT_CHUNK,
         CHUNKS=k.next_pow2(-(-rows // _LAYOUT_CHUNK)), FILL=_LAYOUT_FILL,
-        FILLS=k.next_pow2(-(-slots // _LAYOUT_FILL)), num_warps=4,
+        FILLS=k.next_pow2(-(-slots // _LAYOUT_FILL)), num_warps=8 if eb * bk >= 8192 else 4,
     )  # fmt: skip
     return weights, ids, layout
 

@@ -62,15 +62,20 @@ def _route_token(
     j = tl.arange(0, K_PAD)
     chosen = tl.zeros([K_PAD], dtype=tl.int64)
     weight = tl.zeros([K_PAD], dtype=tl.float32)
+    # One max a choice: each slot's key is its biased score's bits made to order as the
+    # floats do (negative ones' magnitude bits flipped), above the complement of its expert
+    # id, so the largest key is the best score, ties to the lower id.
+    bits = biased.to(tl.int32, bitcast=True)
+    order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    key = (order << 32) | (0xFFFFFFFF - expert.to(tl.int64))
     for i in tl.static_range(TOP_K):
-        best = tl.max(tl.max(biased, 1), 0)
-        pick = tl.min(tl.min(tl.where(biased == best, expert, GROUPS * GROUP_SIZE), 1), 0)
-        hit = expert == pick
-        # The weight is the unbiased score: the bias only chooses.
-        w = tl.sum(tl.sum(tl.where(hit, score, 0.0), 1), 0)
-        chosen = tl.where(j == i, pick.to(tl.int64), chosen)
+        best = tl.max(tl.max(key, 1), 0)
+        pick = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+        # The weight is the unbiased score (the bias only chooses), from its logit again.
+        w = tl.sigmoid(tl.load(logits_ptr + pick, cache_modifier=".cg"))
+        chosen = tl.where(j == i, pick, chosen)
         weight = tl.where(j == i, w, weight)
-        biased = tl.where(hit, float("-inf"), biased)
+        key = tl.where(key == best, -(2**63), key)
     if NORM:
         weight = weight / (tl.sum(weight, 0) + 1e-20)
     weight = weight * scale
