@@ -25,7 +25,7 @@ def test_route_kernel_chooses_as_the_torch_router(
     """bf16_weight: a router stored in bf16 (as checkpoints ship it) takes the one-GEMM
     logits (bf16 in, fp32 out), which must choose and weigh as the fp32 GEMV."""
     torch.manual_seed(0)
-    hidden = 1024
+    hidden = 2048 if experts == 64 else 7168  # the models' own widths (the gate's tiles)
     router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, True, scaling, always)
     router = router.cuda()
     router.weight.data.normal_(0, 0.02)
