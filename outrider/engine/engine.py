@@ -232,8 +232,8 @@ class EngineCore:
             output.grammar_candidates = ids.candidates()
             output.grammar_logits = ids.grammar.logits
             self._pick_grammar_tokens(batch, output)
-            guessed = any(output.token_ids[r] != [tokens[r]] for r in ids.grammar.rows)
-            if guessed and self._ahead is not None:  # it ran on a token a grammar refused
+            refused = any(output.token_ids[r] != [tokens[r]] for r in ids.grammar.rows)
+            if refused and self._ahead is not None:  # it ran on a token a grammar refused
                 self._ahead = None
                 self.num_steps_run_ahead_dropped += 1
         deltas = self._advance(batch, output)
