@@ -87,3 +87,21 @@ def test_constrained_speculation_equals_constrained_plain_fp32(name, monkeypatch
     assert stats.num_forced_drafts > 0  # trees: where the grammar refuses the whole tree
     if name == "eagle3_tree":  # constrained greedy trees verify in the replayed tree step
         assert tree_steps, "constrained trees left the tree step"
+
+
+def test_constrained_greedy_runs_ahead_with_the_same_tokens_fp32():
+    """Async scheduling (on by default on CUDA): greedy constrained rows run ahead on their
+    unmasked argmax, dropped where the grammar picks another; the same tokens as stepping one
+    batch at a time, at one stream and at sixteen, and steps did run ahead."""
+    sync = LLM(device="cuda", dtype="float32", async_scheduling=False)
+    want = {n: _run(sync, n) for n in (1, 16)}
+    del sync
+    llm = LLM(device="cuda", dtype="float32")
+    engine = llm.engine
+    assert engine._async
+    for n, outs in want.items():
+        got = _run(llm, n)
+        assert [o.token_ids for o in got] == [o.token_ids for o in outs], n
+    assert engine.num_steps_run_ahead > 10
+    assert engine.num_steps_run_ahead_dropped < engine.num_steps_run_ahead
+    assert not engine.grammars and engine._ahead is None
