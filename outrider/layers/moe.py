@@ -104,16 +104,19 @@ class GroupedTopkRouter(nn.Module):
         exact = bool(torch.equal(low.float(), w))
         self.weight_bf16 = low if exact and moe_fused.mm_fp32_out(w.device) else None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def route(
+        self, x: torch.Tensor, layout: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """forward's weights and ids, and where the fused kernels serve a step of at most
         moe_fused.GATE_MAX_TOKENS tokens, the layout of their rows over the E + always
-        experts (moe_layout_no_sync's), all from one launch with the logits; else None."""
+        experts (moe_layout_no_sync's), all from one launch with the logits; else None (and
+        None when `layout` is False: experts that read none)."""
         if fused.use_fused(x) and x.shape[0] <= moe_fused.GATE_MAX_TOKENS:
             low = self.weight_bf16 is not None and x.dtype in (torch.bfloat16, torch.float16)
             return moe_fused.moe_gate_no_sync(
                 x, self.weight_bf16 if low else self.weight, self.e_score_correction_bias,
                 self.top_k, self.n_group, self.topk_group, self.norm_topk_prob,
-                self.routed_scaling_factor, self.always,
+                self.routed_scaling_factor, self.always, layout,
             )  # fmt: skip
         weights, ids = self(x)
         return weights, ids, None
@@ -266,6 +269,11 @@ class FusedExperts(nn.Module):
             )
         target.copy_(loaded.narrow(dim, self.tp_rank * n, n))
 
+    def reads_layout(self, rows: int) -> bool:
+        """Whether the fused forward of `rows` (token, expert) rows reads a row layout (the
+        grouped GEMM's), so the router should make one."""
+        return True
+
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) in `dtype`."""
         return self.gate_up_proj[e], self.down_proj[e]
@@ -387,6 +395,9 @@ class Int4FusedExperts(FusedExperts):
             ("gate_up_proj_packed", "gate_up_proj_scale"), ("down_proj_packed", "down_proj_scale")
         )
         self.act = SiluAndMul()
+
+    def reads_layout(self, rows: int) -> bool:
+        return not moe_fused.gemv_serves(rows, self.group_size)  # the GEMV reads none
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.group_size

@@ -184,6 +184,8 @@ def moe_gemm(
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     if not rows:
         return out
+    if int4 and tile is None and gemv_serves(rows, group_size):  # no layout read
+        return _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out)
     if layout is None:
         layout = moe_layout_no_sync(ids, experts)
     elif layout.numel() != moe_layout_slots(rows, experts):
@@ -192,8 +194,6 @@ def moe_gemm(
             f"experts, which need {moe_layout_slots(rows, experts)}: build it with "
             f"moe_layout_no_sync(ids, {experts})"
         )
-    if int4 and tile is None and rows <= MOE_GEMV_MAX_ROWS and group_size % 8 == 0:
-        return _moe_gemv(a, ids, weight, rows_per_a, scale, group_size, gated, out)
     tile = tile or moe_tile(rows, int4, gated)
     if int4 and tile.block_k < 128:
         raise ValueError(f"moe_gemm: INT4 weights need a tile's block_k >= 128, not {tile}")
@@ -215,6 +215,12 @@ def moe_gemm(
 # GEMV a row (moe_gemv): at few rows a block of the grouped GEMM holds one real row, and the
 # tensor-core path spends its time moving dequantized weights into the MMA's layout.
 MOE_GEMV_MAX_ROWS = 128
+
+
+def gemv_serves(rows: int, group_size: int) -> bool:
+    """Whether moe_gemm runs INT4 weights of `group_size` as moe_gemv at `rows` rows (given no
+    tile), which reads no layout."""
+    return rows <= MOE_GEMV_MAX_ROWS and group_size % 8 == 0
 
 
 @dataclass(frozen=True)
@@ -364,9 +370,11 @@ def moe_gate_no_sync(
     norm_topk_prob: bool,
     scale: float,
     always: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # weights, ids, layout
+    layout: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # weights, ids, layout
     """moe_route_no_sync and then moe_layout_no_sync(ids, E + always) in one launch, logits
-    included: each program takes a slice of the experts' logits for every token (fp32
+    included (`layout` False: no layout, for experts that read none; None in its place):
+    each program takes a slice of the experts' logits for every token (fp32
     products and sums: bf16 router weights are exact in fp32 products with bf16 or fp16
     activations), and the last to finish routes the tokens and lays out their rows. Where the
     router's GEMM, its choice and the layout took three launches (about 10 us at one token on
@@ -382,10 +390,10 @@ def moe_gate_no_sync(
     weights = torch.empty(t, width, dtype=torch.float32, device=dev)
     ids = torch.empty(t, width, dtype=torch.int64, device=dev)
     rows, slot_experts = t * width, experts + always
-    slots = moe_layout_slots(rows, slot_experts)
-    layout = torch.empty(slots, dtype=torch.int32, device=dev)
+    slots = moe_layout_slots(rows, slot_experts) if layout else 0
+    rows_layout = torch.empty(slots, dtype=torch.int32, device=dev)
     if not t:
-        return weights, ids, layout
+        return weights, ids, rows_layout if layout else None
     x = x if x.stride(-1) == 1 else x.contiguous()
     router = router if router.is_contiguous() else router.contiguous()
     eb = moe_gate_programs(experts)
@@ -396,16 +404,17 @@ def moe_gate_no_sync(
     starts = torch.empty(e_pad, dtype=torch.int32, device=dev)
     k = _kernels()
     k.moe_gate_kernel[(programs,)](
-        x, router, bias, logits, _gate_count(dev), weights, ids, layout, starts, x.stride(0),
+        x, router, bias, logits, _gate_count(dev), weights, ids, rows_layout, starts, x.stride(0),
         scale, slots, t,
         T=k.next_pow2(t), H=hidden, EB=eb, BK=bk, PROGRAMS=programs, GROUPS=n_group, GROUP_SIZE=size,
         KEEP_GROUPS=topk_group, TOP_K=top_k, ALWAYS=always, NORM=norm_topk_prob,
         G_PAD=k.next_pow2(n_group), S_PAD=k.next_pow2(size), K_PAD=k.next_pow2(width),
         E_SLOTS=slot_experts, E_SLOTS_PAD=e_pad, BLOCK_M=MOE_BLOCK_M, CHUNK=_LAYOUT_CHUNK,
         CHUNKS=k.next_pow2(-(-rows // _LAYOUT_CHUNK)), FILL=_LAYOUT_FILL,
-        FILLS=k.next_pow2(-(-slots // _LAYOUT_FILL)), num_warps=8 if eb * bk >= 8192 else 4,
+        FILLS=k.next_pow2(max(1, -(-slots // _LAYOUT_FILL))), LAYOUT=layout,
+        num_warps=8 if eb * bk >= 8192 else 4,
     )  # fmt: skip
-    return weights, ids, layout
+    return weights, ids, rows_layout if layout else None
 
 
 _GATE_COUNTS: dict[torch.device, torch.Tensor] = {}

@@ -145,7 +145,7 @@ def moe_gate_kernel(
     KEEP_GROUPS: tl.constexpr, TOP_K: tl.constexpr, ALWAYS: tl.constexpr, NORM: tl.constexpr,
     G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, E_SLOTS: tl.constexpr,
     E_SLOTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr,
+    CHUNKS: tl.constexpr, FILL: tl.constexpr, FILLS: tl.constexpr, LAYOUT: tl.constexpr,
 ):  # fmt: skip
     # A MoE layer's router for `tokens` <= T tokens in one launch (T a power of two: a few
     # compilations serve every step size). Program p computes the logits of
@@ -183,9 +183,10 @@ def moe_gate_kernel(
                     ids_ptr + t * width, scale, GROUPS, GROUP_SIZE, KEEP_GROUPS, TOP_K, ALWAYS,
                     NORM, G_PAD, S_PAD, K_PAD,
                 )  # fmt: skip
-        tl.debug_barrier()
-        _layout(ids_ptr, layout_ptr, starts_ptr, tokens * width, slots, E_SLOTS, E_SLOTS_PAD,
-                BLOCK_M, CHUNK, CHUNKS, FILL, FILLS)  # fmt: skip
+        if LAYOUT:  # (experts that read none, INT4's GEMV, skip it)
+            tl.debug_barrier()
+            _layout(ids_ptr, layout_ptr, starts_ptr, tokens * width, slots, E_SLOTS,
+                    E_SLOTS_PAD, BLOCK_M, CHUNK, CHUNKS, FILL, FILLS)  # fmt: skip
 
 
 @triton.jit

@@ -224,7 +224,9 @@ class DeepseekV3MoE(nn.Module):
             )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids, layout = self.gate.route(x)  # the same on every rank
+        rows = x.shape[0] * (self.gate.top_k + self.gate.always)
+        # the same on every rank
+        weights, ids, layout = self.gate.route(x, self.experts.reads_layout(rows))
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         # Both partial sums over this rank's slice of the intermediate width; one all-reduce.
         return self.tp.all_reduce(self.experts(x, weights, ids, add=shared, layout=layout))

@@ -86,6 +86,10 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 scaling, always,
             )  # fmt: skip
             order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
+            bare_w, bare_ids, none = moe_fused.moe_gate_no_sync(
+                x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
+                scaling, always, layout=False,
+            )  # fmt: skip
             fused.use_fused = lambda x: False
             want_layout = moe_fused.moe_layout_no_sync(got_ids, experts + always)
             fused.use_fused = real
@@ -99,6 +103,8 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 same_layout=torch.equal(layout, want_layout),
                 count=int(moe_fused._gate_count(x.device).item()),
                 width=got_ids.shape[1],
+                # layout=False: the same choice and weights, no layout
+                bare=none is None and torch.equal(bare_ids, got_ids) and torch.equal(bare_w, got_w),
             )
 
     for name, rows, experts in LAYOUTS:
@@ -182,14 +188,23 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
     from outrider.models.registry import model_class
     from tests.tiny import prefill_batch, run_forward
 
-    def tiny_deepseek(interleave: bool):
-        cfg = config_from_hf({**TINY_DEEPSEEK, "rope_interleave": interleave})
+    def tiny_deepseek(interleave: bool, int4: bool = False):
+        hf = {**TINY_DEEPSEEK, "rope_interleave": interleave}
+        if int4:  # routed experts INT4 as Kimi ships them (compressed-tensors, group 32)
+            hf["quantization_config"] = TINY_INT4
+        cfg = config_from_hf(hf)
         model = model_class(cfg.architecture)(cfg).float().eval()
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in model.named_parameters():
+                if p.dtype == torch.int32:  # packed nibbles: every value in use
+                    p.copy_(torch.randint(-(2**31), 2**31 - 1, p.shape, generator=g))
+                    continue
                 noise = torch.randn(p.shape, generator=g)
-                p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
+                if name.endswith("_scale"):  # INT4 scales: positive, W ~ 0.05
+                    p.copy_(0.01 * noise.abs())
+                else:
+                    p.copy_(1 + 0.1 * noise if "norm" in name else 0.1 * noise)
         layers = model.attention_layers()
         pool = KVPool(model.kv_layout(torch.float32), len(layers), 16, 16, torch.device("cpu"))
         for i, attn in enumerate(layers):
@@ -214,8 +229,27 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 name=f"deepseek-forward-{interleave}{'-short' if short else ''}",
                 scaled=diff / plain.abs().max().item(),
             )
+        # INT4 experts: their GEMV reads no layout, and the router makes none.
+        plain = run_forward(tiny_deepseek(False, int4=True), prefill_batch(prompts))
+        fused.use_fused = lambda x: True
+        got = run_forward(tiny_deepseek(False, int4=True), prefill_batch(prompts))
+        fused.use_fused = real
+        emit(
+            name=f"deepseek-forward-int4{'-short' if short else ''}",
+            scaled=(got - plain).abs().max().item() / plain.abs().max().item(),
+        )
 
 
+TINY_INT4 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": 32, "actorder": None},
+    }},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}  # fmt: skip
 TINY_DEEPSEEK = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
@@ -255,6 +289,7 @@ def test_gate_kernel_routes_and_lays_out_as_the_router_and_layout(results, name)
         assert r["same_ids"] and r["same_layout"], r
         assert r["weight_diff"] <= 1e-6, r
         assert r["count"] == 0, r  # the arrival count is back to zero for the next launch
+        assert r["bare"], r  # asked for no layout: none, the rest the same
 
 
 @pytest.mark.parametrize("name", [r[0] for r in LAYOUTS])
@@ -282,6 +317,14 @@ def test_gated_grouped_gemm_equals_the_gemm_then_silu_and_mul(results, weights):
 def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interleave, short):
     # fp32: only sums' order differs (the norm, the top_k sum, the GEMMs' K tiles, the router).
     r = results[f"deepseek-forward-{interleave}{short}"]
+    assert r["scaled"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("short", ["", "-short"])
+def test_deepseek_forward_with_int4_experts_and_the_kernels_equals_the_torch_ops(results, short):
+    # 7 tokens routed by moe_gate_kernel with no layout (the GEMV reads none), 36 by the route
+    # kernel: both into the INT4 GEMV.
+    r = results[f"deepseek-forward-int4{short}"]
     assert r["scaled"] <= 1e-5, r
 
 
