@@ -29,9 +29,9 @@ from outrider.config import (
     VLLM_SPEC_KEYS,
     EngineConfig,
     SpecConfig,
-    defaults,
     flat_sections,
 )
+from outrider.config_fields import defaults
 from outrider.engine.proposers import proposer_names
 
 log = logging.getLogger(__name__)

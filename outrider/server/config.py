@@ -14,15 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from outrider.config import (
-    SECTIONS,
-    EngineConfig,
-    build_section,
-    check_types,
-    close_matches,
-    flat_names,
-    read_yaml,
-)
+from outrider.config import SECTIONS, EngineConfig, flat_names
+from outrider.config_fields import build_section, check_types, close_matches, read_yaml
 from outrider.loaders.chat_template import TemplateLimits
 
 METRICS_PREFIXES = ("outrider", "vllm")  # of /metrics series: vllm for vLLM's dashboards

@@ -113,7 +113,7 @@ def test_serve_help_shows_server_and_engine_defaults():
 
 
 def test_sampling_help_defaults_match_sampling_params():
-    from outrider.config import defaults
+    from outrider.config_fields import defaults
     from outrider.core import SamplingParams
 
     d = defaults(SamplingParams)
