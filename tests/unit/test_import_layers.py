@@ -34,6 +34,7 @@ FLOORS = (
     (
         "outrider.core",
         "outrider.config",
+        "outrider.config_fields",
         "outrider.env",
         "outrider.device",
         "outrider.transfer",
