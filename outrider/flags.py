@@ -279,8 +279,8 @@ _GENERATED_HELP = {
     "scheduler.max_long_partial_prefills": "long prompts (--long-prefill-token-threshold) "
     "prefilled in one step, those with the fewest tokens left; the others wait",
     "scheduler.async_scheduling": "launch the next plain decode step before reading this "
-    "one's tokens, overlapping host bookkeeping with the device (default: on CUDA, off on "
-    "the CPU)",
+    "one's tokens, overlapping host bookkeeping with the device; with speculation, the steps "
+    "the adaptive controller keeps plain (default: on CUDA, off on the CPU)",
     "speculative.grammar_drafts": "structured outputs: a constrained request's drafts start "
     "with the tokens its grammar forces (--no-grammar-drafts: the proposer's own only)",
     "speculative.ngram_min_n": "n-gram drafting: the shortest suffix matched in the context, "

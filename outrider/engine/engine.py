@@ -72,8 +72,8 @@ class EngineCore:
         self.grammars = Grammars(
             self.tokenizer, self.vocab_size, pinned=self.runner.device.type == "cuda"
         )
-        # Async scheduling (engine/overlap.py): on CUDA unless asked otherwise; never while a
-        # proposer speculates (`_async`).
+        # Async scheduling (engine/overlap.py): on CUDA unless asked otherwise; with a proposer,
+        # for plain steps its controller keeps plain (Speculator.plain_ahead).
         overlap_on = config.scheduler.async_scheduling
         if overlap_on is None:
             overlap_on = self.runner.device.type == "cuda"
@@ -189,9 +189,9 @@ class EngineCore:
 
     @property
     def _async(self) -> bool:
-        """Whether plain decode steps run ahead: asked for, and no proposer (one given later,
-        Speculator.use_proposer, turns it off: its plain steps feed the drafter)."""
-        return self._async_asked and self.speculator.proposer is None
+        """Whether plain decode steps run ahead (with a proposer, those its controller keeps
+        plain: `_run_ahead`)."""
+        return self._async_asked
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -203,11 +203,11 @@ class EngineCore:
 
         With async scheduling, a plain decode step launches the next one before reading its
         own tokens (engine/overlap.py): that step is then taken here instead of a new schedule."""
+        t0 = time.perf_counter()
         if self._ahead is not None:
             batch, ids = self._ahead.batch, self._ahead.token_ids
             self._ahead = None
         else:
-            t0 = time.perf_counter()
             max_drafts, lookahead = self.speculator.before_schedule(self.scheduler.running)
             batch = self.scheduler.schedule(max_drafts=max_drafts, lookahead=lookahead)
             if batch.is_empty:
@@ -227,7 +227,7 @@ class EngineCore:
         self._ahead = self._run_ahead(batch, ids.device)
         tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
-        output = StepOutput(rids, [[t] for t in tokens])
+        output = StepOutput(rids, [[t] for t in tokens], aux_hidden=ids.aux)
         if ids.grammar is not None:  # greedy constrained rows: their grammars pick now
             output.grammar_candidates = ids.candidates()
             output.grammar_logits = ids.grammar.logits
@@ -242,6 +242,7 @@ class EngineCore:
             # writes land in finished requests' slots before anything launched later). Kept,
             # the next run's first step would take it, a proposer given since included.
             self._ahead = None
+        self.speculator.record_step(batch, False, t0)  # the period of a step run ahead
         return deltas
 
     def _pick_grammar_tokens(self, batch: ScheduledBatch, output: StepOutput) -> None:
@@ -282,6 +283,8 @@ class EngineCore:
         # A running request that `batch` left out (a long prefill given no budget) would be left
         # out of every step run ahead after it too.
         if self.scheduler.num_running > sum(not s.request.is_finished for s in batch.seqs):
+            return None
+        if not self.speculator.plain_ahead(batch):  # the controller gives the next step drafts
             return None
         nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len)
         if nxt is None:

@@ -14,6 +14,10 @@ requests wait).
 
 Only plain decode runs ahead: every sequence samples one token with no drafts, no logprobs,
 no penalties and no active min_tokens (those read output tokens the host does not have yet).
+With a proposer, plain steps run ahead while the adaptive controller picks k=0 for the step
+after (Speculator.plain_ahead): an n-gram lookup needs nothing from them, and an EAGLE-3
+drafter defers their rows from the aux streams the launched step kept (Pending.aux). A step
+the controller gives drafts to is scheduled as usual, once the step before it is read.
 Greedy constrained sequences run ahead on a guess: step n+1 takes their unmasked argmax of step
 n, which is the grammar's pick whenever the grammar allows it; where it does not, the engine
 drops step n+1 once it has read step n (its KV writes are rewritten by the step that replaces
@@ -46,13 +50,17 @@ class Pending:
     event: torch.cuda.Event | None = None
     grammar: LaunchedGrammar | None = None  # greedy constrained rows' logits and candidates
     grammar_host: torch.Tensor | None = None  # pinned copy of grammar.candidates
+    aux: torch.Tensor | None = None  # [B, n_aux * hidden] on the device, a drafter's rows
 
     @classmethod
-    def start(cls, launched: tuple[torch.Tensor, LaunchedGrammar | None]) -> Pending:
-        """ModelRunner.launch's ids and grammar rows, on their way to the host."""
-        ids, grammar = launched
+    def start(
+        cls, launched: tuple[torch.Tensor, LaunchedGrammar | None, torch.Tensor | None]
+    ) -> Pending:
+        """ModelRunner.launch's ids, grammar rows and aux streams; the ids and candidates on
+        their way to the host."""
+        ids, grammar, aux = launched
         if ids.device.type != "cuda":
-            return cls(ids, grammar=grammar)
+            return cls(ids, grammar=grammar, aux=aux)
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
         host.copy_(ids, non_blocking=True)
         grammar_host = None
@@ -62,7 +70,7 @@ class Pending:
             grammar_host.copy_(top, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(ids, host, event, grammar, grammar_host)
+        return cls(ids, host, event, grammar, grammar_host, aux)
 
     def read(self) -> list[int]:
         """The ids on the host: waits for the step that sampled them (and what ran before it)."""

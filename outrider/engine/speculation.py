@@ -96,6 +96,7 @@ class Speculator:
         k = self._config.num_draft_tokens
         self._k_max = k if p is not None else 0
         self._k = self._k_max  # drafts verified this step (the controller's pick)
+        self._next_k: int | None = None  # a pick for the next scheduled step (plain_ahead)
         self._drafted_only = False  # the last step drafted but verified nothing
         self._observe_phase = 0  # which share of a large batch the controller sees this step
         self._tree: TreeShape | None = None
@@ -224,12 +225,30 @@ class Speculator:
         and acceptance is observed (a probe would otherwise never see a verify)."""
         if self.controller is None:
             return
+        if self._next_k is not None:  # chosen as the step before it was launched
+            self._k, self._next_k = self._next_k, None
+            return
         if self._drafted_only:
             self._drafted_only = False
             return
         ids = [r.request_id for r in running if r.num_computed_tokens == r.num_tokens - 1]
         if ids:
             self._k = self.controller.choose(ids)
+
+    def plain_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether the plain decode step after `batch` may be launched before `batch`'s tokens
+        are read (engine/overlap.py), as a plain step: always with no proposer; with one, when
+        its adaptive controller picks k=0 for it now. A pick of k > 0 is kept for the step the
+        engine then schedules (before_schedule does not choose again). A fixed k or a tree
+        verifies drafts every step, which need the tokens on the host: never."""
+        if self.proposer is None:
+            return True
+        if not self._stepped or self.controller is None or self._drafted_only:
+            return False
+        k = self.controller.choose([s.request.request_id for s in batch.seqs])
+        if k:
+            self._next_k = k
+        return k == 0
 
     def is_speculative_step(self, batch: ScheduledBatch) -> bool:
         """Whether the batch runs as a speculative step: speculation on this step, and every

@@ -422,21 +422,23 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(
         self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, LaunchedGrammar | None]:
+    ) -> tuple[torch.Tensor, LaunchedGrammar | None, torch.Tensor | None]:
         """A DECODE step without waiting for it: forward, logits and sampling are queued on the
         device and the sampled ids [B] returned there (read them with .tolist() later). Plain
         rows only: no drafts, no logprobs (engine/overlap.py decides). The aux streams of a
-        drafter are made as in `run`, so a runner that captured its graphs with them replays.
-        Greedy constrained rows (grammar_topk) sample their unmasked argmax; their logits and
-        top candidates come back beside, for their grammar to pick from once read."""
-        hidden, _, inputs = self.forward(batch, self.aux_layers, input_ids=input_ids)
+        drafter are made as in `run` and come back third (a copy, as `run`'s aux_hidden: the
+        next replay leaves it alone), for the drafter to defer its rows from. Greedy
+        constrained rows (grammar_topk) sample their unmasked argmax; their logits and top
+        candidates come back beside, for their grammar to pick from once read."""
+        hidden, aux, inputs = self.forward(batch, self.aux_layers, input_ids=input_ids)
+        aux_hidden = torch.cat(aux, dim=-1) if aux else None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         ids = self.sampler.sample_no_sync(logits, batch.seqs)
         picked = [i for i, s in enumerate(batch.seqs) if s.grammar_topk]
         if not picked:
-            return ids, None
+            return ids, None, aux_hidden
         rows = logits.index_select(0, torch.as_tensor(picked, device=logits.device))
-        return ids, LaunchedGrammar(picked, rows, top_candidates_no_sync(rows))
+        return ids, LaunchedGrammar(picked, rows, top_candidates_no_sync(rows)), aux_hidden
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         """KV slot moves in this rank's pool and, under tensor parallelism, every rank's."""

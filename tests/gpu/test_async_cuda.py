@@ -23,3 +23,28 @@ def test_async_scheduling_on_cuda_equals_sync():
     assert llm.engine.num_steps_run_ahead > 20
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_plain_steps_of_a_speculating_engine_run_ahead_on_cuda(drafter_path):
+    """EAGLE-3 (graphs, fp32) under a controller that alternates plain runs and drafts: the
+    plain steps run ahead, their aux streams deferred for the drafter from the launched
+    graphs, and greedy output still equals plain decoding's."""
+    from tests.unit.test_spec_eagle3 import _ScriptedController
+
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, async_scheduling=False)
+    want = [o.token_ids for o in plain.chat(convs, params)]
+    del plain
+    spec = LLM(
+        dtype="float32", device="cuda", gpu_memory_utilization=0.2,
+        speculative={"method": "eagle3", "controller": "fixed", "draft": drafter_path,
+                     "num_draft_tokens": 4},
+    )  # fmt: skip
+    engine = spec.engine
+    assert engine._async and engine.runner.graphs is not None
+    engine.speculator.controller = _ScriptedController(([0] * 6 + [4] * 3 + [0] * 4 + [2] * 2) * 40)
+    assert [o.token_ids for o in spec.chat(convs, params)] == want
+    assert engine.num_steps_run_ahead > 10 and engine.speculator.stats.num_verify_steps > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -1,13 +1,16 @@
 """Async scheduling (engine/overlap.py) on the CPU, forced on: the same outputs as stepping
 one batch at a time — greedy and seeded sampling, stops and max_tokens, requests arriving and
-aborted mid-run — with steps actually run ahead, and every KV block back at the end."""
+aborted mid-run — with steps actually run ahead, and every KV block back at the end; with a
+proposer, the plain steps its controller keeps plain run ahead and the output stays plain."""
 
 from __future__ import annotations
 
 import pytest
 
 from outrider import LLM, SamplingParams
-from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
+from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
+from tests.unit.test_spec_eagle3 import K, _ScriptedController, eagle_llm
+from tests.unit.test_spec_engine import OracleProposer
 
 
 def _llm(tiny_dir, async_scheduling):  # noqa: F811
@@ -64,18 +67,66 @@ def test_async_scheduling_gives_the_same_outputs(tiny_dir, prompts):  # noqa: F8
     assert [o.token_ids for o in again] == [o.token_ids for o in want]
 
 
-def test_async_scheduling_is_off_by_default_on_the_cpu_and_with_speculation(tiny_dir):  # noqa: F811
+def test_async_scheduling_is_off_by_default_on_the_cpu_and_never_ahead_of_a_fixed_k(
+    tiny_dir, prompts
+):  # noqa: F811
     assert not _llm(tiny_dir, None).engine._async  # None: on CUDA only (tests/gpu)
     spec = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
         async_scheduling=True, speculative={"method": "ngram", "controller": "fixed"},
     )  # fmt: skip
-    assert not spec.engine._async
-    # A proposer given later (benchmarks build drafters after the engine) turns it off too.
-    later = _llm(tiny_dir, True)
-    assert later.engine._async
-    later.engine.speculator.use_proposer(spec.engine.speculator.proposer)
-    assert not later.engine._async
+    # A fixed k verifies drafts every step it finds some: their tokens must be on the host,
+    # so no step runs ahead, whether or not the lookup found drafts.
+    outs = spec.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12))
+    want = _llm(tiny_dir, False).generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert spec.engine.num_steps_run_ahead == 0
+
+
+# Runs of plain steps and of steps with drafts, one pick a step, for a scripted controller.
+SCRIPT = ([0] * 6 + [K] * 3 + [0] * 4 + [2] * 2) * 20
+
+
+def test_eagle3_plain_steps_run_ahead_and_the_output_stays_plain(tiny_dir, prompts, reference):  # noqa: F811
+    """EAGLE-3 with async scheduling: the plain steps its controller keeps plain run ahead
+    (their rows deferred for the drafter from the launched step's aux streams), the steps it
+    gives drafts to are scheduled once the step before them is read; greedy output equals
+    plain, the controller is asked once a step and every step is recorded at the k it ran."""
+    llm = eagle_llm(tiny_dir, async_scheduling=True)
+    engine = llm.engine
+    controller = engine.speculator.controller = _ScriptedController(SCRIPT)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    assert [o.token_ids for o in outs] == reference
+    spec = engine.speculator
+    assert engine.num_steps_run_ahead >= 8
+    assert spec.steps_by_k.get(0, 0) > engine.num_steps_run_ahead // 2
+    assert spec.stats.num_verify_steps > 0  # (a random drafter: its drafts are refused)
+    recorded = [k for _, k, _ in controller.recorded]
+    assert recorded.count(0) >= engine.num_steps_run_ahead and set(recorded) >= {0, K, 2}
+    # One pick a step: the script ran no faster than the steps that decode.
+    assert len(SCRIPT) - len(controller.ks) <= sum(spec.steps_by_k.values())
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
+
+
+def test_host_proposer_plain_steps_run_ahead_and_the_output_stays_plain(
+    tiny_dir, prompts, reference
+):  # noqa: F811
+    """The same for a host proposer (drafts the reference: every draft verified is accepted)."""
+    llm = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256, async_scheduling=True,
+        speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": K},
+    )  # fmt: skip
+    engine = llm.engine
+    engine.speculator.use_proposer(OracleProposer(dict(zip(map(tuple, prompts), reference))))
+    engine.speculator.controller = _ScriptedController(SCRIPT)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20))
+    assert [o.token_ids for o in outs] == reference
+    stats = engine.speculator.stats
+    assert engine.num_steps_run_ahead >= 3
+    assert stats.num_verify_steps > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_a_running_request_left_out_of_a_step_stops_running_ahead(tiny_dir):  # noqa: F811

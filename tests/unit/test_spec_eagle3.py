@@ -156,11 +156,13 @@ class _ScriptedController:
         pass
 
 
-def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: F811
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts, async_scheduling):  # noqa: F811
     """Speculation off for several steps, then on again: the drafter kept the plain steps' rows
     and extends over them before the step that drafts, so its first drafts after the gap equal
-    the draft run from scratch (stale draft KV there made them differ)."""
-    llm = eagle_llm(tiny_dir)
+    the draft run from scratch (stale draft KV there made them differ). With async scheduling
+    the plain steps run ahead, their rows kept from the launched steps' aux streams."""
+    llm = eagle_llm(tiny_dir, async_scheduling=async_scheduling)
     engine = llm.engine
     engine.speculator.controller = _ScriptedController([0] * 7)
     reqs = [
@@ -169,6 +171,7 @@ def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts)
     for _ in range(8):  # the prompts' prefill, then 7 plain steps
         engine.step()
     assert engine.speculator.last_k == 0 and all(r.drafts is None for r in reqs)
+    assert (engine.num_steps_run_ahead >= 5) == async_scheduling
     engine.step()  # k = K: drafts inside the step, from the KV of every position
     checked = 0
     for r in reqs:
