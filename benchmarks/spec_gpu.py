@@ -29,18 +29,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pyplot, save_figure, write_result  # noqa: E402
 
-CONFIGS = ("ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3")
+CONFIGS = (
+    "ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3",
+    # The same with async scheduling off: each step read before the next is launched (what
+    # running a step ahead gains, side by side).
+    "eagle3_chain_sync", "adaptive_ngram_sync", "adaptive_eagle3_sync",
+)  # fmt: skip
 SUMMARY_KEYS = {"heldout": "speedup", "grounded": "speedup_grounded"}
 
 
 def spec_configs(
     k: int, draft: str | None, tree: tuple[int, int, int] = (8, 3, 4)
 ) -> dict[str, dict | None]:
-    """Config name -> the `speculative=` dict given to `LLM` (None: plain decoding); `tree`:
-    (nodes, topk, steps) of the eagle3_tree configuration."""
+    """Config name -> the `speculative=` dict given to `LLM` (None: plain decoding; a name
+    ending in _sync: async scheduling off); `tree`: (nodes, topk, steps) of the eagle3_tree
+    configuration."""
     eagle = {"method": "eagle3", "draft": draft}
     nodes, topk, steps = tree
-    return {
+    configs = {
         "plain": None,
         "ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "fixed"},
         "eagle3_chain": {**eagle, "num_draft_tokens": k, "controller": "fixed"},
@@ -49,6 +55,8 @@ def spec_configs(
         "adaptive_ngram": {"method": "ngram", "num_draft_tokens": k, "controller": "adaptive"},
         "adaptive_eagle3": {**eagle, "num_draft_tokens": k, "controller": "adaptive"},
     }  # fmt: skip
+    synced = {f"{n}_sync": spec for n, spec in configs.items() if f"{n}_sync" in CONFIGS}
+    return {**configs, **synced}
 
 
 def batches(items: list, c: int, min_batches: int = 1) -> list[list]:
@@ -308,7 +316,11 @@ def main() -> None:
     llms = {}
     for cfg, spec in specs.items():
         try:
-            llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative=spec, **memory)
+            sync = {"async_scheduling": False} if cfg.endswith("_sync") else {}
+            llm = LLM(
+                args.model, dtype=args.dtype, device=args.device, speculative=spec, **memory,
+                **sync,
+            )  # fmt: skip
         except Exception as e:  # record and go on: one drafter missing should not cost the sweep
             if cfg == "plain":
                 raise

@@ -1,5 +1,5 @@
-"""Host -> device copies that never wait on the stream: shared by the executor and the
-speculative algorithms (which import nothing from the executor)."""
+"""Host <-> device copies that never wait on the stream: shared by the executor, the engine's
+steps run ahead and the speculative algorithms (which import nothing from the executor)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,31 @@ class StagedUpload:
             out.append(buf[off : off + n].view(p.shape))
             off += n
         return out
+
+
+class HostCopy:
+    """A device tensor on its way to the host. On CUDA the copy into pinned memory is queued
+    now, where the stream stands, and an event marks it: `tolist` then waits for the work
+    queued before it alone, not for steps launched since (a plain `.tolist()` after the next
+    step's launch would queue its copy behind that step and wait for it too). On the CPU the
+    tensor is the host's."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device = t
+        self.host: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+        if t.device.type == "cuda":
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def wait(self) -> torch.Tensor:
+        """The values on the host, once the work queued before the copy has run."""
+        if self.event is None:
+            return self.device
+        self.event.synchronize()  # CPU-GPU sync point: this copy and what was queued before it
+        return self.host
+
+    def tolist(self) -> list:
+        return self.wait().tolist()

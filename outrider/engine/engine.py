@@ -31,6 +31,7 @@ from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator, masked_argmax
+from outrider.executor.spec_step import SpecLaunch
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 
@@ -207,6 +208,8 @@ class EngineCore:
         if self._ahead is not None:
             batch, ids = self._ahead.batch, self._ahead.token_ids
             self._ahead = None
+            if isinstance(ids, SpecLaunch):
+                return self._speculate_ahead(batch, ids, t0)
         else:
             max_drafts, lookahead = self.speculator.before_schedule(self.scheduler.running)
             batch = self.scheduler.schedule(max_drafts=max_drafts, lookahead=lookahead)
@@ -216,6 +219,8 @@ class EngineCore:
             if self.grammars:  # greedy rows picked from their top logits where the step can
                 plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
                 self.grammars.attach_masks(batch, pick=speculative or plain)
+            if speculative and self._async and self.speculator.launches(batch):
+                return self._speculate_ahead(batch, self.speculator.launch(batch), t0)
             if speculative or not (self._async and self._can_run_ahead(batch)):
                 output = self.speculator.run(batch) if speculative else self.runner.run(batch)
                 if output.grammar_candidates:
@@ -245,23 +250,53 @@ class EngineCore:
         self.speculator.record_step(batch, False, t0)  # the period of a step run ahead
         return deltas
 
+    def _speculate_ahead(
+        self, batch: ScheduledBatch, launched: SpecLaunch, t0: float
+    ) -> list[RequestOutput]:
+        """A speculative step launched without its read: the step after it is launched on its
+        outputs still on the device (where it can be), then this one is read and
+        postprocessed while the device runs that one."""
+        nxt = None
+        left_out = self.scheduler.num_running > sum(not s.request.is_finished for s in batch.seqs)
+        if not self.scheduler.num_waiting and not left_out:
+            nxt = self.speculator.launch_after(batch, launched)
+        output = self.speculator.read(batch, launched)  # CPU-GPU sync point
+        # The blocks the step run ahead writes in stay with their requests.
+        deltas = self._advance(batch, output, hold=nxt.reach if nxt is not None else 0)
+        if nxt is not None:
+            after = self.speculator.batch_after(batch, output)
+            if any(not s.request.is_finished for s in after.seqs):
+                self._ahead = overlap.Ahead(after, nxt)
+                self.num_steps_run_ahead += 1
+        self.speculator.record_step(batch, True, t0)
+        return deltas
+
     def _pick_grammar_tokens(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):
         the argmax among what each grammar allows, from the row's top logits, or where those
         cannot tell, from its mask computed now."""
         sampling = [s for s in batch.seqs if s.sample]
-        rows = list(output.grammar_candidates)  # grammar_logits holds their rows in this order
+        # grammar_logits holds the candidates' rows in this order (j). A request that ended in
+        # the step before this one, run ahead, has no grammar left: its row is dropped anyway.
+        rows = [
+            (j, row)
+            for j, row in enumerate(output.grammar_candidates)
+            if sampling[row].request.request_id in self.grammars
+        ]
+        if not rows:
+            return
+        at_rows = [j for j, _ in rows]
 
         def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
-            at = torch.as_tensor([j for j, _ in late], device=output.grammar_logits.device)
+            at = torch.as_tensor([at_rows[i] for i, _ in late], device=output.grammar_logits.device)
             return masked_argmax(output.grammar_logits.index_select(0, at), masks)
 
         paths = self.grammars.paths(
-            [sampling[row] for row in rows],
-            [[output.grammar_candidates[row]] for row in rows],
+            [sampling[row] for _, row in rows],
+            [[output.grammar_candidates[row]] for _, row in rows],
             decide,
         )
-        for row, ((_, token),) in zip(rows, paths):
+        for (_, row), ((_, token),) in zip(rows, paths):
             miss = output.token_ids[row] != [token]  # its unmasked argmax, refused
             self._grammar_miss += GRAMMAR_MISS_RATE * (miss - self._grammar_miss)
             output.token_ids[row] = [token]
@@ -295,11 +330,14 @@ class EngineCore:
         self.num_steps_run_ahead += 1
         return overlap.Ahead(next_batch, overlap.Pending.start(self.runner.launch(next_batch, ids)))
 
-    def _advance(self, batch: ScheduledBatch, output: StepOutput) -> list[RequestOutput]:
+    def _advance(
+        self, batch: ScheduledBatch, output: StepOutput, hold: int = 0
+    ) -> list[RequestOutput]:
         """Everything after the forward: stops inside accepted runs, the scheduler's and the
-        drafter's bookkeeping, detokenizing, finishing, the next drafts."""
+        drafter's bookkeeping, detokenizing, finishing, the next drafts. hold: positions past
+        each request's tokens whose blocks it keeps (a step launched ahead writes there)."""
         self.speculator.trim_output(batch, output)
-        self.scheduler.postprocess(batch, output)
+        self.scheduler.postprocess(batch, output, hold)
         # The grammars follow the step's tokens first: the next drafts are cut to, and led by,
         # what each allows after them. True: the grammar allows no more.
         complete = {}

@@ -12,8 +12,8 @@ its KV slot is its own and freed after the write is queued, so stream order keep
 a request that arrives while a step runs ahead joins one step later (nothing runs ahead while
 requests wait).
 
-Only plain decode runs ahead: every sequence samples one token with no drafts, no logprobs,
-no penalties and no active min_tokens (those read output tokens the host does not have yet).
+A plain step runs ahead when every sequence samples one token with no drafts, no logprobs, no
+penalties and no active min_tokens (those read output tokens the host does not have yet).
 With a proposer, plain steps run ahead while the adaptive controller picks k=0 for the step
 after (Speculator.plain_ahead): an n-gram lookup needs nothing from them, and an EAGLE-3
 drafter defers their rows from the aux streams the launched step kept (Pending.aux). A step
@@ -22,6 +22,15 @@ Greedy constrained sequences run ahead on a guess: step n+1 takes their unmasked
 n, which is the grammar's pick whenever the grammar allows it; where it does not, the engine
 drops step n+1 once it has read step n (its KV writes are rewritten by the step that replaces
 it) and decides from step n's top candidates as a step not run ahead does.
+
+A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy
+(Speculator.launches): step n+1 verifies the k drafts step n drafted, from the root after the
+drafts step n accepted, all computed on the device (SpecStep.advance_no_sync), so nothing of it
+waits for the host. Its positions depend on that acceptance, so every row gets blocks for the
+furthest it can reach (3k + 1 past step n's start), and step n's postprocess keeps the 2k
+positions past each row's tokens that step n+1 writes (Scheduler.postprocess's hold). It runs
+at the same k (the controller is asked first: another pick waits for the step after) and only
+where each row has room for k more drafts past the most step n can accept.
 """
 
 from __future__ import annotations
@@ -33,23 +42,22 @@ import torch
 from outrider.core import Candidates, ForwardMode, LaunchedGrammar, ScheduledBatch, ScheduledSeq
 from outrider.engine.block_manager import BlockManager
 from outrider.executor.sampler import unpack_candidates
+from outrider.executor.spec_step import SpecLaunch
+from outrider.transfer import HostCopy
 
 PLACEHOLDER = 0  # the token id written into a step's host inputs; the device ids replace it
 
 
 @dataclass
 class Pending:
-    """A launched step's sampled ids on their way to the host. On CUDA the copy into pinned
-    memory is queued right after the step samples them, before the next step is launched, and
-    an event marks it: reading them then waits for this step alone. A plain `.tolist()` after
-    the next step's launch queues its copy behind that step and waits for it too, which left
-    the device idle while the host did the bookkeeping the overlap was for."""
+    """A launched step's sampled ids on their way to the host (transfer.HostCopy): the copy is
+    queued right after the step samples them, before the next step is launched, so reading
+    them waits for this step alone and the device stays busy with the next while the host
+    does the bookkeeping the overlap is for."""
 
-    device: torch.Tensor  # [B] int64, the ids where the step left them
-    host: torch.Tensor | None = None  # pinned [B], filled once `event` completes
-    event: torch.cuda.Event | None = None
+    ids: HostCopy  # [B] int64
     grammar: LaunchedGrammar | None = None  # greedy constrained rows' logits and candidates
-    grammar_host: torch.Tensor | None = None  # pinned copy of grammar.candidates
+    candidates_host: HostCopy | None = None  # grammar.candidates
     aux: torch.Tensor | None = None  # [B, n_aux * hidden] on the device, a drafter's rows
 
     @classmethod
@@ -59,41 +67,33 @@ class Pending:
         """ModelRunner.launch's ids, grammar rows and aux streams; the ids and candidates on
         their way to the host."""
         ids, grammar, aux = launched
-        if ids.device.type != "cuda":
-            return cls(ids, grammar=grammar, aux=aux)
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        grammar_host = None
-        if grammar is not None:
-            top = grammar.candidates
-            grammar_host = torch.empty(top.shape, dtype=top.dtype, pin_memory=True)
-            grammar_host.copy_(top, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(ids, host, event, grammar, grammar_host, aux)
+        top = HostCopy(grammar.candidates) if grammar is not None else None
+        return cls(HostCopy(ids), grammar, top, aux)
+
+    @property
+    def device(self) -> torch.Tensor:
+        """The ids where the step left them."""
+        return self.ids.device
 
     def read(self) -> list[int]:
         """The ids on the host: waits for the step that sampled them (and what ran before it)."""
-        if self.event is None:
-            return self.device.tolist()  # CPU-GPU sync point (none on the CPU)
-        self.event.synchronize()  # CPU-GPU sync point: this step's copy only
-        return self.host.tolist()
+        return self.ids.tolist()
 
     def candidates(self) -> dict[int, Candidates] | None:
         """The greedy constrained rows' top candidates (as StepOutput.grammar_candidates), once
         `read` has returned; None without such rows."""
         if self.grammar is None:
             return None
-        top = self.grammar.candidates if self.grammar_host is None else self.grammar_host
-        return unpack_candidates(top.tolist(), self.grammar.rows)  # (on the host after read)
+        return unpack_candidates(self.candidates_host.tolist(), self.grammar.rows)
 
 
 @dataclass
 class Ahead:
-    """A launched step whose tokens are not read yet."""
+    """A launched step whose tokens are not read yet: a plain step (Pending) or a speculative
+    one (SpecLaunch)."""
 
     batch: ScheduledBatch
-    token_ids: Pending
+    token_ids: Pending | SpecLaunch
 
 
 def can_run_ahead(batch: ScheduledBatch) -> bool:

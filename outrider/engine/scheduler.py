@@ -131,9 +131,11 @@ class Scheduler:
         batch.mode = _mode(batch.seqs)
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, output: StepOutput) -> None:
+    def postprocess(self, batch: ScheduledBatch, output: StepOutput, hold: int = 0) -> None:
         """Advance each scheduled request by what the step computed and append sampled tokens.
-        Stop conditions are the engine's, which then calls `finish`."""
+        Stop conditions are the engine's, which then calls `finish`. hold: positions past a
+        request's tokens whose blocks stay (a step launched before this one was read writes
+        there); the rest past its tokens go back."""
         expected = [s.request.request_id for s in batch.seqs if s.sample]
         if expected != output.request_ids or len(output.token_ids) != len(expected):
             raise ValueError(
@@ -143,12 +145,13 @@ class Scheduler:
             )
         new_tokens = iter(output.token_ids)
         new_logprobs = iter(output.logprobs) if output.logprobs is not None else None
+        new_accepted = iter(output.num_accepted) if output.num_accepted is not None else None
         now = time.perf_counter()
-        sampled_index = 0
         for seq in batch.seqs:
             req = seq.request
             tokens = next(new_tokens) if seq.sample else None
             logprobs = next(new_logprobs) if seq.sample and new_logprobs is not None else None
+            accepted = next(new_accepted) if seq.sample and new_accepted is not None else None
             if req.is_finished:
                 continue  # aborted while the step ran; its blocks are already freed
             if seq.start_pos != req.num_computed_tokens:
@@ -160,17 +163,16 @@ class Scheduler:
                 req.num_computed_tokens += seq.query_len
             else:
                 # The root's and the accepted drafts' KV is valid; rejected slots roll back.
-                req.num_computed_tokens = seq.start_pos + 1 + output.num_accepted[sampled_index]
+                req.num_computed_tokens = seq.start_pos + 1 + accepted
             if tokens is not None:
                 req.output_token_ids.extend(tokens)
-                sampled_index += 1
                 if logprobs is not None:
                     req.output_logprobs.extend(logprobs)
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
             if seq.drafts is not None or (seq.sample and seq.query_len == 1):
                 # Free blocks of rejected drafts and of a drafter's lookahead.
-                self.block_manager.trim(req, req.num_tokens)
+                self.block_manager.trim(req, req.num_tokens + hold)
             self.block_manager.commit(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:

@@ -39,7 +39,7 @@ from outrider.engine.detokenizer import count_until_stop
 from outrider.engine.structured import Grammars
 from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.spec_step import masked_greedy, simple_greedy
+from outrider.executor.spec_step import SpecLaunch, masked_greedy, simple_greedy
 from outrider.speculative.base import Proposer
 from outrider.speculative.controller import SpecController, StepProfile
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
@@ -250,6 +250,88 @@ class Speculator:
             self._next_k = k
         return k == 0
 
+    # -- speculative steps launched ahead of their read (engine/overlap.py) ---------------------
+
+    def launches(self, batch: ScheduledBatch) -> bool:
+        """Whether this speculative step (is_speculative_step) may be launched without its
+        read, and a step after it on its outputs still on the device: chains drafted on the
+        device in one process, every row plain greedy (nothing is decided on the host between
+        the verify and the drafter), no prompt chunk beside."""
+        p = self.proposer
+        return (
+            p is not None
+            and p.on_device
+            and self._tree is None
+            and self._k > 0
+            and self._runner.tp.size == 1
+            and batch.mode != ForwardMode.PREFILL
+            and all(simple_greedy(s) and not _prompt_chunk(s) for s in batch.seqs)
+        )
+
+    def launch(self, batch: ScheduledBatch) -> SpecLaunch:
+        """`run` for a batch `launches` accepted, without its read (SpecLaunch.read)."""
+        t0 = time.perf_counter()
+        self.proposer.catch_up()  # the draft KV of the plain steps before this one
+        self._aside_ms += (time.perf_counter() - t0) * 1e3
+        self._drafted_only = not any(s.drafts for s in batch.seqs)
+        return self._runner.spec_step.launch(batch, self._k)
+
+    def launch_after(self, batch: ScheduledBatch, launched: SpecLaunch) -> SpecLaunch | None:
+        """The step after `batch` (launched, not read yet), launched now on its outputs on the
+        device: the same rows at the same k, each verifying the k drafts `batch`'s step made.
+        None where that cannot be known to hold: the controller picks another k (kept for the
+        step scheduled next), a row could run out of room for k drafts (max_tokens, the
+        context), or the pool is short of blocks for the furthest positions the step may
+        write (3k + 1 past a row's start: `batch`'s k + 1, then its own k + 1 and the
+        drafter's chain)."""
+        k = self._k
+        if self._drafted_only:  # its drafts are verified next: the probe it started
+            self._drafted_only = False
+        elif self.controller is not None:
+            pick = self.controller.choose([s.request.request_id for s in batch.seqs])
+            if pick != k:
+                self._next_k = pick
+                return None
+        reqs = [s.request for s in batch.seqs if not s.request.is_finished]
+        for req in reqs:
+            left = req.params.max_tokens
+            if left is not None and left - len(req.output_token_ids) < 2 * k + 2:
+                return None
+            if req.num_tokens + 3 * k + 2 > self._max_model_len:
+                return None
+        if not all(self._block_manager.allocate(r, 3 * k + 1) for r in reqs):
+            return None  # (what was allocated goes back when `batch` is postprocessed)
+        return self._runner.spec_step.launch_after(launched, batch)
+
+    def read(self, batch: ScheduledBatch, launched: SpecLaunch) -> StepOutput:
+        """A launched step's output (waits for it)."""
+        output = launched.read(batch)  # CPU-GPU sync point
+        self._speculated = True
+        return output
+
+    def batch_after(self, batch: ScheduledBatch, output: StepOutput) -> ScheduledBatch:
+        """The host's view of the step launch_after launched after `batch`, once `batch` is
+        postprocessed (`output`, its read): each row's root and the drafts it verifies, which
+        it consumes as a scheduled step does. A row whose request finished keeps its place;
+        its output is dropped."""
+        seqs = []
+        for s, drafts in zip(batch.seqs, output.next_drafts):
+            req = s.request
+            if req.is_finished:
+                seqs.append(
+                    ScheduledSeq(req, [0, *drafts.token_ids], s.start_pos, [], True, drafts)
+                )
+                continue
+            req.drafts = None
+            root = req.all_token_ids[req.num_computed_tokens]
+            seqs.append(
+                ScheduledSeq(
+                    req, [root, *drafts.token_ids], req.num_computed_tokens, req.block_ids, True,
+                    drafts,
+                )
+            )  # fmt: skip
+        return ScheduledBatch(ForwardMode.VERIFY, seqs)
+
     def is_speculative_step(self, batch: ScheduledBatch) -> bool:
         """Whether the batch runs as a speculative step: speculation on this step, and every
         decoding sequence its root and at most k drafts (a tree: greedy). A prefill step
@@ -323,6 +405,8 @@ class Speculator:
         stride = -(-len(sampling) // _OBSERVED_ROWS)
         self._observe_phase = (self._observe_phase + 1) % stride
         for i, seq in enumerate(sampling):
+            if seq.request.is_finished:
+                continue  # a row of a step run ahead whose request finished the step before
             if (
                 observe
                 and i % stride == self._observe_phase

@@ -67,7 +67,7 @@ from outrider.speculative.tree_batch import (
     tree_kv_moves_no_sync,
 )
 from outrider.speculative.verify import verify_chain_greedy_no_sync
-from outrider.transfer import StagedUpload, to_device_no_sync
+from outrider.transfer import HostCopy, StagedUpload, to_device_no_sync
 
 
 @dataclass
@@ -193,6 +193,7 @@ class SpecStep:
         max_b = self.batch_sizes[-1]
         self.inputs = StaticInputs.allocate(max_b, max_b * (1 + max_k), self.width, self.device)
         self.num_drafts = torch.zeros(max_b, dtype=torch.int64, device=self.device)
+        self.num_blocks = torch.zeros(max_b, dtype=torch.int64, device=self.device)  # real ones
         if tree is not None:  # each row's tree: parents, depths, the mask over its 1 + N rows
             n = tree.num_nodes
             self.parents = torch.full((max_b, n), -1, dtype=torch.int64, device=self.device)
@@ -251,7 +252,7 @@ class SpecStep:
         # Trees: every row's positions are its root's here; the verify adds each node's depth
         # on the device (a node's rotary position is root + depth, its slot root + 1 + index).
         rope = np.repeat(starts[:, None], t, axis=1) if tree else pos
-        parts = [ids, np.minimum(rope, self.max_positions - 1), slots, starts + t, tables, ns]
+        parts = [ids, np.minimum(rope, self.max_positions - 1), slots, starts + t, tables, ns, ntab]
         if tree:
             parts.append(parents)
         n_tok = padded * t
@@ -263,11 +264,66 @@ class SpecStep:
         s.seq_lens[:padded].copy_(sent[3])
         s.block_tables[:padded, :w].copy_(sent[4])
         self.num_drafts[:padded].copy_(sent[5])
+        self.num_blocks[:padded].copy_(sent[6])
         if tree:
-            self.parents[:padded].copy_(sent[6])
+            self.parents[:padded].copy_(sent[7])
+        self._reset_columns(w)
+
+    def _reset_columns(self, w: int) -> None:
+        """The tables were written `w` wide: columns a wider earlier batch left are scratch."""
         if self._dirty > w:  # a wider batch wrote real blocks there earlier
-            s.block_tables[:, w : self._dirty].fill_(scratch)
+            self.inputs.block_tables[:, w : self._dirty].fill_(self.scratch_block)
         self._dirty, self._w = w, w
+
+    def load_after(self, batch: ScheduledBatch, k: int, padded: int) -> None:
+        """The block tables for the step after `batch` (launch_after), before its tokens are
+        read: each row's blocks now (allocated for the furthest it can reach, its root k + 1
+        positions on and a drafter's chain past its own k + 1), written as wide as that."""
+        bs = self.block_size
+        w = 1
+        for s in batch.seqs:
+            w = max(w, len(s.request.block_ids), (s.start_pos + 1 + k + self.reach) // bs + 1)
+        w = min(w + 1, self.width)
+        tables = np.full((padded, w), self.scratch_block, np.int64)
+        ntab = np.zeros(padded, np.int64)
+        for i, s in enumerate(batch.seqs):
+            row = s.request.block_ids[:w]
+            tables[i, : len(row)] = row
+            ntab[i] = len(s.request.block_ids)
+        sent = self.upload.send([tables, ntab])
+        self.inputs.block_tables[:padded, :w].copy_(sent[0])
+        self.num_blocks[:padded].copy_(sent[1])
+        self._reset_columns(w)
+
+    def advance_no_sync(self, out: SpecOutput, b: int, padded: int, k: int) -> None:
+        """The step after `out`'s, on the static buffers, from its outputs on the device: each
+        of the first b rows one accepted run further, its root the target's token after the
+        accepted drafts and its k drafts the drafter's (out.drafts), all verified; padding rows
+        as they were. Slots as `load` makes them, from the tables load_after wrote.
+
+        Row at start 10 with num_accepted 2, tokens [a, b, x, .], drafts [d, e, f] (k = 3):
+        -> ids [x, d, e, f] at positions 13..16."""
+        t = 1 + k
+        s, dev, bs = self.inputs, self.device, self.block_size
+        n = padded * t
+        live = torch.arange(padded, device=dev) < b
+        acc = out.num_accepted[:padded]
+        starts = s.positions[:n].view(padded, t)[:, 0] + torch.where(live, acc + 1, 0)
+        root = out.tokens[:padded].gather(1, acc[:, None])
+        ids = torch.cat([root, out.drafts[:padded, :k]], dim=1)
+        ids = torch.where(live[:, None], ids, s.input_ids[:n].view(padded, t))
+        ns = torch.where(live, k, 0)
+        ar = torch.arange(t, device=dev)
+        pos = starts[:, None] + ar[None, :]
+        tables = s.block_tables[:padded, : self._w].long()
+        own = tables.gather(1, (pos // bs).clamp(max=self._w - 1)) * bs + pos % bs
+        real = (ar[None, :] <= ns[:, None]) & (pos // bs < self.num_blocks[:padded, None])
+        slots = torch.where(real, own, self.scratch_block * bs + ar[None, :] % bs)
+        s.input_ids[:n].copy_(ids.reshape(-1))
+        s.positions[:n].copy_(pos.clamp(max=self.max_positions - 1).reshape(-1))
+        s.slot_mapping[:n].copy_(slots.reshape(-1))
+        s.seq_lens[:padded].copy_(starts + t)
+        self.num_drafts[:padded].copy_(ns)
 
     def metadata(self, padded: int, k: int, full_width: bool = False) -> AttentionMetadata:
         """full_width: the whole table (what a graph is captured with; kernels read only up to
@@ -410,9 +466,13 @@ class SpecStep:
         and acceptance, rewriting out.argmax (run_tree)."""
         padded = self.padded_batch(len(batch.seqs)) or len(batch.seqs)
         self.load(batch, k, padded)
+        return self._step_no_sync(padded, k, k_draft, fixup), padded
+
+    def _step_no_sync(self, padded: int, k: int, k_draft: int, fixup=None) -> SpecOutput:
+        """The step on what the static buffers hold: graphs where captured, else eagerly."""
         key = (padded, k, k_draft)
         if key in self.graphs:
-            return self.graphs.replay(key, fixup), padded
+            return self.graphs.replay(key, fixup)
         with torch.inference_mode():
             tree = self.tree is not None
             out = self.verify_no_sync(padded, k, accept=not tree)
@@ -422,7 +482,28 @@ class SpecStep:
                 self.accept_tree_no_sync(out, padded, k)
             if k_draft:
                 out.drafts = self.draft_no_sync(out, padded, k, k_draft)
-        return out, padded
+        return out
+
+    # -- steps launched without their read (engine/overlap.py) ------------------------------
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, k: int) -> SpecLaunch:
+        """`run` without its read, for chains drafted on the device whose rows are all plain
+        greedy (nothing to decide between the replays): the step is queued and its outputs
+        start toward the host; SpecLaunch.read waits for them."""
+        out, padded = self.run_no_sync(batch, k, k)
+        return SpecLaunch(out, len(batch.seqs), padded, k)
+
+    @torch.inference_mode()
+    def launch_after(self, prev: SpecLaunch, batch: ScheduledBatch) -> SpecLaunch:
+        """The step after `prev` (launched on `batch`), queued on prev's outputs still on the
+        device (advance_no_sync) before the host has read them: the same rows, each one
+        accepted run further, verifying the k drafts prev drafted. Every row's blocks must
+        reach its furthest position there (load_after)."""
+        self.load_after(batch, prev.k, prev.padded)
+        self.advance_no_sync(prev.out, prev.b, prev.padded, prev.k)
+        out = self._step_no_sync(prev.padded, prev.k, prev.k)
+        return SpecLaunch(out, prev.b, prev.padded, prev.k)
 
     # -- the step as the engine runs it: one host read --------------------------------------
 
@@ -495,18 +576,9 @@ class SpecStep:
         if packed:  # float64 carries ids and logprobs exactly: still one read
             parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
         host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
-        host_ints = [int(x) for x in host[: b * t + b]] if packed else host
-        accepted = host_ints[b * t : b * t + b]
-        tokens = [host_ints[i * t : i * t + accepted[i] + 1] for i in range(b)]
-        pos = b * t + b
-        drafts = None
-        if out.drafts is not None:
-            kd = out.drafts.shape[1]
-            drafts = [
-                SeqDrafts.chain([int(x) for x in host[pos + i * kd : pos + (i + 1) * kd]])
-                for i in range(b)
-            ]
-            pos += b * kd
+        kd = out.drafts.shape[1] if out.drafts is not None else 0
+        tokens, accepted, drafts = _unpack_chain(host, b, t, kd)
+        pos = b * (t + 1 + kd)
         logprobs = None
         if packed:
             width = 1 + 2 * top_n
@@ -516,11 +588,7 @@ class SpecStep:
                 mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
                 n = seqs[i].request.params.logprobs
                 logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
-        return StepOutput(
-            [s.request.request_id for s in seqs], tokens, num_accepted=accepted,
-            logprobs=logprobs, accepted_nodes=[list(range(a)) for a in accepted],
-            next_drafts=drafts,
-        )  # fmt: skip
+        return _chain_output(batch, tokens, accepted, drafts, logprobs)
 
     @torch.inference_mode()
     def run_tree(self, batch: ScheduledBatch) -> StepOutput:
@@ -575,3 +643,49 @@ class SpecStep:
             [s.request.request_id for s in seqs], tokens, num_accepted=[len(x) for x in nodes],
             accepted_nodes=nodes, next_drafts=drafts,
         )  # fmt: skip
+
+
+def _unpack_chain(
+    host: list, b: int, t: int, kd: int
+) -> tuple[list[list[int]], list[int], list[SeqDrafts] | None]:
+    """A chain step's read, [tokens (b x t), num_accepted (b), drafts (b x kd)] flat (ints,
+    or floats carrying ints exactly) -> each row's emitted tokens (its accepted drafts and
+    the target's token after them), accept counts, next drafts (None when kd is 0)."""
+    accepted = [int(x) for x in host[b * t : b * t + b]]
+    tokens = [[int(x) for x in host[i * t : i * t + accepted[i] + 1]] for i in range(b)]
+    pos = b * t + b
+    drafts = None
+    if kd:
+        rows = (host[pos + i * kd : pos + (i + 1) * kd] for i in range(b))
+        drafts = [SeqDrafts.chain([int(x) for x in row]) for row in rows]
+    return tokens, accepted, drafts
+
+
+def _chain_output(batch: ScheduledBatch, tokens, accepted, drafts, logprobs=None) -> StepOutput:
+    return StepOutput(
+        [s.request.request_id for s in batch.seqs], tokens, num_accepted=accepted,
+        logprobs=logprobs, accepted_nodes=[list(range(a)) for a in accepted], next_drafts=drafts,
+    )  # fmt: skip
+
+
+class SpecLaunch:
+    """A chain step launched without its read (SpecStep.launch, launch_after): its outputs on
+    the device (`out`, which the next replay of the same graph overwrites: launch_after reads
+    them before it replays) and, packed, on their way to the host."""
+
+    def __init__(self, out: SpecOutput, b: int, padded: int, k: int) -> None:
+        self.out, self.b, self.padded, self.k = out, b, padded, k
+        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b], out.drafts[:b].reshape(-1)]
+        self._host = HostCopy(torch.cat(parts))
+
+    @property
+    def reach(self) -> int:
+        """Positions past a row's tokens once this step is read that the step after it, run
+        ahead, writes: its own root and k drafts, and the drafter's chain past the accepted."""
+        return 2 * self.k
+
+    def read(self, batch: ScheduledBatch) -> StepOutput:
+        """The step's output for `batch`, the host's view of the rows it ran (waits for it)."""
+        host = self._host.tolist()  # CPU-GPU sync point: this step's outputs only
+        tokens, accepted, drafts = _unpack_chain(host, self.b, 1 + self.k, self.k)
+        return _chain_output(batch, tokens, accepted, drafts)

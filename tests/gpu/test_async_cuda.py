@@ -48,3 +48,27 @@ def test_plain_steps_of_a_speculating_engine_run_ahead_on_cuda(drafter_path):
     assert engine.num_steps_run_ahead > 10 and engine.speculator.stats.num_verify_steps > 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_speculative_steps_run_ahead_on_cuda(drafter_path):
+    """EAGLE-3 chains in graphs (fp32): each speculative step launches the next on its own
+    acceptance, still on the device, before its read; the output equals the same engine
+    stepping one batch at a time, and every block comes back."""
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    params = [SamplingParams(temperature=0, max_tokens=40 + 8 * (i % 3)) for i in range(8)]
+    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path, "num_draft_tokens": 4}
+
+    def llm(async_scheduling: bool) -> LLM:
+        return LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec,
+                   async_scheduling=async_scheduling)  # fmt: skip
+
+    sync = llm(False)
+    want = [o.token_ids for o in sync.chat(convs, params)]
+    del sync
+    ahead = llm(True)
+    engine = ahead.engine
+    assert engine.runner.spec_step.graphs
+    assert [o.token_ids for o in ahead.chat(convs, params)] == want
+    assert engine.num_steps_run_ahead > 15
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None

@@ -68,8 +68,9 @@ def test_async_scheduling_gives_the_same_outputs(tiny_dir, prompts):  # noqa: F8
 
 
 def test_async_scheduling_is_off_by_default_on_the_cpu_and_never_ahead_of_a_fixed_k(
-    tiny_dir, prompts
-):  # noqa: F811
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+):
     assert not _llm(tiny_dir, None).engine._async  # None: on CUDA only (tests/gpu)
     spec = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
@@ -89,8 +90,8 @@ SCRIPT = ([0] * 6 + [K] * 3 + [0] * 4 + [2] * 2) * 20
 
 def test_eagle3_plain_steps_run_ahead_and_the_output_stays_plain(tiny_dir, prompts, reference):  # noqa: F811
     """EAGLE-3 with async scheduling: the plain steps its controller keeps plain run ahead
-    (their rows deferred for the drafter from the launched step's aux streams), the steps it
-    gives drafts to are scheduled once the step before them is read; greedy output equals
+    (their rows deferred for the drafter from the launched step's aux streams), a step it
+    gives another k is scheduled once the step before it is read; greedy output equals
     plain, the controller is asked once a step and every step is recorded at the k it ran."""
     llm = eagle_llm(tiny_dir, async_scheduling=True)
     engine = llm.engine
@@ -99,10 +100,10 @@ def test_eagle3_plain_steps_run_ahead_and_the_output_stays_plain(tiny_dir, promp
     assert [o.token_ids for o in outs] == reference
     spec = engine.speculator
     assert engine.num_steps_run_ahead >= 8
-    assert spec.steps_by_k.get(0, 0) > engine.num_steps_run_ahead // 2
+    assert spec.steps_by_k.get(0, 0) >= 8
     assert spec.stats.num_verify_steps > 0  # (a random drafter: its drafts are refused)
     recorded = [k for _, k, _ in controller.recorded]
-    assert recorded.count(0) >= engine.num_steps_run_ahead and set(recorded) >= {0, K, 2}
+    assert len(recorded) == sum(spec.steps_by_k.values()) and set(recorded) >= {0, K, 2}
     # One pick a step: the script ran no faster than the steps that decode.
     assert len(SCRIPT) - len(controller.ks) <= sum(spec.steps_by_k.values())
     bm = engine.block_manager
@@ -110,8 +111,10 @@ def test_eagle3_plain_steps_run_ahead_and_the_output_stays_plain(tiny_dir, promp
 
 
 def test_host_proposer_plain_steps_run_ahead_and_the_output_stays_plain(
-    tiny_dir, prompts, reference
-):  # noqa: F811
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+    reference,  # noqa: F811
+):
     """The same for a host proposer (drafts the reference: every draft verified is accepted)."""
     llm = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256, async_scheduling=True,

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from outrider import LLM, SamplingParams
+from outrider.core import ForwardMode
 from outrider.executor.drafter import Eagle3Drafter
 from outrider.loaders.hf_config import TransformerConfig
 from outrider.models.eagle3 import Eagle3Config, Eagle3Draft
@@ -156,6 +157,13 @@ class _ScriptedController:
         pass
 
 
+def _next_drafts(engine, req):
+    """The drafts req verifies next: its own, or those of the step launched ahead for it."""
+    if engine._ahead is not None and engine._ahead.batch.mode == ForwardMode.VERIFY:
+        return next(s.drafts for s in engine._ahead.batch.seqs if s.request is req)
+    return req.drafts
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts, async_scheduling):  # noqa: F811
     """Speculation off for several steps, then on again: the drafter kept the plain steps' rows
@@ -175,7 +183,7 @@ def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts,
     engine.step()  # k = K: drafts inside the step, from the KV of every position
     checked = 0
     for r in reqs:
-        d = r.drafts
+        d = _next_drafts(engine, r)
         assert d is not None and not r.is_finished
         want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids, d.num_nodes)
         assert d.token_ids == want, (r.request_id, r.num_tokens)
@@ -184,10 +192,11 @@ def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts,
     for _ in range(6):  # and the verifies after it keep the chain right
         engine.step()
     for r in reqs:
-        if r.drafts and not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
+        d = _next_drafts(engine, r)
+        if d and not r.is_finished and r.num_computed_tokens == r.num_tokens - 1:
             want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids,
-                                r.drafts.num_nodes)  # fmt: skip
-            assert r.drafts.token_ids == want
+                                d.num_nodes)  # fmt: skip
+            assert d.token_ids == want
 
 
 def test_a_catch_up_is_not_charged_to_the_step_k(tiny_dir, prompts):  # noqa: F811

@@ -778,14 +778,18 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     """Async scheduling forced on (the CPU): greedy constrained rows run ahead on their
     unmasked argmax, and where a grammar refuses it the step run ahead is dropped and the
     grammar's pick taken: the same tokens as one step at a time, batched and alone, a mix of
-    constrained and unconstrained rows included. "always": run ahead whatever the refusal rate
+    constrained and unconstrained rows included, and rows whose request ended in the step
+    before (their grammar gone) left alone. "always": run ahead whatever the refusal rate
     (every drop path taken); "guarded": the engine's odds."""
     from outrider.engine import engine as engine_module
 
     if odds is not None:
         monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", odds)
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
-    params = _constrained(specs, max_tokens=30) + [SamplingParams(temperature=0, max_tokens=48)]
+    # Some end mid-run, with a step run ahead of them.
+    ends = (7, 30, 13, 30)
+    params = [dataclasses.replace(p, max_tokens=n) for p, n in zip(_constrained(specs), ends)]
+    params.append(SamplingParams(temperature=0, max_tokens=48))
     batch = prompts[:5]
 
     def llm(async_scheduling: bool) -> LLM:
@@ -813,6 +817,35 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     for i in (0, 3):
         alone = ahead.generate([batch[i]], params[i])[0].outputs[0].token_ids
         assert alone == want[i].token_ids
+
+
+def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks(
+    tiny_json_dir,
+    prompts,  # noqa: F811
+    monkeypatch,
+):
+    """Run ahead whatever the refusals, on a grammar that allows nearly every argmax: the
+    requests that reach max_tokens end while a step run ahead holds their rows; that step's
+    read leaves their rows alone (their grammars are gone) and the others keep going."""
+    from outrider.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
+    anything = {"regex": "[\\s\\S]*"}
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, structured_outputs=anything)
+        for n in (3, 9, 5, 16)
+    ]
+
+    def run(async_scheduling: bool):
+        llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        return llm, [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
+
+    _, want = run(False)
+    llm, got = run(True)
+    assert got == want and [len(t) for t in got] == [3, 9, 5, 16]
+    engine = llm.engine
+    assert engine.num_steps_run_ahead >= 10
     assert not engine.grammars and engine._ahead is None
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -1,0 +1,97 @@
+"""Speculative steps launched ahead of their read (engine/overlap.py, SpecStep.launch_after),
+on the CPU with async scheduling forced on: EAGLE-3 chains whose rows are all plain greedy run
+one step ahead on the device's own acceptance. The output equals the same engine stepping one
+batch at a time (and plain greedy), with stops, max_tokens, sampled and logprob rows, requests
+arriving and aborted mid-run; the drafts a step run ahead verifies are the drafter's; every
+KV block comes back."""
+
+from __future__ import annotations
+
+from outrider import SamplingParams
+from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
+from tests.unit.test_spec_eagle3 import K, _dense_chain, eagle_llm
+
+
+def _free(engine) -> bool:
+    bm = engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and engine._ahead is None
+
+
+def test_eagle3_steps_run_ahead_and_the_output_stays_plain(tiny_dir, prompts, reference):  # noqa: F811
+    params = SamplingParams(temperature=0, max_tokens=48)
+    sync = eagle_llm(tiny_dir, async_scheduling=False)
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert [w[:20] for w in want] == reference
+    llm = eagle_llm(tiny_dir, async_scheduling=True)
+    engine = llm.engine
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    # Every step but the prefill, the first verify and those within 2k + 2 tokens of
+    # max_tokens (a step run ahead verifies k drafts whatever the step before accepts).
+    assert engine.num_steps_run_ahead >= 48 - 2 * (2 * K + 2) - 2
+    assert engine.speculator.stats.num_verify_steps == sync.engine.speculator.stats.num_verify_steps
+    assert _free(engine)
+
+
+def _params(i: int) -> SamplingParams:
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0, max_tokens=33, stop_token_ids=[7, 11, 13, 130]),
+        SamplingParams(temperature=0, max_tokens=14),
+        SamplingParams(temperature=0, max_tokens=36, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=17, seed=i),  # never launched
+        SamplingParams(temperature=0, max_tokens=9, logprobs=2),  # never launched
+    ]
+    return kinds[i % len(kinds)]
+
+
+def _drive(llm, prompts, sampled: bool):  # noqa: F811
+    """Add some requests, step, add the rest mid-run, abort one; collect every delta."""
+    engine = llm.engine
+    got: dict[str, list[int]] = {}
+    kinds = range(6) if sampled else range(4)
+    for i, p in enumerate(prompts[:3]):
+        engine.add_request(p, _params(kinds[i % len(kinds)]), request_id=f"r{i}")
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+        if steps == 12:
+            for i, p in enumerate(prompts[3:], start=3):
+                engine.add_request(p, _params(kinds[i % len(kinds)]), request_id=f"r{i}")
+        if steps == 16:
+            engine.abort("r1")
+    return got
+
+
+def test_stops_arrivals_aborts_and_other_rows_beside_steps_run_ahead(tiny_dir, prompts):  # noqa: F811
+    for sampled in (False, True):
+        want = _drive(eagle_llm(tiny_dir, async_scheduling=False), prompts, sampled)
+        llm = eagle_llm(tiny_dir, async_scheduling=True)
+        assert _drive(llm, prompts, sampled) == want, sampled
+        assert llm.engine.num_steps_run_ahead >= (3 if sampled else 8), sampled
+        assert _free(llm.engine)
+
+
+def test_a_step_run_ahead_verifies_the_drafters_drafts(tiny_dir, prompts):  # noqa: F811
+    """The drafts the device hands a step run ahead (the host sees them once the step before
+    is read: the step's batch) equal the draft run from scratch on the request's tokens."""
+    llm = eagle_llm(tiny_dir, async_scheduling=True)
+    engine = llm.engine
+    reqs = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40)) for p in prompts[:3]
+    ]
+    checked = 0
+    for _ in range(14):
+        engine.step()
+        if engine._ahead is None:
+            continue
+        for s in engine._ahead.batch.seqs:
+            r = s.request
+            if r.is_finished:
+                continue
+            assert s.start_pos == r.num_computed_tokens and s.token_ids[0] == r.all_token_ids[-1]
+            want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids, K)
+            assert s.drafts.token_ids == want, (r.request_id, r.num_tokens)
+            checked += 1
+    assert checked >= 15 and all(r in engine.scheduler.running for r in reqs)
