@@ -285,6 +285,8 @@ class Speculator:
         write (3k + 1 past a row's start: `batch`'s k + 1, then its own k + 1 and the
         drafter's chain)."""
         k = self._k
+        if not launched.drafted:  # its drafts come from `propose`, on the host
+            return None
         if self._drafted_only:  # its drafts are verified next: the probe it started
             self._drafted_only = False
         elif self.controller is not None:

@@ -576,9 +576,9 @@ class SpecStep:
         if packed:  # float64 carries ids and logprobs exactly: still one read
             parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
         host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
-        kd = out.drafts.shape[1] if out.drafts is not None else 0
+        kd = out.drafts.shape[1] if out.drafts is not None else None
         tokens, accepted, drafts = _unpack_chain(host, b, t, kd)
-        pos = b * (t + 1 + kd)
+        pos = b * (t + 1 + (kd or 0))
         logprobs = None
         if packed:
             width = 1 + 2 * top_n
@@ -646,16 +646,17 @@ class SpecStep:
 
 
 def _unpack_chain(
-    host: list, b: int, t: int, kd: int
+    host: list, b: int, t: int, kd: int | None
 ) -> tuple[list[list[int]], list[int], list[SeqDrafts] | None]:
     """A chain step's read, [tokens (b x t), num_accepted (b), drafts (b x kd)] flat (ints,
     or floats carrying ints exactly) -> each row's emitted tokens (its accepted drafts and
-    the target's token after them), accept counts, next drafts (None when kd is 0)."""
+    the target's token after them), accept counts, next drafts (None when the step has no
+    drafter, kd None; empty chains when it drafted none, kd 0: `propose` drafts then)."""
     accepted = [int(x) for x in host[b * t : b * t + b]]
     tokens = [[int(x) for x in host[i * t : i * t + accepted[i] + 1]] for i in range(b)]
     pos = b * t + b
     drafts = None
-    if kd:
+    if kd is not None:
         rows = (host[pos + i * kd : pos + (i + 1) * kd] for i in range(b))
         drafts = [SeqDrafts.chain([int(x) for x in row]) for row in rows]
     return tokens, accepted, drafts
@@ -675,8 +676,16 @@ class SpecLaunch:
 
     def __init__(self, out: SpecOutput, b: int, padded: int, k: int) -> None:
         self.out, self.b, self.padded, self.k = out, b, padded, k
-        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b], out.drafts[:b].reshape(-1)]
+        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
+        if out.drafts is not None:
+            parts.append(out.drafts[:b].reshape(-1))
         self._host = HostCopy(torch.cat(parts))
+
+    @property
+    def drafted(self) -> bool:
+        """Whether the step drafted its rows' next k on the device (a drafter that hands back
+        none, width 0, leaves them to `propose`: nothing to launch a step after it on)."""
+        return self.out.drafts is not None and self.out.drafts.shape[1] >= self.k
 
     @property
     def reach(self) -> int:
@@ -687,5 +696,6 @@ class SpecLaunch:
     def read(self, batch: ScheduledBatch) -> StepOutput:
         """The step's output for `batch`, the host's view of the rows it ran (waits for it)."""
         host = self._host.tolist()  # CPU-GPU sync point: this step's outputs only
-        tokens, accepted, drafts = _unpack_chain(host, self.b, 1 + self.k, self.k)
+        kd = self.out.drafts.shape[1] if self.out.drafts is not None else None
+        tokens, accepted, drafts = _unpack_chain(host, self.b, 1 + self.k, kd)
         return _chain_output(batch, tokens, accepted, drafts)

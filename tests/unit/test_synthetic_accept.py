@@ -157,6 +157,20 @@ def test_cost_drafter_runs_the_network_and_stays_lossless(llm, prompts, plain):
     assert 0.6 < first < 0.95  # the synthetic drafts, not the random drafter's, were verified
 
 
+def test_cost_drafter_under_async_scheduling_stays_lossless(tiny_dir, prompts, plain):  # noqa: F811
+    """Its drafts come from the host (the step hands back none), so no speculative step can be
+    launched on the step before's drafts: each is read first, and the output stays plain."""
+    spec = {"method": "ngram", "controller": "fixed", "num_draft_tokens": K}
+    llm = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256, speculative=spec,
+              async_scheduling=True)  # fmt: skip
+    drafter = Eagle3Drafter(random_drafter(llm.engine.checkpoint.config), llm.engine.runner)
+    cont = {tuple(p): o for p, o in zip(prompts, plain)}
+    wrapper = SyntheticDrafter(drafter, SyntheticProposer(cont, [0.8], vocab_size=512, seed=2))
+    outs, stats = _run(llm, wrapper, prompts[:6])
+    assert outs == plain[:6] and stats.num_accepted_tokens > 0
+    assert llm.engine.num_steps_run_ahead == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
 def test_benchmark_smoke_writes_result(tmp_path, model):
