@@ -30,7 +30,8 @@ waits for the host. Its positions depend on that acceptance, so every row gets b
 furthest it can reach (3k + 1 past step n's start), and step n's postprocess keeps the 2k
 positions past each row's tokens that step n+1 writes (Scheduler.postprocess's hold). It runs
 at the same k (the controller is asked first: another pick waits for the step after) and only
-where each row has room for k more drafts past the most step n can accept.
+where no row can reach the context's end; a request that ends with step n (a stop, max_tokens)
+leaves its row of step n+1 unused, as a plain step run ahead does.
 """
 
 from __future__ import annotations

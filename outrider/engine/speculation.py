@@ -280,10 +280,11 @@ class Speculator:
         """The step after `batch` (launched, not read yet), launched now on its outputs on the
         device: the same rows at the same k, each verifying the k drafts `batch`'s step made.
         None where that cannot be known to hold: the controller picks another k (kept for the
-        step scheduled next), a row could run out of room for k drafts (max_tokens, the
-        context), or the pool is short of blocks for the furthest positions the step may
-        write (3k + 1 past a row's start: `batch`'s k + 1, then its own k + 1 and the
-        drafter's chain)."""
+        step scheduled next), a row could reach the context's end, or the pool is short of
+        blocks for the furthest positions the step may write (3k + 1 past a row's start:
+        `batch`'s k + 1, then its own k + 1 and the drafter's chain). Near max_tokens its
+        drafts are not cut as a scheduled step's are (Speculator._room): tokens past it are
+        dropped as a stop's are, and a request that ends with `batch` leaves its row unused."""
         k = self._k
         if not launched.drafted:  # its drafts come from `propose`, on the host
             return None
@@ -295,12 +296,8 @@ class Speculator:
                 self._next_k = pick
                 return None
         reqs = [s.request for s in batch.seqs if not s.request.is_finished]
-        for req in reqs:
-            left = req.params.max_tokens
-            if left is not None and left - len(req.output_token_ids) < 2 * k + 2:
-                return None
-            if req.num_tokens + 3 * k + 2 > self._max_model_len:
-                return None
+        if any(r.num_tokens + 3 * k + 2 > self._max_model_len for r in reqs):
+            return None
         if not all(self._block_manager.allocate(r, 3 * k + 1) for r in reqs):
             return None  # (what was allocated goes back when `batch` is postprocessed)
         return self._runner.spec_step.launch_after(launched, batch)
@@ -409,6 +406,9 @@ class Speculator:
         for i, seq in enumerate(sampling):
             if seq.request.is_finished:
                 continue  # a row of a step run ahead whose request finished the step before
+            # A step run ahead verified k drafts where a scheduled one would have cut them to
+            # the request's room (_set_drafts): only those count.
+            room = max(self._room(seq.request), 0)
             if (
                 observe
                 and i % stride == self._observe_phase
@@ -418,13 +418,15 @@ class Speculator:
                 # A host proposer drafts all it can (up to the most k): drafts short of k, or
                 # none, yielded nothing there and count as rejected. A device drafter's rows
                 # hold what the previous step's k asked for: only those were tried.
-                n = seq.drafts.num_nodes if self.proposer.on_device else self._k
-                self.controller.observe(seq.request.request_id, n, output.num_accepted[i])
+                n = min(seq.drafts.num_nodes if self.proposer.on_device else self._k, room)
+                accepted = min(output.num_accepted[i], n)
+                self.controller.observe(seq.request.request_id, n, accepted)
             if seq.drafts is None:
                 continue
             accepted = output.num_accepted[i]
-            self.stats.record(seq.drafts.num_nodes, accepted)
-            record_verify(seq.request.metrics, seq.drafts.num_nodes, accepted)
+            if n := min(seq.drafts.num_nodes, room):
+                self.stats.record(n, min(accepted, n))
+                record_verify(seq.request.metrics, n, min(accepted, n))
             keep, _ = count_until_stop(seq.request, output.token_ids[i], self._max_model_len)
             if self._grammars is not None:  # a constrained request ends with its grammar
                 keep = self._grammars.until_complete(
