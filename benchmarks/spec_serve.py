@@ -47,7 +47,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, metadata, start_server, write_result  # noqa: E402
 
-CONFIGS = {"plain": [], "eagle3": ["--spec", "eagle3"], "ngram": ["--spec", "ngram"]}
+CONFIGS = {
+    "plain": [],
+    "eagle3": ["--spec", "eagle3"],
+    "ngram": ["--spec", "ngram"],
+    # Each step read before the next is launched (what running steps ahead gains, side by side).
+    "eagle3_sync": ["--spec", "eagle3", "--no-async-scheduling"],
+    "ngram_sync": ["--spec", "ngram", "--no-async-scheduling"],
+}
+DEFAULT_CONFIGS = ["plain", "eagle3", "ngram"]
 PORT, KEY = 8011, "sk-bench"
 
 
@@ -97,7 +105,9 @@ def engine_c1(configs: list[str], prompts: list, max_tokens: int) -> dict:
     convs = [[{"role": "user", "content": p.text}] for p in prompts]
     out = {}
     for name in configs:
-        llm = LLM(speculative=None if name == "plain" else {"method": name})
+        method, _, sync = name.partition("_")
+        options = {"async_scheduling": False} if sync else {}
+        llm = LLM(speculative=None if name == "plain" else {"method": method}, **options)
         llm.chat(convs[:1], SamplingParams(temperature=0, max_tokens=8))  # kernels, graphs
         row = timed_run(llm, convs, 1, max_tokens, device)
         out[name] = {"tok_per_s": row["tok_per_s"], "accept_length": row["accept_length"]}
@@ -131,7 +141,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     ap.add_argument(
         "--request-rates", type=float, nargs="*", default=[], metavar="R",
         help="Poisson arrival rates (requests/s), a point each after the concurrency sweep",
