@@ -23,8 +23,9 @@ n, which is the grammar's pick whenever the grammar allows it; where it does not
 drops step n+1 once it has read step n (its KV writes are rewritten by the step that replaces
 it) and decides from step n's top candidates as a step not run ahead does.
 
-A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy
-(Speculator.launches): step n+1 verifies the k drafts step n drafted, from the root after the
+A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy or sample
+from their parameters alone (spec_step.runs_ahead: no seed, penalties, logprobs or grammar;
+Speculator.launches): step n+1 verifies the k drafts step n drafted, from the root after the
 drafts step n accepted, all computed on the device (SpecStep.advance_no_sync), so nothing of it
 waits for the host. Its positions depend on that acceptance, so every row gets blocks for the
 furthest it can reach (3k + 1 past step n's start), and step n's postprocess keeps the 2k

@@ -39,7 +39,7 @@ from outrider.engine.detokenizer import count_until_stop
 from outrider.engine.structured import Grammars
 from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.spec_step import SpecLaunch, masked_greedy, simple_greedy
+from outrider.executor.spec_step import SpecLaunch, masked_greedy, runs_ahead, simple_greedy
 from outrider.speculative.base import Proposer
 from outrider.speculative.controller import SpecController, StepProfile
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
@@ -255,8 +255,9 @@ class Speculator:
     def launches(self, batch: ScheduledBatch) -> bool:
         """Whether this speculative step (is_speculative_step) may be launched without its
         read, and a step after it on its outputs still on the device: chains drafted on the
-        device in one process, every row plain greedy (nothing is decided on the host between
-        the verify and the drafter), no prompt chunk beside."""
+        device in one process, every row plain greedy or sampled from its parameters alone
+        (spec_step.runs_ahead: nothing read from the host between the verify and the
+        drafter), no prompt chunk beside."""
         p = self.proposer
         return (
             p is not None
@@ -265,7 +266,7 @@ class Speculator:
             and self._k > 0
             and self._runner.tp.size == 1
             and batch.mode != ForwardMode.PREFILL
-            and all(simple_greedy(s) and not _prompt_chunk(s) for s in batch.seqs)
+            and all(runs_ahead(s) and not _prompt_chunk(s) for s in batch.seqs)
         )
 
     def launch(self, batch: ScheduledBatch) -> SpecLaunch:

@@ -144,6 +144,25 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
     return _greedy_argmax(seq) and seq.request.params.structured_outputs is None
 
 
+def runs_ahead(seq: ScheduledSeq) -> bool:
+    """Whether a row's verify in a step launched before the step before it is read (SpecStep.
+    launch_after) needs nothing from the host but its request's parameters: plain greedy, or
+    sampled with nothing that reads the tokens before it (no penalties, logprobs, min_tokens
+    owed or grammar) and no seed (a seeded row's noise is keyed by its output position, which
+    the step before's acceptance decides)."""
+    if simple_greedy(seq):
+        return True
+    req = seq.request
+    p = req.params
+    return (
+        p.seed is None
+        and not p.has_penalties
+        and p.logprobs is None
+        and len(req.output_token_ids) >= p.min_tokens
+        and p.structured_outputs is None
+    )
+
+
 def masked_greedy(seq: ScheduledSeq) -> bool:
     """Whether a row is plain greedy but for its grammar: its token is the argmax among the
     tokens the grammar allows (verify_step.masked_greedy_chain_no_sync, one launch)."""
@@ -488,10 +507,10 @@ class SpecStep:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, k: int) -> SpecLaunch:
-        """`run` without its read, for chains drafted on the device whose rows are all plain
-        greedy (nothing to decide between the replays): the step is queued and its outputs
-        start toward the host; SpecLaunch.read waits for them."""
-        out, padded = self.run_no_sync(batch, k, k)
+        """`run` without its read, for chains drafted on the device whose rows are plain
+        greedy or `runs_ahead` (nothing between the replays reads the host): the step is
+        queued and its outputs start toward the host; SpecLaunch.read waits for them."""
+        out, padded = self.run_no_sync(batch, k, k, self._fixup(batch, k, [])[0])
         return SpecLaunch(out, len(batch.seqs), padded, k)
 
     @torch.inference_mode()
@@ -502,7 +521,9 @@ class SpecStep:
         reach its furthest position there (load_after)."""
         self.load_after(batch, prev.k, prev.padded)
         self.advance_no_sync(prev.out, prev.b, prev.padded, prev.k)
-        out = self._step_no_sync(prev.padded, prev.k, prev.k)
+        # The same requests, their sampling decided from their parameters alone.
+        fixup = self._fixup(batch, prev.k, [])[0]
+        out = self._step_no_sync(prev.padded, prev.k, prev.k, fixup)
         return SpecLaunch(out, prev.b, prev.padded, prev.k)
 
     # -- the step as the engine runs it: one host read --------------------------------------
@@ -518,8 +539,36 @@ class SpecStep:
         get them for every emitted token from the row that predicted it. Trees: `run_tree`."""
         if self.tree is not None:
             return self.run_tree(batch)
+        b, t = len(batch.seqs), 1 + k
+        packed: list[torch.Tensor] = []
+        fixup, asked, top_n = self._fixup(batch, k, packed)
+        out, _ = self.run_no_sync(batch, k, k_draft, fixup)
+        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
+        if out.drafts is not None:
+            parts.append(out.drafts[:b].reshape(-1))
+        if packed:  # float64 carries ids and logprobs exactly: still one read
+            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
+        host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
+        kd = out.drafts.shape[1] if out.drafts is not None else None
+        tokens, accepted, drafts = _unpack_chain(host, b, t, kd)
+        pos = b * (t + 1 + (kd or 0))
+        logprobs = None
+        if packed:
+            width = 1 + 2 * top_n
+            recs = host[pos:]
+            logprobs = [[{} for _ in tok] for tok in tokens]
+            for a, i in enumerate(asked):
+                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
+                n = batch.seqs[i].request.params.logprobs
+                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
+        return _chain_output(batch, tokens, accepted, drafts, logprobs)
+
+    def _fixup(self, batch: ScheduledBatch, k: int, packed: list[torch.Tensor]):
+        """What `run` decides between acceptance and drafting for rows that are not plain
+        greedy -> (fixup, or None where every row is; the rows asking for logprobs; their
+        most top logprobs). The fixup appends those rows' logprobs, packed, to `packed`."""
         seqs = batch.seqs
-        b, t = len(seqs), 1 + k
+        t = 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
         # Greedy rows but for their grammar: picked on the host from their top logits
         # (ScheduledSeq.grammar_topk), or by their masks (laid out by Grammars.attach_masks,
@@ -529,7 +578,6 @@ class SpecStep:
         rest = sorted(set(fix) - set(masked) - set(picked))
         asked = [i for i in rest if seqs[i].request.params.logprobs is not None]
         top_n = max((seqs[i].request.params.logprobs for i in asked), default=0)
-        packed: list[torch.Tensor] = []
 
         def fixup(out: SpecOutput) -> None:
             batch.ready_masks()  # on the host while the device verifies
@@ -569,26 +617,7 @@ class SpecStep:
                 ids = tokens.reshape(-1)
                 packed.append(logprob_rows_no_sync(logits, ids, lp_rows, top_n))
 
-        out, _ = self.run_no_sync(batch, k, k_draft, fixup if fix else None)
-        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
-        if out.drafts is not None:
-            parts.append(out.drafts[:b].reshape(-1))
-        if packed:  # float64 carries ids and logprobs exactly: still one read
-            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
-        host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
-        kd = out.drafts.shape[1] if out.drafts is not None else None
-        tokens, accepted, drafts = _unpack_chain(host, b, t, kd)
-        pos = b * (t + 1 + (kd or 0))
-        logprobs = None
-        if packed:
-            width = 1 + 2 * top_n
-            recs = host[pos:]
-            logprobs = [[{} for _ in tok] for tok in tokens]
-            for a, i in enumerate(asked):
-                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
-                n = seqs[i].request.params.logprobs
-                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
-        return _chain_output(batch, tokens, accepted, drafts, logprobs)
+        return (fixup if fix else None), asked, top_n
 
     @torch.inference_mode()
     def run_tree(self, batch: ScheduledBatch) -> StepOutput:

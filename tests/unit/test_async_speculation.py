@@ -95,3 +95,33 @@ def test_a_step_run_ahead_verifies_the_drafters_drafts(tiny_dir, prompts):  # no
             assert s.drafts.token_ids == want, (r.request_id, r.num_tokens)
             checked += 1
     assert checked >= 15 and all(r in engine.scheduler.running for r in reqs)
+
+
+def test_sampled_rows_run_ahead_and_keep_their_distribution(tiny_dir, prompts, reference):  # noqa: F811
+    """Unseeded sampled rows verify from their parameters alone, so their steps run ahead too.
+    top_k=1 makes the sampler's distribution the argmax's: those rows, sampled through the
+    rejection sampler on inputs the device advanced, give the greedy tokens exactly; rows at
+    temperature 0.9 end at max_tokens or EOS, and every block comes back."""
+    llm = eagle_llm(tiny_dir, async_scheduling=True)
+    engine = llm.engine
+    step = engine.runner.spec_step
+    fixed_ahead = []  # steps run ahead whose sampled rows were decided between the replays
+    run = step._step_no_sync
+
+    def spy(padded, k, k_draft, fixup=None):
+        fixed_ahead.append(fixup is not None)
+        return run(padded, k, k_draft, fixup)
+
+    step._step_no_sync = spy
+    one_hot = SamplingParams(temperature=1.0, top_k=1, max_tokens=20)
+    warm = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20)
+    params = [one_hot if i % 2 == 0 else warm for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    for i, (o, want) in enumerate(zip(outs, reference)):
+        if i % 2 == 0:
+            assert o.token_ids == want, i
+        else:
+            assert 0 < len(o.token_ids) <= 20
+    assert any(outs[i].token_ids != reference[i] for i in range(1, len(prompts), 2))
+    assert engine.num_steps_run_ahead >= 10 and sum(fixed_ahead) >= 10
+    assert _free(engine)
