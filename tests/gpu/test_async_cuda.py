@@ -72,3 +72,22 @@ def test_speculative_steps_run_ahead_on_cuda(drafter_path):
     assert engine.num_steps_run_ahead > 15
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
+
+
+def test_sampled_speculative_steps_run_ahead_on_cuda(drafter_path):
+    """Unseeded sampled rows run ahead in the graphs, decided between the replays from their
+    parameters: at top_k=1 their sampler is the argmax, so they give the greedy tokens."""
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path, "num_draft_tokens": 4}
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    one_hot = SamplingParams(temperature=1.0, top_k=1, max_tokens=40)
+    sync = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec,
+               async_scheduling=False)  # fmt: skip
+    want = [o.token_ids for o in sync.chat(convs, greedy)]
+    del sync
+    ahead = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec)
+    assert [o.token_ids for o in ahead.chat(convs, one_hot)] == want
+    engine = ahead.engine
+    assert engine.num_steps_run_ahead > 15
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
