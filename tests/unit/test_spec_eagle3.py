@@ -115,10 +115,24 @@ def _dense_chain(llm: LLM, draft: Eagle3Draft, tokens: list[int], k: int) -> lis
     return drafts
 
 
-def test_eagle3_drafts_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: F811
+def _next_drafts(engine, req):
+    """The drafts req verifies next: its own, or those of the step launched ahead for it, which
+    starts at its computed tokens from its last token (the root)."""
+    if engine._ahead is not None and engine._ahead.batch.mode == ForwardMode.VERIFY:
+        seq = next(s for s in engine._ahead.batch.seqs if s.request is req)
+        assert seq.start_pos == req.num_computed_tokens
+        assert seq.token_ids[0] == req.all_token_ids[-1]
+        return seq.drafts
+    return req.drafts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eagle3_drafts_match_a_dense_recomputation(tiny_dir, prompts, async_scheduling):  # noqa: F811
     """After prefill, several verifies with accepts and rejects, and chunked prompts, the
-    engine's next drafts equal the draft run from scratch on the same tokens."""
-    llm = eagle_llm(tiny_dir)
+    engine's next drafts equal the draft run from scratch on the same tokens. With async
+    scheduling the steps run ahead: the drafts each of those verifies (which the host sees
+    once the step before is read) are checked alike."""
+    llm = eagle_llm(tiny_dir, async_scheduling=async_scheduling)
     engine = llm.engine
     reqs = [
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=40)) for p in prompts[:5]
@@ -127,13 +141,14 @@ def test_eagle3_drafts_match_a_dense_recomputation(tiny_dir, prompts):  # noqa: 
     for _ in range(12):
         engine.step()
         for r in reqs:
-            d = r.drafts
+            d = None if r.is_finished else _next_drafts(engine, r)
             if r.is_finished or not d or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids, d.num_nodes)
             assert d.token_ids == want, (r.request_id, r.num_tokens)
             checked += 1
     assert checked >= 10
+    assert (engine.num_steps_run_ahead >= 5) == async_scheduling
 
 
 class _ScriptedController:
@@ -155,13 +170,6 @@ class _ScriptedController:
 
     def forget(self, request_id) -> None:
         pass
-
-
-def _next_drafts(engine, req):
-    """The drafts req verifies next: its own, or those of the step launched ahead for it."""
-    if engine._ahead is not None and engine._ahead.batch.mode == ForwardMode.VERIFY:
-        return next(s.drafts for s in engine._ahead.batch.seqs if s.request is req)
-    return req.drafts
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
