@@ -10,8 +10,9 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
 one port. A sweep is the concurrency points, then one point per --request-rates R (Poisson
 arrivals at R requests/s, at most --num-prompts in flight: the load a rate brings, not a cap).
-Every point sends the same prompts, so all but a server's first meet them in its prefix cache
-(their TTFT is a warm server's).
+Every point sends the same prompts, so each meets them in the server's prefix cache (their TTFT
+is a warm server's): a warm-up sweep, untimed, at 16 tokens a request, runs first (--no-warmup:
+none, and the first point meets the kernels each batch size compiles at first use).
 --dataset grounded loads the tasks on a text given in the prompt alone (where n-gram pays).
 With --engine-c1 each configuration then runs through `LLM` at one stream on the same prompts
 (spec_gpu.py's timed_run), the engine as a script sees it: the server's C=1 speedup over the
@@ -148,6 +149,12 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--dataset", default="builtin", choices=["builtin", "grounded"])
     ap.add_argument(
+        "--warmup", action=argparse.BooleanOptionalAction, default=True,
+        help="before timing a server, run the sweep once untimed at 16 tokens a request: the "
+        "kernels each batch size compiles at first use (on a GPU, Triton's, cached on disk "
+        "for the servers after) otherwise weigh on whichever server meets them first",
+    )  # fmt: skip
+    ap.add_argument(
         "--engine-c1", action="store_true",
         help="also each configuration through LLM at C=1: the server's speedup beside the engine's",
     )  # fmt: skip
@@ -187,6 +194,7 @@ def main() -> None:
     if any(r <= 0 for r in args.request_rates):
         ap.error(f"--request-rates {args.request_rates}: every rate must be positive")
     prompts = load_prompts(cfg)
+    warm_prompts = [dataclasses.replace(p, max_tokens=min(16, p.max_tokens)) for p in prompts]
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
     os.environ["OUTRIDER_STEP_PROFILES"] = str(work / "step_profiles")  # the servers inherit it
     rounds: list[dict] = []  # each round's runs, by config
@@ -202,6 +210,8 @@ def main() -> None:
             print(f"round {r} {name}: serving after {starts[name][-1]} s (log {log_path})",
                   flush=True)  # fmt: skip
             try:
+                if args.warmup:  # untimed: what each batch size compiles at its first use
+                    run(cfg, warm_prompts, label=f"{name}-warmup", progress=False)
                 runs[name] = run(cfg, prompts, label=name, progress=False)
                 for rate in args.request_rates:  # the server stays up: one point each
                     at_rate = dataclasses.replace(
