@@ -147,9 +147,9 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
 def runs_ahead(seq: ScheduledSeq) -> bool:
     """Whether a row's verify in a step launched before the step before it is read (SpecStep.
     launch_after) needs nothing from the host but its request's parameters: plain greedy, or
-    sampled with nothing that reads the tokens before it (no penalties, logprobs, min_tokens
-    owed or grammar) and no seed (a seeded row's noise is keyed by its output position, which
-    the step before's acceptance decides)."""
+    sampled with nothing that reads the tokens before it (no penalties, min_tokens owed or
+    grammar) and no seed (a seeded row's noise is keyed by its output position, which the
+    step before's acceptance decides); logprobs or not."""
     if simple_greedy(seq):
         return True
     req = seq.request
@@ -157,7 +157,6 @@ def runs_ahead(seq: ScheduledSeq) -> bool:
     return (
         p.seed is None
         and not p.has_penalties
-        and p.logprobs is None
         and len(req.output_token_ids) >= p.min_tokens
         and p.structured_outputs is None
     )
@@ -510,8 +509,10 @@ class SpecStep:
         """`run` without its read, for chains drafted on the device whose rows are plain
         greedy or `runs_ahead` (nothing between the replays reads the host): the step is
         queued and its outputs start toward the host; SpecLaunch.read waits for them."""
-        out, padded = self.run_no_sync(batch, k, k, self._fixup(batch, k, [])[0])
-        return SpecLaunch(out, len(batch.seqs), padded, k)
+        packed: list[torch.Tensor] = []
+        fixup, asked, top_n = self._fixup(batch, k, packed)
+        out, padded = self.run_no_sync(batch, k, k, fixup)
+        return SpecLaunch(out, len(batch.seqs), padded, k, packed, asked, top_n)
 
     @torch.inference_mode()
     def launch_after(self, prev: SpecLaunch, batch: ScheduledBatch) -> SpecLaunch:
@@ -522,9 +523,10 @@ class SpecStep:
         self.load_after(batch, prev.k, prev.padded)
         self.advance_no_sync(prev.out, prev.b, prev.padded, prev.k)
         # The same requests, their sampling decided from their parameters alone.
-        fixup = self._fixup(batch, prev.k, [])[0]
+        packed: list[torch.Tensor] = []
+        fixup, asked, top_n = self._fixup(batch, prev.k, packed)
         out = self._step_no_sync(prev.padded, prev.k, prev.k, fixup)
-        return SpecLaunch(out, prev.b, prev.padded, prev.k)
+        return SpecLaunch(out, prev.b, prev.padded, prev.k, packed, asked, top_n)
 
     # -- the step as the engine runs it: one host read --------------------------------------
 
@@ -539,29 +541,10 @@ class SpecStep:
         get them for every emitted token from the row that predicted it. Trees: `run_tree`."""
         if self.tree is not None:
             return self.run_tree(batch)
-        b, t = len(batch.seqs), 1 + k
         packed: list[torch.Tensor] = []
         fixup, asked, top_n = self._fixup(batch, k, packed)
-        out, _ = self.run_no_sync(batch, k, k_draft, fixup)
-        parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
-        if out.drafts is not None:
-            parts.append(out.drafts[:b].reshape(-1))
-        if packed:  # float64 carries ids and logprobs exactly: still one read
-            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
-        host = torch.cat(parts).tolist()  # CPU-GPU sync point: the step's one read
-        kd = out.drafts.shape[1] if out.drafts is not None else None
-        tokens, accepted, drafts = _unpack_chain(host, b, t, kd)
-        pos = b * (t + 1 + (kd or 0))
-        logprobs = None
-        if packed:
-            width = 1 + 2 * top_n
-            recs = host[pos:]
-            logprobs = [[{} for _ in tok] for tok in tokens]
-            for a, i in enumerate(asked):
-                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
-                n = batch.seqs[i].request.params.logprobs
-                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
-        return _chain_output(batch, tokens, accepted, drafts, logprobs)
+        out, padded = self.run_no_sync(batch, k, k_draft, fixup)
+        return SpecLaunch(out, len(batch.seqs), padded, k, packed, asked, top_n).read(batch)
 
     def _fixup(self, batch: ScheduledBatch, k: int, packed: list[torch.Tensor]):
         """What `run` decides between acceptance and drafting for rows that are not plain
@@ -699,15 +682,29 @@ def _chain_output(batch: ScheduledBatch, tokens, accepted, drafts, logprobs=None
 
 
 class SpecLaunch:
-    """A chain step launched without its read (SpecStep.launch, launch_after): its outputs on
-    the device (`out`, which the next replay of the same graph overwrites: launch_after reads
-    them before it replays) and, packed, on their way to the host."""
+    """A chain step whose read is still to come (SpecStep.run reads it at once; launch and
+    launch_after later): its outputs on the device (`out`, which the next replay of the same
+    graph overwrites: launch_after reads them before it replays) and, packed into one tensor,
+    on their way to the host: tokens, accept counts, drafts and the logprob rows the fixup
+    packed for the `asked` rows (float64 then carries ids and logprobs exactly)."""
 
-    def __init__(self, out: SpecOutput, b: int, padded: int, k: int) -> None:
+    def __init__(
+        self,
+        out: SpecOutput,
+        b: int,
+        padded: int,
+        k: int,
+        packed: Sequence[torch.Tensor] = (),
+        asked: Sequence[int] = (),
+        top_n: int = 0,
+    ) -> None:
         self.out, self.b, self.padded, self.k = out, b, padded, k
+        self._asked, self._top_n = list(asked), top_n
         parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
         if out.drafts is not None:
             parts.append(out.drafts[:b].reshape(-1))
+        if packed:
+            parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
         self._host = HostCopy(torch.cat(parts))
 
     @property
@@ -725,6 +722,16 @@ class SpecLaunch:
     def read(self, batch: ScheduledBatch) -> StepOutput:
         """The step's output for `batch`, the host's view of the rows it ran (waits for it)."""
         host = self._host.tolist()  # CPU-GPU sync point: this step's outputs only
+        b, t = self.b, 1 + self.k
         kd = self.out.drafts.shape[1] if self.out.drafts is not None else None
-        tokens, accepted, drafts = _unpack_chain(host, self.b, 1 + self.k, kd)
-        return _chain_output(batch, tokens, accepted, drafts)
+        tokens, accepted, drafts = _unpack_chain(host, b, t, kd)
+        logprobs = None
+        if self._asked:
+            width, top_n = 1 + 2 * self._top_n, self._top_n
+            recs = host[b * (t + 1 + (kd or 0)) :]
+            logprobs = [[{} for _ in tok] for tok in tokens]
+            for a, i in enumerate(self._asked):
+                mine = [recs[(a * t + j) * width : (a * t + j + 1) * width] for j in range(t)]
+                n = batch.seqs[i].request.params.logprobs
+                logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
+        return _chain_output(batch, tokens, accepted, drafts, logprobs)

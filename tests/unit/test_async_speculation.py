@@ -40,7 +40,7 @@ def _params(i: int) -> SamplingParams:
         SamplingParams(temperature=0, max_tokens=14),
         SamplingParams(temperature=0, max_tokens=36, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.9, max_tokens=17, seed=i),  # never launched
-        SamplingParams(temperature=0, max_tokens=9, logprobs=2),  # never launched
+        SamplingParams(temperature=0, max_tokens=9, logprobs=2),
     ]
     return kinds[i % len(kinds)]
 
@@ -102,3 +102,28 @@ def test_sampled_rows_run_ahead_and_keep_their_distribution(tiny_dir, prompts, r
     assert any(outs[i].token_ids != reference[i] for i in range(1, len(prompts), 2))
     assert engine.num_steps_run_ahead >= 10 and sum(fixed_ahead) >= 10
     assert _free(engine)
+
+
+def test_logprobs_of_steps_run_ahead_equal_stepping_one_batch_at_a_time(tiny_dir, prompts):  # noqa: F811
+    """Rows asking for logprobs run ahead: each emitted token's logprobs come back packed in
+    the step's read, the same as stepping one batch at a time."""
+    params = [SamplingParams(temperature=0, max_tokens=24, logprobs=3) for _ in prompts[:4]]
+    params[1] = SamplingParams(temperature=0.8, max_tokens=24, logprobs=2)  # sampled beside
+
+    def run(async_scheduling):
+        llm = eagle_llm(tiny_dir, async_scheduling=async_scheduling)
+        return llm, llm.generate(prompts[:4], params)
+
+    _, want = run(False)
+    llm, got = run(True)
+    assert llm.engine.num_steps_run_ahead >= 8
+    for i in (0, 2, 3):  # greedy: the same tokens and the same logprobs
+        assert got[i].token_ids == want[i].token_ids
+        lp_got, lp_want = got[i].outputs[0].logprobs, want[i].outputs[0].logprobs
+        assert len(lp_got) == len(got[i].token_ids)
+        for a, b in zip(lp_got, lp_want):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-5 for t in a)
+    sampled = got[1].outputs[0]
+    assert len(sampled.logprobs) == len(sampled.token_ids)
+    assert all(t in lp and len(lp) >= 2 for t, lp in zip(sampled.token_ids, sampled.logprobs))
