@@ -24,15 +24,16 @@ drops step n+1 once it has read step n (its KV writes are rewritten by the step 
 it) and decides from step n's top candidates as a step not run ahead does.
 
 A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy or sample
-from their parameters alone (spec_step.runs_ahead: no seed, penalties or grammar; logprobs come
-back in the read; Speculator.launches): step n+1 verifies the k drafts step n drafted, from the
-root after the drafts step n accepted, all computed on the device (SpecStep.advance_no_sync),
-so nothing of it waits for the host. Its positions depend on that acceptance, so every row gets blocks for the
+from their parameters alone (spec_step.runs_ahead: no penalties or grammar; a seeded row's
+output positions are completed on the device, logprobs come back in the read;
+Speculator.launches): step n+1 verifies the k drafts step n drafted, from the root after the
+drafts step n accepted, all computed on the device (SpecStep.advance_no_sync), so nothing of it
+waits for the host. Its positions depend on that acceptance, so every row gets blocks for the
 furthest it can reach (3k + 1 past step n's start), and step n's postprocess keeps the 2k
-positions past each row's tokens that step n+1 writes (Scheduler.postprocess's hold). It runs
-at the same k (the controller is asked first: another pick waits for the step after) and only
-where no row can reach the context's end; a request that ends with step n (a stop, max_tokens)
-leaves its row of step n+1 unused, as a plain step run ahead does.
+positions past each row's tokens that step n+1 writes (Scheduler.postprocess's hold). It runs at
+the same k (the controller is asked first: another pick waits for the step after) and only where
+no row can reach the context's end; a request that ends with step n (a stop, max_tokens) leaves
+its row of step n+1 unused, as a plain step run ahead does.
 """
 
 from __future__ import annotations

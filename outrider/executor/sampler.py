@@ -398,26 +398,37 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def keyed_noise_no_sync(
-    keys: Sequence[tuple[int, int]], vocab: int, device: torch.device
+    keys: Sequence[tuple[int, int]],
+    vocab: int,
+    device: torch.device,
+    offsets: torch.Tensor | None = None,  # [R] int64 on the device, added to the positions
 ) -> torch.Tensor:
     """Exp(1) noise [R, V] float32 that is a function of each row's (seed, output position)
     alone: splitmix64 of (seed, position, token) as 53 uniform bits, then -log(1 - u). A seeded
     request draws the token at output position p with the noise (seed, p) whatever its batch,
     the step that draws it or the drafts beside it, so plain decoding and a speculative step
     that accepts a draft exactly when it equals that draw (`keyed_draws_no_sync`) emit the
-    same text. The same bits on every device: the arithmetic is int64 wrapping."""
+    same text. The same bits on every device: the arithmetic is int64 wrapping. `offsets`:
+    positions the device knows and the host does not yet (tokens a step emitted before its
+    read: SpecStep.launch_after)."""
     seeds = to_device_no_sync([k[0] for k in keys], torch.long, device)
     pos = to_device_no_sync([k[1] for k in keys], torch.long, device)
+    if offsets is not None:
+        pos = pos + offsets
     row = _splitmix(_splitmix(seeds) ^ (pos + 1) * _GOLDEN)  # [R]: unrelated across keys
     z = _splitmix(row[:, None] + (torch.arange(vocab, device=device) + 1) * _GOLDEN)
     u = _shr(z, 11).double() * 2.0**-53  # [0, 1)
     return (-torch.log1p(-u)).float().clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def keyed_draws_no_sync(probs: torch.Tensor, keys: Sequence[tuple[int, int]]) -> torch.Tensor:
+def keyed_draws_no_sync(
+    probs: torch.Tensor,
+    keys: Sequence[tuple[int, int]],
+    offsets: torch.Tensor | None = None,  # [R] int64 on the device: keyed_noise_no_sync's
+) -> torch.Tensor:
     """One draw per row of probs [R, V] with keyed noise -> ids [R] long: row r's token is the
     one the sampler draws for that request at that position (exactly p's law)."""
-    noise = keyed_noise_no_sync(keys, probs.shape[-1], probs.device)
+    noise = keyed_noise_no_sync(keys, probs.shape[-1], probs.device, offsets)
     return (probs.float() / noise).argmax(dim=-1)
 
 

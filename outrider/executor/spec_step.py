@@ -148,15 +148,14 @@ def runs_ahead(seq: ScheduledSeq) -> bool:
     """Whether a row's verify in a step launched before the step before it is read (SpecStep.
     launch_after) needs nothing from the host but its request's parameters: plain greedy, or
     sampled with nothing that reads the tokens before it (no penalties, min_tokens owed or
-    grammar) and no seed (a seeded row's noise is keyed by its output position, which the
-    step before's acceptance decides); logprobs or not."""
+    grammar); logprobs or not. A seeded row's noise is keyed by its output position, which
+    the step before's acceptance decides: the device adds it (launch_after's `emitted`)."""
     if simple_greedy(seq):
         return True
     req = seq.request
     p = req.params
     return (
-        p.seed is None
-        and not p.has_penalties
+        not p.has_penalties
         and len(req.output_token_ids) >= p.min_tokens
         and p.structured_outputs is None
     )
@@ -520,11 +519,14 @@ class SpecStep:
         device (advance_no_sync) before the host has read them: the same rows, each one
         accepted run further, verifying the k drafts prev drafted. Every row's blocks must
         reach its furthest position there (load_after)."""
+        # What prev's rows emitted, before the replay below overwrites prev's outputs.
+        emitted = prev.out.num_accepted[: prev.padded] + 1
         self.load_after(batch, prev.k, prev.padded)
         self.advance_no_sync(prev.out, prev.b, prev.padded, prev.k)
-        # The same requests, their sampling decided from their parameters alone.
+        # The same requests, their sampling decided from their parameters (and, seeded, their
+        # output positions: the host's and what prev emitted).
         packed: list[torch.Tensor] = []
-        fixup, asked, top_n = self._fixup(batch, prev.k, packed)
+        fixup, asked, top_n = self._fixup(batch, prev.k, packed, emitted)
         out = self._step_no_sync(prev.padded, prev.k, prev.k, fixup)
         return SpecLaunch(out, prev.b, prev.padded, prev.k, packed, asked, top_n)
 
@@ -546,10 +548,18 @@ class SpecStep:
         out, padded = self.run_no_sync(batch, k, k_draft, fixup)
         return SpecLaunch(out, len(batch.seqs), padded, k, packed, asked, top_n).read(batch)
 
-    def _fixup(self, batch: ScheduledBatch, k: int, packed: list[torch.Tensor]):
+    def _fixup(
+        self,
+        batch: ScheduledBatch,
+        k: int,
+        packed: list[torch.Tensor],
+        emitted: torch.Tensor | None = None,  # [padded] int64: launch_after's
+    ):
         """What `run` decides between acceptance and drafting for rows that are not plain
         greedy -> (fixup, or None where every row is; the rows asking for logprobs; their
-        most top logprobs). The fixup appends those rows' logprobs, packed, to `packed`."""
+        most top logprobs). The fixup appends those rows' logprobs, packed, to `packed`.
+        emitted: tokens each row emitted in the step before, not read yet (seeded rows' output
+        positions, verify_chain_rows_no_sync)."""
         seqs = batch.seqs
         t = 1 + k
         fix = [i for i, s in enumerate(seqs) if not simple_greedy(s)]
@@ -592,6 +602,7 @@ class SpecStep:
             tokens, accepted = verify_chain_rows_no_sync(
                 logits, [seqs[i] for i in rest], k, drafts.index_select(0, idx),
                 self.num_drafts.index_select(0, idx),
+                emitted.index_select(0, idx) if emitted is not None else None,
             )  # fmt: skip
             out.tokens.index_copy_(0, idx, tokens)
             out.num_accepted.index_copy_(0, idx, accepted)

@@ -125,10 +125,14 @@ def verify_chain_rows_no_sync(
     k: int,
     draft_tokens: torch.Tensor,  # [F, k] as the verify saw them (padding past the real ones)
     num_drafts: torch.Tensor,  # [F]
+    emitted: torch.Tensor | None = None,  # [F] int64 on the device (see below)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [F, 1 + k], num_accepted [F]
     """Exact acceptance for rows that sample, penalise or owe min_tokens, all at once on the
     device: row j's target is the sampler's distribution with drafts 0..j-1 counted as
-    generated, and drafts are deterministic proposals (what the speculative step drafts)."""
+    generated, and drafts are deterministic proposals (what the speculative step drafts).
+    emitted: tokens each row's request emitted in a step the host has not read yet (a step
+    launched after it, SpecStep.launch_after): a seeded row's output positions, which key its
+    noise, are that much further than its request's tokens say."""
     rows = []
     for s in seqs:
         req, drafts = s.request, s.token_ids[1 : 1 + k]
@@ -149,7 +153,10 @@ def verify_chain_rows_no_sync(
         keys = [(seqs[i].request.params.seed, len(seqs[i].request.output_token_ids) + j)
                 for i in keyed for j in range(1 + k)]  # fmt: skip
         idx = to_device_no_sync(keyed, torch.long, target.device)
-        draws = keyed_draws_no_sync(target.index_select(0, idx).flatten(0, 1), keys)
+        offsets = None
+        if emitted is not None:
+            offsets = emitted.index_select(0, idx).repeat_interleave(1 + k)
+        draws = keyed_draws_no_sync(target.index_select(0, idx).flatten(0, 1), keys, offsets)
         draws = draws.view(len(keyed), 1 + k)
         real = torch.arange(k, device=draws.device) < num_drafts.index_select(0, idx)[:, None]
         same = (draft_tokens.index_select(0, idx) == draws[:, :k]) & real

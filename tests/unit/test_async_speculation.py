@@ -39,7 +39,7 @@ def _params(i: int) -> SamplingParams:
         SamplingParams(temperature=0, max_tokens=33, stop_token_ids=[7, 11, 13, 130]),
         SamplingParams(temperature=0, max_tokens=14),
         SamplingParams(temperature=0, max_tokens=36, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=17, seed=i),  # never launched
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=17, seed=i),
         SamplingParams(temperature=0, max_tokens=9, logprobs=2),
     ]
     return kinds[i % len(kinds)]
@@ -127,3 +127,24 @@ def test_logprobs_of_steps_run_ahead_equal_stepping_one_batch_at_a_time(tiny_dir
     sampled = got[1].outputs[0]
     assert len(sampled.logprobs) == len(sampled.token_ids)
     assert all(t in lp and len(lp) >= 2 for t, lp in zip(sampled.token_ids, sampled.logprobs))
+
+
+def test_seeded_rows_run_ahead_and_draw_what_one_batch_at_a_time_draws(tiny_dir, prompts):  # noqa: F811
+    """A seeded row's noise is keyed by its output position, which the step before a step
+    run ahead decides on the device: the device adds it, and every seeded request gives the
+    tokens it gives stepping one batch at a time (and alone)."""
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=7 + i)
+        for i in range(len(prompts))
+    ]
+
+    def run(async_scheduling):
+        llm = eagle_llm(tiny_dir, async_scheduling=async_scheduling)
+        return llm, [o.token_ids for o in llm.generate(prompts, params)]
+
+    _, want = run(False)
+    llm, got = run(True)
+    assert got == want
+    assert llm.engine.num_steps_run_ahead >= 15
+    alone = llm.generate([prompts[2]], params[2])[0].token_ids
+    assert alone == want[2]
