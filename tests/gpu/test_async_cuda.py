@@ -91,3 +91,31 @@ def test_sampled_speculative_steps_run_ahead_on_cuda(drafter_path):
     assert engine.num_steps_run_ahead > 15
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
+
+
+def test_seeded_and_logprob_rows_run_ahead_on_cuda(drafter_path):
+    """Seeded sampled rows (their output positions completed on the device) and rows asking
+    for logprobs run ahead in the graphs, and give what stepping one batch at a time gives."""
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path, "num_draft_tokens": 4}
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=11 + i)
+        if i % 2
+        else SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+        for i in range(8)
+    ]
+
+    def run(async_scheduling: bool):
+        llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        outs = [o.outputs[0] for o in llm.chat(convs, params)]
+        return llm, outs
+
+    sync, want = run(False)
+    del sync
+    ahead, got = run(True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for i in range(0, 8, 2):
+        for a, b in zip(got[i].logprobs, want[i].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert ahead.engine.num_steps_run_ahead > 15
