@@ -231,10 +231,11 @@ def main() -> None:
             for p in runs[name]["points"] + runs[name].get("rate_points", []):
                 at = (f"C={p['max_concurrency']:<3}" if p in runs[name]["points"]
                       else f"R={p['request_rate']}")  # fmt: skip
+                ahead = (p.get("spec_decode") or {}).get("run_ahead_share")
                 print(f"{name:8s} {at} {p['output_throughput']:9.1f} tok/s  TTFT p50 "
                       f"{p.get('median_ttft_ms') or 0:7.2f} ms  TPOT p50 "
-                      f"{p.get('median_tpot_ms') or 0:7.2f} ms  accept {p.get('accept_length')}",
-                      flush=True)  # fmt: skip
+                      f"{p.get('median_tpot_ms') or 0:7.2f} ms  accept {p.get('accept_length')}"
+                      f"  run ahead {ahead}", flush=True)  # fmt: skip
         rounds.append(runs)
     plots = plot_results(load_results(files), out_dir, prefix=f"{args.out}_")
     per_round = [round_speedups(runs) for runs in rounds]

@@ -38,6 +38,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 _STEPS_SAMPLE = re.compile(r'^(?:outrider|vllm):spec_decode_steps_total\{.*\bk="(\d+)".*\}\s+(\S+)')
+_AHEAD = "outrider:steps_run_ahead_total"
 
 
 def spec_counters(text: str) -> dict[str, float] | None:
@@ -54,6 +55,8 @@ def spec_counters(text: str) -> dict[str, float] | None:
             if steps:
                 counters["plain_steps"] = sum(n for k, n in steps if k == 0)
                 counters["spec_steps"] = sum(n for k, n in steps if k > 0)
+            if _AHEAD in samples:
+                counters["steps_run_ahead"] = samples[_AHEAD]
             return counters
     return None
 
@@ -72,11 +75,16 @@ def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None
     if "spec_steps" in before and "spec_steps" in after:
         spec = int(after["spec_steps"] - before["spec_steps"])
         plain = int(after["plain_steps"] - before["plain_steps"])
+    ahead = {}
+    if "steps_run_ahead" in before and "steps_run_ahead" in after and (spec or 0) + (plain or 0):
+        # Of the decode steps, those launched before the step before them was read.
+        n = after["steps_run_ahead"] - before["steps_run_ahead"]
+        ahead = {"run_ahead_share": min(1.0, n / (spec + plain))}
     if d["num_drafts"] <= 0:
         if not plain:
             return None
         return d | {"accept_length": None, "acceptance_rate": None, "spec_step_share": 0.0,
-                    "decode_steps": plain}  # fmt: skip
+                    "decode_steps": plain, **ahead}  # fmt: skip
     d["accept_length"] = 1 + d["num_accepted_tokens"] / d["num_drafts"]
     d["acceptance_rate"] = (
         d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else None
@@ -84,7 +92,7 @@ def spec_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None
     if spec is not None:
         d["spec_step_share"] = spec / (spec + plain) if spec + plain > 0 else None
         d["decode_steps"] = spec + plain
-    return d
+    return d | ahead
 
 
 def spec_share(point: dict) -> tuple[float, str] | None:

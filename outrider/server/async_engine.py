@@ -113,6 +113,8 @@ class EngineStats:
     # The adaptive controller: the draft length it chose last (0: plain) and steps per choice.
     spec_k: int = 0
     spec_steps_by_k: tuple[tuple[int, int], ...] = ()
+    # Decode steps launched before the step before them was read (async scheduling).
+    steps_run_ahead: int = 0
     # Tensor parallelism: the group's size, what rank 0's collectives moved as (mode, op,
     # calls, bytes), and the target forwards sent to the other ranks as (mode, n). One rank
     # runs no collective and sends no forward: both stay empty there.
@@ -360,6 +362,7 @@ class AsyncEngine:
             spec_accepted_per_position=tuple(spec.stats.accepted_per_position),
             spec_k=spec.last_k,
             spec_steps_by_k=tuple(sorted(spec.steps_by_k.items())),
+            steps_run_ahead=getattr(self.core, "num_steps_run_ahead", 0),
             **_collective_stats(getattr(self.core, "runner", None)),
         )
 

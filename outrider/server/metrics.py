@@ -147,6 +147,11 @@ class _EngineCollector:
         for pos, n in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric([self._model, str(pos)], n)
         yield per_pos
+        yield counter(
+            "steps_run_ahead",
+            "Decode steps launched before the step before them was read (async scheduling).",
+            s.steps_run_ahead,
+        )
         yield gauge(
             "spec_decode_k",
             "Drafts the controller chose to verify in the last step (0: plain).",

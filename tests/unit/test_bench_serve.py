@@ -683,13 +683,16 @@ def test_accept_summary_prefers_outrider_step_counters():
         'outrider:spec_decode_num_accepted_tokens_total{model_name="m"} 20\n'
         'outrider:spec_decode_steps_total{model_name="m",k="0"} 3\n'
         'outrider:spec_decode_steps_total{model_name="m",k="3"} 7\n'
+        'outrider:steps_run_ahead_total{model_name="m"} 4\n'
     )
     before = spec_counters(text)
     assert (before["plain_steps"], before["spec_steps"]) == (3.0, 7.0)
+    assert before["steps_run_ahead"] == 4.0
     after = before | {"num_drafts": 12, "num_accepted_tokens": 26}
-    after |= {"spec_steps": 9, "plain_steps": 9}
+    after |= {"spec_steps": 9, "plain_steps": 9, "steps_run_ahead": 10}
     d = spec_delta(before, after)
     assert d["accept_length"] == 4.0 and d["spec_step_share"] == 0.25 and d["decode_steps"] == 8
+    assert d["run_ahead_share"] == 0.75  # 6 of the 8 decode steps were launched ahead
     point = {"accept_length": 4.0, "spec_decode": d, "total_output_tokens": 100}
     assert accept_summary(point) == "4.00 over 2 verify steps, 25% of decode steps speculative"
 

@@ -22,6 +22,7 @@ def _exported() -> set[str]:
         num_running=1, num_waiting=0, num_free_blocks=5, num_blocks=10, num_preemptions=1,
         spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=5,
         spec_accepted_per_position=(2, 2, 1, 0), spec_k=4, spec_steps_by_k=((0, 1), (4, 2)),
+        steps_run_ahead=2,
         tp_size=2, collectives=(("decode", "all_reduce", 9, 900), ("decode", "all_gather", 1, 64)),
         forwards=(("decode", 1),),
     )  # fmt: skip
@@ -60,3 +61,8 @@ def test_prometheus_example_scrapes_metrics():
     config = yaml.safe_load((DOCS / "prometheus.yml").read_text())
     job = config["scrape_configs"][0]
     assert job["metrics_path"] == "/metrics" and job["authorization"]["type"] == "Bearer"
+
+
+def test_steps_run_ahead_are_exported_beside_the_decode_steps():
+    exported = _exported()
+    assert {"outrider:steps_run_ahead_total", "outrider:spec_decode_steps_total"} <= exported
