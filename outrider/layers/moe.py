@@ -309,8 +309,9 @@ class FusedExperts(nn.Module):
     ) -> torch.Tensor | None:  # [T, H]; None where the fused kernels do not serve x
         """No host reads: graph-safe."""
         rows = ids.reshape(-1)  # [R]: row r is token r // top_k's choice r % top_k
-        # The rows sorted by expert once, for both GEMMs (they route the same rows).
-        if layout is None and fused.use_fused(x):
+        # The rows sorted by expert once, for both GEMMs (they route the same rows), where
+        # they read one: INT4's GEMV at decode sizes reads none.
+        if layout is None and fused.use_fused(x) and self.reads_layout(rows.numel()):
             layout = moe_fused.moe_layout_no_sync(rows, self.num_experts + self.num_shared)
         h = self._moe_gemm(x, rows, ids.shape[1], False, layout)  # [R, I]: silu(gate) * up
         if h is None:

@@ -229,14 +229,24 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
                 name=f"deepseek-forward-{interleave}{'-short' if short else ''}",
                 scaled=diff / plain.abs().max().item(),
             )
-        # INT4 experts: their GEMV reads no layout, and the router makes none.
+        # INT4 experts: their GEMV reads no layout, and neither the router nor the experts
+        # make one (counted: every layout the forward builds goes through moe_layout_no_sync).
         plain = run_forward(tiny_deepseek(False, int4=True), prefill_batch(prompts))
         fused.use_fused = lambda x: True
+        layouts, real_layout = [], moe_fused.moe_layout_no_sync
+
+        def counted(*a, layouts=layouts, real_layout=real_layout, **k):
+            layouts.append(1)
+            return real_layout(*a, **k)
+
+        moe_fused.moe_layout_no_sync = counted
         got = run_forward(tiny_deepseek(False, int4=True), prefill_batch(prompts))
+        moe_fused.moe_layout_no_sync = real_layout
         fused.use_fused = real
         emit(
             name=f"deepseek-forward-int4{'-short' if short else ''}",
             scaled=(got - plain).abs().max().item() / plain.abs().max().item(),
+            layouts=len(layouts),
         )
 
 
@@ -323,9 +333,10 @@ def test_deepseek_forward_with_the_kernels_equals_the_torch_ops(results, interle
 @pytest.mark.parametrize("short", ["", "-short"])
 def test_deepseek_forward_with_int4_experts_and_the_kernels_equals_the_torch_ops(results, short):
     # 7 tokens routed by moe_gate_kernel with no layout (the GEMV reads none), 36 by the route
-    # kernel: both into the INT4 GEMV.
+    # kernel: both into the INT4 GEMV, and no layout is built for it (the experts built one
+    # when the router had not: a kernel a layer for nothing).
     r = results[f"deepseek-forward-int4{short}"]
-    assert r["scaled"] <= 1e-5, r
+    assert r["scaled"] <= 1e-5 and r["layouts"] == 0, r
 
 
 def test_mla_prep_stores_the_latents_where_write_latent_cache_would(results):
