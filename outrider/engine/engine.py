@@ -256,10 +256,7 @@ class EngineCore:
         """A speculative step launched without its read: the step after it is launched on its
         outputs still on the device (where it can be), then this one is read and
         postprocessed while the device runs that one."""
-        nxt = None
-        left_out = self.scheduler.num_running > sum(not s.request.is_finished for s in batch.seqs)
-        if not self.scheduler.num_waiting and not left_out:
-            nxt = self.speculator.launch_after(batch, launched)
+        nxt = self.speculator.launch_after(batch, launched) if self._may_follow(batch) else None
         output = self.speculator.read(batch, launched)  # CPU-GPU sync point
         # The blocks the step run ahead writes in stay with their requests.
         deltas = self._advance(batch, output, hold=nxt.reach if nxt is not None else 0)
@@ -310,14 +307,18 @@ class EngineCore:
         guesses = sum(s.grammar_topk for s in batch.seqs)
         return not guesses or (1.0 - self._grammar_miss) ** guesses >= AHEAD_GRAMMAR_ODDS
 
+    def _may_follow(self, batch: ScheduledBatch) -> bool:
+        """Whether a step over `batch`'s rows may be launched after it before it is read: no
+        request waits to be scheduled, and none running is left out (a long prefill given no
+        budget would be left out of every step run ahead after it too)."""
+        if self.scheduler.num_waiting:
+            return False
+        return self.scheduler.num_running <= sum(not s.request.is_finished for s in batch.seqs)
+
     def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:
         """Launch the decode after `batch` on its sampled ids, still on the device; None when
         requests wait to be scheduled or the step cannot run ahead."""
-        if self.scheduler.num_waiting or not self._can_run_ahead(batch):
-            return None
-        # A running request that `batch` left out (a long prefill given no budget) would be left
-        # out of every step run ahead after it too.
-        if self.scheduler.num_running > sum(not s.request.is_finished for s in batch.seqs):
+        if not self._may_follow(batch) or not self._can_run_ahead(batch):
             return None
         if not self.speculator.plain_ahead(batch):  # the controller gives the next step drafts
             return None

@@ -245,10 +245,16 @@ class Speculator:
             return True
         if not self._stepped or self.controller is None or self._drafted_only:
             return False
-        k = self.controller.choose([s.request.request_id for s in batch.seqs])
-        if k:
-            self._next_k = k
-        return k == 0
+        return self._picks(batch, 0)
+
+    def _picks(self, batch: ScheduledBatch, k: int) -> bool:
+        """Whether the controller picks k for the step after `batch`, asked before that step
+        is launched; another pick is kept for the step the engine then schedules (`_next_k`:
+        before_schedule does not choose again, one pick a step)."""
+        pick = self.controller.choose([s.request.request_id for s in batch.seqs])
+        if pick != k:
+            self._next_k = pick
+        return pick == k
 
     # -- speculative steps launched ahead of their read (engine/overlap.py) ---------------------
 
@@ -275,7 +281,7 @@ class Speculator:
         self.proposer.catch_up()  # the draft KV of the plain steps before this one
         self._aside_ms += (time.perf_counter() - t0) * 1e3
         self._drafted_only = not any(s.drafts for s in batch.seqs)
-        return self._runner.spec_step.launch(batch, self._k)
+        return self._runner.spec_step.launch(batch, self._k, self._k)
 
     def launch_after(self, batch: ScheduledBatch, launched: SpecLaunch) -> SpecLaunch | None:
         """The step after `batch` (launched, not read yet), launched now on its outputs on the
@@ -291,11 +297,8 @@ class Speculator:
             return None
         if self._drafted_only:  # its drafts are verified next: the probe it started
             self._drafted_only = False
-        elif self.controller is not None:
-            pick = self.controller.choose([s.request.request_id for s in batch.seqs])
-            if pick != k:
-                self._next_k = pick
-                return None
+        elif self.controller is not None and not self._picks(batch, k):
+            return None
         reqs = [s.request for s in batch.seqs if not s.request.is_finished]
         if any(r.num_tokens + 3 * k + 2 > self._max_model_len for r in reqs):
             return None

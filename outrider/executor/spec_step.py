@@ -504,13 +504,13 @@ class SpecStep:
     # -- steps launched without their read (engine/overlap.py) ------------------------------
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, k: int) -> SpecLaunch:
-        """`run` without its read, for chains drafted on the device whose rows are plain
-        greedy or `runs_ahead` (nothing between the replays reads the host): the step is
-        queued and its outputs start toward the host; SpecLaunch.read waits for them."""
+    def launch(self, batch: ScheduledBatch, k: int, k_draft: int) -> SpecLaunch:
+        """A chain step without its read (`run` reads it at once): queued, its outputs on
+        their way to the host; SpecLaunch.read waits for them. A step launched after it
+        (launch_after) needs drafts on the device (k_draft = k) and rows `runs_ahead`."""
         packed: list[torch.Tensor] = []
         fixup, asked, top_n = self._fixup(batch, k, packed)
-        out, padded = self.run_no_sync(batch, k, k, fixup)
+        out, padded = self.run_no_sync(batch, k, k_draft, fixup)
         return SpecLaunch(out, len(batch.seqs), padded, k, packed, asked, top_n)
 
     @torch.inference_mode()
@@ -543,10 +543,7 @@ class SpecStep:
         get them for every emitted token from the row that predicted it. Trees: `run_tree`."""
         if self.tree is not None:
             return self.run_tree(batch)
-        packed: list[torch.Tensor] = []
-        fixup, asked, top_n = self._fixup(batch, k, packed)
-        out, padded = self.run_no_sync(batch, k, k_draft, fixup)
-        return SpecLaunch(out, len(batch.seqs), padded, k, packed, asked, top_n).read(batch)
+        return self.launch(batch, k, k_draft).read(batch)  # CPU-GPU sync point
 
     def _fixup(
         self,
