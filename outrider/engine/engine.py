@@ -17,6 +17,7 @@ from outrider.core import (
     RequestOutput,
     SamplingParams,
     ScheduledBatch,
+    ScheduledSeq,
     StepOutput,
 )
 from outrider.engine import overlap, stop_strings
@@ -31,7 +32,7 @@ from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator, masked_argmax
-from outrider.executor.spec_step import SpecLaunch
+from outrider.executor.spec_step import SpecLaunch, runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 
@@ -80,6 +81,8 @@ class EngineCore:
             overlap_on = self.runner.device.type == "cuda"
         self._async_asked = bool(overlap_on)
         self._ahead: overlap.Ahead | None = None
+        # A speculative step's decoding rows, run in the call after its prompt chunks.
+        self._decodes_next: ScheduledBatch | None = None
         self.num_steps_run_ahead = 0
         # Steps run ahead on a greedy constrained row's unmasked argmax that its grammar then
         # refused (dropped), and how often a constrained row's grammar refuses its argmax (a
@@ -205,11 +208,16 @@ class EngineCore:
         With async scheduling, a plain decode step launches the next one before reading its
         own tokens (engine/overlap.py): that step is then taken here instead of a new schedule."""
         t0 = time.perf_counter()
+        decodes, self._decodes_next = self._decodes_next, None
+        if decodes is not None:
+            decodes = self.speculator.rows_left(decodes)
         if self._ahead is not None:
             batch, ids = self._ahead.batch, self._ahead.token_ids
             self._ahead = None
             if isinstance(ids, SpecLaunch):
                 return self._speculate_ahead(batch, ids, t0)
+        elif decodes is not None:  # a speculative step whose prompt chunks ran before it
+            return self._speculate(decodes, t0)
         else:
             max_drafts, lookahead = self.speculator.before_schedule(self.scheduler.running)
             batch = self.scheduler.schedule(max_drafts=max_drafts, lookahead=lookahead)
@@ -219,14 +227,16 @@ class EngineCore:
             if self.grammars:  # greedy rows picked from their top logits where the step can
                 plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
                 self.grammars.attach_masks(batch, pick=speculative or plain)
-            if speculative and self._async and self.speculator.launches(batch):
-                return self._speculate_ahead(batch, self.speculator.launch(batch), t0)
-            if speculative or not (self._async and self._can_run_ahead(batch)):
-                output = self.speculator.run(batch) if speculative else self.runner.run(batch)
+            if speculative and batch.mode == ForwardMode.PREFILL:
+                return self._prompts_first(batch)
+            if speculative:
+                return self._speculate(batch, t0)
+            if not (self._async and self._can_run_ahead(batch)):
+                output = self.runner.run(batch)
                 if output.grammar_candidates:
                     self._pick_grammar_tokens(batch, output)
                 deltas = self._advance(batch, output)
-                self.speculator.record_step(batch, speculative, t0)
+                self.speculator.record_step(batch, False, t0)
                 return deltas
             ids = overlap.Pending.start(self.runner.launch(batch))
         self._ahead = self._run_ahead(batch, ids.device)
@@ -250,23 +260,99 @@ class EngineCore:
         self.speculator.record_step(batch, False, t0)  # the period of a step run ahead
         return deltas
 
+    def _speculate(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput]:
+        """A speculative step over decoding rows: launched ahead of its read where it can be
+        (Speculator.launches), else run and read."""
+        if self._async and self.speculator.launches(batch):
+            return self._speculate_ahead(batch, self.speculator.launch(batch), t0)
+        output = self.speculator.run(batch)
+        deltas = self._advance(batch, output)
+        self.speculator.record_step(batch, True, t0)
+        return deltas
+
+    def _prompts_first(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """A speculative step with prompt chunks beside its decoding rows: the chunks run first,
+        as a plain forward whose first tokens leave now, and the decoding rows in the next
+        call, as the speculative step (`_decodes_next`). Together the two took one call, so a
+        prompt's first token waited for the speculative step's drafting and verify too (at a
+        server's concurrency an arrival lands in such a step nearly every time). The drafter
+        sees the prompts with that step (Speculator.prompts_before)."""
+        prompts, decodes = self.speculator.split(batch)
+        output = self.runner.run(prompts)
+        if output.grammar_candidates:
+            self._pick_grammar_tokens(prompts, output)
+        self.speculator.prompts_before(prompts, output)
+        self._decodes_next = decodes
+        return self._advance(prompts, output, drafter=False)
+
     def _speculate_ahead(
         self, batch: ScheduledBatch, launched: SpecLaunch, t0: float
     ) -> list[RequestOutput]:
-        """A speculative step launched without its read: the step after it is launched on its
-        outputs still on the device (where it can be), then this one is read and
-        postprocessed while the device runs that one."""
-        nxt = self.speculator.launch_after(batch, launched) if self._may_follow(batch) else None
+        """A speculative step launched without its read: prompt chunks, and the step after it
+        on its outputs still on the device, are launched behind it (where they can be), then
+        this one is read and postprocessed while the device runs those, then the chunks.
+        Requests whose first token such chunks sampled join the step launched after the next
+        read (engine/overlap.py)."""
+        nxt = beside = None
+        joins = self._joins(batch)
+        if joins is not None:
+            beside = self._prompts_beside(batch, launched.k)  # first: read before nxt ends
+            nxt = self.speculator.launch_after(batch, launched, joins)
         output = self.speculator.read(batch, launched)  # CPU-GPU sync point
         # The blocks the step run ahead writes in stay with their requests.
         deltas = self._advance(batch, output, hold=nxt.reach if nxt is not None else 0)
+        if beside is not None:
+            prompts, ids = beside
+            rids = [s.request.request_id for s in prompts.seqs if s.sample]
+            tokens = ids.read()  # CPU-GPU sync point (the step after this one runs on)
+            deltas += self._advance(
+                prompts, StepOutput(rids, [[t] for t in tokens], aux_hidden=ids.aux)
+            )
         if nxt is not None:
-            after = self.speculator.batch_after(batch, output)
+            after = self.speculator.batch_after(batch, output, nxt)
             if any(not s.request.is_finished for s in after.seqs):
                 self._ahead = overlap.Ahead(after, nxt)
                 self.num_steps_run_ahead += 1
-        self.speculator.record_step(batch, True, t0)
+        if beside is None:  # (a step with prompt chunks beside is none of k's: record_step)
+            self.speculator.record_step(batch, True, t0)
         return deltas
+
+    def _joins(self, batch: ScheduledBatch) -> list[Request] | None:
+        """Whether a speculative step may follow `batch` before `batch` is read, and the
+        requests that join it (their rows the host's): None unless every running request not
+        in `batch` is decoding and may run ahead (spec_step.runs_ahead), or computes a prompt
+        chunk beside it, as any waiting one may (overlap.prompt_beside)."""
+        rows = {s.request.request_id for s in batch.seqs if not s.request.is_finished}
+        joins = []
+        for req in self.scheduler.running:
+            if req.request_id in rows:
+                continue
+            if req.num_tokens - req.num_computed_tokens > 1:  # a prompt, chunks to come
+                if not overlap.prompt_beside(req):
+                    return None
+            elif runs_ahead(ScheduledSeq(req, [], req.num_computed_tokens, [], True)):
+                joins.append(req)
+            else:
+                return None
+        if not all(overlap.prompt_beside(r) for r in self.scheduler.waiting):
+            return None
+        return joins
+
+    def _prompts_beside(
+        self, batch: ScheduledBatch, k: int
+    ) -> tuple[ScheduledBatch, overlap.Pending] | None:
+        """The prompt chunks to compute beside the step after `batch` (Scheduler.
+        schedule_prompts, from the budget its rows leave), launched now; None without any."""
+        sched = self.scheduler
+        if not sched.num_waiting and all(
+            r.num_tokens - r.num_computed_tokens <= 1 for r in sched.running
+        ):
+            return None
+        rows = sum(not s.request.is_finished for s in batch.seqs)
+        prompts = sched.schedule_prompts(sched.config.max_num_batched_tokens - rows * (1 + k))
+        if prompts.is_empty:
+            return None
+        return prompts, overlap.Pending.start(self.runner.launch(prompts))
 
     def _pick_grammar_tokens(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):
@@ -332,11 +418,13 @@ class EngineCore:
         return overlap.Ahead(next_batch, overlap.Pending.start(self.runner.launch(next_batch, ids)))
 
     def _advance(
-        self, batch: ScheduledBatch, output: StepOutput, hold: int = 0
+        self, batch: ScheduledBatch, output: StepOutput, hold: int = 0, drafter: bool = True
     ) -> list[RequestOutput]:
         """Everything after the forward: stops inside accepted runs, the scheduler's and the
         drafter's bookkeeping, detokenizing, finishing, the next drafts. hold: positions past
-        each request's tokens whose blocks it keeps (a step launched ahead writes there)."""
+        each request's tokens whose blocks it keeps (a step launched ahead writes there).
+        drafter: False for prompt chunks run before a speculative step, which the drafter sees
+        with that step's rows (Speculator.prompts_before)."""
         self.speculator.trim_output(batch, output)
         self.scheduler.postprocess(batch, output, hold)
         # The grammars follow the step's tokens first: the next drafts are cut to, and led by,
@@ -348,7 +436,8 @@ class EngineCore:
                 for rid, new_ids in zip(output.request_ids, output.token_ids)
                 if rid in self._tracked
             }
-        self.speculator.after_postprocess(batch, output)
+        if drafter:
+            self.speculator.after_postprocess(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
             tracked = self._tracked.get(rid)
@@ -368,5 +457,6 @@ class EngineCore:
                 self.speculator.forget(rid)
                 self.grammars.forget(rid)
             deltas.append(tracked.output(text, new_ids))
-        self.speculator.after_step(self.scheduler.running)
+        if drafter:
+            self.speculator.after_step(self.scheduler.running)
         return deltas

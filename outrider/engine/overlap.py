@@ -9,8 +9,8 @@ Step n+1 is the same sequences one position further, so everything but the token
 known before step n's tokens are read: positions, slots (one more is allocated now), lengths.
 What this costs: a request that finishes at step n has one wasted row in step n+1 (ignored,
 its KV slot is its own and freed after the write is queued, so stream order keeps it safe);
-a request that arrives while a step runs ahead joins one step later (nothing runs ahead while
-requests wait).
+a request that arrives while a plain step runs ahead joins one step later (no plain step runs
+ahead while requests wait).
 
 A plain step runs ahead when every sequence samples one token with no drafts, no logprobs, no
 penalties and no active min_tokens (those read output tokens the host does not have yet).
@@ -34,6 +34,21 @@ positions past each row's tokens that step n+1 writes (Scheduler.postprocess's h
 the same k (the controller is asked first: another pick waits for the step after) and only where
 no row can reach the context's end; a request that ends with step n (a stop, max_tokens) leaves
 its row of step n+1 unused, as a plain step run ahead does.
+
+Arrivals do not stop speculative steps running ahead (at a server's concurrency one arrives every
+few steps). While step n+1 is launched, the prompt chunks of waiting requests (and of running ones
+mid-prompt) are launched just before it as a plain forward (Scheduler.schedule_prompts, from the
+budget step n+1's rows leave; nobody is preempted) and read after step n, while the device runs
+step n+1: a prompt's first token leaves with step n's tokens. Its request then joins step n+2,
+launched after step n+1 before that one is read: in the row of a request that finished, or past
+the others (a larger captured batch), at its root alone, which the host has; the drafter drafts
+its first k inside that step, its draft KV over the prompt caught up just before
+(Speculator.launch_after). Requests whose prompt or rows need the host (logprobs of a first token,
+penalties, grammars, min_tokens owed: prompt_beside, spec_step.runs_ahead) stop the steps running
+ahead, as before.
+
+    step n (rows A B) ─> prompt of C ─> step n+1 (A B) ─> read n, read C's first token
+    ─> step n+2 (A B C; or C B when A finished with step n) ─> read n+1 ...
 """
 
 from __future__ import annotations
@@ -42,7 +57,14 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.core import Candidates, ForwardMode, LaunchedGrammar, ScheduledBatch, ScheduledSeq
+from outrider.core import (
+    Candidates,
+    ForwardMode,
+    LaunchedGrammar,
+    Request,
+    ScheduledBatch,
+    ScheduledSeq,
+)
 from outrider.engine.block_manager import BlockManager
 from outrider.executor.sampler import unpack_candidates
 from outrider.executor.spec_step import SpecLaunch
@@ -115,6 +137,20 @@ def can_run_ahead(batch: ScheduledBatch) -> bool:
         if len(s.request.output_token_ids) < p.min_tokens:
             return False  # the sampler would count an output one token short
     return True
+
+
+def prompt_beside(req: Request) -> bool:
+    """Whether a request's prompt may be computed beside a speculative step run ahead, its
+    first token sampled on the device as a plain step run ahead samples (no logprobs,
+    penalties or grammar), and its rows join the steps after it (spec_step.runs_ahead: no
+    min_tokens owed)."""
+    p = req.params
+    return (
+        p.logprobs is None
+        and not p.has_penalties
+        and p.structured_outputs is None
+        and len(req.output_token_ids) >= p.min_tokens
+    )
 
 
 def next_batch(

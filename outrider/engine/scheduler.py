@@ -131,6 +131,46 @@ class Scheduler:
         batch.mode = _mode(batch.seqs)
         return batch
 
+    def schedule_prompts(self, budget: int) -> ScheduledBatch:
+        """Prompt chunks alone, beside decodes already launched (a speculative step run ahead,
+        engine/overlap.py): running requests mid-prompt in admission order, then waiting ones
+        admitted FIFO, long prompts last, as `schedule` orders them, from `budget` tokens.
+        Nobody is preempted (the decodes in flight hold their KV): a chunk whose slots do not
+        fit waits for a step scheduled as usual."""
+        batch = ScheduledBatch(mode=ForwardMode.PREFILL, seqs=[])
+        self._max_drafts, self._lookahead = 0, 0
+        longs: list[tuple[Request, int]] = []
+        advancing = {
+            r.request_id
+            for r in heapq.nsmallest(
+                self.config.max_long_partial_prefills,
+                (r for r in self.running if self._is_long(r)),
+                key=_tokens_left,
+            )
+        }
+        for req in self.running:
+            if budget <= 0:
+                break
+            if _tokens_left(req) <= 1:
+                continue  # a decode
+            long = self._is_long(req)
+            if long and req.request_id not in advancing:
+                continue
+            num_new = min(self.long_prefill_tokens, budget) if long else self._num_new_tokens(
+                req, budget
+            )  # fmt: skip
+            if num_new == 0 or not self.block_manager.allocate(req, num_new):
+                continue
+            if long:
+                longs.append((req, num_new))
+            else:
+                self._add_seq(batch, req, num_new)
+                budget -= num_new
+        budget = self._schedule_waiting(batch, budget, longs)
+        self._schedule_long(batch, budget, longs)
+        batch.mode = _mode(batch.seqs) if batch.seqs else ForwardMode.PREFILL
+        return batch
+
     def postprocess(self, batch: ScheduledBatch, output: StepOutput, hold: int = 0) -> None:
         """Advance each scheduled request by what the step computed and append sampled tokens.
         Stop conditions are the engine's, which then calls `finish`. hold: positions past a

@@ -77,8 +77,9 @@ class Speculator:
         self.stats = SpecStats()
         self.last_k = 0
         self.steps_by_k: dict[int, int] = {}
+        self.num_rows_joined = 0  # requests that joined a step run ahead (launch_after)
         self._skip_propose = False  # the step's requests are drafted inside the next one
-        # A speculative step's prompt chunks, run beside it: (their batch, their output).
+        # Prompt chunks run before a speculative step (`split`): (their batch, their output).
         self._prefilled: tuple[ScheduledBatch, StepOutput] | None = None
         self._speculated = False  # the step ran through `run`
         self._aside_ms = 0.0  # the step's catch-up of deferred draft rows, not its k's cost
@@ -283,9 +284,15 @@ class Speculator:
         self._drafted_only = not any(s.drafts for s in batch.seqs)
         return self._runner.spec_step.launch(batch, self._k, self._k)
 
-    def launch_after(self, batch: ScheduledBatch, launched: SpecLaunch) -> SpecLaunch | None:
+    def launch_after(
+        self, batch: ScheduledBatch, launched: SpecLaunch, joins: Sequence[Request] = ()
+    ) -> SpecLaunch | None:
         """The step after `batch` (launched, not read yet), launched now on its outputs on the
-        device: the same rows at the same k, each verifying the k drafts `batch`'s step made.
+        device: the same rows at the same k, each verifying the k drafts `batch`'s step made,
+        and `joins`, decoding requests whose tokens the host has (a prompt's first token, read
+        beside an earlier step): each in the place of a row whose request finished, or after
+        the rest while a captured batch size holds them, at its root alone (the drafter drafts
+        its first k inside the step, its draft KV over the prompt caught up first).
         None where that cannot be known to hold: the controller picks another k (kept for the
         step scheduled next), a row could reach the context's end, or the pool is short of
         blocks for the furthest positions the step may write (3k + 1 past a row's start:
@@ -300,11 +307,43 @@ class Speculator:
         elif self.controller is not None and not self._picks(batch, k):
             return None
         reqs = [s.request for s in batch.seqs if not s.request.is_finished]
-        if any(r.num_tokens + 3 * k + 2 > self._max_model_len for r in reqs):
+        if any(r.num_tokens + 3 * k + 2 > self._max_model_len for r in [*reqs, *joins]):
             return None
         if not all(self._block_manager.allocate(r, 3 * k + 1) for r in reqs):
             return None  # (what was allocated goes back when `batch` is postprocessed)
-        return self._runner.spec_step.launch_after(launched, batch)
+        seqs, joined = list(batch.seqs), []
+        if joins:
+            seqs, joined = self._joined(seqs, joins, 2 * k + 1)
+            if joined:
+                t0 = time.perf_counter()
+                self.proposer.catch_up()  # their draft KV over the prompt, which the step reads
+                self._aside_ms += (time.perf_counter() - t0) * 1e3
+        rows = ScheduledBatch(ForwardMode.VERIFY, seqs) if joined else batch
+        nxt = self._runner.spec_step.launch_after(launched, rows, joined)
+        nxt.joined = {i: seqs[i] for i in joined}
+        return nxt
+
+    def _joined(
+        self, seqs: list[ScheduledSeq], joins: Sequence[Request], need: int
+    ) -> tuple[list[ScheduledSeq], list[int]]:
+        """`seqs` with the `joins` that fit (blocks for `need` positions, a captured batch
+        size) in the places of finished requests' rows, then after them -> (rows, the joined
+        ones' indices)."""
+        free = [i for i, s in enumerate(seqs) if s.request.is_finished]
+        cap = self._runner.spec_step.batch_sizes[-1]
+        joined = []
+        for req in joins:
+            if not free and len(seqs) >= cap:
+                break
+            if not self._block_manager.allocate(req, need):
+                break  # waits for a step scheduled as usual
+            start, req.drafts = req.num_computed_tokens, None  # it verifies none
+            seq = ScheduledSeq(req, [req.all_token_ids[start]], start, req.block_ids, True)
+            i = free.pop(0) if free else len(seqs)
+            seqs[i : i + 1] = [seq]
+            joined.append(i)
+        self.num_rows_joined += len(joined)
+        return seqs, joined
 
     def read(self, batch: ScheduledBatch, launched: SpecLaunch) -> StepOutput:
         """A launched step's output (waits for it)."""
@@ -312,13 +351,21 @@ class Speculator:
         self._speculated = True
         return output
 
-    def batch_after(self, batch: ScheduledBatch, output: StepOutput) -> ScheduledBatch:
-        """The host's view of the step launch_after launched after `batch`, once `batch` is
+    def batch_after(
+        self, batch: ScheduledBatch, output: StepOutput, launched: SpecLaunch
+    ) -> ScheduledBatch:
+        """The host's view of the step launch_after `launched` after `batch`, once `batch` is
         postprocessed (`output`, its read): each row's root and the drafts it verifies, which
-        it consumes as a scheduled step does. A row whose request finished keeps its place;
-        its output is dropped."""
+        it consumes as a scheduled step does, and the rows that joined it. A row whose request
+        finished keeps its place; its output is dropped."""
         seqs = []
-        for s, drafts in zip(batch.seqs, output.next_drafts):
+        for i in range(launched.b):
+            if i in launched.joined:
+                s = launched.joined[i]
+                req = s.request
+                seqs.append(ScheduledSeq(req, s.token_ids, s.start_pos, req.block_ids, True))
+                continue
+            s, drafts = batch.seqs[i], output.next_drafts[i]
             req = s.request
             if req.is_finished:
                 seqs.append(
@@ -338,8 +385,8 @@ class Speculator:
     def is_speculative_step(self, batch: ScheduledBatch) -> bool:
         """Whether the batch runs as a speculative step: speculation on this step, and every
         decoding sequence its root and at most k drafts (a tree: greedy). A prefill step
-        qualifies by its decoding sequences: they run as the speculative step and its prompt
-        chunks beside it as a plain forward (`run`)."""
+        qualifies by its decoding sequences: its prompt chunks run first as a plain forward,
+        then they run as the speculative step (`split`)."""
         if not self._stepped or self._k == 0:
             return False
         decoding = [s for s in batch.seqs if not _prompt_chunk(s)]
@@ -358,27 +405,44 @@ class Speculator:
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """The speculative step on the runner: verify, accept and (a device drafter) draft the
-        next k. Only for a batch is_speculative_step accepted. A prefill step's prompt chunks
-        run after it as a plain forward of their own: in one forward with the decodes, every
-        request's step would be an eager one that drafts nothing inside it (at a server's high
-        concurrency a request arrives nearly every step). Their draft rows are deferred
-        (after_postprocess) and drafted inside their first speculative step."""
+        next k. Only for decoding rows is_speculative_step accepted (a prefill step's prompt
+        chunks run before them: `split`)."""
         on_device = self.proposer.on_device
-        prompts = [s for s in batch.seqs if _prompt_chunk(s)]
-        decoding = [s for s in batch.seqs if not _prompt_chunk(s)]
-        decode = _part(batch, decoding) if prompts else batch
-        self._drafted_only = on_device and not any(s.drafts for s in decode.seqs)
+        self._drafted_only = on_device and not any(s.drafts for s in batch.seqs)
         if on_device:  # the draft KV of the plain steps before this one, which the step reads
             t0 = time.perf_counter()
             self.proposer.catch_up()
             self._aside_ms += (time.perf_counter() - t0) * 1e3
-        out = self._runner.run_spec(decode, self._k, self._k if on_device else 0)
+        out = self._runner.run_spec(batch, self._k, self._k if on_device else 0)
         self._speculated = True
-        if not prompts:
-            return out
-        prefill = _part(batch, prompts)
-        self._prefilled = (prefill, self._runner.run(prefill))
-        return _merged(batch, out, self._prefilled[1])
+        return out
+
+    def split(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
+        """A speculative prefill step -> (its prompt chunks, its decoding rows), each a batch.
+        The chunks run first as a plain forward of their own: in one forward with the decodes,
+        every request's step would be an eager one that drafts nothing inside it (at a
+        server's high concurrency a request arrives nearly every step)."""
+        prompts = [s for s in batch.seqs if _prompt_chunk(s)]
+        decoding = [s for s in batch.seqs if not _prompt_chunk(s)]
+        return _part(batch, prompts), _part(batch, decoding)
+
+    def prompts_before(self, prompts: ScheduledBatch, output: StepOutput) -> None:
+        """Prompt chunks that ran before the speculative step over `split`'s decoding rows:
+        the drafter sees them with that step (after_postprocess). Chains draft them inside
+        their first speculative step (their rows deferred); trees draft after it."""
+        self._prefilled = (prompts, output)
+
+    def rows_left(self, decodes: ScheduledBatch) -> ScheduledBatch | None:
+        """`split`'s decoding rows, run in the engine's next call, less requests aborted
+        since (their blocks are freed); None when none is left, the prompts before them then
+        seen by the drafter now."""
+        seqs = [s for s in decodes.seqs if not s.request.is_finished]
+        if seqs:
+            return decodes if len(seqs) == len(decodes.seqs) else _part(decodes, seqs)
+        prefilled, self._prefilled = self._prefilled, None
+        if prefilled is not None:
+            self.after_postprocess(*prefilled)
+        return None
 
     def trim_output(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """Before the scheduler appends the step's tokens: count the decode step by the drafts
@@ -604,52 +668,4 @@ def _part(batch: ScheduledBatch, seqs: list[ScheduledSeq]) -> ScheduledBatch:
         mode = ForwardMode.VERIFY if any(s.drafts is not None for s in seqs) else ForwardMode.DECODE
     return ScheduledBatch(
         mode, seqs, fill_masks=batch.fill_masks, grammar_paths=batch.grammar_paths
-    )
-
-
-def _merged(batch: ScheduledBatch, spec: StepOutput, plain: StepOutput) -> StepOutput:
-    """One output in the batch's order from the speculative step's (its decoding sequences)
-    and the prompt chunks' plain forward's: no drafts accepted, none made, for the prompts.
-
-        batch [d0, p0, d1], sampling: spec rows [d0, d1], plain rows [p0]
-        -> request_ids [d0, p0, d1], a grammar candidate of plain row 0 becomes row 1"""
-    rows: list[tuple[bool, int]] = []  # (from spec, index there) per sampling sequence
-    n_spec = n_plain = 0
-    for s in batch.seqs:
-        if not s.sample:
-            continue
-        if _prompt_chunk(s):
-            rows.append((False, n_plain))
-            n_plain += 1
-        else:
-            rows.append((True, n_spec))
-            n_spec += 1
-
-    def pick(field, spec_default, plain_default):
-        a, b = getattr(spec, field), getattr(plain, field)
-        if a is None and b is None:
-            return None
-        return [
-            (a[i] if a is not None else spec_default(i))
-            if from_spec
-            else (b[i] if b is not None else plain_default(i))
-            for from_spec, i in rows
-        ]
-
-    def no_logprobs(out: StepOutput):
-        return lambda i: [{} for _ in out.token_ids[i]]
-
-    candidates = None
-    if plain.grammar_candidates:
-        at = {i: row for row, (from_spec, i) in enumerate(rows) if not from_spec}
-        candidates = {at[i]: c for i, c in plain.grammar_candidates.items()}
-    return StepOutput(
-        [s.request.request_id for s in batch.seqs if s.sample],
-        pick("token_ids", None, None),
-        num_accepted=pick("num_accepted", None, lambda i: 0),
-        logprobs=pick("logprobs", no_logprobs(spec), no_logprobs(plain)),
-        accepted_nodes=pick("accepted_nodes", None, lambda i: []),
-        next_drafts=pick("next_drafts", None, lambda i: None),
-        grammar_candidates=candidates,
-        grammar_logits=plain.grammar_logits,
     )

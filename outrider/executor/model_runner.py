@@ -423,18 +423,22 @@ class ModelRunner:
     def launch(
         self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, LaunchedGrammar | None, torch.Tensor | None]:
-        """A DECODE step without waiting for it: forward, logits and sampling are queued on the
-        device and the sampled ids [B] returned there (read them with .tolist() later). Plain
-        rows only: no drafts, no logprobs (engine/overlap.py decides). The aux streams of a
+        """A DECODE step, or prompt chunks (a speculative step run ahead's beside), without
+        waiting for it: forward, logits and sampling are queued on the device and the sampled
+        ids [sampling rows] returned there (read them with .tolist() later). Plain rows only:
+        no drafts, no logprobs (engine/overlap.py decides). The aux streams of a
         drafter are made as in `run` and come back third (a copy, as `run`'s aux_hidden: the
         next replay leaves it alone), for the drafter to defer its rows from. Greedy
         constrained rows (grammar_topk) sample their unmasked argmax; their logits and top
         candidates come back beside, for their grammar to pick from once read."""
         hidden, aux, inputs = self.forward(batch, self.aux_layers, input_ids=input_ids)
         aux_hidden = torch.cat(aux, dim=-1) if aux else None
+        sampling = [s for s in batch.seqs if s.sample]  # (a prompt chunk samples nothing)
+        if not sampling:
+            return torch.zeros(0, dtype=torch.int64, device=hidden.device), None, aux_hidden
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        ids = self.sampler.sample_no_sync(logits, batch.seqs)
-        picked = [i for i, s in enumerate(batch.seqs) if s.grammar_topk]
+        ids = self.sampler.sample_no_sync(logits, sampling)
+        picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
         if not picked:
             return ids, None, aux_hidden
         rows = logits.index_select(0, torch.as_tensor(picked, device=logits.device))

@@ -292,11 +292,16 @@ class SpecStep:
             self.inputs.block_tables[:, w : self._dirty].fill_(self.scratch_block)
         self._dirty, self._w = w, w
 
-    def load_after(self, batch: ScheduledBatch, k: int, padded: int) -> None:
-        """The block tables for the step after `batch` (launch_after), before its tokens are
-        read: each row's blocks now (allocated for the furthest it can reach, its root k + 1
-        positions on and a drafter's chain past its own k + 1), written as wide as that."""
-        bs = self.block_size
+    def load_after(
+        self, batch: ScheduledBatch, k: int, padded: int, b: int, joined: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The host's part of the step after a launched one (launch_after), before its tokens
+        are read: each row's block table (allocated for the furthest it can reach, its root
+        k + 1 positions on and a drafter's chain past its own k + 1), written as wide as that,
+        and on the device -> (live [padded]: the rows advanced from the launched step's outputs,
+        its first b but those in `joined`; ids [padded, 1 + k] and starts [padded] of the
+        others: a joined row's root at its start, verifying nothing; padding rows' zeros)."""
+        bs, t = self.block_size, 1 + k
         w = 1
         for s in batch.seqs:
             w = max(w, len(s.request.block_ids), (s.start_pos + 1 + k + self.reach) // bs + 1)
@@ -307,28 +312,46 @@ class SpecStep:
             row = s.request.block_ids[:w]
             tables[i, : len(row)] = row
             ntab[i] = len(s.request.block_ids)
-        sent = self.upload.send([tables, ntab])
+        live = np.zeros(padded, np.int64)
+        live[:b] = 1
+        ids = np.zeros((padded, t), np.int64)
+        starts = np.zeros(padded, np.int64)
+        for i in joined:
+            s = batch.seqs[i]
+            live[i], ids[i], starts[i] = 0, s.token_ids[0], s.start_pos
+        sent = self.upload.send([tables, ntab, live, ids, starts])
         self.inputs.block_tables[:padded, :w].copy_(sent[0])
         self.num_blocks[:padded].copy_(sent[1])
         self._reset_columns(w)
+        return sent[2].bool(), sent[3], sent[4]
 
-    def advance_no_sync(self, out: SpecOutput, b: int, padded: int, k: int) -> None:
-        """The step after `out`'s, on the static buffers, from its outputs on the device: each
-        of the first b rows one accepted run further, its root the target's token after the
-        accepted drafts and its k drafts the drafter's (out.drafts), all verified; padding rows
-        as they were. Slots as `load` makes them, from the tables load_after wrote.
+    def advance_no_sync(
+        self,
+        out: SpecOutput,
+        live: torch.Tensor,  # [padded] bool: rows one accepted run further than out's
+        ids: torch.Tensor,  # [padded, 1 + k] the other rows' (load_after)
+        starts: torch.Tensor,  # [padded]
+        k: int,
+    ) -> None:
+        """The step after `out`'s, on the static buffers: each live row one accepted run
+        further, from out's tensors on the device, its root the target's token after the
+        accepted drafts and its k drafts the drafter's (out.drafts), all verified; the others
+        (rows joining from the host, padding) at their root alone. Slots as `load` makes
+        them, from the tables load_after wrote. `out` may cover fewer rows than the step (it
+        grew by joined rows).
 
         Row at start 10 with num_accepted 2, tokens [a, b, x, .], drafts [d, e, f] (k = 3):
         -> ids [x, d, e, f] at positions 13..16."""
         t = 1 + k
+        padded = live.shape[0]
         s, dev, bs = self.inputs, self.device, self.block_size
         n = padded * t
-        live = torch.arange(padded, device=dev) < b
-        acc = out.num_accepted[:padded]
-        starts = s.positions[:n].view(padded, t)[:, 0] + torch.where(live, acc + 1, 0)
-        root = out.tokens[:padded].gather(1, acc[:, None])
-        ids = torch.cat([root, out.drafts[:padded, :k]], dim=1)
-        ids = torch.where(live[:, None], ids, s.input_ids[:n].view(padded, t))
+        acc = _rows(out.num_accepted, padded)
+        first = s.positions[:n].view(padded, t)[:, 0]
+        starts = torch.where(live, first + acc + 1, starts)
+        root = _rows(out.tokens, padded).gather(1, acc[:, None])
+        advanced = torch.cat([root, _rows(out.drafts, padded)[:, :k]], dim=1)
+        ids = torch.where(live[:, None], advanced, ids)
         ns = torch.where(live, k, 0)
         ar = torch.arange(t, device=dev)
         pos = starts[:, None] + ar[None, :]
@@ -514,21 +537,27 @@ class SpecStep:
         return SpecLaunch(out, len(batch.seqs), padded, k, packed, asked, top_n)
 
     @torch.inference_mode()
-    def launch_after(self, prev: SpecLaunch, batch: ScheduledBatch) -> SpecLaunch:
-        """The step after `prev` (launched on `batch`), queued on prev's outputs still on the
-        device (advance_no_sync) before the host has read them: the same rows, each one
-        accepted run further, verifying the k drafts prev drafted. Every row's blocks must
-        reach its furthest position there (load_after)."""
-        # What prev's rows emitted, before the replay below overwrites prev's outputs.
-        emitted = prev.out.num_accepted[: prev.padded] + 1
-        self.load_after(batch, prev.k, prev.padded)
-        self.advance_no_sync(prev.out, prev.b, prev.padded, prev.k)
-        # The same requests, their sampling decided from their parameters (and, seeded, their
-        # output positions: the host's and what prev emitted).
+    def launch_after(
+        self, prev: SpecLaunch, batch: ScheduledBatch, joined: Sequence[int] = ()
+    ) -> SpecLaunch:
+        """The step after `prev`, queued on prev's outputs still on the device (advance_no_sync)
+        before the host has read them. `batch` is its rows: prev's, each one accepted run
+        further and verifying the k drafts prev drafted, but those in `joined`: requests
+        decoding from the host's tokens (their root, no drafts: the drafter drafts their first
+        k inside this step), in the place of rows whose requests finished or past prev's. Every
+        row's blocks must reach its furthest position there (load_after)."""
+        padded = max(prev.padded, self.padded_batch(len(batch.seqs)) or len(batch.seqs))
+        live, ids, starts = self.load_after(batch, prev.k, padded, prev.b, joined)
+        # What prev's rows emitted (0: a joined row's output positions are the host's), before
+        # the replay below overwrites prev's outputs.
+        emitted = torch.where(live, _rows(prev.out.num_accepted, padded) + 1, 0)
+        self.advance_no_sync(prev.out, live, ids, starts, prev.k)
+        # Each row's sampling decided from its parameters (and, seeded, its output position:
+        # the host's and what prev emitted).
         packed: list[torch.Tensor] = []
         fixup, asked, top_n = self._fixup(batch, prev.k, packed, emitted)
-        out = self._step_no_sync(prev.padded, prev.k, prev.k, fixup)
-        return SpecLaunch(out, prev.b, prev.padded, prev.k, packed, asked, top_n)
+        out = self._step_no_sync(padded, prev.k, prev.k, fixup)
+        return SpecLaunch(out, len(batch.seqs), padded, prev.k, packed, asked, top_n)
 
     # -- the step as the engine runs it: one host read --------------------------------------
 
@@ -665,6 +694,13 @@ class SpecStep:
         )  # fmt: skip
 
 
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x's first n rows, zeros past its own (a step that grew past the one before it)."""
+    if x.shape[0] >= n:
+        return x[:n]
+    return torch.cat([x, x.new_zeros((n - x.shape[0], *x.shape[1:]))])
+
+
 def _unpack_chain(
     host: list, b: int, t: int, kd: int | None
 ) -> tuple[list[list[int]], list[int], list[SeqDrafts] | None]:
@@ -707,6 +743,8 @@ class SpecLaunch:
         top_n: int = 0,
     ) -> None:
         self.out, self.b, self.padded, self.k = out, b, padded, k
+        # Rows that joined from the host (their ScheduledSeq by row), launch_after's.
+        self.joined: dict[int, ScheduledSeq] = {}
         self._asked, self._top_n = list(asked), top_n
         parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
         if out.drafts is not None:

@@ -119,3 +119,37 @@ def test_seeded_and_logprob_rows_run_ahead_on_cuda(drafter_path):
         for a, b in zip(got[i].logprobs, want[i].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
     assert ahead.engine.num_steps_run_ahead > 15
+
+
+def test_arrivals_join_speculative_steps_run_ahead_on_cuda(drafter_path):
+    """Requests arriving every few steps compute their prompts beside the graphs run ahead and
+    join the step after (a finished request's row, or past the others: a larger captured
+    batch); the steps keep running ahead, and the output equals stepping one batch at a
+    time."""
+    from tests.unit.test_async_speculation import _arrive
+
+    texts = GROUNDED[:4] + OPEN[:6]
+    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path, "num_draft_tokens": 4}
+
+    def params(i):
+        if i % 3 == 2:
+            return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24 + 4 * i, seed=i)
+        return SamplingParams(temperature=0, max_tokens=24 + 4 * i)
+
+    def run(async_scheduling: bool):
+        llm = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec,
+                  async_scheduling=async_scheduling)  # fmt: skip
+        prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        return llm, _arrive(llm, prompts, params)
+
+    sync, want = run(False)
+    del sync
+    ahead, got = run(True)
+    assert got == want
+    engine = ahead.engine
+    assert engine.runner.spec_step.graphs
+    assert engine.speculator.num_rows_joined >= len(texts) - 3
+    steps = sum(engine.speculator.steps_by_k.values())
+    assert engine.num_steps_run_ahead >= steps - 8, (engine.num_steps_run_ahead, steps)
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None

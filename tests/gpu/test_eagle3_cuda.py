@@ -43,11 +43,11 @@ def test_eagle3_greedy_equals_plain_on_cuda(drafter_path, topk):
 
 @pytest.mark.parametrize("topk", [1, 3])
 def test_prompts_prefilled_beside_graphed_speculative_steps(drafter_path, topk, monkeypatch):
-    """Three requests at once with outputs of different lengths: later prompts are prefilled in
-    steps whose other requests speculate, their graph-replayed step and the prompts' plain
-    forward side by side (Speculator.run). Output equals plain decoding's (fp32), and every KV
-    block comes back."""
-    from outrider.core import ForwardMode
+    """Three requests at once with outputs of different lengths: later prompts are prefilled
+    while the others speculate in graph-replayed steps: run before such a step (Speculator.
+    split) or, chains run ahead, launched beside one (Scheduler.schedule_prompts). Output
+    equals plain decoding's (fp32), and every KV block comes back."""
+    from outrider.engine.scheduler import Scheduler
     from outrider.engine.speculation import Speculator
 
     convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
@@ -55,16 +55,26 @@ def test_prompts_prefilled_beside_graphed_speculative_steps(drafter_path, topk, 
     plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, max_num_seqs=3)
     want = [o.token_ids for o in plain.chat(convs, params)]
     del plain
-    split, run = [], Speculator.run
-    monkeypatch.setattr(
-        Speculator,
-        "run",
-        lambda self, b: split.append(b.mode == ForwardMode.PREFILL) or run(self, b),
-    )
+    beside = []
+    split, schedule_prompts = Speculator.split, Scheduler.schedule_prompts
+
+    def watch_split(self, batch):
+        beside.append("split")
+        return split(self, batch)
+
+    def watch_prompts(self, budget):
+        batch = schedule_prompts(self, budget)
+        if batch.seqs:
+            beside.append("ahead")
+        return batch
+
+    monkeypatch.setattr(Speculator, "split", watch_split)
+    monkeypatch.setattr(Scheduler, "schedule_prompts", watch_prompts)
     spec = _eagle_llm(drafter_path, topk, max_num_seqs=3)
     outs = spec.chat(convs, params)
     assert [o.token_ids for o in outs] == want
-    assert any(split) and sum(split) < len(split)  # prefill steps among the graphed ones
+    assert beside, "no prompt ran beside a speculative step"
+    assert spec.engine.speculator.stats.num_verify_steps > len(beside)
     bm = spec.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 

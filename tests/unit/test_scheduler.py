@@ -444,3 +444,26 @@ def test_add_request_validates():
         sim.add([], "y")
     with pytest.raises(ValueError, match="max_model_len=1024"):
         sim.add([1] * 1024, "z")
+
+
+def test_prompts_beside_decodes_in_flight_take_only_prompt_work_and_preempt_no_one():
+    """schedule_prompts: chunks of running prompts, then waiting ones, from the budget given;
+    decodes are left to the step in flight, and a chunk that does not fit waits."""
+    sim = Sim(budget=16, num_blocks=12, long_prefill=0)
+    sim.add(list(range(6)), "a")
+    sim.step()  # a decodes from here on
+    sim.add(list(range(50, 70)), "b")  # 20 tokens: chunked
+    sim.add(list(range(80, 83)), "c")
+    batch = sim.sched.schedule_prompts(8)
+    assert chunks(batch) == {"b": (0, 8)} and batch.mode == ForwardMode.PREFILL
+    sim.sched.postprocess(batch, sim.forward(batch))
+    batch = sim.sched.schedule_prompts(16)
+    assert chunks(batch) == {"b": (8, 20), "c": (0, 3)}  # b first: running, mid-prompt
+    sim.sched.postprocess(batch, sim.forward(batch))
+    assert sim.sched.schedule_prompts(16).is_empty  # only decodes left
+    # A pool too short for the waiting prompt: it waits, and nobody running loses blocks.
+    held = {r.request_id: list(r.block_ids) for r in sim.sched.running}
+    sim.add(list(range(100, 140)), "d")  # 10 blocks; 12 - 2 - 5 - 1 are free
+    assert sim.sched.schedule_prompts(64).is_empty
+    assert {r.request_id: r.block_ids for r in sim.sched.running} == held
+    assert sim.sched.num_waiting == 1 and sim.sched.num_preemptions == 0

@@ -264,8 +264,10 @@ def test_a_prefill_beside_verified_drafts_drafts_them_again(tiny_dir, prompts): 
     for _ in range(3):
         engine.step()
     assert first.drafts is not None
-    engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=40))
-    engine.step()  # the new prompt's prefill, the first request's drafts verified beside it
+    second = engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=40))
+    # The new prompt's prefill, then the step verifying the first request's drafts.
+    assert [o.request_id for o in engine.step()] == [second.request_id]
+    assert [o.request_id for o in engine.step()] == [first.request_id]
     d = first.drafts
     assert d is not None and not first.is_finished
     want = _dense_chain(llm, engine.speculator.proposer.draft, first.all_token_ids, d.num_nodes)

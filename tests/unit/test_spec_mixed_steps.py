@@ -1,5 +1,6 @@
-"""Prompts that arrive while other requests speculate: a prefill step's decoding requests run
-as the speculative step and its prompt chunks beside it as a plain forward (Speculator.run).
+"""Prompts that arrive while other requests speculate: a prefill step's prompt chunks run first
+as a plain forward, its first tokens out at once, then its decoding requests as the speculative
+step (Speculator.split).
 Output stays plain decoding's token for token (fp32 greedy) for n-gram, EAGLE-3 chains and
 trees, with whole and chunked prompts and with constraints, and no KV block leaks."""
 
@@ -8,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from outrider import LLM, SamplingParams
-from outrider.core import ForwardMode
 from outrider.engine.speculation import Speculator
 from tests.unit.test_engine_tiny import prompts, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_eagle3 import eagle_llm
@@ -33,19 +33,17 @@ def _llm(model_dir, method: str, **options) -> LLM:
 
 @pytest.fixture
 def split_steps(monkeypatch):
-    """The prefill steps Speculator.run took (each one's prompt chunks and decoding rows)."""
+    """The prefill steps split into prompt chunks and decoding rows (Speculator.split): how
+    many of each."""
     seen: list[tuple[int, int]] = []
-    run = Speculator.run
+    split = Speculator.split
 
     def watch(self, batch):
-        if batch.mode == ForwardMode.PREFILL:
-            prompts = sum(
-                s.drafts is None and (s.query_len > 1 or not s.sample) for s in batch.seqs
-            )
-            seen.append((prompts, len(batch.seqs) - prompts))
-        return run(self, batch)
+        prompts, decodes = split(self, batch)
+        seen.append((len(prompts.seqs), len(decodes.seqs)))
+        return prompts, decodes
 
-    monkeypatch.setattr(Speculator, "run", watch)
+    monkeypatch.setattr(Speculator, "split", watch)
     return seen
 
 
@@ -93,3 +91,35 @@ def test_constrained_prompts_prefilled_beside_a_speculative_step(
     got = [o.outputs[0].token_ids for o in _llm(tiny_json_dir, method).generate(prompts, params)]
     assert got == want
     assert any(p and d for p, d in split_steps), split_steps
+
+
+@pytest.mark.parametrize("method", ["eagle3_chain", "eagle3_tree"])  # (n-gram: while it drafts)
+def test_a_prompts_first_token_leaves_before_the_speculative_step_beside_it(
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+    method,
+):
+    """The call that runs a prompt beside speculating requests returns its first token alone;
+    the speculative step over the others follows in the next call. A request aborted between
+    the two leaves the step (its blocks are freed), and with none left the call schedules anew."""
+    llm = _llm(tiny_dir, method, max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30)
+    engine.add_request(prompts[0], params, request_id="a")
+    engine.add_request(prompts[1], params, request_id="b")
+    while engine.speculator.stats.num_verify_steps == 0:
+        engine.step()
+    engine.add_request(prompts[2], params, request_id="c")
+    first = engine.step()
+    assert [o.request_id for o in first] == ["c"] and len(first[0].token_ids) == 1
+    second = engine.step()
+    assert sorted(o.request_id for o in second) == ["a", "b"]
+    # Aborted between the two calls: the step runs without it.
+    engine.add_request(prompts[3], params, request_id="d")
+    assert [o.request_id for o in engine.step()] == ["d"]
+    engine.abort("a")
+    assert sorted(o.request_id for o in engine.step()) == ["b", "c"]
+    while engine.has_unfinished():
+        engine.step()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
