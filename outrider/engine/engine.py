@@ -275,15 +275,13 @@ class EngineCore:
         as a plain forward whose first tokens leave now, and the decoding rows in the next
         call, as the speculative step (`_decodes_next`). Together the two took one call, so a
         prompt's first token waited for the speculative step's drafting and verify too (at a
-        server's concurrency an arrival lands in such a step nearly every time). The drafter
-        sees the prompts with that step (Speculator.prompts_before)."""
+        server's concurrency an arrival lands in such a step nearly every time)."""
         prompts, decodes = self.speculator.split(batch)
         output = self.runner.run(prompts)
         if output.grammar_candidates:
             self._pick_grammar_tokens(prompts, output)
-        self.speculator.prompts_before(prompts, output)
         self._decodes_next = decodes
-        return self._advance(prompts, output, drafter=False)
+        return self._advance(prompts, output)
 
     def _speculate_ahead(
         self, batch: ScheduledBatch, launched: SpecLaunch, t0: float
@@ -418,13 +416,11 @@ class EngineCore:
         return overlap.Ahead(next_batch, overlap.Pending.start(self.runner.launch(next_batch, ids)))
 
     def _advance(
-        self, batch: ScheduledBatch, output: StepOutput, hold: int = 0, drafter: bool = True
+        self, batch: ScheduledBatch, output: StepOutput, hold: int = 0
     ) -> list[RequestOutput]:
         """Everything after the forward: stops inside accepted runs, the scheduler's and the
         drafter's bookkeeping, detokenizing, finishing, the next drafts. hold: positions past
-        each request's tokens whose blocks it keeps (a step launched ahead writes there).
-        drafter: False for prompt chunks run before a speculative step, which the drafter sees
-        with that step's rows (Speculator.prompts_before)."""
+        each request's tokens whose blocks it keeps (a step launched ahead writes there)."""
         self.speculator.trim_output(batch, output)
         self.scheduler.postprocess(batch, output, hold)
         # The grammars follow the step's tokens first: the next drafts are cut to, and led by,
@@ -436,8 +432,7 @@ class EngineCore:
                 for rid, new_ids in zip(output.request_ids, output.token_ids)
                 if rid in self._tracked
             }
-        if drafter:
-            self.speculator.after_postprocess(batch, output)
+        self.speculator.after_postprocess(batch, output)
         deltas = []
         for rid, new_ids in zip(output.request_ids, output.token_ids):
             tracked = self._tracked.get(rid)
@@ -457,6 +452,5 @@ class EngineCore:
                 self.speculator.forget(rid)
                 self.grammars.forget(rid)
             deltas.append(tracked.output(text, new_ids))
-        if drafter:
-            self.speculator.after_step(self.scheduler.running)
+        self.speculator.after_step(self.scheduler.running)
         return deltas

@@ -78,9 +78,11 @@ class Speculator:
         self.last_k = 0
         self.steps_by_k: dict[int, int] = {}
         self.num_rows_joined = 0  # requests that joined a step run ahead (launch_after)
+        # Requests whose next step is launched or decided (a row joined to a step run ahead,
+        # the decoding rows `split` left for the next call): their drafts come from that step,
+        # `_propose` leaves them alone.
+        self._held: set[str] = set()
         self._skip_propose = False  # the step's requests are drafted inside the next one
-        # Prompt chunks run before a speculative step (`split`): (their batch, their output).
-        self._prefilled: tuple[ScheduledBatch, StepOutput] | None = None
         self._speculated = False  # the step ran through `run`
         self._aside_ms = 0.0  # the step's catch-up of deferred draft rows, not its k's cost
 
@@ -342,6 +344,7 @@ class Speculator:
             i = free.pop(0) if free else len(seqs)
             seqs[i : i + 1] = [seq]
             joined.append(i)
+            self._held.add(req.request_id)
         self.num_rows_joined += len(joined)
         return seqs, joined
 
@@ -358,6 +361,7 @@ class Speculator:
         postprocessed (`output`, its read): each row's root and the drafts it verifies, which
         it consumes as a scheduled step does, and the rows that joined it. A row whose request
         finished keeps its place; its output is dropped."""
+        self._held.clear()  # (their rows drafted inside that step)
         seqs = []
         for i in range(launched.b):
             if i in launched.joined:
@@ -419,30 +423,23 @@ class Speculator:
 
     def split(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
         """A speculative prefill step -> (its prompt chunks, its decoding rows), each a batch.
-        The chunks run first as a plain forward of their own: in one forward with the decodes,
-        every request's step would be an eager one that drafts nothing inside it (at a
-        server's high concurrency a request arrives nearly every step)."""
+        The chunks run first as a plain forward of their own, whose first tokens leave at once
+        (the drafter follows them as after a prefill step), and the decoding rows in the
+        engine's next call as the speculative step (`rows_left`): in one forward with the
+        decodes, every request's step would be an eager one that drafts nothing inside it."""
         prompts = [s for s in batch.seqs if _prompt_chunk(s)]
         decoding = [s for s in batch.seqs if not _prompt_chunk(s)]
+        self._held = {s.request.request_id for s in decoding}
         return _part(batch, prompts), _part(batch, decoding)
 
-    def prompts_before(self, prompts: ScheduledBatch, output: StepOutput) -> None:
-        """Prompt chunks that ran before the speculative step over `split`'s decoding rows:
-        the drafter sees them with that step (after_postprocess). Chains draft them inside
-        their first speculative step (their rows deferred); trees draft after it."""
-        self._prefilled = (prompts, output)
-
     def rows_left(self, decodes: ScheduledBatch) -> ScheduledBatch | None:
-        """`split`'s decoding rows, run in the engine's next call, less requests aborted
-        since (their blocks are freed); None when none is left, the prompts before them then
-        seen by the drafter now."""
+        """`split`'s decoding rows, run in the engine's next call, less requests aborted since
+        (their blocks are freed); None when none is left."""
+        self._held.clear()
         seqs = [s for s in decodes.seqs if not s.request.is_finished]
-        if seqs:
-            return decodes if len(seqs) == len(decodes.seqs) else _part(decodes, seqs)
-        prefilled, self._prefilled = self._prefilled, None
-        if prefilled is not None:
-            self.after_postprocess(*prefilled)
-        return None
+        if len(seqs) == len(decodes.seqs):
+            return decodes
+        return _part(decodes, seqs) if seqs else None
 
     def trim_output(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """Before the scheduler appends the step's tokens: count the decode step by the drafts
@@ -511,17 +508,8 @@ class Speculator:
         each request's drafts for the next one; otherwise a drafter sees what the target
         computed."""
         self._skip_propose = False
-        prefilled, self._prefilled = self._prefilled, None
         if output.next_drafts is not None:
             self._take_drafts(batch, output)
-            if prefilled is not None and self.proposer.on_device:  # the prompts beside it
-                if self._tree is None:  # chains: drafted inside their first speculative step
-                    t0 = time.perf_counter()
-                    self.proposer.defer(*prefilled)
-                    self._aside_ms += (time.perf_counter() - t0) * 1e3
-                    self._skip_propose = True
-                else:  # the tree step verifies a tree a row: drafted after this step
-                    self.proposer.observe(*prefilled)
         elif self.proposer is None:
             return
         elif self._defers(batch):
@@ -627,6 +615,8 @@ class Speculator:
             for r in running
             if r.num_computed_tokens == r.num_tokens - 1
             and not r.drafts  # a device drafter already drafted inside the step
+            and r.request_id not in self._held  # or drafts inside a step launched or due
+            and self._room(r) > 0  # (its drafts would be cut to none)
         ]
         k = self._k
         if not reqs or k == 0:
