@@ -4,6 +4,11 @@
     generate() --("add", ...)-->      commands queue -> core.add_request
     abort()    --("abort", ids)->     core.abort (frees the request's KV blocks)
     asyncio.Queue <-- call_soon_threadsafe -- core.step() deltas, one queue per generate()
+                                      (one call a step and loop: each is a syscall and a wake-up)
+
+A generate() behind the engine (the event loop busy with other streams) takes every delta
+queued for a request at once, as one (`merged`): at a server's concurrency the loop then
+writes one chunk per request and turn instead of one per step, and keeps up.
 
 Invariants: only the engine thread touches EngineCore's mutable state (the scheduler, block
 manager, detokenizers); the event loop reads only immutable fields (tokenizer, vocab_size,
@@ -206,12 +211,15 @@ class AsyncEngine:
         self._commands.put(("add", requests, loop, q))
         try:
             while unfinished:
-                index, out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.finished:
-                    unfinished.discard(out.request_id)
-                yield index, out
+                queued = [await q.get()]
+                while not q.empty():
+                    queued.append(q.get_nowait())
+                for index, out in _coalesced(queued):
+                    if isinstance(out, BaseException):
+                        raise out
+                    if out.finished:
+                        unfinished.discard(out.request_id)
+                    yield index, out
         finally:
             self.num_active -= 1
             if unfinished:
@@ -327,6 +335,7 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
+        puts: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
@@ -340,7 +349,10 @@ class AsyncEngine:
                 sink.last_token_time, sink.has_tokens = now, True
             if out.finished:
                 del self._sinks[out.request_id]
-            self._push(sink, out)
+            puts.setdefault(sink.loop, []).append((sink.queue, (sink.index, out)))
+        for loop, items in puts.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, items)
 
     @staticmethod
     def _push(sink: _Sink, item) -> None:
@@ -384,6 +396,37 @@ def _collective_stats(runner: ModelRunner | None) -> dict:
         "collectives": tuple(collectives),
         "forwards": tuple(forwards),
     }
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _coalesced(queued: list[tuple[int, object]]) -> list[tuple[int, object]]:
+    """What a generate() found queued, each request's successive deltas merged (`merged`), in
+    the order the requests first appear; an exception ends it, after what came before."""
+    out: dict[int, RequestOutput] = {}
+    for i, (index, item) in enumerate(queued):
+        if not isinstance(item, RequestOutput) or item.completions is not None:
+            return [*out.items(), (index, item), *queued[i + 1 :]]
+        out[index] = merged(out[index], item) if index in out else item
+    return list(out.items())
+
+
+def merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two successive deltas of one request as one: text and tokens (and logprobs) joined,
+    the later one's state (finished, reason, metrics)."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:  # one entry a token
+        logprobs = [
+            *(a.logprobs or [{}] * len(a.token_ids)),
+            *(b.logprobs or [{}] * len(b.token_ids)),
+        ]
+    return RequestOutput(
+        b.request_id, b.prompt, b.prompt_token_ids, a.text + b.text, a.token_ids + b.token_ids,
+        b.finished, b.finish_reason, b.metrics, logprobs,
+    )  # fmt: skip
 
 
 def _aborted(request_id: str) -> RequestOutput:

@@ -12,7 +12,7 @@ import pytest
 
 from outrider.core import RequestOutput, SamplingParams
 from outrider.engine.limits import ContextLimit
-from outrider.server.async_engine import AsyncEngine, EngineDeadError
+from outrider.server.async_engine import AsyncEngine, EngineDeadError, merged
 
 
 class FakeCore:
@@ -94,10 +94,45 @@ def test_deltas_reach_their_request_in_order():
 
     with running(core) as engine:
         got = asyncio.run(main())
-        assert got == {0: ["t1", "t2", "t3"], 1: ["t1", "t2", "t3"]}
+        # (deltas queued together arrive as one: test_deltas_queued_together_arrive_as_one)
+        assert {i: "".join(texts) for i, texts in got.items()} == {0: "t1t2t3", 1: "t1t2t3"}
         assert engine.num_active == 0
     # Only the engine thread touched the core.
     assert len(core.thread_ids) == 1 and threading.get_ident() not in core.thread_ids
+
+
+def test_deltas_queued_together_arrive_as_one():
+    """A caller behind the engine (the event loop busy elsewhere) takes every delta queued for
+    a request at once, merged: text, tokens and logprobs joined, the last one's finish; the
+    other request's deltas keep their order and stay apart."""
+    core = FakeCore(tokens=6)
+
+    async def main():
+        got: list[tuple[int, str, list[int], bool]] = []
+        async for i, out in engine.generate([("a", [1], P), ("b", [1], P)]):
+            got.append((i, out.text, out.token_ids, out.finished))
+            if len(got) == 1:
+                await asyncio.sleep(0.2)  # the engine runs on: every other delta queues
+        return got
+
+    with running(core) as engine:
+        got = asyncio.run(main())
+    for i in (0, 1):
+        mine = [g for g in got if g[0] == i]
+        assert "".join(t for _, t, _, _ in mine) == "t1t2t3t4t5t6"
+        assert sum(len(ids) for _, _, ids, _ in mine) == 6
+        assert [f for *_, f in mine] == [False] * (len(mine) - 1) + [True]
+    assert len(got) < 12, got  # merged: fewer deltas than steps
+
+
+def test_merged_deltas_join_logprobs_and_keep_the_last_state():
+    a = RequestOutput("r", None, [1], "ab", [5, 6], False, None, {"x": 1}, [{5: -0.1}, {6: -0.2}])
+    b = RequestOutput("r", None, [1], "c", [7], True, "stop", {"x": 2}, [{7: -0.3}])
+    m = merged(a, b)
+    assert (m.text, m.token_ids, m.finished, m.finish_reason) == ("abc", [5, 6, 7], True, "stop")
+    assert m.logprobs == [{5: -0.1}, {6: -0.2}, {7: -0.3}] and m.metrics == {"x": 2}
+    plain = merged(RequestOutput("r", None, [1], "a", [5], False, None, {}), b)
+    assert plain.logprobs == [{}, {7: -0.3}]  # one entry a token
 
 
 def test_closing_early_aborts_in_the_engine():

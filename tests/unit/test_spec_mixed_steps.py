@@ -39,9 +39,9 @@ def split_steps(monkeypatch):
     split = Speculator.split
 
     def watch(self, batch):
-        prompts, decodes = split(self, batch)
-        seen.append((len(prompts.seqs), len(decodes.seqs)))
-        return prompts, decodes
+        chunks, decodes = split(self, batch)
+        seen.append((len(chunks.seqs), len(decodes.seqs)))
+        return chunks, decodes
 
     monkeypatch.setattr(Speculator, "split", watch)
     return seen
