@@ -8,7 +8,10 @@ verifies: test_spec_eagle3.py's dense recomputation.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from outrider import SamplingParams
+from outrider.engine.block_manager import BlockManager
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_eagle3 import eagle_llm
 
@@ -191,3 +194,45 @@ def test_arrivals_compute_their_prompts_beside_and_join_steps_run_ahead(tiny_dir
     steps = sum(spec.steps_by_k.values())
     assert engine.num_steps_run_ahead >= steps - 6, (engine.num_steps_run_ahead, steps)
     assert _free(engine)
+
+
+@pytest.mark.parametrize(
+    "case, options",
+    [
+        ("chunked", {"max_num_batched_tokens": 24}),  # long prompts beside, a chunk a step
+        ("short pool", {"num_blocks": 16}),  # joins and chunks that do not fit wait
+        ("host rows", {}),  # arrivals asking for logprobs or penalties stop running ahead
+    ],
+)
+def test_arrivals_beside_steps_run_ahead_in_every_case(
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+    monkeypatch,
+    case,
+    options,
+):
+    short = []  # allocations the pool refused
+    allocate = BlockManager.allocate
+
+    def counted(self, req, n):
+        ok = allocate(self, req, n)
+        short.append(not ok)
+        return ok
+
+    monkeypatch.setattr(BlockManager, "allocate", counted)
+
+    def params(i):
+        if case == "host rows" and i % 3 == 2:
+            extra = {"logprobs": 1} if i % 2 else {"presence_penalty": 0.5}
+            return SamplingParams(temperature=0, max_tokens=10 + 2 * i, **extra)
+        return SamplingParams(temperature=0, max_tokens=10 + 2 * i)
+
+    want = _arrive(eagle_llm(tiny_dir, async_scheduling=False, **options), prompts, params, 2)
+    llm = eagle_llm(tiny_dir, async_scheduling=True, **options)
+    assert _arrive(llm, prompts, params, 2) == want
+    engine = llm.engine
+    assert engine.num_steps_run_ahead > 0 and _free(engine)
+    if case == "chunked":
+        assert engine.speculator.num_rows_joined > 0
+    if case == "short pool":
+        assert any(short)
