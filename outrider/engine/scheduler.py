@@ -140,14 +140,7 @@ class Scheduler:
         batch = ScheduledBatch(mode=ForwardMode.PREFILL, seqs=[])
         self._max_drafts, self._lookahead = 0, 0
         longs: list[tuple[Request, int]] = []
-        advancing = {
-            r.request_id
-            for r in heapq.nsmallest(
-                self.config.max_long_partial_prefills,
-                (r for r in self.running if self._is_long(r)),
-                key=_tokens_left,
-            )
-        }
+        advancing = self._advancing_longs()
         for req in self.running:
             if budget <= 0:
                 break
@@ -251,14 +244,7 @@ class Scheduler:
         prefix = [0]
         for req in self.running:
             prefix.append(prefix[-1] + self._decode_need(req))
-        advancing = {
-            r.request_id
-            for r in heapq.nsmallest(
-                self.config.max_long_partial_prefills,
-                (r for r in self.running if self._is_long(r)),
-                key=_tokens_left,
-            )
-        }
+        advancing = self._advancing_longs()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -303,6 +289,13 @@ class Scheduler:
             budget -= num_new
             i += 1
         return budget
+
+    def _advancing_longs(self) -> set[str]:
+        """The running long prompts that compute a chunk this step: the
+        max_long_partial_prefills with the fewest tokens left."""
+        longs = (r for r in self.running if self._is_long(r))
+        n = self.config.max_long_partial_prefills
+        return {r.request_id for r in heapq.nsmallest(n, longs, key=_tokens_left)}
 
     def _drafts(self, req: Request) -> SeqDrafts | None:
         """req's drafts cut to this step's max_drafts (0: none)."""
