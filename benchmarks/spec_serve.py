@@ -5,7 +5,8 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
     python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
                                     [--max-tokens 256] [--configs plain eagle3 ngram]
                                     [--request-rates R ...] [--dataset builtin|grounded]
-                                    [--engine-c1] [--rounds N] [--out NAME] [--out-dir DIR]
+                                    [--engine-c1] [--thread-profile] [--rounds N]
+                                    [--out NAME] [--out-dir DIR]
 
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
 one port. A sweep is the concurrency points, then one point per --request-rates R (Poisson
@@ -16,7 +17,8 @@ none, and the first point meets the kernels each batch size compiles at first us
 --dataset grounded loads the tasks on a text given in the prompt alone (where n-gram pays).
 With --engine-c1 each configuration then runs through `LLM` at one stream on the same prompts
 (spec_gpu.py's timed_run), the engine as a script sees it: the server's C=1 speedup over the
-engine's is what the server path gives up. With --rounds N the configurations take turns N times (plain, eagle3, ngram, plain,
+engine's is what the server path gives up. --thread-profile samples each server's threads
+(where the engine thread and the event loop spend the time). With --rounds N the configurations take turns N times (plain, eagle3, ngram, plain,
 ...): a machine whose speed drifts (a shared CPU: +-5% from one run to the next) then weighs
 on every configuration alike, and each speedup is the median of the rounds' own (each round's
 configuration over that round's plain), every round's listed beside it.
@@ -137,6 +139,7 @@ def main() -> None:
     from outrider.bench.prompts import load_prompts
     from outrider.bench.serve import BenchConfig, run
     from outrider.bench.serve import write_result as write_run
+    from outrider.server.stack_sampler import read_summary
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -157,6 +160,12 @@ def main() -> None:
     ap.add_argument(
         "--engine-c1", action="store_true",
         help="also each configuration through LLM at C=1: the server's speedup beside the engine's",
+    )  # fmt: skip
+    ap.add_argument(
+        "--thread-profile", action="store_true",
+        help="each server samples its threads' stacks (outrider/server/stack_sampler.py): "
+        "where the engine thread and the event loop spend the time, printed after its points "
+        "and kept as <out>_threads_<config>_<round>.txt",
     )  # fmt: skip
     ap.add_argument(
         "--rounds", type=int, default=1,
@@ -204,6 +213,10 @@ def main() -> None:
         runs = {}
         for name in args.configs:
             log_path = work / f"server_{name}_{r}.log"
+            threads = out_dir / f"{args.out}_threads_{name}_{r}.txt"
+            if args.thread_profile:  # the server writes it at shutdown (env.thread_profile)
+                out_dir.mkdir(parents=True, exist_ok=True)
+                os.environ["OUTRIDER_THREAD_PROFILE"] = str(threads)
             t0 = time.monotonic()
             proc = start_server(["--api-key", KEY, *CONFIGS[name]], PORT, log_path)
             starts[name].append(round(time.monotonic() - t0, 2))  # to /health's first 200
@@ -226,6 +239,9 @@ def main() -> None:
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
+            if args.thread_profile:
+                print(f"{name} round {r}, where the server's threads were ({threads}):\n"
+                      f"{read_summary(threads)}", flush=True)  # fmt: skip
             if r == 0:
                 files.append(write_run(runs[name], work))
             for p in runs[name]["points"] + runs[name].get("rate_points", []):

@@ -122,3 +122,9 @@ def child_environment(overrides: dict[str, str]) -> dict[str, str]:
     """This process's environment with `overrides` set, for a child process (the ranks of
     `outrider bench comm` get the NCCL settings under test this way)."""
     return {**os.environ, **overrides}
+
+
+def thread_profile() -> str | None:
+    """OUTRIDER_THREAD_PROFILE: a file where `outrider serve` writes, at shutdown, the sampled
+    stacks of its threads (outrider/server/stack_sampler.py); unset: no sampling."""
+    return os.environ.get("OUTRIDER_THREAD_PROFILE") or None

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import uvicorn
 
+from outrider import env
 from outrider.config import EngineConfig
 from outrider.core import SamplingParams
 from outrider.engine.engine import EngineCore
@@ -34,6 +35,7 @@ from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
 from outrider.server.guards import GuardedH11Protocol
+from outrider.server.stack_sampler import StackSampler
 from outrider.server.state import ServerState, read_chat_template
 
 log = logging.getLogger(__name__)
@@ -174,12 +176,17 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     open_files_for(server_config.max_connections + _OWN_FILES)
     core = load_engine(engine_config)
     server, state = build_server(server_config, core)
+    profile = env.thread_profile()
+    sampler = StackSampler().start() if profile else None
     state.engine.start()
     try:
         server.run()
     finally:
         state.offload.close()
         state.engine.stop()
+        if sampler is not None:
+            sampler.stop()
+            sampler.write(profile)
     return 1 if server.engine_failed else 130 if server.cut_off else 0
 
 

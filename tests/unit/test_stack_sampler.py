@@ -1,0 +1,43 @@
+"""The server's stack sampler: which thread spends its samples where."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from outrider.server.stack_sampler import StackSampler, read_summary
+
+
+def spin_here(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_busy_thread_shows_where_it_spins(tmp_path):
+    sampler = StackSampler(interval=0.001).start()
+    busy = threading.Thread(target=spin_here, args=(0.3,), name="busy")
+    busy.start()
+    busy.join()
+    sampler.stop()
+    assert sampler.samples > 20
+    summary = sampler.summary()
+    lines = summary.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("thread busy:")))
+    selfs = [line for line in lines[at + 1 :] if line.startswith("  self")]
+    assert "test_stack_sampler.py:spin_here" in selfs[0]  # its most sampled frame
+    assert float(selfs[0].split()[1].rstrip("%")) > 50
+    path = tmp_path / "p.txt"
+    sampler.write(path)
+    assert read_summary(path) == summary
+    collapsed = path.read_text().split("\n\n", 1)[1].splitlines()
+    stack, count = collapsed[0].rsplit(" ", 1)
+    assert int(count) > 0 and ";" in stack
+    assert any(s.startswith("busy;") and s.split(" ")[0].endswith(":spin_here") for s in collapsed)
+
+
+def test_a_bad_interval_is_refused():
+    with pytest.raises(ValueError, match="interval=0"):
+        StackSampler(interval=0)
