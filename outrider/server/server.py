@@ -123,13 +123,30 @@ def load_engine(engine_config: EngineConfig) -> EngineCore:
     return core
 
 
+WARM_UP_TOKENS = 12  # with a proposer: room for speculative steps, run ahead where they can
+
+
 def _warm_up(core: EngineCore) -> None:
     """One short generation before READY: the first forward allocates and (on GPU) compiles.
-    The tokenizer's length bound too (~0.1 s, once), not at the first request on the loop."""
+    The tokenizer's length bound too (~0.1 s, once), not at the first request on the loop.
+    With a proposer it drafts every step, unseen by the adaptive controller (which would keep
+    the warm-up's acceptance, and its step times inflated by compiling): the drafter's
+    catch-up and the speculative step compile their kernels here (on an H100 a first EAGLE-3
+    server compiled its drafter's top-k and attention in the first requests' time, about a
+    second), and the speculator's counters start afresh."""
     core.tokenizer.least_tokens("")
-    req = core.add_request([core.tokenizer.bos_token_id or 0], SamplingParams(max_tokens=2))
-    while not req.is_finished:
-        core.step()
+    spec = core.speculator
+    controller, spec.controller = spec.controller, None  # a fixed k: the largest
+    tokens = WARM_UP_TOKENS if spec.proposer is not None else 2
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    try:
+        req = core.add_request([core.tokenizer.bos_token_id or 0], params)
+        while not req.is_finished:
+            core.step()
+    finally:
+        spec.controller = controller
+    spec.reset_stats()
+    spec.steps_by_k.clear()
 
 
 def model_name(server_config: ServerConfig, core: EngineCore) -> str:

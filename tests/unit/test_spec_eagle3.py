@@ -513,3 +513,30 @@ def test_steps_wider_than_a_kv_block_stay_inside_the_pool(
     assert [o.token_ids for o in outs] == reference
     assert engine.speculator.stats.num_verify_steps > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_the_server_warm_up_speculates_unseen_by_the_controller(tiny_dir):  # noqa: F811
+    """outrider serve's warm-up drafts and verifies (the drafter's catch-up and the speculative
+    step compile there on a GPU) at a fixed k, so the adaptive controller keeps its start-up
+    state, and the speculator's counters start afresh."""
+    from outrider.server.server import _warm_up
+
+    llm = LLM(
+        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+        speculative={"method": "ngram", "controller": "adaptive", "num_draft_tokens": K},
+    )  # fmt: skip
+    engine = llm.engine
+    spec = engine.speculator
+    spec.use_proposer(Eagle3Drafter(random_drafter(engine.checkpoint.config), engine.runner))
+    controller = spec.controller
+    assert controller is not None
+    seen = []
+    reset = spec.reset_stats
+    spec.reset_stats = lambda: seen.append(spec.stats.num_verify_steps) or reset()
+    _warm_up(engine)
+    assert seen and seen[0] > 0  # speculative steps verified drafts
+    assert spec.controller is controller and spec.stats.num_verify_steps == 0
+    assert not spec.steps_by_k and not controller._global and not controller._live
+    assert not engine.has_unfinished()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
