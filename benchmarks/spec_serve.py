@@ -225,6 +225,8 @@ def main() -> None:
             try:
                 if args.warmup:  # untimed: what each batch size compiles at its first use
                     run(cfg, warm_prompts, label=f"{name}-warmup", progress=False)
+                if args.thread_profile:  # the sampler counts afresh from here (stack_sampler)
+                    Path(f"{threads}.restart").touch()
                 runs[name] = run(cfg, prompts, label=name, progress=False)
                 for rate in args.request_rates:  # the server stays up: one point each
                     at_rate = dataclasses.replace(

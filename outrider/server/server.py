@@ -194,7 +194,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     core = load_engine(engine_config)
     server, state = build_server(server_config, core)
     profile = env.thread_profile()
-    sampler = StackSampler().start() if profile else None
+    sampler = StackSampler(restart=f"{profile}.restart").start() if profile else None
     state.engine.start()
     try:
         server.run()

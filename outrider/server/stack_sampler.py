@@ -4,7 +4,8 @@ stack. The engine thread's host work and the event loop's (HTTP, streaming) shar
 when the server gives up part of the engine's speed these counts say which of them, in what.
 
     OUTRIDER_THREAD_PROFILE=/tmp/p.txt outrider serve ...   # written at shutdown
-    benchmarks/spec_serve.py --thread-profile               # one per server, summarised
+    touch /tmp/p.txt.restart                                # counts start afresh now
+    benchmarks/spec_serve.py --thread-profile               # one per server, its timed part
 
 The file holds a summary (per thread: its samples, the frames it was in most, itself and
 below) and then collapsed stacks, one line each ("thread;file:function;... count", root first:
@@ -18,12 +19,16 @@ import sys
 import threading
 from collections import Counter
 
+RESTART_CHECK = 25  # samples between looks for the restart file
+
 
 class StackSampler:
-    def __init__(self, interval: float = 0.002) -> None:
+    def __init__(self, interval: float = 0.002, restart: str | None = None) -> None:
+        """restart: a path whose appearance (checked every RESTART_CHECK samples) clears the
+        counts and is then removed: a benchmark marks the start of what it times."""
         if interval <= 0:
             raise ValueError(f"invalid interval={interval}: use seconds > 0, e.g. 0.002")
-        self.interval = interval
+        self.interval, self.restart = interval, restart
         self.stacks: Counter[tuple[str, ...]] = Counter()  # (thread, frames root first...)
         self.samples = 0
         self._stop = threading.Event()
@@ -39,15 +44,18 @@ class StackSampler:
 
     def _run(self) -> None:
         own = threading.get_ident()
-        names: dict[int, str] = {}
         while not self._stop.wait(self.interval):
             frames = sys._current_frames()
-            if any(tid not in names for tid in frames):
-                names = {t.ident: t.name for t in threading.enumerate()}
+            # (each sample: a thread's ident is reused once it has ended)
+            names = {t.ident: t.name for t in threading.enumerate()}
             for tid, frame in frames.items():
                 if tid != own:
                     self.stacks[(names.get(tid, str(tid)), *_frames(frame))] += 1
             self.samples += 1
+            if self.restart and self.samples % RESTART_CHECK == 0 and os.path.exists(self.restart):
+                self.stacks.clear()
+                self.samples = 0
+                os.remove(self.restart)
 
     def summary(self, top: int = 12) -> str:
         """Per thread: samples, then the frames it spent most samples in, itself (self) and

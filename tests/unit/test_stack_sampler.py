@@ -41,3 +41,25 @@ def test_a_busy_thread_shows_where_it_spins(tmp_path):
 def test_a_bad_interval_is_refused():
     with pytest.raises(ValueError, match="interval=0"):
         StackSampler(interval=0)
+
+
+def test_the_restart_file_clears_what_came_before(tmp_path):
+    """A benchmark touches the restart file where its timed part starts: counts from before it
+    (a thread busy in another function) are gone, and the file is removed."""
+    marker = tmp_path / "p.txt.restart"
+    sampler = StackSampler(interval=0.001, restart=str(marker)).start()
+    first = threading.Thread(target=spin_here, args=(0.15,), name="before")
+    first.start()
+    first.join()
+    marker.touch()
+    for _ in range(200):  # looked for every RESTART_CHECK samples
+        if not marker.exists():
+            break
+        time.sleep(0.01)
+    assert not marker.exists()
+    after = threading.Thread(target=spin_here, args=(0.1,), name="after")
+    after.start()
+    after.join()
+    sampler.stop()
+    threads = {stack[0] for stack in sampler.stacks}
+    assert "after" in threads and "before" not in threads
