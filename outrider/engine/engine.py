@@ -32,7 +32,8 @@ from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator, masked_argmax
-from outrider.executor.spec_step import SpecLaunch, runs_ahead
+from outrider.executor.spec_launch import SpecLaunch
+from outrider.executor.spec_step import runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 

@@ -67,7 +67,7 @@ from outrider.core import (
 )
 from outrider.engine.block_manager import BlockManager
 from outrider.executor.sampler import unpack_candidates
-from outrider.executor.spec_step import SpecLaunch
+from outrider.executor.spec_launch import SpecLaunch
 from outrider.transfer import HostCopy
 
 PLACEHOLDER = 0  # the token id written into a step's host inputs; the device ids replace it

@@ -39,7 +39,8 @@ from outrider.engine.detokenizer import count_until_stop
 from outrider.engine.structured import Grammars
 from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.spec_step import SpecLaunch, masked_greedy, runs_ahead, simple_greedy
+from outrider.executor.spec_launch import SpecLaunch
+from outrider.executor.spec_step import masked_greedy, runs_ahead, simple_greedy
 from outrider.speculative.base import Proposer
 from outrider.speculative.controller import SpecController, StepProfile
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS

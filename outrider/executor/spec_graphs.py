@@ -30,7 +30,8 @@ from outrider.executor.tp_channel import ALL_ROWS, SPEC_GRAPH
 from outrider.progress import progress
 
 if TYPE_CHECKING:  # the step holds its graphs: at run time this import would be a cycle
-    from outrider.executor.spec_step import SpecOutput, SpecStep
+    from outrider.executor.spec_launch import SpecOutput
+    from outrider.executor.spec_step import SpecStep
 
 log = logging.getLogger(__name__)
 
