@@ -17,7 +17,6 @@ from outrider.core import (
     RequestOutput,
     SamplingParams,
     ScheduledBatch,
-    ScheduledSeq,
     StepOutput,
 )
 from outrider.engine import overlap, stop_strings
@@ -329,7 +328,7 @@ class EngineCore:
             if req.num_tokens - req.num_computed_tokens > 1:  # a prompt, chunks to come
                 if not overlap.prompt_beside(req):
                     return None
-            elif runs_ahead(ScheduledSeq(req, [], req.num_computed_tokens, [], True)):
+            elif runs_ahead(req):
                 joins.append(req)
             else:
                 return None

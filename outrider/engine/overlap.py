@@ -68,6 +68,7 @@ from outrider.core import (
 from outrider.engine.block_manager import BlockManager
 from outrider.executor.sampler import unpack_candidates
 from outrider.executor.spec_launch import SpecLaunch
+from outrider.executor.spec_step import runs_ahead
 from outrider.transfer import HostCopy
 
 PLACEHOLDER = 0  # the token id written into a step's host inputs; the device ids replace it
@@ -144,13 +145,7 @@ def prompt_beside(req: Request) -> bool:
     first token sampled on the device as a plain step run ahead samples (no logprobs,
     penalties or grammar), and its rows join the steps after it (spec_step.runs_ahead: no
     min_tokens owed)."""
-    p = req.params
-    return (
-        p.logprobs is None
-        and not p.has_penalties
-        and p.structured_outputs is None
-        and len(req.output_token_ids) >= p.min_tokens
-    )
+    return req.params.logprobs is None and runs_ahead(req)
 
 
 def next_batch(

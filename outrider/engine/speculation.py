@@ -276,7 +276,7 @@ class Speculator:
             and self._k > 0
             and self._runner.tp.size == 1
             and batch.mode != ForwardMode.PREFILL
-            and all(runs_ahead(s) and not _prompt_chunk(s) for s in batch.seqs)
+            and all(runs_ahead(s.request) and not _prompt_chunk(s) for s in batch.seqs)
         )
 
     def launch(self, batch: ScheduledBatch) -> SpecLaunch:
@@ -322,9 +322,7 @@ class Speculator:
                 self.proposer.catch_up()  # their draft KV over the prompt, which the step reads
                 self._aside_ms += (time.perf_counter() - t0) * 1e3
         rows = ScheduledBatch(ForwardMode.VERIFY, seqs) if joined else batch
-        nxt = self._runner.spec_step.launch_after(launched, rows, joined)
-        nxt.joined = {i: seqs[i] for i in joined}
-        return nxt
+        return self._runner.spec_step.launch_after(launched, rows, joined)
 
     def _joined(
         self, seqs: list[ScheduledSeq], joins: Sequence[Request], need: int

@@ -74,10 +74,11 @@ class SpecLaunch:
         packed: Sequence[torch.Tensor] = (),
         asked: Sequence[int] = (),
         top_n: int = 0,
+        joined: dict[int, ScheduledSeq] | None = None,
     ) -> None:
         self.out, self.b, self.padded, self.k = out, b, padded, k
         # Rows that joined from the host (their ScheduledSeq by row), launch_after's.
-        self.joined: dict[int, ScheduledSeq] = {}
+        self.joined = joined or {}
         self._asked, self._top_n = list(asked), top_n
         parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
         if out.drafts is not None:

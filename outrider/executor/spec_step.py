@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from outrider.core import ForwardMode, ScheduledBatch, ScheduledSeq, StepOutput
+from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, StepOutput
 from outrider.distributed import TPGroup, single
 from outrider.executor.cuda_graph import StaticInputs
 from outrider.executor.inputs import table_slots_no_sync
@@ -124,15 +124,12 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
     return _greedy_argmax(seq) and seq.request.params.structured_outputs is None
 
 
-def runs_ahead(seq: ScheduledSeq) -> bool:
-    """Whether a row's verify in a step launched before the step before it is read (SpecStep.
-    launch_after) needs nothing from the host but its request's parameters: plain greedy, or
-    sampled with nothing that reads the tokens before it (no penalties, min_tokens owed or
-    grammar); logprobs or not. A seeded row's noise is keyed by its output position, which
-    the step before's acceptance decides: the device adds it (launch_after's `emitted`)."""
-    if simple_greedy(seq):
-        return True
-    req = seq.request
+def runs_ahead(req: Request) -> bool:
+    """Whether a request's row in a step launched before the step before it is read (SpecStep.
+    launch_after) needs nothing from the host but the request's parameters: greedy or sampled,
+    with nothing that reads the tokens before it (no penalties, min_tokens owed or grammar);
+    logprobs or not. A seeded row's noise is keyed by its output position, which the step
+    before's acceptance decides: the device adds it (launch_after's `emitted`)."""
     p = req.params
     return (
         not p.has_penalties
@@ -537,7 +534,8 @@ class SpecStep:
         packed: list[torch.Tensor] = []
         fixup, asked, top_n = self._fixup(batch, prev.k, packed, emitted)
         out = self._step_no_sync(padded, prev.k, prev.k, fixup)
-        return SpecLaunch(out, len(batch.seqs), padded, prev.k, packed, asked, top_n)
+        rows = {i: batch.seqs[i] for i in joined}
+        return SpecLaunch(out, len(batch.seqs), padded, prev.k, packed, asked, top_n, rows)
 
     # -- the step as the engine runs it: one host read --------------------------------------
 
