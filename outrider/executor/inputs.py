@@ -9,7 +9,7 @@ import torch
 from outrider.core import ScheduledBatch
 from outrider.layers.forward_context import AttentionMetadata
 from outrider.speculative.tree import TreeTopology
-from outrider.transfer import to_device_no_sync
+from outrider.transfer import to_device_packed
 
 
 @dataclass
@@ -57,25 +57,29 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -
         elif s.sample:
             logits_indices.append(query_start[-1] - 1)
 
-    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device_no_sync(x, dtype, device)
-
+    slot_mapping, query_start_loc, seq_lens_t, tables, input_ids, pos, logits = to_device_packed(
+        [
+            (slots, torch.int64),
+            (query_start, torch.int32),
+            (seq_lens, torch.int32),
+            (block_tables, torch.int32),
+            (ids, torch.int64),
+            (positions, torch.int64),
+            (logits_indices, torch.int64),
+        ],
+        device,
+    )  # one copy for the seven (to_device_packed)
     attn = AttentionMetadata(
         mode=batch.mode,
-        slot_mapping=t(slots, torch.int64),
-        query_start_loc=t(query_start, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        block_tables=t(block_tables, torch.int32),
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=tables,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
         tree_mask=_tree_mask(batch, trees, query_start, device) if trees else None,
     )
-    return ForwardInputs(
-        input_ids=t(ids, torch.int64),
-        positions=t(positions, torch.int64),
-        attn=attn,
-        logits_indices=t(logits_indices, torch.int64),
-    )
+    return ForwardInputs(input_ids=input_ids, positions=pos, attn=attn, logits_indices=logits)
 
 
 def table_slots_no_sync(
