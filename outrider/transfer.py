@@ -37,7 +37,7 @@ def to_device_packed(parts, device: torch.device) -> list[torch.Tensor]:
     raw = host.numpy()
     for a, start in zip(arrays, starts):
         raw[start : start + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
-    buf = host.to(device, non_blocking=True) if cuda else host
+    buf = host if device.type == "cpu" else host.to(device, non_blocking=cuda)
     return [
         buf[start : start + a.nbytes].view(dt).view(a.shape)
         for a, start, (_, dt) in zip(arrays, starts, parts)
