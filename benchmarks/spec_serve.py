@@ -5,13 +5,14 @@ the same prompts and concurrency sweep; one result file and the overlaid plots.
     python benchmarks/spec_serve.py [--concurrency 1 4 16 64] [--num-prompts 32]
                                     [--max-tokens 256] [--configs plain eagle3 ngram]
                                     [--request-rates R ...] [--dataset builtin|grounded]
-                                    [--engine-c1] [--thread-profile] [--rounds N]
+                                    [--engine-c1] [--thread-profile] [--rounds N] [--waves W]
                                     [--out NAME] [--out-dir DIR]
 
 Each server is started, waited for (/health), swept, and stopped (SIGTERM) before the next, on
 one port. A sweep is the concurrency points, then one point per --request-rates R (Poisson
 arrivals at R requests/s, at most --num-prompts in flight: the load a rate brings, not a cap).
-Every point sends the same prompts, so each meets them in the server's prefix cache (their TTFT
+Every point sends the same prompts (with --waves W, at least W x C of them at C, the first ones
+repeated), so each meets them in the server's prefix cache (their TTFT
 is a warm server's): a warm-up sweep, untimed, at 16 tokens a request, runs first (--no-warmup:
 none, and the first point meets the kernels each batch size compiles at first use).
 --dataset grounded loads the tasks on a text given in the prompt alone (where n-gram pays).
@@ -79,6 +80,25 @@ def speedups(
                 row[str(p[by])] = round(v / b if better_high else b / v, 3)
         out[name] = row
     return out
+
+
+def sweep(cfg, prompts_at: dict, label: str) -> dict:
+    """`bench serve`'s run over cfg's concurrency points, point C sending prompts_at[C]: one
+    run where every point sends the same prompts, else one run a point, merged into one."""
+    from outrider.bench.serve import run
+
+    points = cfg.max_concurrency
+    if len({id(prompts_at[c]) for c in points}) == 1:
+        return run(cfg, prompts_at[points[0]], label=label, progress=False)
+    runs = [
+        run(dataclasses.replace(cfg, max_concurrency=(c,)), prompts_at[c], label=label,
+            progress=False)
+        for c in points
+    ]  # fmt: skip
+    merged = dict(runs[0])
+    merged["points"] = [r["points"][0] for r in runs]
+    merged["config"] = dict(merged["config"], max_concurrency=list(points))
+    return merged
 
 
 def round_speedups(runs: dict) -> dict[str, dict]:
@@ -168,6 +188,13 @@ def main() -> None:
         "and kept as <out>_threads_<config>_<round>.txt",
     )  # fmt: skip
     ap.add_argument(
+        "--waves", type=int, default=0,
+        help="each concurrency point C sends at least WAVES x C prompts (the first --num-prompts "
+        "repeated), so that a high C is timed over a steady load, not one ramp and tail (at C=64 "
+        "an H100 ran 64 prompts in ~1.5 s, and plain's tok/s moved by 1.8x from one round to "
+        "the next); 0: --num-prompts at every point",
+    )  # fmt: skip
+    ap.add_argument(
         "--rounds", type=int, default=1,
         help="times the configurations take turns; speedups are the rounds' median",
     )  # fmt: skip
@@ -203,6 +230,11 @@ def main() -> None:
     if any(r <= 0 for r in args.request_rates):
         ap.error(f"--request-rates {args.request_rates}: every rate must be positive")
     prompts = load_prompts(cfg)
+    at_least = {c: max(args.num_prompts, args.waves * c) for c in args.concurrency}
+    by_count = {
+        n: load_prompts(dataclasses.replace(cfg, num_prompts=n)) for n in set(at_least.values())
+    }
+    prompts_at = {c: by_count[n] for c, n in at_least.items()}
     warm_prompts = [dataclasses.replace(p, max_tokens=min(16, p.max_tokens)) for p in prompts]
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
     os.environ["OUTRIDER_STEP_PROFILES"] = str(work / "step_profiles")  # the servers inherit it
@@ -227,7 +259,7 @@ def main() -> None:
                     run(cfg, warm_prompts, label=f"{name}-warmup", progress=False)
                 if args.thread_profile:  # the sampler counts afresh from here (stack_sampler)
                     Path(f"{threads}.restart").touch()
-                runs[name] = run(cfg, prompts, label=name, progress=False)
+                runs[name] = sweep(cfg, prompts_at, name)
                 for rate in args.request_rates:  # the server stays up: one point each
                     at_rate = dataclasses.replace(
                         cfg, request_rate=rate, max_concurrency=(args.num_prompts,)
@@ -265,6 +297,7 @@ def main() -> None:
         "configs": {n: CONFIGS[n] for n in args.configs},
         "concurrency": args.concurrency,
         "num_prompts": args.num_prompts,
+        "prompts_at": at_least,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "dataset": args.dataset,
