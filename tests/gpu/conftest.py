@@ -27,10 +27,18 @@ def drafter_path(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _release_cuda_memory():
-    """After every GPU test: collect the engines it made (their graphs and buffers hold
-    references in cycles) and hand their cached memory back, so the next test's engine sizes
-    its KV pool on a free device whatever ran before it."""
+    """Before and after every GPU test: collect the engines earlier tests made (their graphs
+    and buffers hold references in cycles) and hand their cached memory back, so this test's
+    engine sizes its KV pool on a free device whatever ran before it. Before as well as after:
+    a module-scoped fixture's engine (a test server's) is torn down after its module's last
+    test has had its own teardown, and the next module's first engine found that memory still
+    held (its KV budget held 0 blocks when the GPU files ran in one process on an H100)."""
+    _release()
     yield
+    _release()
+
+
+def _release() -> None:
     if torch.cuda.is_available():
         import gc
 
