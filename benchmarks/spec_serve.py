@@ -231,9 +231,9 @@ def main() -> None:
         ap.error(f"--request-rates {args.request_rates}: every rate must be positive")
     prompts = load_prompts(cfg)
     at_least = {c: max(args.num_prompts, args.waves * c) for c in args.concurrency}
-    by_count = {
-        n: load_prompts(dataclasses.replace(cfg, num_prompts=n)) for n in set(at_least.values())
-    }
+    by_count = {args.num_prompts: prompts}  # more for a point C past it, the same ones first
+    for n in set(at_least.values()) - {args.num_prompts}:
+        by_count[n] = load_prompts(dataclasses.replace(cfg, num_prompts=n))
     prompts_at = {c: by_count[n] for c, n in at_least.items()}
     warm_prompts = [dataclasses.replace(p, max_tokens=min(16, p.max_tokens)) for p in prompts]
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))  # per-run files and server logs
