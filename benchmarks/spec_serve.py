@@ -196,7 +196,9 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--rounds", type=int, default=1,
-        help="times the configurations take turns; speedups are the rounds' median",
+        help="times the configurations take turns, in the order given and then reversed, "
+        "round by round (a machine that drifts then favours none); speedups are the rounds' "
+        "median",
     )  # fmt: skip
     ap.add_argument(
         "--out", default=None,
@@ -243,7 +245,7 @@ def main() -> None:
     files = []
     for r in range(args.rounds):
         runs = {}
-        for name in args.configs:
+        for name in args.configs if r % 2 == 0 else args.configs[::-1]:
             log_path = work / f"server_{name}_{r}.log"
             threads = out_dir / f"{args.out}_threads_{name}_{r}.txt"
             if args.thread_profile:  # the server writes it at shutdown (env.thread_profile)
