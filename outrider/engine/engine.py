@@ -35,6 +35,7 @@ from outrider.executor.spec_launch import SpecLaunch
 from outrider.executor.spec_step import runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
+from outrider.transfer import to_device_no_sync
 
 # A batch with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds
 # or better that no grammar refuses its row's guess; the refusal rate is a running average over
@@ -369,7 +370,8 @@ class EngineCore:
         at_rows = [j for j, _ in rows]
 
         def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
-            at = torch.as_tensor([at_rows[i] for i, _ in late], device=output.grammar_logits.device)
+            at = [at_rows[i] for i, _ in late]
+            at = to_device_no_sync(at, torch.int64, output.grammar_logits.device)
             return masked_argmax(output.grammar_logits.index_select(0, at), masks)
 
         paths = self.grammars.paths(
@@ -411,7 +413,8 @@ class EngineCore:
             return None
         next_batch, keep = nxt
         if len(keep) != len(batch.seqs):
-            ids = ids.index_select(0, torch.as_tensor(keep, device=ids.device))
+            # (a pageable copy would wait for the step in flight: no overlap)
+            ids = ids.index_select(0, to_device_no_sync(keep, torch.int64, ids.device))
         self.num_steps_run_ahead += 1
         return overlap.Ahead(next_batch, overlap.Pending.start(self.runner.launch(next_batch, ids)))
 

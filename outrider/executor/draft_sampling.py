@@ -10,6 +10,7 @@ import torch
 from outrider.core import Request
 from outrider.executor.sampler import SamplingRow, sample_from_probs_no_sync, sampling_probs
 from outrider.speculative.base import DeviceDrafter
+from outrider.transfer import to_device_no_sync
 
 
 class SampledRows:
@@ -26,7 +27,7 @@ class SampledRows:
         self.vocab = proposer.draft.config.vocab_size
         self.probs: list[torch.Tensor] = []  # per step: [S, vocab]
         if self.index:
-            self.index_t = torch.as_tensor(self.index, device=proposer.device)
+            self.index_t = to_device_no_sync(self.index, torch.int64, proposer.device)
             vd = proposer.draft.config.draft_vocab_size
             self.target_ids = proposer.draft.to_target_ids(torch.arange(vd, device=proposer.device))
 

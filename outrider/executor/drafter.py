@@ -40,6 +40,7 @@ from outrider.models.eagle3 import Eagle3Draft
 from outrider.speculative.base import SeqDrafts
 from outrider.speculative.eagle3_tree import Frontier, propose_trees
 from outrider.speculative.tree_batch import TreeShape
+from outrider.transfer import to_device_no_sync
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Eagle3Drafter:
             seqs.append(ScheduledSeq(s.request, nxt, s.start_pos, s.request.block_ids, True))
         if not seqs:
             return
-        rows_t = torch.as_tensor(rows, device=output.aux_hidden.device)
+        rows_t = to_device_no_sync(rows, torch.int64, output.aux_hidden.device)
         self._extend(seqs, output.aux_hidden[rows_t], rows_t)
 
     def defer(self, batch: ScheduledBatch, output: StepOutput) -> None:
@@ -162,7 +163,8 @@ class Eagle3Drafter:
             if own[-1] - own[0] + 1 == len(own):
                 rows = output.aux_hidden[own[0] : own[-1] + 1]
             else:
-                rows = output.aux_hidden[torch.as_tensor(own, device=output.aux_hidden.device)]
+                at = to_device_no_sync(own, torch.int64, output.aux_hidden.device)
+                rows = output.aux_hidden[at]
             run = self._deferred.get(req.request_id)
             if run is None or run.end != s.start_pos:  # a new run (a first, or after a gap)
                 run = self._deferred[req.request_id] = _Deferred(req, s.start_pos)

@@ -14,6 +14,7 @@ import torch
 from outrider.config import CacheConfig
 from outrider.layers import fused
 from outrider.layers.kv_layout import KVLayout
+from outrider.transfer import to_device_no_sync
 
 
 class KVPool:
@@ -46,8 +47,8 @@ class KVPool:
     def move(self, src_slots: list[int], dst_slots: list[int]) -> None:
         """Copy every layer's entries at src slots to dst slots (flat slot = block * size +
         offset): accepted tree nodes move from node order to path order after a verify."""
-        src = torch.tensor(src_slots, device=self.device)
-        dst = torch.tensor(dst_slots, device=self.device)
+        src = to_device_no_sync(src_slots, torch.int64, self.device)
+        dst = to_device_no_sync(dst_slots, torch.int64, self.device)
         self.move_no_sync(src, dst)
 
     def move_no_sync(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -387,7 +387,7 @@ class ModelRunner:
             picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
             if picked:  # their grammar decides among their top logits (Grammars.paths)
                 step.grammar_logits = logits.index_select(
-                    0, torch.as_tensor(picked, device=logits.device)
+                    0, to_device_no_sync(picked, torch.int64, logits.device)
                 )
                 step.grammar_candidates = top_candidates(step.grammar_logits, picked)
             return step
@@ -441,13 +441,15 @@ class ModelRunner:
         picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
         if not picked:
             return ids, None, aux_hidden
-        rows = logits.index_select(0, torch.as_tensor(picked, device=logits.device))
+        rows = logits  # every row picks (a pageable index copy would wait for the device)
+        if len(picked) < len(sampling):
+            rows = logits.index_select(0, to_device_no_sync(picked, torch.int64, logits.device))
         return ids, LaunchedGrammar(picked, rows, top_candidates_no_sync(rows)), aux_hidden
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         """KV slot moves in this rank's pool and, under tensor parallelism, every rank's."""
-        src_t = torch.tensor(src, device=self.device)
-        dst_t = torch.tensor(dst, device=self.device)
+        src_t = to_device_no_sync(src, torch.int64, self.device)
+        dst_t = to_device_no_sync(dst, torch.int64, self.device)
         if self.tp_sender is not None:
             self.tp_sender.move_kv(src_t, dst_t)
         self.kv_pool.move_no_sync(src_t, dst_t)

@@ -89,7 +89,7 @@ def _grammar_targets(
     candidates = list(top.values())
 
     def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
-        at = torch.as_tensor([picked[j] * t + row for j, row in late], device=dev)
+        at = to_device_no_sync([picked[j] * t + row for j, row in late], torch.int64, dev)
         return masked_argmax(logits.index_select(0, at), masks)  # CPU-GPU sync point
 
     paths = batch.grammar_paths(

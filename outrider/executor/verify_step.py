@@ -113,8 +113,8 @@ def _row_logprobs(
     [{}, ...] when the request did not ask."""
     if params.logprobs is None:
         return [{} for _ in token_ids]
-    ids = torch.as_tensor(token_ids, device=logits.device)
-    picked = logits.index_select(0, torch.as_tensor(rows, device=logits.device))
+    ids = to_device_no_sync(token_ids, torch.int64, logits.device)
+    picked = logits.index_select(0, to_device_no_sync(rows, torch.int64, logits.device))
     packed = logprob_rows_no_sync(picked, ids, list(range(len(rows))), params.logprobs)
     return unpack_logprobs(packed.tolist(), token_ids, params.logprobs)  # CPU-GPU sync point
 

@@ -129,7 +129,7 @@ def _step_metadata(
         seq_lens.append(c + first + t)
     width = max(len(r.block_ids) for r in reqs)
     tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r in reqs]
-    positions = (torch.as_tensor(ctx, device=dev) + d - 2).repeat_interleave(t)
+    positions = (to_device_no_sync(ctx, torch.int64, dev) + d - 2).repeat_interleave(t)
     meta = AttentionMetadata(
         mode=ForwardMode.VERIFY,
         slot_mapping=to_device_no_sync(slots, torch.int64, dev),

@@ -3,10 +3,14 @@ time, with CUDA graphs replaying steps launched on device-side token ids."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 
 from outrider import LLM, SamplingParams
 from outrider.bench.datasets import GROUNDED, OPEN
+from outrider.core import StructuredOutputs
 
 pytestmark = pytest.mark.gpu
 
@@ -153,3 +157,63 @@ def test_arrivals_join_speculative_steps_run_ahead_on_cuda(drafter_path):
     assert engine.num_steps_run_ahead >= steps - 8, (engine.num_steps_run_ahead, steps)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
+
+
+def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
+    """Plain decode steps run ahead beside greedy constrained rows (picked from their top
+    logits) and requests that finish at different steps: no step makes the host wait on the
+    device but its read, which waits on an event (a pageable host->device copy, such as an
+    index tensor made with torch.as_tensor, would wait for the step in flight: the next one
+    would then be launched on an idle device). Steps where a grammar refused every top
+    candidate (a late mask, read at once) are left out."""
+    llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
+    engine = llm.engine
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "rain": {"type": "boolean"}},
+        "required": ["city", "rain"],
+        "additionalProperties": False,
+    }
+    texts = GROUNDED[:3] + OPEN[:5]
+    prompts = [
+        llm.encode_chat_text(llm.apply_chat_template([{"role": "user", "content": t}], True))
+        for t in texts
+    ]
+    constrained = SamplingParams(
+        temperature=0, max_tokens=48, structured_outputs=StructuredOutputs(json=schema)
+    )
+    reqs = [
+        engine.add_request(
+            p,
+            constrained
+            if i % 2
+            else SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True),
+        )
+        for i, p in enumerate(prompts)
+    ]
+    for _ in range(100):
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+            break
+        engine.step()
+    ahead, late = engine.num_steps_run_ahead, engine.grammars.counters.late_masks
+    waited, finished, steps = [], 0, 0
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        while engine.has_unfinished() and steps < 80:
+            before = engine.grammars.counters.late_masks
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                finished += sum(o.finished for o in engine.step())
+            if engine.grammars.counters.late_masks == before:
+                waited += [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_steps_run_ahead - ahead >= 20, "the steps did not run ahead"
+    assert finished >= 3, "too few requests finished inside the window"
+    assert engine.grammars.counters.picked_rows > 0
+    assert not waited, waited[:3]
+    assert all(r.is_finished for r in reqs)
+    print("late masks in the window:", engine.grammars.counters.late_masks - late)

@@ -9,6 +9,8 @@ import torch
 
 from outrider.core import Request, SamplingParams, ScheduledSeq
 from outrider.executor.sampler import (
+    GRAMMAR_TOPK,
+    TOPK_CHUNK,
     Sampler,
     SamplingRow,
     apply_min_tokens,
@@ -16,6 +18,7 @@ from outrider.executor.sampler import (
     make_generator,
     processed_probs,
     sample_from_probs_no_sync,
+    top_candidates_no_sync,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -326,3 +329,26 @@ def test_seed_outside_64_bits_is_refused_at_validation(seed) -> None:
     with pytest.raises(ValueError, match=r"invalid seed=.*64 bits"):
         SamplingParams(seed=seed)
     SamplingParams(seed=2**63 - 1)  # the largest one is fine
+
+
+@pytest.mark.parametrize("width", [100, 4 * TOPK_CHUNK, 5000, 49152])
+def test_top_candidates_are_each_rows_top_values_and_their_ids(width):
+    """top_candidates_no_sync (chunk by chunk past 4 chunks) gives each row's GRAMMAR_TOPK
+    highest values, best first, exactly as topk does, and ids that hold those values; in
+    random rows, rows tied across chunks, a row whose best sit in its padded last chunk, and
+    rows of equal values."""
+    g = torch.Generator().manual_seed(width)
+    rows = torch.randn(6, width, generator=g).to(torch.bfloat16)
+    rows[1, ::7] = 9.0  # ties across every chunk
+    rows[2, -3:] = torch.tensor([11.0, 12.0, 13.0])  # the best in the last (padded) chunk
+    rows[3] = 1.0  # all tied
+    rows[4, : GRAMMAR_TOPK + 5] = 20.0  # more tied at the top than candidates
+    packed = top_candidates_no_sync(rows)
+    k = min(GRAMMAR_TOPK, width)
+    assert packed.shape == (6, 2 * k) and packed.dtype == torch.float64
+    ids, values = packed[:, :k].long(), packed[:, k:]
+    want, _ = rows.float().topk(k, dim=-1)
+    assert torch.equal(values, want.double())
+    assert torch.equal(rows.float().gather(1, ids).double(), values)
+    assert all(len(set(r.tolist())) == k for r in ids)  # k distinct ids a row
+    assert ids[2, :3].tolist() == [width - 1, width - 2, width - 3]
