@@ -10,7 +10,6 @@ import torch
 from outrider.core import Request, SamplingParams, ScheduledSeq
 from outrider.executor.sampler import (
     GRAMMAR_TOPK,
-    TOPK_CHUNK,
     Sampler,
     SamplingRow,
     apply_min_tokens,
@@ -331,16 +330,15 @@ def test_seed_outside_64_bits_is_refused_at_validation(seed) -> None:
     SamplingParams(seed=2**63 - 1)  # the largest one is fine
 
 
-@pytest.mark.parametrize("width", [100, 4 * TOPK_CHUNK, 5000, 49152])
+@pytest.mark.parametrize("width", [100, 5000, 49152])
 def test_top_candidates_are_each_rows_top_values_and_their_ids(width):
-    """top_candidates_no_sync (chunk by chunk past 4 chunks) gives each row's GRAMMAR_TOPK
-    highest values, best first, exactly as topk does, and ids that hold those values; in
-    random rows, rows tied across chunks, a row whose best sit in its padded last chunk, and
-    rows of equal values."""
+    """top_candidates_no_sync gives each row's GRAMMAR_TOPK highest values, best first, as
+    topk does, and k distinct ids that hold those values: in random rows, rows with many ties,
+    a row whose best sit at its end, and rows of equal values."""
     g = torch.Generator().manual_seed(width)
     rows = torch.randn(6, width, generator=g).to(torch.bfloat16)
-    rows[1, ::7] = 9.0  # ties across every chunk
-    rows[2, -3:] = torch.tensor([11.0, 12.0, 13.0])  # the best in the last (padded) chunk
+    rows[1, ::7] = 9.0  # ties along the row
+    rows[2, -3:] = torch.tensor([11.0, 12.0, 13.0])  # the best at the end
     rows[3] = 1.0  # all tied
     rows[4, : GRAMMAR_TOPK + 5] = 20.0  # more tied at the top than candidates
     packed = top_candidates_no_sync(rows)
