@@ -185,7 +185,11 @@ def timed_run(
     engine.speculator.reset_stats()
     before = _clock(engine)
     grammar_before = dataclasses.replace(engine.grammars.counters)
-    ahead_before = (engine.num_steps_run_ahead, engine.num_steps_run_ahead_dropped)
+    ahead_before = (
+        engine.num_steps_run_ahead,
+        engine.num_steps_run_ahead_dropped,
+        engine.num_rows_run_ahead_redone,
+    )
     _sync(device)
     outs, t0 = [], time.perf_counter()
     for start in range(0, len(idx), c):
@@ -218,11 +222,13 @@ def timed_run(
         "tokens_per_step": round(tokens / split["steps"], 3) if split else None,
         "step_split": split,
         "grammar": grammar,
-        # Async scheduling: steps run ahead, and those dropped because a grammar refused the
-        # unmasked argmax a greedy constrained row ran ahead on.
+        # Async scheduling: steps run ahead; where a grammar refused the unmasked argmax a
+        # greedy constrained row ran ahead on, the rows computed again, or (beside a
+        # drafter's aux streams) the steps dropped.
         "run_ahead": {
             "steps": engine.num_steps_run_ahead - ahead_before[0],
             "dropped": engine.num_steps_run_ahead_dropped - ahead_before[1],
+            "rows_redone": engine.num_rows_run_ahead_redone - ahead_before[2],
         },
         "validity_counts": counts,
         "ids": [o.token_ids for o in outs],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Container
 
 import torch
 
@@ -35,7 +36,7 @@ from outrider.executor.spec_launch import SpecLaunch
 from outrider.executor.spec_step import runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
-from outrider.transfer import to_device_no_sync
+from outrider.transfer import to_device_no_sync, to_device_packed
 
 # A batch with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds
 # or better that no grammar refuses its row's guess; the refusal rate is a running average over
@@ -86,9 +87,12 @@ class EngineCore:
         self._decodes_next: ScheduledBatch | None = None
         self.num_steps_run_ahead = 0
         # Steps run ahead on a greedy constrained row's unmasked argmax that its grammar then
-        # refused (dropped), and how often a constrained row's grammar refuses its argmax (a
-        # running average over rows): a batch runs ahead only while that seems unlikely.
+        # refused: dropped whole (beside a drafter's aux streams), or only the refused rows
+        # computed again (Ahead.redo); and how often a constrained row's grammar refuses its
+        # argmax (a running average over rows): beside aux streams a batch runs ahead only
+        # while that seems unlikely.
         self.num_steps_run_ahead_dropped = 0
+        self.num_rows_run_ahead_redone = 0
         self._grammar_miss = 0.0
         self.speculator = Speculator(
             config.speculative, self.runner, self.block_manager, self.max_model_len, proposer,
@@ -212,8 +216,9 @@ class EngineCore:
         decodes, self._decodes_next = self._decodes_next, None
         if decodes is not None:
             decodes = self.speculator.rows_left(decodes)
+        redo: dict[int, int] = {}  # rows launched on a refused guess (overlap.Ahead.redo)
         if self._ahead is not None:
-            batch, ids = self._ahead.batch, self._ahead.token_ids
+            batch, ids, redo = self._ahead.batch, self._ahead.token_ids, self._ahead.redo
             self._ahead = None
             if isinstance(ids, SpecLaunch):
                 return self._speculate_ahead(batch, ids, t0)
@@ -240,18 +245,25 @@ class EngineCore:
                 self.speculator.record_step(batch, False, t0)
                 return deltas
             ids = overlap.Pending.start(self.runner.launch(batch))
-        self._ahead = self._run_ahead(batch, ids.device)
+        self._ahead = self._run_ahead(batch, ids.device, redo)
         tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
         rids = [s.request.request_id for s in batch.seqs]
         output = StepOutput(rids, [[t] for t in tokens], aux_hidden=ids.aux)
         if ids.grammar is not None:  # greedy constrained rows: their grammars pick now
             output.grammar_candidates = ids.candidates()
             output.grammar_logits = ids.grammar.logits
-            self._pick_grammar_tokens(batch, output)
-            refused = any(output.token_ids[r] != [tokens[r]] for r in ids.grammar.rows)
-            if refused and self._ahead is not None:  # it ran on a token a grammar refused
-                self._ahead = None
-                self.num_steps_run_ahead_dropped += 1
+            self._pick_grammar_tokens(batch, output, skip=redo)
+            refused = {
+                r: output.token_ids[r][0]
+                for r in ids.grammar.rows
+                if r not in redo and output.token_ids[r] != [tokens[r]]
+            }
+            if refused and self._ahead is not None:  # it ran on tokens a grammar refused
+                self._redo_or_drop(refused)
+        if redo:  # rows computed on a refused guess: the step run ahead computes them again
+            live = [i for i in range(len(batch.seqs)) if i not in redo]
+            batch = ScheduledBatch(batch.mode, [batch.seqs[i] for i in live])
+            output = StepOutput([rids[i] for i in live], [output.token_ids[i] for i in live])
         deltas = self._advance(batch, output)
         if self._ahead is not None and all(s.request.is_finished for s in self._ahead.batch.seqs):
             # Every row it continues finished with this step: nothing of it is wanted (its KV
@@ -353,17 +365,19 @@ class EngineCore:
             return None
         return prompts, overlap.Pending.start(self.runner.launch(prompts))
 
-    def _pick_grammar_tokens(self, batch: ScheduledBatch, output: StepOutput) -> None:
+    def _pick_grammar_tokens(
+        self, batch: ScheduledBatch, output: StepOutput, skip: Container[int] = ()
+    ) -> None:
         """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):
         the argmax among what each grammar allows, from the row's top logits, or where those
-        cannot tell, from its mask computed now."""
+        cannot tell, from its mask computed now. skip: rows whose output is dropped."""
         sampling = [s for s in batch.seqs if s.sample]
         # grammar_logits holds the candidates' rows in this order (j). A request that ended in
         # the step before this one, run ahead, has no grammar left: its row is dropped anyway.
         rows = [
             (j, row)
             for j, row in enumerate(output.grammar_candidates)
-            if sampling[row].request.request_id in self.grammars
+            if sampling[row].request.request_id in self.grammars and row not in skip
         ]
         if not rows:
             return
@@ -386,12 +400,33 @@ class EngineCore:
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
         """overlap.can_run_ahead, and for greedy constrained rows (run ahead on a guess, their
-        unmasked argmax) odds of at least AHEAD_GRAMMAR_ODDS that every guess holds, at the
-        rate their grammars have refused argmaxes lately."""
+        unmasked argmax) beside a drafter's aux streams, whose refusal drops the whole step run
+        ahead (`_redo_or_drop`), odds of at least AHEAD_GRAMMAR_ODDS that every guess holds, at
+        the rate their grammars have refused argmaxes lately. Without them a refused guess
+        costs its row alone."""
         if not overlap.can_run_ahead(batch):
             return False
         guesses = sum(s.grammar_topk for s in batch.seqs)
-        return not guesses or (1.0 - self._grammar_miss) ** guesses >= AHEAD_GRAMMAR_ODDS
+        if not guesses or not self.runner.aux_layers:
+            return True
+        return (1.0 - self._grammar_miss) ** guesses >= AHEAD_GRAMMAR_ODDS
+
+    def _redo_or_drop(self, refused: dict[int, int]) -> None:
+        """The step run ahead was launched on guesses the grammars refused, by row of the step
+        just read -> the token picked instead: those rows are computed again by the step after
+        it (overlap.Ahead.redo). Where a drafter defers the step's rows from its aux streams,
+        the whole step is dropped instead (its KV writes are rewritten by the step that
+        replaces it)."""
+        ahead = self._ahead
+        if ahead.token_ids.aux is not None:
+            self._ahead = None
+            self.num_steps_run_ahead_dropped += 1
+            return
+        at = {row: j for j, row in enumerate(ahead.continues)}
+        for row, token in refused.items():
+            if row in at:  # (a request that ended with the step read has no row there)
+                ahead.redo[at[row]] = token
+                self.num_rows_run_ahead_redone += 1
 
     def _may_follow(self, batch: ScheduledBatch) -> bool:
         """Whether a step over `batch`'s rows may be launched after it before it is read: no
@@ -401,22 +436,33 @@ class EngineCore:
             return False
         return self.scheduler.num_running <= sum(not s.request.is_finished for s in batch.seqs)
 
-    def _run_ahead(self, batch: ScheduledBatch, ids: torch.Tensor) -> overlap.Ahead | None:
-        """Launch the decode after `batch` on its sampled ids, still on the device; None when
-        requests wait to be scheduled or the step cannot run ahead."""
+    def _run_ahead(
+        self, batch: ScheduledBatch, ids: torch.Tensor, redo: dict[int, int]
+    ) -> overlap.Ahead | None:
+        """Launch the decode after `batch` on its sampled ids, still on the device (rows in
+        `redo` again, on the tokens given there); None when requests wait to be scheduled or
+        the step cannot run ahead."""
         if not self._may_follow(batch) or not self._can_run_ahead(batch):
             return None
         if not self.speculator.plain_ahead(batch):  # the controller gives the next step drafts
             return None
-        nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len)
+        nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len, redo)
         if nxt is None:
             return None
         next_batch, keep = nxt
         if len(keep) != len(batch.seqs):
             # (a pageable copy would wait for the step in flight: no overlap)
             ids = ids.index_select(0, to_device_no_sync(keep, torch.int64, ids.device))
+        again = [(j, redo[i]) for j, i in enumerate(keep) if i in redo]
+        if again:
+            at, tokens = to_device_packed(
+                [([j for j, _ in again], torch.int64), ([t for _, t in again], torch.int64)],
+                ids.device,
+            )
+            ids = ids.index_copy(0, at, tokens)
         self.num_steps_run_ahead += 1
-        return overlap.Ahead(next_batch, overlap.Pending.start(self.runner.launch(next_batch, ids)))
+        launched = overlap.Pending.start(self.runner.launch(next_batch, ids))
+        return overlap.Ahead(next_batch, launched, continues=keep)
 
     def _advance(
         self, batch: ScheduledBatch, output: StepOutput, hold: int = 0

@@ -19,9 +19,13 @@ after (Speculator.plain_ahead): an n-gram lookup needs nothing from them, and an
 drafter defers their rows from the aux streams the launched step kept (Pending.aux). A step
 the controller gives drafts to is scheduled as usual, once the step before it is read.
 Greedy constrained sequences run ahead on a guess: step n+1 takes their unmasked argmax of step
-n, which is the grammar's pick whenever the grammar allows it; where it does not, the engine
-drops step n+1 once it has read step n (its KV writes are rewritten by the step that replaces
-it) and decides from step n's top candidates as a step not run ahead does.
+n, which is the grammar's pick whenever the grammar allows it. Where it does not, only that row
+is lost (Ahead.redo): once step n is read, its grammar picks from step n's top candidates as in
+a step not run ahead, step n+2 (launched before step n+1 is read) computes the row again at the
+same position on the picked token (its KV write replaces step n+1's), and step n+1's output for
+it is dropped at its read. At 64 streams a refusal came nearly every step (5% of guesses), and
+dropping the whole step n+1 for it left the batch running one step at a time. With a drafter
+that defers rows from the step's aux streams (EAGLE-3) the whole step n+1 is still dropped.
 
 A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy or sample
 from their parameters alone (spec_step.runs_ahead: no penalties or grammar; a seeded row's
@@ -53,7 +57,7 @@ ahead, as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -120,6 +124,11 @@ class Ahead:
 
     batch: ScheduledBatch
     token_ids: Pending | SpecLaunch
+    # A plain step's rows: the row of the step before it each continues (next_batch's keep).
+    continues: list[int] = field(default_factory=list)
+    # Rows launched on a guess their grammar refused, by row -> the token it picked instead:
+    # their outputs are dropped at the read, and the step after computes them again.
+    redo: dict[int, int] = field(default_factory=dict)
 
 
 def can_run_ahead(batch: ScheduledBatch) -> bool:
@@ -149,11 +158,12 @@ def prompt_beside(req: Request) -> bool:
 
 
 def next_batch(
-    batch: ScheduledBatch, blocks: BlockManager, max_model_len: int
+    batch: ScheduledBatch, blocks: BlockManager, max_model_len: int, redo: dict[int, int]
 ) -> tuple[ScheduledBatch, list[int]] | None:
-    """The decode after `batch` for its unfinished sequences, each one position further, and
-    the rows of `batch` they continue; None when a sequence's next slot does not fit (the
-    context ends, or the pool is short: no one is preempted for a step run ahead).
+    """The decode after `batch` for its unfinished sequences, each one position further (a row
+    in `redo` at the same position again, on the token given there), and the rows of `batch`
+    they continue; None when a sequence's next slot does not fit (the context ends, or the pool
+    is short: no one is preempted for a step run ahead).
 
     Called before `batch` is postprocessed: num_computed_tokens is still `batch`'s start."""
     keep = [i for i, s in enumerate(batch.seqs) if not s.request.is_finished]
@@ -163,7 +173,9 @@ def next_batch(
         s = batch.seqs[i]
         if s.start_pos + 2 > max_model_len or not blocks.allocate(s.request, 2):
             return None
-    seqs = [_one_further(batch.seqs[i]) for i in keep]
+    seqs = [
+        _again(batch.seqs[i], redo[i]) if i in redo else _one_further(batch.seqs[i]) for i in keep
+    ]
     nxt = ScheduledBatch(ForwardMode.DECODE, seqs)
     nxt.grammar_paths = batch.grammar_paths
     return nxt, keep
@@ -173,3 +185,9 @@ def _one_further(s: ScheduledSeq) -> ScheduledSeq:
     # The same sequence's next decode row, its token still on the device.
     pos, blocks = s.start_pos + 1, s.request.block_ids
     return ScheduledSeq(s.request, [PLACEHOLDER], pos, blocks, True, grammar_topk=s.grammar_topk)
+
+
+def _again(s: ScheduledSeq, token: int) -> ScheduledSeq:
+    # The same row once more, on the token its grammar picked (the launch writes it in).
+    blocks = s.request.block_ids
+    return ScheduledSeq(s.request, [token], s.start_pos, blocks, True, grammar_topk=s.grammar_topk)

@@ -120,7 +120,7 @@ class FakeLLM:
         grammars = SimpleNamespace(counters=GrammarCounters())
         self.engine = SimpleNamespace(
             runner=runner, speculator=spec, grammars=grammars, step=lambda: None,
-            num_steps_run_ahead=0, num_steps_run_ahead_dropped=0,
+            num_steps_run_ahead=0, num_steps_run_ahead_dropped=0, num_rows_run_ahead_redone=0,
         )  # fmt: skip
 
     def _reset(self):
@@ -131,6 +131,7 @@ class FakeLLM:
         self.engine.grammars.counters.picked_rows += len(convs)  # as if each picked a row
         self.engine.num_steps_run_ahead += 2 * len(convs)  # and ran ahead twice, one dropped
         self.engine.num_steps_run_ahead_dropped += len(convs)
+        self.engine.num_rows_run_ahead_redone += 3 * len(convs)  # and redid three rows
         outs = []
         for conv in convs:
             case = self.by_prompt[conv[0]["content"]]
@@ -162,7 +163,7 @@ def test_timed_run_sends_full_batches_with_each_cases_params(bench, cases):
     assert row["median_ttft_ms"] == 10.0
     assert row["decode_tok_per_s_stream"] == 400.0  # 4 tokens after the first in 10 ms
     assert row["grammar"]["picked_rows"] == 4 and row["grammar"]["late_masks"] == 0
-    assert row["run_ahead"] == {"steps": 8, "dropped": 4}  # over this run only
+    assert row["run_ahead"] == {"steps": 8, "dropped": 4, "rows_redone": 12}  # this run only
     free = bench.timed_run(FakeLLM({c.prompt: c for c in cases}), False, cases, 0.0, 4, 9, "cpu")
     assert free["requests"] == 4 and free["validity_counts"]["valid"] == 4
 

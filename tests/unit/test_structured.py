@@ -768,23 +768,26 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
     assert len(seen) > 4 and not refused, refused[:3]
 
 
-@pytest.mark.parametrize("odds", [None, 0.0], ids=["guarded", "always"])
+@pytest.mark.parametrize("kind", ["plain", "eagle3_guarded", "eagle3_always"])
 def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     tiny_json_dir,
     prompts,  # noqa: F811
-    odds,
+    kind,
     monkeypatch,
 ):
     """Async scheduling forced on (the CPU): greedy constrained rows run ahead on their
-    unmasked argmax, and where a grammar refuses it the step run ahead is dropped and the
-    grammar's pick taken: the same tokens as one step at a time, batched and alone, a mix of
-    constrained and unconstrained rows included, and rows whose request ended in the step
-    before (their grammar gone) left alone. "always": run ahead whatever the refusal rate
-    (every drop path taken); "guarded": the engine's odds."""
+    unmasked argmax, and where a grammar refuses it the grammar's pick is taken and the refused
+    row alone is computed again by the step after (plain: overlap.Ahead.redo), or, beside a
+    drafter's aux streams (EAGLE-3, its controller choosing k=0 throughout), the step run
+    ahead is dropped whole: the same tokens as one step at a time, batched and alone, a mix of
+    constrained and unconstrained rows included, rows whose request ended in the step before
+    (their grammar gone) left alone, and every block back. "always": run ahead beside the aux
+    streams whatever the refusal rate (every drop path taken); "guarded": the engine's odds."""
     from outrider.engine import engine as engine_module
+    from tests.unit.test_spec_eagle3 import _ScriptedController
 
-    if odds is not None:
-        monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", odds)
+    if kind == "eagle3_always":
+        monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
     # Some end mid-run, with a step run ahead of them.
     ends = (7, 30, 13, 30)
@@ -793,8 +796,12 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     batch = prompts[:5]
 
     def llm(async_scheduling: bool) -> LLM:
-        return LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
-                   async_scheduling=async_scheduling)  # fmt: skip
+        if kind == "plain" or not async_scheduling:
+            return LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+                       async_scheduling=async_scheduling)  # fmt: skip
+        out = eagle_llm(tiny_json_dir, async_scheduling=True)
+        out.engine.speculator.controller = _ScriptedController([0] * 100_000)
+        return out
 
     sync = llm(False)
     want = [o.outputs[0] for o in sync.generate(batch, params)]
@@ -805,18 +812,25 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     for spec, out in zip(specs, got):
         _check_valid(spec, out.text, out.finish_reason)
     engine = ahead.engine
-    # The tiny random model's argmax is mostly refused: guarded, the batch stops guessing
-    # after its first steps (the unconstrained row runs ahead alone at the end); always, it
-    # runs ahead and drops.
+    # The tiny random model's argmax is mostly refused: without aux streams the batch runs
+    # ahead and redoes the refused rows; beside them, guarded, it stops guessing after its
+    # first steps (the unconstrained row runs ahead alone at the end); always, it drops steps.
     assert engine._grammar_miss > 0.3
     assert engine.num_steps_run_ahead > 0
-    if odds == 0.0:
+    if kind == "plain":
+        assert engine.num_rows_run_ahead_redone > 5
+        assert engine.num_steps_run_ahead_dropped == 0
+        assert engine.num_steps_run_ahead >= 20
+    elif kind == "eagle3_always":
         assert engine.num_steps_run_ahead_dropped > 5
+        assert engine.num_rows_run_ahead_redone == 0
     else:
         assert engine.num_steps_run_ahead_dropped <= 2
     for i in (0, 3):
         alone = ahead.generate([batch[i]], params[i])[0].outputs[0].token_ids
         assert alone == want[i].token_ids
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks(
