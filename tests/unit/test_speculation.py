@@ -126,3 +126,49 @@ def test_the_proposer_forgets_finished_and_aborted_requests(tiny_dir, prompts, r
     while engine.has_unfinished():
         engine.step()
     assert oracle.forgotten == [req.request_id]
+
+
+class NoDrafts:
+    """A host proposer whose lookups never find anything."""
+
+    name = "none"
+    on_device = False
+    aux_layers: tuple[int, ...] = ()
+    writes_kv = False
+    topk = 1
+
+    def __init__(self):
+        self.asked = 0
+
+    def positions_needed(self, k):
+        return 1 + k
+
+    def propose(self, requests, max_draft_tokens):
+        self.asked += 1
+        return [None] * len(requests)
+
+    def observe(self, batch, output):
+        pass
+
+    def forget(self, request_id):
+        pass
+
+
+def test_steps_whose_lookups_find_nothing_teach_the_controller(tiny_dir, prompts, reference):  # noqa: F811
+    """A step that chose k but whose host proposer found no drafts runs plain; its missing
+    drafts count as rejected, so the controller turns speculation off within a few such steps
+    (told nothing, it chose k at every step, each a plain step that cannot run ahead)."""
+    llm = _llm(tiny_dir, controller="adaptive")
+    spec = llm.engine.speculator
+    nothing = NoDrafts()
+    spec.use_proposer(nothing)
+    spec.controller.set_profile(_flat_profile(verify_factor=1.5))  # pays at the prior's 0.6
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    out = llm.generate([prompts[0]], params)[0]
+    assert len(out.token_ids) == 60
+    assert spec.stats.num_verify_steps == 0  # nothing was ever verified
+    chosen = spec.controller.snapshot()["steps"]
+    spec_steps = sum(n for k, n in chosen.items() if k)
+    assert 0 < nothing.asked == spec_steps <= 15, chosen
+    assert chosen.get(0, 0) >= 40
+    assert spec.controller.expected(out.request_id, K) < 1.5
