@@ -180,9 +180,24 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def release(self) -> None:
+        """After `stop`: let go of the engine core, so that it lives no longer than its
+        caller's own references to it. A server's routes close over its state, and FastAPI
+        keeps its endpoints in a process-wide cache: an in-process server (ServerThread) kept
+        its engine, and a CUDA engine's memory, for the life of the process, and the next engine
+        found no room for its KV cache. The engine thread must have ended."""
+        if self._thread.is_alive():
+            raise RuntimeError("release() of an engine whose thread still runs: stop() it first")
+        self.core = None
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the engine thread has ended (after `stop`, or an error)."""
+        return not self._thread.is_alive()
 
     @property
     def is_responsive(self) -> bool:

@@ -297,4 +297,6 @@ class ServerThread:
         self._thread.join(30)
         self.state.offload.close()
         self.state.engine.stop()
+        if self.state.engine.stopped:  # (a step stuck past stop's wait keeps its core)
+            self.state.engine.release()
         self._sock.close()

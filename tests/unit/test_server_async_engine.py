@@ -205,3 +205,35 @@ def test_a_dead_engine_gets_503_and_stops_the_server():
         while not s.server.should_exit and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.server.engine_failed and s.state.draining  # serve() then exits 1
+
+
+def test_a_server_thread_lets_go_of_its_engine_core_when_it_exits():
+    """Once a ServerThread has exited, nothing of the server holds its engine core (FastAPI
+    caches a server's endpoints, which close over its state, for the life of the process):
+    the caller's references alone decide when the core goes."""
+    import gc
+    import weakref
+
+    import httpx
+
+    from outrider.server.config import ServerConfig
+    from outrider.server.server import ServerThread
+
+    core = FakeCore()
+    tok = core.tokenizer  # (its template hook, unlike a real tokenizer's, closed over the core)
+    tok.with_chat_template = lambda limits, template, origin: tok
+    gone = weakref.ref(core)
+    with ServerThread(ServerConfig(served_model_name="fake"), core) as s:
+        r = httpx.post(s.url + "/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 200
+    assert s.state.engine.stopped and s.state.engine.core is None
+    del core
+    gc.collect()
+    assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+    with pytest.raises(RuntimeError, match="stop"):
+        running_engine = AsyncEngine(FakeCore())
+        running_engine.start()
+        try:
+            running_engine.release()
+        finally:
+            running_engine.stop()
