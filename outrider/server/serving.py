@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
+from json.encoder import encode_basestring as _encode_str  # json.dumps's, ensure_ascii=False
 from typing import TypeVar
 
 from fastapi import Request
@@ -310,6 +311,51 @@ def sse(data: dict | str) -> str:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+class StreamEvents:
+    """The chunk events of one stream, byte for byte `sse(response(state, rid, obj, choices,
+    created, **extra))`: what every chunk shares (id, object, created, model, and `usage: null`
+    where the stream ends with usage) is encoded once, and a lone choice whose values are
+    strings, integers, None or a dict of strings (a text chunk, a delta, no logprobs) is
+    written out directly. json.dumps of each whole chunk took 6 us of the event loop's ~70 a
+    chunk at 64 streams on 2 cores (a stand-in engine); this takes under 1."""
+
+    def __init__(self, state: ServerState, rid: str, obj: str, created: int, usage_null: bool):
+        head = json.dumps(
+            {"id": rid, "object": obj, "created": created, "model": state.model_name},
+            ensure_ascii=False,
+        ).translate(_LINE_BREAKS)
+        self._head = f'data: {head[:-1]}, "choices": '
+        self._tail = ', "usage": null}\n\n' if usage_null else "}\n\n"
+
+    def chunk(self, choices: list[dict]) -> str:
+        body = _choice_json(choices[0]) if len(choices) == 1 else None
+        if body is None:
+            body = json.dumps(choices, ensure_ascii=False)
+        else:
+            body = f"[{body}]"
+        return self._head + body.translate(_LINE_BREAKS) + self._tail
+
+
+def _choice_json(choice: dict) -> str | None:
+    """json.dumps(choice, ensure_ascii=False) for values json writes without choices of its
+    own (str, int, None, a dict of str); None for anything else."""
+    parts = []
+    for key, value in choice.items():
+        if value is None:
+            text = "null"
+        elif isinstance(value, str):
+            text = _encode_str(value)
+        elif type(value) is int:
+            text = str(value)
+        elif isinstance(value, dict) and all(type(v) is str for v in value.values()):
+            inner = ", ".join(f"{_encode_str(k)}: {_encode_str(v)}" for k, v in value.items())
+            text = f"{{{inner}}}"
+        else:
+            return None
+        parts.append(f"{_encode_str(key)}: {text}")
+    return "{" + ", ".join(parts) + "}"
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -22,6 +22,7 @@ from outrider.server.parsers.base import ReasoningParser, ToolCall
 from outrider.server.protocol import ChatCompletionRequest, ChatMessage, new_id
 from outrider.server.serving import (
     SSE_DONE,
+    StreamEvents,
     body_size,
     chat_logprobs,
     collect,
@@ -223,11 +224,11 @@ async def _complete(state, req, rid, requests, parser, reasoning, top_n) -> dict
 async def _stream(state, req, rid, requests, parser, reasoning: ReasoningParser | None, top_n):
     created, n = int(time.time()), len(requests)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    usage_field = {"usage": None} if include_usage else {}
+    events = StreamEvents(state, rid, "chat.completion.chunk", created, include_usage)
 
     def chunk(index: int, delta: dict, finish: str | None = None, logprobs=None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return sse(response(state, rid, "chat.completion.chunk", [choice], created, **usage_field))
+        return events.chunk([choice])
 
     splits = [ChoiceText(reasoning, parser) for _ in range(n)]
     completion_tokens = 0

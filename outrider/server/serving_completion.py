@@ -16,6 +16,7 @@ from outrider.server.limits import check_completion
 from outrider.server.protocol import CompletionRequest, new_id
 from outrider.server.serving import (
     SSE_DONE,
+    StreamEvents,
     body_size,
     collect,
     completion_logprobs,
@@ -146,13 +147,14 @@ async def _complete(state, req, rid, requests, echoes, prompt_tokens) -> dict:
 async def _stream(state, req, rid, requests, echoes, prompt_tokens):
     created = int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    usage_field = {"usage": None} if include_usage else {}
     offsets = [0] * len(requests)
     completion = 0
+    events = StreamEvents(state, rid, "text_completion", created, include_usage)
 
     def chunk(choices: list[dict], totals: dict | None = None) -> str:
-        extra = usage_field if totals is None else {"usage": totals}
-        return sse(response(state, rid, "text_completion", choices, created, **extra))
+        if totals is None:
+            return events.chunk(choices)
+        return sse(response(state, rid, "text_completion", choices, created, usage=totals))
 
     for i, echo in enumerate(echoes):
         if echo:

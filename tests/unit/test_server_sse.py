@@ -55,3 +55,64 @@ def test_streamed_text_with_line_breaks_arrives_whole(client, path, body):
     chunks = [json.loads(line[6:])["choices"] for line in lines[:-1]]
     texts = [c[0].get("text", c[0].get("delta", {}).get("content")) for c in chunks if c]
     assert "".join(t for t in texts if t) == BREAKS * 3
+
+
+@pytest.mark.parametrize("usage_null", [False, True])
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"index": 0, "text": " the", "logprobs": None, "finish_reason": None},
+        {"index": 3, "text": BREAKS + '"\\\x00é漢🙂', "logprobs": None, "finish_reason": "length"},
+        {
+            "index": 1,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        },  # fmt: skip
+        {
+            "index": 0,
+            "delta": {"reasoning_content": "hm\u2028", "content": BREAKS},
+            "logprobs": None,
+            "finish_reason": "stop",
+        },  # fmt: skip
+        {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"},
+        # json writes these itself
+        {
+            "index": 0,
+            "text": "a",
+            "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5]},
+            "finish_reason": None,
+        },  # fmt: skip
+        {
+            "index": 0,
+            "delta": {"tool_calls": [{"index": 0, "id": "c"}]},
+            "logprobs": None,
+            "finish_reason": "tool_calls",
+        },  # fmt: skip
+        {"index": True, "text": "a", "logprobs": None, "finish_reason": None},
+        {
+            "index": 0,
+            "delta": {"content": "a"},
+            "logprobs": {"content": [{"logprob": -1.25}]},
+            "finish_reason": None,
+        },  # fmt: skip
+    ],
+)
+def test_stream_events_are_the_chunks_json_would_write(choice, usage_null):
+    """StreamEvents writes each chunk as sse(response(...)) does, byte for byte: text and
+    deltas written out directly (line breaks escaped, quotes, backslashes, non-ASCII) and
+    everything else through json."""
+    from types import SimpleNamespace
+
+    from outrider.server.serving import StreamEvents, response
+
+    state = SimpleNamespace(model_name='m\u2028"odel')
+    extra = {"usage": None} if usage_null else {}
+    events = StreamEvents(state, "cmpl-1", "text_completion", 1765000000, usage_null)
+    for choices in ([choice], [choice, choice], []):
+        want = sse(response(state, "cmpl-1", "text_completion", choices, 1765000000, **extra))
+        got = events.chunk(choices)
+        assert got == want
+        assert len(got.splitlines()) == 2 and json.loads(got[len("data: ") :]) == json.loads(
+            want[len("data: ") :]
+        )
