@@ -1,0 +1,207 @@
+"""What the server's own path costs a streamed token, with no model: `outrider serve`'s app
+(the same ServerThread, routes, guards and AsyncEngine) over a stand-in engine whose every step
+takes --step-ms (time.sleep: a GPU step, the interpreter free meanwhile) and gives each running
+request one token, streamed by raw-socket clients in another process.
+
+    python benchmarks/serve_overhead.py [--concurrency 1 16 64] [--step-ms 2] [--tokens 128]
+        [--streams-per-client 4] [--out NAME] [--out-dir DIR]
+
+At concurrency C the stand-in engine could emit C x 1000 / step-ms tokens a second; what the
+server delivers below that is its own cost. Reported per C: chunks (one token each) a second,
+that ceiling, the event loop thread's CPU microseconds a chunk (time.thread_time read inside
+the loop) and the engine thread's (its steps' own Python: delivering deltas, metrics), and
+the steps the engine ran. On an H100 host the server gave 7.9-8.4k tok/s of plain decoding at
+C=64 where `LLM` gave 34k (benchmarks/results/spec_serve_apart.json, deterministic_c1_c64.json):
+this measures that gap without a GPU. Writes benchmarks/results/serve_overhead.json (on a
+machine without a GPU: serve_overhead_cpu.json)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
+
+PROMPT = [1, 2, 3]
+
+
+class StandInCore:
+    """The EngineCore surface the server reads, with steps that sleep: each step gives every
+    running request its next token (text "t"), a request finishing at `tokens`."""
+
+    def __init__(self, tokens: int, step_ms: float) -> None:
+        from outrider.engine.limits import ContextLimit
+
+        tok = SimpleNamespace(bos_token_id=1)
+        tok.with_chat_template = lambda limits, template, origin: tok
+        self.tokenizer = tok
+        self.max_model_len, self.vocab_size = 4096, 100
+        self.context = ContextLimit(4096, "the context is 4096 tokens", "")
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
+        self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
+        stats = SimpleNamespace(
+            num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
+        )
+        self.speculator = SimpleNamespace(stats=stats, last_k=0, steps_by_k={})
+        self.tokens, self.step_s = tokens, step_ms / 1e3
+        self.live: dict[str, int] = {}
+        self.steps = 0
+        self.thread_cpu = 0.0  # the engine thread's CPU seconds, read at each step's end
+
+    def validate(self, ids, params) -> None:
+        pass
+
+    def add_request(self, ids, params, request_id=None) -> None:
+        self.live[request_id] = 0
+
+    def abort(self, request_id) -> None:
+        self.live.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self):
+        from outrider.core import RequestOutput
+
+        time.sleep(self.step_s)
+        self.steps += 1
+        outs = []
+        for rid in list(self.live):
+            n = self.live[rid] = self.live[rid] + 1
+            done = n == self.tokens
+            outs.append(
+                RequestOutput(rid, None, PROMPT, "t", [7], done, "length" if done else None, {})
+            )
+            if done:
+                del self.live[rid]
+        self.thread_cpu = time.thread_time()
+        return outs
+
+
+async def _stream(host: str, port: int, tokens: int) -> int:
+    """One streamed completion over a raw socket: its `data:` events but [DONE]."""
+    body = (
+        f'{{"model": "standin", "prompt": {PROMPT}, "max_tokens": {tokens}, "stream": true}}'
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(head + body)
+    data = b""
+    while chunk := await reader.read(1 << 16):
+        data += chunk
+    writer.close()
+    return data.count(b"data: {")
+
+
+async def _clients(host: str, port: int, concurrency: int, streams: int, tokens: int) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> int:
+        async with sem:
+            return await _stream(host, port, tokens)
+
+    warm = await asyncio.gather(*[one() for _ in range(concurrency)])  # connections, first use
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*[one() for _ in range(concurrency * streams)])
+    print(sum(warm) + sum(counts), sum(counts), time.perf_counter() - t0, flush=True)
+
+
+def _loop_cpu(server) -> float:
+    """The event loop thread's CPU seconds so far, read inside that thread."""
+    loop, done, out = server.loop, threading.Event(), []
+
+    def read() -> None:
+        out.append(time.thread_time())
+        done.set()
+
+    loop.call_soon_threadsafe(read)
+    done.wait(10)
+    return out[0]
+
+
+def measure(concurrency: int, step_ms: float, tokens: int, streams: int) -> dict:
+    from outrider.server.config import ServerConfig
+    from outrider.server.server import ServerThread
+
+    class Served(ServerThread):
+        """ServerThread, keeping the loop it serves on (to read that thread's CPU time)."""
+
+        def _run(self) -> None:
+            async def serve() -> None:
+                self.loop = asyncio.get_running_loop()
+                await self.server.serve(sockets=[self._sock])
+
+            asyncio.run(serve())
+
+    core = StandInCore(tokens, step_ms)
+    with Served(ServerConfig(served_model_name="standin"), core) as s:
+        loop_before = _loop_cpu(s)
+        steps_before, engine_before = core.steps, core.thread_cpu
+        client = subprocess.run(
+            [sys.executable, __file__, "--client", "127.0.0.1", str(s.port), str(concurrency),
+             str(streams), str(tokens)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        loop_after = _loop_cpu(s)
+    every, timed, seconds = client.stdout.split()  # chunks in all (warm-up included), timed
+    every, chunks, seconds = int(every), int(timed), float(seconds)
+    steps = core.steps - steps_before
+    row = {
+        "concurrency": concurrency,
+        "chunks": chunks,
+        "seconds": round(seconds, 3),
+        "chunks_per_s": round(chunks / seconds, 1),
+        "ceiling_per_s": round(concurrency * 1e3 / step_ms, 1),
+        "steps": steps,
+        "tokens_per_step": round(every / max(steps, 1), 2),
+        # CPU time over the whole client run, warm-up included, so over every chunk
+        "loop_cpu_us_per_chunk": round((loop_after - loop_before) / every * 1e6, 2),
+        "engine_cpu_us_per_chunk": round((core.thread_cpu - engine_before) / every * 1e6, 2),
+    }
+    return row
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--client":
+        host, port, c, streams, tokens = sys.argv[2:7]
+        asyncio.run(_clients(host, int(port), int(c), int(streams), int(tokens)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--step-ms", type=float, default=2.0)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--streams-per-client", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args()
+    if args.step_ms <= 0 or args.tokens < 1 or min(args.concurrency) < 1:
+        ap.error("--step-ms must be > 0, --tokens and every --concurrency >= 1")
+    import torch
+
+    name = args.out or ("serve_overhead" if torch.cuda.is_available() else "serve_overhead_cpu")
+    rows = []
+    for c in args.concurrency:
+        row = measure(c, args.step_ms, args.tokens, args.streams_per_client)
+        rows.append(row)
+        print(
+            f"C={c:<3} {row['chunks_per_s']:9.1f} chunks/s of {row['ceiling_per_s']:9.1f}  "
+            f"loop {row['loop_cpu_us_per_chunk']} us, engine thread "
+            f"{row['engine_cpu_us_per_chunk']} us a chunk, {row['tokens_per_step']} a step",
+            flush=True,
+        )
+    print(write_result(name, {"step_ms": args.step_ms, "tokens": args.tokens, "rows": rows},
+                       args.out_dir))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
