@@ -4,10 +4,13 @@ takes --step-ms (time.sleep: a GPU step, the interpreter free meanwhile) and giv
 request one token, streamed by raw-socket clients in another process.
 
     python benchmarks/serve_overhead.py [--concurrency 1 16 64] [--step-ms 2] [--tokens 128]
-        [--streams-per-client 4] [--out NAME] [--out-dir DIR]
+        [--engine-us 0 15] [--streams-per-client 4] [--out NAME] [--out-dir DIR]
 
 At concurrency C the stand-in engine could emit C x 1000 / step-ms tokens a second; what the
-server delivers below that is its own cost. Reported per C: chunks (one token each) a second,
+server delivers below that is its own cost. --engine-us adds Python work a token to each step,
+holding the interpreter as a real engine's bookkeeping does (scheduling, postprocessing,
+detokenizing: about 10 us a token at C=64 on 2 CPU cores, and the CUDA launches besides), which
+the event loop then waits for: one point a value. Reported per C: chunks (one token each) a second,
 that ceiling, the event loop thread's CPU microseconds a chunk (time.thread_time read inside
 the loop) and the engine thread's (its steps' own Python: delivering deltas, metrics), and
 the steps the engine ran. On an H100 host the server gave 7.9-8.4k tok/s of plain decoding at
@@ -36,7 +39,7 @@ class StandInCore:
     """The EngineCore surface the server reads, with steps that sleep: each step gives every
     running request its next token (text "t"), a request finishing at `tokens`."""
 
-    def __init__(self, tokens: int, step_ms: float) -> None:
+    def __init__(self, tokens: int, step_ms: float, engine_us: float = 0.0) -> None:
         from outrider.engine.limits import ContextLimit
 
         tok = SimpleNamespace(bos_token_id=1)
@@ -50,7 +53,7 @@ class StandInCore:
             num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
         )
         self.speculator = SimpleNamespace(stats=stats, last_k=0, steps_by_k={})
-        self.tokens, self.step_s = tokens, step_ms / 1e3
+        self.tokens, self.step_s, self.busy_s = tokens, step_ms / 1e3, engine_us / 1e6
         self.live: dict[str, int] = {}
         self.steps = 0
         self.thread_cpu = 0.0  # the engine thread's CPU seconds, read at each step's end
@@ -72,6 +75,9 @@ class StandInCore:
 
         time.sleep(self.step_s)
         self.steps += 1
+        until = time.perf_counter() + self.busy_s * len(self.live)
+        while time.perf_counter() < until:  # Python work, the interpreter held
+            pass
         outs = []
         for rid in list(self.live):
             n = self.live[rid] = self.live[rid] + 1
@@ -129,7 +135,7 @@ def _loop_cpu(server) -> float:
     return out[0]
 
 
-def measure(concurrency: int, step_ms: float, tokens: int, streams: int) -> dict:
+def measure(concurrency: int, step_ms: float, tokens: int, streams: int, engine_us: float) -> dict:
     from outrider.server.config import ServerConfig
     from outrider.server.server import ServerThread
 
@@ -143,7 +149,7 @@ def measure(concurrency: int, step_ms: float, tokens: int, streams: int) -> dict
 
             asyncio.run(serve())
 
-    core = StandInCore(tokens, step_ms)
+    core = StandInCore(tokens, step_ms, engine_us)
     with Served(ServerConfig(served_model_name="standin"), core) as s:
         loop_before = _loop_cpu(s)
         steps_before, engine_before = core.steps, core.thread_cpu
@@ -158,10 +164,12 @@ def measure(concurrency: int, step_ms: float, tokens: int, streams: int) -> dict
     steps = core.steps - steps_before
     row = {
         "concurrency": concurrency,
+        "engine_us_per_token": engine_us,
         "chunks": chunks,
         "seconds": round(seconds, 3),
         "chunks_per_s": round(chunks / seconds, 1),
-        "ceiling_per_s": round(concurrency * 1e3 / step_ms, 1),
+        # what the stand-in emits with nothing else running: steps of step_ms + its Python
+        "ceiling_per_s": round(concurrency / (step_ms / 1e3 + engine_us * concurrency / 1e6), 1),
         "steps": steps,
         "tokens_per_step": round(every / max(steps, 1), 2),
         # CPU time over the whole client run, warm-up included, so over every chunk
@@ -180,25 +188,30 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--engine-us", type=float, nargs="+", default=[0.0])
     ap.add_argument("--streams-per-client", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     if args.step_ms <= 0 or args.tokens < 1 or min(args.concurrency) < 1:
         ap.error("--step-ms must be > 0, --tokens and every --concurrency >= 1")
+    if min(args.engine_us) < 0:
+        ap.error(f"--engine-us {args.engine_us}: every value must be >= 0")
     import torch
 
     name = args.out or ("serve_overhead" if torch.cuda.is_available() else "serve_overhead_cpu")
     rows = []
-    for c in args.concurrency:
-        row = measure(c, args.step_ms, args.tokens, args.streams_per_client)
-        rows.append(row)
-        print(
-            f"C={c:<3} {row['chunks_per_s']:9.1f} chunks/s of {row['ceiling_per_s']:9.1f}  "
-            f"loop {row['loop_cpu_us_per_chunk']} us, engine thread "
-            f"{row['engine_cpu_us_per_chunk']} us a chunk, {row['tokens_per_step']} a step",
-            flush=True,
-        )
+    for us in args.engine_us:
+        for c in args.concurrency:
+            row = measure(c, args.step_ms, args.tokens, args.streams_per_client, us)
+            rows.append(row)
+            print(
+                f"engine {us:g} us C={c:<3} {row['chunks_per_s']:9.1f} chunks/s of "
+                f"{row['ceiling_per_s']:9.1f}  "
+                f"loop {row['loop_cpu_us_per_chunk']} us, engine thread "
+                f"{row['engine_cpu_us_per_chunk']} us a chunk, {row['tokens_per_step']} a step",
+                flush=True,
+            )
     print(write_result(name, {"step_ms": args.step_ms, "tokens": args.tokens, "rows": rows},
                        args.out_dir))  # fmt: skip
 
