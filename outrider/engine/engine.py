@@ -38,8 +38,9 @@ from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 from outrider.transfer import to_device_no_sync, to_device_packed
 
-# A batch with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds
-# or better that no grammar refuses its row's guess; the refusal rate is a running average over
+# Beside a drafter's aux streams (where a refused guess drops the whole step run ahead), a batch
+# with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds or
+# better that no grammar refuses its row's guess; the refusal rate is a running average over
 # rows with this weight for the newest.
 AHEAD_GRAMMAR_ODDS = 0.75
 GRAMMAR_MISS_RATE = 0.05
