@@ -223,7 +223,7 @@ class Speculator:
                 # in a verify (_cut_at_token_stops); untold, the controller kept choosing k
                 # for requests a lookup finds nothing for, and each such step ran plain
                 # without running ahead (n-gram at one stream, default model: 132 of the 220
-                # steps that chose k found no drafts; an H100 server ran 8-24% of its steps
+                # steps that chose k found no drafts; an H100 server ran 5-24% of its steps
                 # not ahead where 1-4% verified drafts, and lost 4-10% to plain).
                 for r in asked[:_OBSERVED_ROWS]:
                     self.controller.observe(r.request_id, min(self._k, self._room(r)), 0)

@@ -350,6 +350,8 @@ def _choice_json(choice: dict) -> str | None:
         elif type(value) is int:
             text = str(value)
         elif isinstance(value, dict) and all(type(v) is str for v in value.values()):
+            if not all(type(k) is str for k in value):
+                return None
             inner = ", ".join(f"{_encode_str(k)}: {_encode_str(v)}" for k, v in value.items())
             text = f"{{{inner}}}"
         else:
