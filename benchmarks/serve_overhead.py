@@ -1,7 +1,8 @@
 """What the server's own path costs a streamed token, with no model: `outrider serve`'s app
 (the same ServerThread, routes, guards and AsyncEngine) over a stand-in engine whose every step
 takes --step-ms (time.sleep: a GPU step, the interpreter free meanwhile) and gives each running
-request one token, streamed by raw-socket clients in another process.
+request one token (outrider/testing/server_core.py), streamed by raw-socket clients in another
+process.
 
     python benchmarks/serve_overhead.py [--concurrency 1 16 64] [--step-ms 2] [--tokens 128]
         [--engine-us 0 15] [--streams-per-client 4] [--out NAME] [--out-dir DIR]
@@ -27,68 +28,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_result  # noqa: E402
 
 PROMPT = [1, 2, 3]
-
-
-class StandInCore:
-    """The EngineCore surface the server reads, with steps that sleep: each step gives every
-    running request its next token (text "t"), a request finishing at `tokens`."""
-
-    def __init__(self, tokens: int, step_ms: float, engine_us: float = 0.0) -> None:
-        from outrider.engine.limits import ContextLimit
-
-        tok = SimpleNamespace(bos_token_id=1)
-        tok.with_chat_template = lambda limits, template, origin: tok
-        self.tokenizer = tok
-        self.max_model_len, self.vocab_size = 4096, 100
-        self.context = ContextLimit(4096, "the context is 4096 tokens", "")
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
-        self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
-        stats = SimpleNamespace(
-            num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
-        )
-        self.speculator = SimpleNamespace(stats=stats, last_k=0, steps_by_k={})
-        self.tokens, self.step_s, self.busy_s = tokens, step_ms / 1e3, engine_us / 1e6
-        self.live: dict[str, int] = {}
-        self.steps = 0
-        self.thread_cpu = 0.0  # the engine thread's CPU seconds, read at each step's end
-
-    def validate(self, ids, params) -> None:
-        pass
-
-    def add_request(self, ids, params, request_id=None) -> None:
-        self.live[request_id] = 0
-
-    def abort(self, request_id) -> None:
-        self.live.pop(request_id, None)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.live)
-
-    def step(self):
-        from outrider.core import RequestOutput
-
-        time.sleep(self.step_s)
-        self.steps += 1
-        until = time.perf_counter() + self.busy_s * len(self.live)
-        while time.perf_counter() < until:  # Python work, the interpreter held
-            pass
-        outs = []
-        for rid in list(self.live):
-            n = self.live[rid] = self.live[rid] + 1
-            done = n == self.tokens
-            outs.append(
-                RequestOutput(rid, None, PROMPT, "t", [7], done, "length" if done else None, {})
-            )
-            if done:
-                del self.live[rid]
-        self.thread_cpu = time.thread_time()
-        return outs
 
 
 async def _stream(host: str, port: int, tokens: int) -> int:
@@ -138,6 +82,7 @@ def _loop_cpu(server) -> float:
 def measure(concurrency: int, step_ms: float, tokens: int, streams: int, engine_us: float) -> dict:
     from outrider.server.config import ServerConfig
     from outrider.server.server import ServerThread
+    from outrider.testing.server_core import StandInCore
 
     class Served(ServerThread):
         """ServerThread, keeping the loop it serves on (to read that thread's CPU time)."""
@@ -149,7 +94,7 @@ def measure(concurrency: int, step_ms: float, tokens: int, streams: int, engine_
 
             asyncio.run(serve())
 
-    core = StandInCore(tokens, step_ms, engine_us)
+    core = StandInCore(tokens, max_model_len=4096, step_ms=step_ms, engine_us=engine_us)
     with Served(ServerConfig(served_model_name="standin"), core) as s:
         loop_before = _loop_cpu(s)
         steps_before, engine_before = core.steps, core.thread_cpu

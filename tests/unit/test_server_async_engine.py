@@ -6,68 +6,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from types import SimpleNamespace
 
 import pytest
 
 from outrider.core import RequestOutput, SamplingParams
-from outrider.engine.limits import ContextLimit
 from outrider.server.async_engine import AsyncEngine, EngineDeadError, merged
+from outrider.testing.server_core import StandInCore
 
 
-class FakeCore:
-    """Each request emits `tokens` one-token deltas, one per step, then finishes."""
+class FakeCore(StandInCore):
+    """StandInCore (each request emits `tokens` one-token deltas, one per step, then finishes)
+    that remembers the threads calling it and the requests it aborted, and can fail at a step."""
 
     def __init__(self, tokens: int = 3, fail_at_step: int | None = None) -> None:
-        self.tokenizer = SimpleNamespace(bos_token_id=1)
-        self.tokenizer.with_chat_template = lambda limits, template, origin: self.tokenizer
-        self.max_model_len, self.vocab_size = 64, 100
-        self.context = ContextLimit(64, "the context is 64 tokens (the model's max_model_len)", "")
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
-        self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
-        stats = SimpleNamespace(
-            num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
-        )
-        self.speculator = SimpleNamespace(stats=stats, last_k=0, steps_by_k={})
-        self.tokens, self.fail_at_step = tokens, fail_at_step
-        self.live: dict[str, int] = {}
+        super().__init__(tokens)
+        self.fail_at_step = fail_at_step
         self.aborted: list[str] = []
-        self.steps = 0
         self.thread_ids: set[int] = set()
-
-    def validate(self, ids, params) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
 
     def add_request(self, ids, params, request_id=None):
         self.thread_ids.add(threading.get_ident())
-        self.live[request_id] = 0
+        super().add_request(ids, params, request_id)
 
     def abort(self, request_id) -> None:
         self.thread_ids.add(threading.get_ident())
-        if self.live.pop(request_id, None) is not None:
+        if request_id in self.live:
             self.aborted.append(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.live)
+        super().abort(request_id)
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
-        self.steps += 1
-        if self.steps == self.fail_at_step:
+        if self.steps + 1 == self.fail_at_step:
+            self.steps += 1
             raise RuntimeError("CUDA error: device lost")
-        outs = []
-        for rid in list(self.live):
-            self.live[rid] += 1
-            done = self.live[rid] == self.tokens
-            outs.append(
-                RequestOutput(
-                    rid, None, [1], f"t{self.live[rid]}", [7], done, "length" if done else None, {}
-                )
-            )
-            if done:
-                del self.live[rid]
-        return outs
+        return super().step()
 
 
 @contextlib.contextmanager
@@ -220,8 +192,6 @@ def test_a_server_thread_lets_go_of_its_engine_core_when_it_exits():
     from outrider.server.server import ServerThread
 
     core = FakeCore()
-    tok = core.tokenizer  # (its template hook, unlike a real tokenizer's, closed over the core)
-    tok.with_chat_template = lambda limits, template, origin: tok
     gone = weakref.ref(core)
     with ServerThread(ServerConfig(served_model_name="fake"), core) as s:
         r = httpx.post(s.url + "/completions", json={"prompt": [1, 2], "max_tokens": 2})
