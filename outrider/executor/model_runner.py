@@ -14,6 +14,7 @@ from outrider.core import (
     ForwardMode,
     LaunchedGrammar,
     ScheduledBatch,
+    ScheduledSeq,
     StepOutput,
 )
 from outrider.device import default_dtype, resolve_device, resolve_dtype
@@ -384,12 +385,10 @@ class ModelRunner:
             step = StepOutput(
                 ids, [[t] for t in out.token_ids], logprobs=logprobs, aux_hidden=aux_hidden
             )
-            picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
+            picked, rows = _picked_rows(logits, sampling)
             if picked:  # their grammar decides among their top logits (Grammars.paths)
-                step.grammar_logits = logits.index_select(
-                    0, to_device_no_sync(picked, torch.int64, logits.device)
-                )
-                step.grammar_candidates = top_candidates(step.grammar_logits, picked)
+                step.grammar_logits = rows
+                step.grammar_candidates = top_candidates(rows, picked)
             return step
         if any(s.grammar_topk for s in sampling):
             raise ValueError("grammar_topk rows are for plain decode steps: give them masks")
@@ -438,12 +437,9 @@ class ModelRunner:
             return torch.zeros(0, dtype=torch.int64, device=hidden.device), None, aux_hidden
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         ids = self.sampler.sample_no_sync(logits, sampling)
-        picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
+        picked, rows = _picked_rows(logits, sampling)
         if not picked:
             return ids, None, aux_hidden
-        rows = logits  # every row picks (a pageable index copy would wait for the device)
-        if len(picked) < len(sampling):
-            rows = logits.index_select(0, to_device_no_sync(picked, torch.int64, logits.device))
         return ids, LaunchedGrammar(picked, rows, top_candidates_no_sync(rows)), aux_hidden
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
@@ -453,6 +449,18 @@ class ModelRunner:
         if self.tp_sender is not None:
             self.tp_sender.move_kv(src_t, dst_t)
         self.kv_pool.move_no_sync(src_t, dst_t)
+
+
+def _picked_rows(
+    logits: torch.Tensor, sampling: list[ScheduledSeq]
+) -> tuple[list[int], torch.Tensor]:
+    """The sampling rows whose grammar picks their token from their top logits
+    (ScheduledSeq.grammar_topk), and those rows' logits: all of them as they are where every
+    row picks, else gathered by an index sent pinned (a pageable copy waits for the device)."""
+    picked = [i for i, s in enumerate(sampling) if s.grammar_topk]
+    if not picked or len(picked) == len(sampling):
+        return picked, logits
+    return picked, logits.index_select(0, to_device_no_sync(picked, torch.int64, logits.device))
 
 
 def _max_model_len(requested: int | None, cfg) -> int:
