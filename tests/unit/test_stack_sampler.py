@@ -63,3 +63,21 @@ def test_the_restart_file_clears_what_came_before(tmp_path):
     sampler.stop()
     threads = {stack[0] for stack in sampler.stacks}
     assert "after" in threads and "before" not in threads
+
+
+def test_each_thread_shows_its_cpu_seconds_beside_the_wall():
+    """A thread that spins has used about as much CPU as wall time; one that sleeps, about
+    none: what tells an interpreter shared to the full from threads that wait."""
+    sampler = StackSampler(interval=0.001).start()
+    busy = threading.Thread(target=spin_here, args=(0.3,), name="busy")
+    idle = threading.Thread(target=time.sleep, args=(0.3,), name="idle")
+    busy.start(), idle.start()
+    busy.join(), idle.join()
+    sampler.stop()
+    cpu = {}
+    for line in sampler.summary().splitlines():
+        if line.startswith("thread "):
+            name = line.split(":")[0].removeprefix("thread ")
+            cpu[name] = float(line.split("CPU ")[1].split(" s")[0])
+    assert cpu["busy"] > 0.15
+    assert cpu["idle"] < 0.05
