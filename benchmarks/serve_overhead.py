@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -79,8 +80,13 @@ def _loop_cpu(server) -> float:
     return out[0]
 
 
-def measure(concurrency: int, step_ms: float, tokens: int, streams: int, engine_us: float) -> dict:
+def measure(
+    concurrency: int, step_ms: float, tokens: int, streams: int, engine_us: float, mode: str
+) -> dict:
+    import functools
+
     from outrider.server.config import ServerConfig
+    from outrider.server.engine_process import EngineProcess
     from outrider.server.server import ServerThread
     from outrider.testing.server_core import StandInCore
 
@@ -94,20 +100,27 @@ def measure(concurrency: int, step_ms: float, tokens: int, streams: int, engine_
 
             asyncio.run(serve())
 
-    core = StandInCore(tokens, max_model_len=4096, step_ms=step_ms, engine_us=engine_us)
+    build = functools.partial(
+        StandInCore, tokens, max_model_len=4096, step_ms=step_ms, engine_us=engine_us
+    )
+    # "process": the stand-in steps in an engine process (EngineProcess), as `outrider serve`
+    # runs a core by default; "thread": in a thread of the server's process.
+    core = EngineProcess(build) if mode == "process" else build()
     with Served(ServerConfig(served_model_name="standin"), core) as s:
         loop_before = _loop_cpu(s)
-        steps_before, engine_before = core.steps, core.thread_cpu
+        steps_before, engine_before = _core_counts(core)
         client = subprocess.run(
             [sys.executable, __file__, "--client", "127.0.0.1", str(s.port), str(concurrency),
              str(streams), str(tokens)],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         loop_after = _loop_cpu(s)
+        steps_after, engine_after = _core_counts(core)
     every, timed, seconds = client.stdout.split()  # chunks in all (warm-up included), timed
     every, chunks, seconds = int(every), int(timed), float(seconds)
-    steps = core.steps - steps_before
+    steps = steps_after - steps_before
     row = {
+        "engine": mode,
         "concurrency": concurrency,
         "engine_us_per_token": engine_us,
         "chunks": chunks,
@@ -119,9 +132,19 @@ def measure(concurrency: int, step_ms: float, tokens: int, streams: int, engine_
         "tokens_per_step": round(every / max(steps, 1), 2),
         # CPU time over the whole client run, warm-up included, so over every chunk
         "loop_cpu_us_per_chunk": round((loop_after - loop_before) / every * 1e6, 2),
-        "engine_cpu_us_per_chunk": round((core.thread_cpu - engine_before) / every * 1e6, 2),
+        "engine_cpu_us_per_chunk": round((engine_after - engine_before) / every * 1e6, 2),
     }
     return row
+
+
+def _core_counts(core) -> tuple[int, float]:
+    """The stand-in's steps and its stepping thread's CPU seconds; beside an engine process, the
+    steps the server received and that whole process's CPU seconds (Linux's /proc)."""
+    if hasattr(core, "pid"):
+        fields = Path(f"/proc/{core.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        return core.steps_received, ticks / os.sysconf("SC_CLK_TCK")
+    return core.steps, core.thread_cpu
 
 
 def main() -> None:
@@ -134,6 +157,11 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=2.0)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--engine-us", type=float, nargs="+", default=[0.0])
+    ap.add_argument(
+        "--engine", nargs="+", default=["process", "thread"], choices=["process", "thread"],
+        help="where the stand-in steps: an engine process (outrider serve's default) or a "
+        "thread of the server's process (--no-engine-process); a row each",
+    )  # fmt: skip
     ap.add_argument("--streams-per-client", type=int, default=4)
     ap.add_argument("--out", default=None)
     ap.add_argument("--out-dir", default=None)
@@ -148,15 +176,16 @@ def main() -> None:
     rows = []
     for us in args.engine_us:
         for c in args.concurrency:
-            row = measure(c, args.step_ms, args.tokens, args.streams_per_client, us)
-            rows.append(row)
-            print(
-                f"engine {us:g} us C={c:<3} {row['chunks_per_s']:9.1f} chunks/s of "
-                f"{row['ceiling_per_s']:9.1f}  "
-                f"loop {row['loop_cpu_us_per_chunk']} us, engine thread "
-                f"{row['engine_cpu_us_per_chunk']} us a chunk, {row['tokens_per_step']} a step",
-                flush=True,
-            )
+            for mode in args.engine:
+                row = measure(c, args.step_ms, args.tokens, args.streams_per_client, us, mode)
+                rows.append(row)
+                print(
+                    f"{mode:7} engine {us:g} us C={c:<3} {row['chunks_per_s']:9.1f} chunks/s of "
+                    f"{row['ceiling_per_s']:9.1f}  "
+                    f"loop {row['loop_cpu_us_per_chunk']} us, engine thread "
+                    f"{row['engine_cpu_us_per_chunk']} us a chunk, {row['tokens_per_step']} a step",
+                    flush=True,
+                )
     print(write_result(name, {"step_ms": args.step_ms, "tokens": args.tokens, "rows": rows},
                        args.out_dir))  # fmt: skip
 

@@ -58,6 +58,10 @@ CONFIGS = {
     # Each step read before the next is launched (what running steps ahead gains, side by side).
     "eagle3_sync": ["--spec", "eagle3", "--no-async-scheduling"],
     "ngram_sync": ["--spec", "ngram", "--no-async-scheduling"],
+    # The engine stepped in a thread of the server's process (what the engine process gains).
+    "plain_thread": ["--no-engine-process"],
+    "eagle3_thread": ["--spec", "eagle3", "--no-engine-process"],
+    "ngram_thread": ["--spec", "ngram", "--no-engine-process"],
 }
 DEFAULT_CONFIGS = ["plain", "eagle3", "ngram"]
 PORT, KEY = 8011, "sk-bench"

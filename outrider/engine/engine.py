@@ -23,7 +23,7 @@ from outrider.core import (
 from outrider.engine import overlap, stop_strings
 from outrider.engine.block_manager import BlockManager
 from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
-from outrider.engine.limits import check_request, context_limit
+from outrider.engine.limits import ContextLimit, check_request, context_limit
 from outrider.engine.proposers import build_proposer, check_method
 from outrider.engine.scheduler import Scheduler
 from outrider.engine.speculation import Speculator
@@ -160,11 +160,7 @@ class EngineCore:
         """Raise ValueError naming the problem; the engine's state is untouched either way (a
         constraint that compiles, and the stop strings' automaton, are cached for the request
         that follows: the server validates off the engine thread)."""
-        check_request(prompt_token_ids, params, self.vocab_size, self.context)
-        if params.structured_outputs is not None:
-            self.grammars.compile(params.structured_outputs)
-        if params.stop:
-            stop_strings.automaton(params.stop)
+        validate_request(prompt_token_ids, params, self.vocab_size, self.context, self.grammars)
 
     def add_request(
         self,
@@ -504,3 +500,20 @@ class EngineCore:
             deltas.append(tracked.output(text, new_ids))
         self.speculator.after_step(self.scheduler.running)
         return deltas
+
+
+def validate_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    vocab_size: int,
+    context: ContextLimit,
+    grammars: Grammars | None,
+) -> None:
+    """EngineCore.validate on what it reads, for a process that holds a copy of it (the server's,
+    beside an engine process): ValueError naming the problem. A constraint that compiles is
+    cached in `grammars`, and the stop strings' automaton, for the request that follows."""
+    check_request(prompt_token_ids, params, vocab_size, context)
+    if params.structured_outputs is not None:
+        grammars.compile(params.structured_outputs)
+    if params.stop:
+        stop_strings.automaton(params.stop)

@@ -102,6 +102,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+def hook_layers(core, heartbeat: Heartbeat) -> list:
+    """Beat before every decoder layer of the core's target model (call it in the thread that
+    steps the core); the hooks' handles. Stand-ins for EngineCore in tests may have no model:
+    then only the stepping loop beats."""
+    model = getattr(getattr(core, "runner", None), "model", None)
+    if not isinstance(model, nn.Module):
+        return []
+    layers = decoder_layers(model)
+    if not layers:
+        log.warning(
+            "no decoder layers found in %s: the heartbeat beats once per step only, so "
+            "/health calls a step longer than %.0f s a stall",
+            type(model).__name__, heartbeat.stall_s,
+        )  # fmt: skip
+    return [layer.register_forward_pre_hook(heartbeat.beat) for layer in layers]
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of engine-wide counters, replaced (never mutated) by the engine thread."""
@@ -153,6 +170,7 @@ class AsyncEngine:
         delta and each finished request. `stall_s`: the least heartbeat silence that counts
         as stuck (see Heartbeat)."""
         self.core = core
+        self.checkpoint = getattr(core, "checkpoint", None)  # what names the model
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.context = core.context  # what sets max_model_len, for messages
@@ -223,7 +241,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         unfinished = {rid for rid, _, _ in requests}
         self.num_active += 1
-        self._commands.put(("add", requests, loop, q))
+        self._post(("add", requests, loop, q))
         try:
             while unfinished:
                 queued = [await q.get()]
@@ -243,10 +261,14 @@ class AsyncEngine:
     def abort(self, request_ids: list[str], notify: bool = False) -> None:
         """Abort requests (thread-safe). notify=True also ends their generate() with a final
         delta whose finish_reason is "abort" (shutdown); otherwise the caller is gone."""
-        self._commands.put(("abort", list(request_ids), notify))
+        self._post(("abort", list(request_ids), notify))
 
     def abort_all(self) -> None:
-        self._commands.put(("abort_all",))
+        self._post(("abort_all",))
+
+    def _post(self, cmd: tuple) -> None:
+        """A command for the engine thread (any thread)."""
+        self._commands.put(cmd)
 
     async def probe(self, timeout: float) -> bool:
         """Generate one token through the whole path; True when it arrives within timeout.
@@ -269,7 +291,7 @@ class AsyncEngine:
     # -- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        hooks = self._hook_layers()
+        hooks = hook_layers(self.core, self.heartbeat)
         beat = self.heartbeat
         try:
             while not self._stopping.is_set():
@@ -294,21 +316,6 @@ class AsyncEngine:
             # hook dict change under it; a core served again gets a fresh heartbeat's hooks.
             for hook in hooks:
                 hook.remove()
-
-    def _hook_layers(self) -> list:
-        """Beat before every decoder layer of the target model (runs in the engine thread).
-        Stand-ins for EngineCore in tests may have no model: then only the loop beats."""
-        model = getattr(getattr(self.core, "runner", None), "model", None)
-        if not isinstance(model, nn.Module):
-            return []
-        layers = decoder_layers(model)
-        if not layers:
-            log.warning(
-                "no decoder layers found in %s: the heartbeat beats once per step only, so "
-                "/health calls a step longer than %.0f s a stall",
-                type(model).__name__, self.heartbeat.stall_s,
-            )  # fmt: skip
-        return [layer.register_forward_pre_hook(self.heartbeat.beat) for layer in layers]
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -376,22 +383,27 @@ class AsyncEngine:
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, (sink.index, item))
 
     def _snapshot(self) -> EngineStats:
-        sched, bm, spec = self.core.scheduler, self.core.block_manager, self.core.speculator
-        return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
-            num_preemptions=sched.num_preemptions,
-            spec_num_drafts=spec.stats.num_verify_steps,
-            spec_num_draft_tokens=spec.stats.num_draft_tokens,
-            spec_num_accepted_tokens=spec.stats.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.stats.accepted_per_position),
-            spec_k=spec.last_k,
-            spec_steps_by_k=tuple(sorted(spec.steps_by_k.items())),
-            steps_run_ahead=getattr(self.core, "num_steps_run_ahead", 0),
-            **_collective_stats(getattr(self.core, "runner", None)),
-        )
+        return engine_stats(self.core)
+
+
+def engine_stats(core: EngineCore) -> EngineStats:
+    """A snapshot of the core's counters (the thread that steps it)."""
+    sched, bm, spec = core.scheduler, core.block_manager, core.speculator
+    return EngineStats(
+        num_running=sched.num_running,
+        num_waiting=sched.num_waiting,
+        num_free_blocks=bm.num_free_blocks,
+        num_blocks=bm.num_blocks,
+        num_preemptions=sched.num_preemptions,
+        spec_num_drafts=spec.stats.num_verify_steps,
+        spec_num_draft_tokens=spec.stats.num_draft_tokens,
+        spec_num_accepted_tokens=spec.stats.num_accepted_tokens,
+        spec_accepted_per_position=tuple(spec.stats.accepted_per_position),
+        spec_k=spec.last_k,
+        spec_steps_by_k=tuple(sorted(spec.steps_by_k.items())),
+        steps_run_ahead=getattr(core, "num_steps_run_ahead", 0),
+        **_collective_stats(getattr(core, "runner", None)),
+    )
 
 
 def _collective_stats(runner: ModelRunner | None) -> dict:

@@ -117,6 +117,13 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         type=int,
     )  # fmt: skip
     config_flag(
+        group, "server.engine_process",
+        "step the engine in a process of its own, beside the HTTP server's (--no-engine-process: "
+        "in a thread of the same process, where both share one interpreter)",
+        "--engine-process", action=argparse.BooleanOptionalAction,
+        shown_default=defaults["engine_process"],
+    )  # fmt: skip
+    config_flag(
         group, "server.cors_origins",
         "allow browser calls from this origin (repeatable; default: CORS off)",
         "--cors-origin", action="append", shown_default=defaults["cors_origins"],

@@ -67,6 +67,9 @@ class ServerConfig:
     # The least heartbeat silence of the engine thread that /health (503) and the systemd
     # watchdog (pings stop) call a stall; a model with slower steps raises it (async_engine.py).
     health_stall_s: float = 30.0
+    # The engine core in a process of its own (server/engine_process.py), so that its host work
+    # and the event loop's each have an interpreter; False: a thread of the server's process.
+    engine_process: bool = True
     log_level: str = "warning"  # uvicorn's access and error log level
     metrics_prefix: str = "outrider"  # "vllm": /metrics as vllm:*, for vLLM's dashboards
 

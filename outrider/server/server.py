@@ -36,6 +36,7 @@ from outrider.server import sdnotify
 from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
+from outrider.server.engine_process import EngineProcess
 from outrider.server.guards import GuardedH11Protocol
 from outrider.server.stack_sampler import StackSampler
 from outrider.server.state import ServerState, read_chat_template
@@ -185,18 +186,24 @@ def _warm_up(core: EngineCore) -> None:
     spec.steps_by_k.clear()
 
 
-def model_name(server_config: ServerConfig, core: EngineCore) -> str:
+def model_name(server_config: ServerConfig, engine: AsyncEngine) -> str:
     if server_config.served_model_name:
         return server_config.served_model_name
-    path = Path(str(core.checkpoint.path))
+    path = Path(str(engine.checkpoint.path))
     return path.stem if path.suffix == ".gguf" else path.name
 
 
 def build_server(
-    server_config: ServerConfig, core: EngineCore
+    server_config: ServerConfig, core: EngineCore | AsyncEngine
 ) -> tuple[OutriderServer, ServerState]:
-    engine = AsyncEngine(core, stall_s=server_config.health_stall_s)
-    state = ServerState.build(engine, server_config, model_name(server_config, core))
+    """The server over an engine (an EngineProcess, or any AsyncEngine), or over a core it
+    steps in a thread of this process."""
+    engine = (
+        core
+        if isinstance(core, AsyncEngine)
+        else AsyncEngine(core, stall_s=server_config.health_stall_s)
+    )
+    state = ServerState.build(engine, server_config, model_name(server_config, engine))
     app = build_app(state, server_config.resolve_api_key())
     # h11 (what uvicorn runs without httptools, which outrider does not install), guarded
     protocol = functools.partial(
@@ -227,8 +234,11 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
     if server_config.chat_template is not None:  # a typo in it fails before a model loads
         read_chat_template(server_config.chat_template)
     open_files_for(server_config.max_connections + _OWN_FILES)
-    core = load_engine(engine_config)
-    server, state = build_server(server_config, core)
+    if server_config.engine_process:
+        engine = EngineProcess(engine_config, stall_s=server_config.health_stall_s)
+    else:
+        engine = AsyncEngine(load_engine(engine_config), stall_s=server_config.health_stall_s)
+    server, state = build_server(server_config, engine)
     profile = env.thread_profile()
     sampler = StackSampler(restart=f"{profile}.restart").start() if profile else None
     state.engine.start()

@@ -11,6 +11,30 @@ from outrider.core import RequestOutput
 from outrider.engine.limits import ContextLimit
 
 
+class StandInTokenizer:
+    """What the server asks of a tokenizer with no model behind it (picklable: an engine process
+    sends its core's tokenizer to the server)."""
+
+    bos_token_id = 1
+
+    def with_chat_template(self, limits, template, origin) -> StandInTokenizer:
+        return self
+
+
+class _Counts:
+    """The scheduler's counters the server reads: the running requests, live."""
+
+    num_waiting = 0
+    num_preemptions = 0
+
+    def __init__(self, core: StandInCore) -> None:
+        self._core = core
+
+    @property
+    def num_running(self) -> int:
+        return len(self._core.live)
+
+
 class StandInCore:
     """Each running request gets one token a step (text "t<n>", id 7) and finishes after
     `tokens`. A step first sleeps `step_ms` (a device's step: the interpreter free), then spends
@@ -21,14 +45,12 @@ class StandInCore:
         self, tokens: int = 3, *, max_model_len: int = 64, step_ms: float = 0.0,
         engine_us: float = 0.0,
     ) -> None:  # fmt: skip
-        tok = SimpleNamespace(bos_token_id=1)
-        tok.with_chat_template = lambda limits, template, origin: tok
-        self.tokenizer = tok
+        self.tokenizer = StandInTokenizer()
         self.max_model_len, self.vocab_size = max_model_len, 100
         self.context = ContextLimit(
             max_model_len, f"the context is {max_model_len} tokens (the model's max_model_len)", ""
         )
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
+        self.scheduler = _Counts(self)
         self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10)
         stats = SimpleNamespace(
             num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
