@@ -222,7 +222,12 @@ class EngineProcess(AsyncEngine):
                     os.read(self._wake_r, 4096)
                 self._apply_commands(block=False)
                 while self._conn.poll():
-                    self._receive(self._conn.recv())
+                    msg = self._conn.recv()
+                    # A request posted after the commands above were applied may have been
+                    # answered already: its command was queued before it was sent, so it is in
+                    # the queue now, and its sink must be there before its first delta.
+                    self._apply_commands(block=False)
+                    self._receive(msg)
                 if not self._proc.is_alive() and not self._conn.poll():
                     raise EngineDeadError(
                         f"the engine process exited with code {self._proc.exitcode}"
