@@ -249,6 +249,9 @@ class AsyncEngine:
                     queued.append(q.get_nowait())
                 for index, out in _coalesced(queued):
                     if isinstance(out, BaseException):
+                        # (a refused request is not this call's to abort: its id may be
+                        # another caller's, still running)
+                        unfinished.discard(requests[index][0])
                         raise out
                     if out.finished:
                         unfinished.discard(out.request_id)

@@ -129,6 +129,7 @@ class EngineProcess(AsyncEngine):
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         self._sinks: dict[str, _Sink] = {}
+        self._refused: set[str] = set()  # ids refused here as duplicates (receiver thread)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outrider-receiver", daemon=True)
 
@@ -235,8 +236,11 @@ class EngineProcess(AsyncEngine):
         except BaseException as e:  # the engine is gone: tell every waiter, then stop
             if self._stopping.is_set() and isinstance(e, (EOFError, OSError)):
                 return
-            if not isinstance(e, EngineDeadError):
-                e = EngineDeadError(f"the engine process ended: {e!r}")
+            if isinstance(e, (EOFError, OSError)):  # its end of the pipe closed: it has exited
+                self._proc.join(_JOIN_S)
+                e = EngineDeadError(f"the engine process exited with code {self._proc.exitcode}")
+            elif not isinstance(e, EngineDeadError):
+                e = EngineDeadError(f"the engine process failed: {e!r}")
             log.error("%s", e)
             self.error = e
             for rid, sink in list(self._sinks.items()):
@@ -256,6 +260,9 @@ class EngineProcess(AsyncEngine):
             self.stats = msg[1]
         elif kind == "reject":  # add_request refused it: a race the validation did not see
             _, rid, error = msg
+            if rid in self._refused:  # refused here already, its namesake left alone
+                self._refused.discard(rid)
+                return
             sink = self._sinks.pop(rid, None)
             if sink is not None:
                 self._push(sink, error)
@@ -268,7 +275,12 @@ class EngineProcess(AsyncEngine):
         if kind == "add":
             _, requests, loop, q = cmd
             for index, (rid, _, _) in enumerate(requests):
-                self._sinks[rid] = _Sink(loop, q, index)
+                sink = _Sink(loop, q, index)
+                if rid in self._sinks:  # the engine process refuses it too ("reject")
+                    self._refused.add(rid)
+                    self._push(sink, ValueError(f"request id {rid!r} is already in use"))
+                    continue
+                self._sinks[rid] = sink
         elif kind == "abort":
             _, ids, notify = cmd
             for rid in ids:
