@@ -19,7 +19,9 @@ none, and the first point meets the kernels each batch size compiles at first us
 With --engine-c1 each configuration then runs through `LLM` at one stream on the same prompts
 (spec_gpu.py's timed_run), the engine as a script sees it: the server's C=1 speedup over the
 engine's is what the server path gives up. --thread-profile samples each server's threads
-(where the engine thread and the event loop spend the time). With --rounds N the configurations take turns N times (plain, eagle3, ngram, plain,
+(where the engine thread and the event loop spend the time; beside an engine process, that
+process's threads too, <out>_threads_<config>_<round>.txt.engine.txt). With --rounds N the
+configurations take turns N times (plain, eagle3, ngram, plain,
 ...): a machine whose speed drifts (a shared CPU: +-5% from one run to the next) then weighs
 on every configuration alike, and each speedup is the median of the rounds' own (each round's
 configuration over that round's plain), every round's listed beside it.
@@ -266,8 +268,9 @@ def main() -> None:
             try:
                 if args.warmup:  # untimed: what each batch size compiles at its first use
                     run(cfg, warm_prompts, label=f"{name}-warmup", progress=False)
-                if args.thread_profile:  # the sampler counts afresh from here (stack_sampler)
+                if args.thread_profile:  # the samplers count afresh from here (stack_sampler)
                     Path(f"{threads}.restart").touch()
+                    Path(f"{threads}.engine.restart").touch()  # the engine process's
                 runs[name] = sweep(cfg, prompts_at, name)
                 for rate in args.request_rates:  # the server stays up: one point each
                     at_rate = dataclasses.replace(
@@ -285,6 +288,10 @@ def main() -> None:
             if args.thread_profile:
                 print(f"{name} round {r}, where the server's threads were ({threads}):\n"
                       f"{read_summary(threads)}", flush=True)  # fmt: skip
+                engine_threads = Path(f"{threads}.engine.txt")  # beside an engine process
+                if engine_threads.exists():
+                    print(f"and the engine process's ({engine_threads}):\n"
+                          f"{read_summary(engine_threads)}", flush=True)  # fmt: skip
             if r == 0:
                 files.append(write_run(runs[name], work))
             for p in runs[name]["points"] + runs[name].get("rate_points", []):

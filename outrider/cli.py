@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # answered with the chosen command's usage, which lists its flags
         _chosen(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     level = logging.INFO if getattr(args, "verbose", False) else env.log_level()
-    logging.basicConfig(level=level, format="[outrider] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format=env.LOG_FORMAT)
     try:
         if args.command == "generate":
             return cmd_generate(args)

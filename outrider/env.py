@@ -60,6 +60,9 @@ def step_profile_dir() -> str | None:
     return os.path.join(cache, "outrider", "step_profiles")
 
 
+LOG_FORMAT = "[outrider] %(levelname)s %(name)s: %(message)s"  # the CLI's, and an engine process's
+
+
 def log_level() -> str:
     return os.environ.get("OUTRIDER_LOG_LEVEL", "WARNING").upper()
 

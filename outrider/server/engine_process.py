@@ -104,7 +104,7 @@ class EngineProcess(AsyncEngine):
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
             target=_engine_main,
-            args=(build, child_conn, cells, stall_s, env.thread_profile()),
+            args=(build, child_conn, cells, stall_s, env.thread_profile(), _log_level()),
             name="outrider-engine",
         )
         self._proc.start()
@@ -134,6 +134,15 @@ class EngineProcess(AsyncEngine):
         self._thread = threading.Thread(target=self._run, name="outrider-receiver", daemon=True)
 
     def _wait_ready(self) -> dict:
+        try:
+            return self._await_ready()
+        except BaseException:  # failed, timed out, or Ctrl-C while the engine loads
+            if self._proc.is_alive():  # (it ignores SIGINT and SIGTERM)
+                self._proc.kill()
+            self._proc.join(_JOIN_S)
+            raise
+
+    def _await_ready(self) -> dict:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._conn.poll(0.5):
@@ -311,30 +320,40 @@ def _output(d: tuple) -> RequestOutput:
 # -- the engine process ----------------------------------------------------------------------
 
 
-def _engine_main(build, conn: Connection, cells, stall_s: float, profile: str | None) -> None:
+def _log_level() -> int:
+    """The level this process logs at, for the engine process to log at too."""
+    return logging.getLogger().getEffectiveLevel()
+
+
+def _engine_main(
+    build, conn: Connection, cells, stall_s: float, profile: str | None, log_level: int
+) -> None:
     """The engine process: build the core, say so, then step it for the server until told to
     stop or the server's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=env.LOG_FORMAT)
     try:
         core = _build(build)
     except BaseException as e:
         with contextlib.suppress(Exception):
             conn.send(("failed", _picklable(e)))
         raise SystemExit(1) from None
-    conn.send(
-        (
-            "ready",
-            {
-                "tokenizer": core.tokenizer,
-                "max_model_len": core.max_model_len,
-                "context": core.context,
-                "vocab_size": core.vocab_size,
-                "checkpoint_path": str(getattr(getattr(core, "checkpoint", None), "path", "")),
-                "stats": engine_stats(core),
-            },
-        )
+    ready = (
+        "ready",
+        {
+            "tokenizer": core.tokenizer,
+            "max_model_len": core.max_model_len,
+            "context": core.context,
+            "vocab_size": core.vocab_size,
+            "checkpoint_path": str(getattr(getattr(core, "checkpoint", None), "path", "")),
+            "stats": engine_stats(core),
+        },
     )
+    try:
+        conn.send(ready)
+    except OSError:  # the server stopped waiting (Ctrl-C while this loaded): end quietly
+        raise SystemExit(1) from None
     sampler = None
     if profile:
         from outrider.server.stack_sampler import StackSampler
