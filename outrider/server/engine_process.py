@@ -51,6 +51,7 @@ from outrider.server.async_engine import (
     hook_layers,
 )
 from outrider.server.config import ServerConfig
+from outrider.server.engine_load import load_engine
 
 log = logging.getLogger(__name__)
 
@@ -380,8 +381,6 @@ def _engine_main(
 
 def _build(build):
     if isinstance(build, EngineConfig):
-        from outrider.server.server import load_engine
-
         return load_engine(build)
     return build()
 

@@ -1,11 +1,11 @@
-"""Running the server: load and warm the engine, start its thread, serve HTTP with uvicorn,
-and shut down gracefully.
+"""Running the server: start the engine (in a process of its own, server/engine_process.py, or
+loaded here and stepped by a thread), serve HTTP with uvicorn, and shut down gracefully.
 
 Shutdown (SIGTERM or SIGINT): admission stops at once (new requests get 503, /health 503, a
 request still uploading its body 503 too), systemd hears STOPPING=1, in-flight requests get up
 to `shutdown_timeout` seconds to finish, then whatever is left is aborted (its clients get
 finish_reason "abort"), uvicorn closes and the process exits 0. A second SIGINT exits at once,
-with 130 when that cut requests off. If the engine thread dies, the server
+with 130 when that cut requests off. If the engine dies (or its process ends), the server
 shuts down and exits 1, for the service manager to restart it. If it is alive but stuck (no
 heartbeat within its stall limit), /health says 503 "stalled" and, under a unit with
 WatchdogSec=, the WATCHDOG=1 pings stop so that systemd restarts it.
@@ -22,26 +22,23 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import uvicorn
 
 from outrider import env
 from outrider.config import EngineConfig
-from outrider.core import SamplingParams
 from outrider.engine.engine import EngineCore
 from outrider.server import sdnotify
 from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
+from outrider.server.engine_load import load_engine
 from outrider.server.engine_process import EngineProcess
 from outrider.server.guards import GuardedH11Protocol
 from outrider.server.stack_sampler import StackSampler
 from outrider.server.state import ServerState, read_chat_template
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _ABORT_GRACE_S = 5.0  # after aborting leftovers, time for their last chunks to reach clients
@@ -119,71 +116,6 @@ class OutriderServer(uvicorn.Server):
             while state.in_flight > 0 and time.monotonic() < grace:
                 time.sleep(0.05)
         self.should_exit = True
-
-
-def load_engine(engine_config: EngineConfig) -> EngineCore:
-    """The engine, built and warmed up in a thread that has ended when this returns (apart)."""
-    return apart(_load, engine_config)
-
-
-def _load(engine_config: EngineConfig) -> EngineCore:
-    core = EngineCore(engine_config)
-    _warm_up(core)
-    return core
-
-
-def apart(fn: Callable[..., T], *args) -> T:
-    """fn(*args) in a thread of its own, ended when this returns: its result, or its exception
-    raised here.
-
-    A server's model then runs in one thread alone, the engine thread. torch's CPU ops run in
-    OpenMP (libgomp) teams, one for each thread that starts them, and while a second thread's
-    team lives (the main thread's, left by loading the model there) libgomp counts more threads
-    than cores and puts each team's workers to sleep between parallel regions instead of
-    spinning. On 2 cores every elementwise op of the engine thread then took ~150 us where the
-    main thread's took ~22 (a 256 x 256 tensor), and the server decoded 30% slower than `LLM`
-    on the same prompts (50 against 72 tok/s at C=4). A team ends with its thread."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # raised again in the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="outrider-load", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.5)  # with a timeout, so that Ctrl-C reaches the main thread meanwhile
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-WARM_UP_TOKENS = 12  # with a proposer: room for speculative steps, run ahead where they can
-
-
-def _warm_up(core: EngineCore) -> None:
-    """One short generation before READY: the first forward allocates and (on GPU) compiles.
-    The tokenizer's length bound too (~0.1 s, once), not at the first request on the loop.
-    With a proposer it drafts every step, unseen by the adaptive controller (which would keep
-    the warm-up's acceptance, and its step times inflated by compiling): the drafter's
-    catch-up and the speculative step compile their kernels here (on an H100 a first EAGLE-3
-    server compiled its drafter's top-k and attention in the first requests' time, about a
-    second), and the speculator's counters start afresh."""
-    core.tokenizer.least_tokens("")
-    spec = core.speculator
-    controller, spec.controller = spec.controller, None  # a fixed k: the largest
-    tokens = WARM_UP_TOKENS if spec.proposer is not None else 2
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    try:
-        req = core.add_request([core.tokenizer.bos_token_id or 0], params)
-        while not req.is_finished:
-            core.step()
-    finally:
-        spec.controller = controller
-    spec.reset_stats()
-    spec.steps_by_k.clear()
 
 
 def model_name(server_config: ServerConfig, engine: AsyncEngine) -> str:

@@ -1,5 +1,5 @@
 """serve() builds its engine apart: in a thread of its own that has ended when the server
-starts, so that the engine thread is the only one whose torch ops ran on the CPU (server.apart)."""
+starts, so that the engine thread is the only one whose torch ops ran on the CPU (engine_load.apart)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from outrider.server.server import apart
+from outrider.server.engine_load import apart
 
 
 def test_apart_runs_off_the_callers_thread_returns_its_value_and_leaves_no_thread() -> None:

@@ -519,7 +519,7 @@ def test_the_server_warm_up_speculates_unseen_by_the_controller(tiny_dir):  # no
     """outrider serve's warm-up drafts and verifies (the drafter's catch-up and the speculative
     step compile there on a GPU) at a fixed k, so the adaptive controller keeps its start-up
     state, and the speculator's counters start afresh."""
-    from outrider.server.server import _warm_up
+    from outrider.server.engine_load import warm_up
 
     llm = LLM(
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256,
@@ -533,7 +533,7 @@ def test_the_server_warm_up_speculates_unseen_by_the_controller(tiny_dir):  # no
     seen = []
     reset = spec.reset_stats
     spec.reset_stats = lambda: seen.append(spec.stats.num_verify_steps) or reset()
-    _warm_up(engine)
+    warm_up(engine)
     assert seen and seen[0] > 0  # speculative steps verified drafts
     assert spec.controller is controller and spec.stats.num_verify_steps == 0
     assert not spec.steps_by_k and not controller._global and not controller._live
