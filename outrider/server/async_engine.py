@@ -93,6 +93,31 @@ class Heartbeat:
         return self.age() <= self.limit_s
 
 
+class SharedHeartbeat(Heartbeat):
+    """A Heartbeat whose `last` and `limit_s` live in shared memory: the engine process beats,
+    the server reads."""
+
+    def __init__(self, stall_s: float, cells) -> None:
+        self._cells = cells  # multiprocessing RawArray("d", 2): last, limit_s
+        super().__init__(stall_s)
+
+    @property
+    def last(self) -> float:
+        return self._cells[0]
+
+    @last.setter
+    def last(self, value: float) -> None:
+        self._cells[0] = value
+
+    @property
+    def limit_s(self) -> float:
+        return self._cells[1]
+
+    @limit_s.setter
+    def limit_s(self, value: float) -> None:
+        self._cells[1] = value
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's decoder layers: its first ModuleList named `layers` (HF's layout, e.g.
     LlamaForCausalLM.model.layers); [] when it has none."""

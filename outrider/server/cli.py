@@ -158,10 +158,20 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
 
 def cmd_serve(args: argparse.Namespace) -> int:
     server_config, engine = configs_from_args(args)  # bad values fail before the imports
+    spawned = None
+    if server_config.engine_process:
+        # Started before the server's own imports (about 2 s on 2 cores), which its own overlap.
+        from outrider.server.engine_main import spawn
 
-    from outrider.server.server import serve
+        spawned = spawn(engine, server_config.health_stall_s)
+    try:
+        from outrider.server.server import serve
 
-    return serve(server_config, engine)
+        return serve(server_config, engine, spawned)
+    except BaseException:
+        if spawned is not None:  # (a no-op once the server has stopped it)
+            spawned.kill()
+        raise
 
 
 def add_deploy_parser(commands) -> argparse.ArgumentParser:

@@ -17,72 +17,38 @@ the engine thread's part for the sinks: a command posted before its request's fi
 is sent is applied before that message is read (`_post` queues it first), so every delta finds
 its sink. Requests are validated in the server process on its own copy of what validation
 reads (the tokenizer, vocabulary, context limit; a constraint compiled once here too, cached by
-its text), so a bad one gets its 400 without a round trip.
-
-The engine process ignores SIGINT and SIGTERM (a terminal's Ctrl-C and systemd's stop reach
-every process of the group): it ends on the server's "stop", or when the server's end of the
-pipe closes (the server died), and never outlives it.
+its text), so a bad one gets its 400 without a round trip. The engine process's side is
+server/engine_main.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from types import SimpleNamespace
 
-from outrider import env
 from outrider.config import EngineConfig
 from outrider.core import RequestOutput, SamplingParams
 from outrider.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
-    Heartbeat,
+    SharedHeartbeat,
     _aborted,
     _Sink,
-    engine_stats,
-    hook_layers,
 )
 from outrider.server.config import ServerConfig
-from outrider.server.engine_load import load_engine
+from outrider.server.engine_main import Spawned, spawn
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 3600.0  # building a large model's engine (loading, capturing graphs)
-_STATS_EVERY_S = 0.02  # the engine process sends its counters at most this often while busy...
-_JOIN_S = 10.0  # ...and, at stop, gets this long to end before it is terminated
-
-
-class SharedHeartbeat(Heartbeat):
-    """A Heartbeat whose `last` and `limit_s` live in shared memory: the engine process beats,
-    the server reads."""
-
-    def __init__(self, stall_s: float, cells) -> None:
-        self._cells = cells  # multiprocessing RawArray("d", 2): last, limit_s
-        super().__init__(stall_s)
-
-    @property
-    def last(self) -> float:
-        return self._cells[0]
-
-    @last.setter
-    def last(self, value: float) -> None:
-        self._cells[0] = value
-
-    @property
-    def limit_s(self) -> float:
-        return self._cells[1]
-
-    @limit_s.setter
-    def limit_s(self, value: float) -> None:
-        self._cells[1] = value
+_JOIN_S = 10.0  # at stop, the engine process gets this long to end before it is terminated
 
 
 class EngineProcess(AsyncEngine):
@@ -90,26 +56,18 @@ class EngineProcess(AsyncEngine):
 
     `build` is what the engine process calls to make its core: an EngineConfig (the server's
     load_engine: built, then warmed up) or any picklable callable returning an object with
-    EngineCore's surface (tests: outrider.testing.server_core.StandInCore). Construction
-    returns once the core is built; its error, if building fails, is raised here."""
+    EngineCore's surface (tests: outrider.testing.server_core.StandInCore); or the engine
+    process `engine_main.spawn` started on one. Construction returns once the core is built;
+    its error, if building fails, is raised here."""
 
     def __init__(
         self,
-        build: EngineConfig | Callable[[], object],
+        build: EngineConfig | Callable[[], object] | Spawned,
         observer=None,
         stall_s: float = ServerConfig.health_stall_s,
     ) -> None:
-        ctx = multiprocessing.get_context("spawn")  # CUDA is initialised in the child alone
-        cells = ctx.RawArray("d", 2)
-        cells[0], cells[1] = time.monotonic(), stall_s
-        self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_engine_main,
-            args=(build, child_conn, cells, stall_s, env.thread_profile(), _log_level()),
-            name="outrider-engine",
-        )
-        self._proc.start()
-        child_conn.close()
+        spawned = build if isinstance(build, Spawned) else spawn(build, stall_s)
+        self._proc, self._conn = spawned.proc, spawned.conn
         ready = self._wait_ready()
         self.tokenizer = ready["tokenizer"]
         self.max_model_len = ready["max_model_len"]
@@ -120,7 +78,7 @@ class EngineProcess(AsyncEngine):
         self.observer = observer
         self.stats = ready["stats"]
         self.last_step_time = time.monotonic()
-        self.heartbeat = SharedHeartbeat(stall_s, cells)
+        self.heartbeat = SharedHeartbeat(spawned.stall_s, spawned.cells)
         self.idle_wait_s = 0.5
         self.error: BaseException | None = None
         self.num_active = 0
@@ -303,135 +261,7 @@ class EngineProcess(AsyncEngine):
             self._apply(("abort", ids, True))
 
 
-# -- deltas on the wire: tuples, the prompt left out (the server never reads it back) ----------
-
-
-def _wire(out: RequestOutput) -> tuple:
-    return (
-        out.request_id, out.text, out.token_ids, out.finished, out.finish_reason,
-        out.metrics, out.logprobs, out.completions,
-    )  # fmt: skip
-
-
 def _output(d: tuple) -> RequestOutput:
+    """What engine_main.wire made of a RequestOutput, as one again."""
     rid, text, ids, finished, reason, metrics, logprobs, completions = d
     return RequestOutput(rid, None, [], text, ids, finished, reason, metrics, logprobs, completions)
-
-
-# -- the engine process ----------------------------------------------------------------------
-
-
-def _log_level() -> int:
-    """The level this process logs at, for the engine process to log at too."""
-    return logging.getLogger().getEffectiveLevel()
-
-
-def _engine_main(
-    build, conn: Connection, cells, stall_s: float, profile: str | None, log_level: int
-) -> None:
-    """The engine process: build the core, say so, then step it for the server until told to
-    stop or the server's end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=env.LOG_FORMAT)
-    try:
-        core = _build(build)
-    except BaseException as e:
-        with contextlib.suppress(Exception):
-            conn.send(("failed", _picklable(e)))
-        raise SystemExit(1) from None
-    ready = (
-        "ready",
-        {
-            "tokenizer": core.tokenizer,
-            "max_model_len": core.max_model_len,
-            "context": core.context,
-            "vocab_size": core.vocab_size,
-            "checkpoint_path": str(getattr(getattr(core, "checkpoint", None), "path", "")),
-            "stats": engine_stats(core),
-        },
-    )
-    try:
-        conn.send(ready)
-    except OSError:  # the server stopped waiting (Ctrl-C while this loaded): end quietly
-        raise SystemExit(1) from None
-    sampler = None
-    if profile:
-        from outrider.server.stack_sampler import StackSampler
-
-        sampler = StackSampler(restart=f"{profile}.engine.restart").start()
-    heartbeat = SharedHeartbeat(stall_s, cells)
-    hooks = hook_layers(core, heartbeat)
-    try:
-        _serve(core, conn, heartbeat, min(0.5, stall_s / 4))
-    except (EOFError, OSError):
-        pass  # the server is gone
-    except BaseException as e:
-        log.exception("engine process failed")
-        with contextlib.suppress(Exception):
-            conn.send(("dead", repr(e)))
-        raise SystemExit(1) from None
-    finally:
-        for hook in hooks:
-            hook.remove()
-        if sampler is not None:
-            sampler.stop()
-            sampler.write(f"{profile}.engine.txt")
-
-
-def _build(build):
-    if isinstance(build, EngineConfig):
-        return load_engine(build)
-    return build()
-
-
-def _serve(core, conn: Connection, heartbeat: Heartbeat, idle_wait_s: float) -> None:
-    last_stats = 0.0
-    idle_stats_sent = True
-    while True:
-        heartbeat.beat()
-        busy = core.has_unfinished()
-        if conn.poll(0 if busy else idle_wait_s):
-            while True:
-                msg = conn.recv()
-                if msg[0] == "stop":
-                    return
-                _apply_in_engine(core, conn, msg)
-                if not conn.poll():
-                    break
-        if core.has_unfinished():
-            heartbeat.step_begin()
-            outputs = core.step()
-            heartbeat.step_end()
-            now = time.monotonic()
-            stats = None
-            if now - last_stats >= _STATS_EVERY_S or any(o.finished for o in outputs):
-                stats, last_stats = engine_stats(core), now
-            conn.send(("out", [_wire(o) for o in outputs], stats))
-            idle_stats_sent = False
-        elif not idle_stats_sent:  # idle: the counters as they ended
-            conn.send(("stats", engine_stats(core)))
-            idle_stats_sent = True
-
-
-def _apply_in_engine(core, conn: Connection, msg: tuple) -> None:
-    kind = msg[0]
-    if kind == "add":
-        for rid, ids, params in msg[1]:
-            try:
-                core.add_request(ids, params, request_id=rid)
-            except ValueError as e:  # validated before, so only a race (a duplicate id)
-                conn.send(("reject", rid, e))
-    elif kind == "abort":
-        for rid in msg[1]:
-            core.abort(rid)
-
-
-def _picklable(e: BaseException) -> BaseException:
-    import pickle
-
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}")

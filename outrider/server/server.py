@@ -34,6 +34,7 @@ from outrider.server.app import build_app
 from outrider.server.async_engine import AsyncEngine
 from outrider.server.config import ServerConfig
 from outrider.server.engine_load import load_engine
+from outrider.server.engine_main import Spawned
 from outrider.server.engine_process import EngineProcess
 from outrider.server.guards import GuardedH11Protocol
 from outrider.server.stack_sampler import StackSampler
@@ -156,8 +157,12 @@ def build_server(
     return OutriderServer(uv_config, state), state
 
 
-def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
-    """Blocks until shutdown; returns the process exit code."""
+def serve(
+    server_config: ServerConfig, engine_config: EngineConfig, spawned: Spawned | None = None
+) -> int:
+    """Blocks until shutdown; returns the process exit code. `spawned`: the engine process,
+    already started on engine_config (`outrider serve` starts it first: engine_main.spawn); it is
+    started here when the config asks for one and none is given."""
     api_key = server_config.resolve_api_key()  # fail on a bad key file before loading a model
     if api_key is None and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning(
@@ -167,7 +172,7 @@ def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
         read_chat_template(server_config.chat_template)
     open_files_for(server_config.max_connections + _OWN_FILES)
     if server_config.engine_process:
-        engine = EngineProcess(engine_config, stall_s=server_config.health_stall_s)
+        engine = EngineProcess(spawned or engine_config, stall_s=server_config.health_stall_s)
     else:
         engine = AsyncEngine(load_engine(engine_config), stall_s=server_config.health_stall_s)
     server, state = build_server(server_config, engine)
