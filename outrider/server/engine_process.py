@@ -67,6 +67,7 @@ class EngineProcess(AsyncEngine):
         stall_s: float = ServerConfig.health_stall_s,
     ) -> None:
         spawned = build if isinstance(build, Spawned) else spawn(build, stall_s)
+        self._spawned = spawned
         self._proc, self._conn = spawned.proc, spawned.conn
         ready = self._wait_ready()
         self.tokenizer = ready["tokenizer"]
@@ -96,9 +97,7 @@ class EngineProcess(AsyncEngine):
         try:
             return self._await_ready()
         except BaseException:  # failed, timed out, or Ctrl-C while the engine loads
-            if self._proc.is_alive():  # (it ignores SIGINT and SIGTERM)
-                self._proc.kill()
-            self._proc.join(_JOIN_S)
+            self._spawned.kill()
             raise
 
     def _await_ready(self) -> dict:
@@ -111,13 +110,11 @@ class EngineProcess(AsyncEngine):
                     break
                 if kind == "ready":
                     return payload
-                self._proc.join(_JOIN_S)
-                raise payload  # ("failed", the exception)
+                raise payload  # ("failed", the exception); the process exits by itself
             if not self._proc.is_alive():
                 break
-        self._proc.join(_JOIN_S)
-        if self._proc.is_alive():
-            self._proc.kill()
+        self._proc.join(_JOIN_S)  # its exit code, once it has ended
+        if self._proc.is_alive():  # (killed on the way out)
             raise RuntimeError(f"the engine process did not start within {_START_TIMEOUT_S:.0f} s")
         raise RuntimeError(
             f"the engine process exited with code {self._proc.exitcode} before it was ready: "
