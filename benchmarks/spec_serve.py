@@ -107,6 +107,17 @@ def sweep(cfg, prompts_at: dict, label: str) -> dict:
     return merged
 
 
+def steps_line(ledger: dict) -> str:
+    """A point's engine steps (bench serve's engine_steps) on one line: busy share, then each
+    kind's steps x ms, tokens a step and share of the point's time."""
+    kinds = "  ".join(
+        f"{k} {v['steps']}x{v['ms_per_step']:.2f}ms {v['tokens_per_step']:.1f}tok "
+        f"{v['time_share']:.0%}"
+        for k, v in ledger["kinds"].items()
+    )
+    return f"engine busy {ledger['busy_share']:.0%}: {kinds}"
+
+
 def round_speedups(runs: dict) -> dict[str, dict]:
     """One round's speedups: throughput and TPOT (> 1 faster) and TTFT over plain's (> 1
     slower), at each concurrency and each rate."""
@@ -302,6 +313,8 @@ def main() -> None:
                       f"{p.get('median_ttft_ms') or 0:7.2f} ms  TPOT p50 "
                       f"{p.get('median_tpot_ms') or 0:7.2f} ms  accept {p.get('accept_length')}"
                       f"  run ahead {ahead}", flush=True)  # fmt: skip
+                if p.get("engine_steps"):
+                    print(f"{'':8s} {steps_line(p['engine_steps'])}", flush=True)
         rounds.append(runs)
     plots = plot_results(load_results(files), out_dir, prefix=f"{args.out}_")
     per_round = [round_speedups(runs) for runs in rounds]

@@ -40,6 +40,8 @@ from outrider.bench.prompts import Prompt, arrival_times
 from outrider.bench.request import RequestResult, send_request
 from outrider.bench.stats import (
     latency_stats,
+    ledger_counters,
+    ledger_delta,
     run_metadata,
     spec_counters,
     spec_delta,
@@ -256,6 +258,7 @@ async def run_point(
         "accept_length": spec["accept_length"] if spec else None,
         "spec_decode": spec,
         "tensor_parallel": tp_delta(tp_counters(before), tp_counters(after)),
+        "engine_steps": ledger_delta(ledger_counters(before), ledger_counters(after), duration),
     }
 
 

@@ -129,6 +129,50 @@ def accept_summary(point: dict) -> str:
     return text
 
 
+_LEDGER_SAMPLE = re.compile(
+    r'^outrider:engine_step_(count|seconds|tokens|rows)_total\{.*\bkind="(\w+)".*\}\s+(\S+)'
+)
+
+
+def ledger_counters(text: str) -> dict[tuple[str, str], float]:
+    """outrider's engine step ledger (engine/step_ledger.py) from /metrics: {(kind, series):
+    value}, series "count", "seconds", "tokens" or "rows". Empty for a server without it."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _LEDGER_SAMPLE.match(line)
+        if m:
+            key = (m[2], m[1])
+            out[key] = out.get(key, 0.0) + float(m[3])
+    return out
+
+
+def ledger_delta(before: dict, after: dict, duration: float) -> dict[str, Any] | None:
+    """What a point's engine steps were, by kind: {kind: {"steps", "ms_per_step",
+    "tokens_per_step", "rows_per_step", "time_share"}} with time_share the kind's seconds over
+    the point's duration, and "busy_share" (every step's seconds over it: the rest the engine
+    waited for work or did the server's part). None without a ledger or steps."""
+    if not after or duration <= 0:
+        return None
+    out: dict[str, Any] = {}
+    busy = 0.0
+    for kind in dict.fromkeys(k for k, _ in after):
+        d = {s: after.get((kind, s), 0.0) - before.get((kind, s), 0.0)
+             for s in ("count", "seconds", "tokens", "rows")}  # fmt: skip
+        if d["count"] <= 0:
+            continue
+        busy += d["seconds"]
+        out[kind] = {
+            "steps": int(d["count"]),
+            "ms_per_step": round(d["seconds"] / d["count"] * 1e3, 3),
+            "tokens_per_step": round(d["tokens"] / d["count"], 2),
+            "rows_per_step": round(d["rows"] / d["count"], 2),
+            "time_share": round(d["seconds"] / duration, 4),
+        }
+    if not out:
+        return None
+    return {"busy_share": round(busy / duration, 4), "kinds": out}
+
+
 _TP_SAMPLE = re.compile(
     r"^(?:outrider|vllm):(collective_calls|collective_bytes|forwards)_total\{(.*)\}\s+(\S+)"
 )

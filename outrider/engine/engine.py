@@ -27,6 +27,7 @@ from outrider.engine.limits import ContextLimit, check_request, context_limit
 from outrider.engine.proposers import build_proposer, check_method
 from outrider.engine.scheduler import Scheduler
 from outrider.engine.speculation import Speculator
+from outrider.engine.step_ledger import StepLedger
 from outrider.engine.structured import Grammars
 from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
@@ -87,6 +88,9 @@ class EngineCore:
         # A speculative step's decoding rows, run in the call after its prompt chunks.
         self._decodes_next: ScheduledBatch | None = None
         self.num_steps_run_ahead = 0
+        self.ledger = StepLedger()  # steps by kind: count, seconds, tokens, rows
+        self._kind: str | None = None
+        self._rows = 0
         # Steps run ahead on a greedy constrained row's unmasked argmax that its grammar then
         # refused: dropped whole (beside a drafter's aux streams), or only the refused rows
         # computed again (Ahead.redo); and how often a constrained row's grammar refuses its
@@ -208,8 +212,24 @@ class EngineCore:
         """Run one batch; return a delta (new text and token ids) per request that advanced.
 
         With async scheduling, a plain decode step launches the next one before reading its
-        own tokens (engine/overlap.py): that step is then taken here instead of a new schedule."""
+        own tokens (engine/overlap.py): that step is then taken here instead of a new schedule.
+        Each step is entered in `ledger` by its kind (engine/step_ledger.py)."""
         t0 = time.perf_counter()
+        self._kind, self._rows = None, 0
+        deltas = self._step(t0)
+        if self._kind is not None:
+            kind = self._kind
+            if kind != "prefill" and self._ahead is not None:
+                kind += "_ahead"  # the step after it was launched before this one was read
+            tokens = sum(len(d.token_ids) for d in deltas)
+            self.ledger.add(kind, time.perf_counter() - t0, tokens, self._rows)
+        return deltas
+
+    def _label(self, kind: str, batch: ScheduledBatch) -> None:
+        """What this step is, for the ledger (its "_ahead" form is decided at its end)."""
+        self._kind, self._rows = kind, len(batch.seqs)
+
+    def _step(self, t0: float) -> list[RequestOutput]:
         decodes, self._decodes_next = self._decodes_next, None
         if decodes is not None:
             decodes = self.speculator.rows_left(decodes)
@@ -219,6 +239,7 @@ class EngineCore:
             self._ahead = None
             if isinstance(ids, SpecLaunch):
                 return self._speculate_ahead(batch, ids, t0)
+            self._label("decode", batch)
         elif decodes is not None:  # a speculative step whose prompt chunks ran before it
             return self._speculate(decodes, t0)
         else:
@@ -234,6 +255,7 @@ class EngineCore:
                 return self._prompts_first(batch)
             if speculative:
                 return self._speculate(batch, t0)
+            self._label("prefill" if batch.mode == ForwardMode.PREFILL else "decode", batch)
             if not (self._async and self._can_run_ahead(batch)):
                 output = self.runner.run(batch)
                 if output.grammar_candidates:
@@ -273,6 +295,7 @@ class EngineCore:
     def _speculate(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput]:
         """A speculative step over decoding rows: launched ahead of its read where it can be
         (Speculator.launches), else run and read."""
+        self._label("verify", batch)
         if self._async and self.speculator.launches(batch):
             return self._speculate_ahead(batch, self.speculator.launch(batch), t0)
         output = self.speculator.run(batch)
@@ -287,6 +310,7 @@ class EngineCore:
         prompt's first token waited for the speculative step's drafting and verify too (at a
         server's concurrency an arrival lands in such a step nearly every time)."""
         prompts, decodes = self.speculator.split(batch)
+        self._label("prefill", prompts)
         output = self.runner.run(prompts)
         if output.grammar_candidates:
             self._pick_grammar_tokens(prompts, output)
@@ -301,6 +325,7 @@ class EngineCore:
         this one is read and postprocessed while the device runs those, then the chunks.
         Requests whose first token such chunks sampled join the step launched after the next
         read (engine/overlap.py)."""
+        self._label("verify", batch)
         nxt = beside = None
         joins = self._joins(batch)
         if joins is not None:

@@ -162,6 +162,8 @@ class EngineStats:
     spec_steps_by_k: tuple[tuple[int, int], ...] = ()
     # Decode steps launched before the step before them was read (async scheduling).
     steps_run_ahead: int = 0
+    # Steps by kind (engine/step_ledger.py): (kind, steps, seconds, tokens, rows).
+    step_ledger: tuple[tuple[str, int, float, int, int], ...] = ()
     # Tensor parallelism: the group's size, what rank 0's collectives moved as (mode, op,
     # calls, bytes), and the target forwards sent to the other ranks as (mode, n). One rank
     # runs no collective and sends no forward: both stay empty there.
@@ -430,6 +432,7 @@ def engine_stats(core: EngineCore) -> EngineStats:
         spec_k=spec.last_k,
         spec_steps_by_k=tuple(sorted(spec.steps_by_k.items())),
         steps_run_ahead=getattr(core, "num_steps_run_ahead", 0),
+        step_ledger=core.ledger.snapshot() if hasattr(core, "ledger") else (),
         **_collective_stats(getattr(core, "runner", None)),
     )
 

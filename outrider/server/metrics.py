@@ -152,6 +152,21 @@ class _EngineCollector:
             "Decode steps launched before the step before them was read (async scheduling).",
             s.steps_run_ahead,
         )
+        ledger = {
+            name: CounterMetricFamily(f"{p}:engine_step_{name}", doc, labels=["model_name", "kind"])
+            for name, doc in (
+                ("count", "Engine steps by kind (prefill, decode, decode_ahead, verify, "
+                 "verify_ahead: engine/step_ledger.py)."),
+                ("seconds", "Seconds in engine steps by kind (schedule, launch, read, "
+                 "bookkeeping)."),
+                ("tokens", "Tokens engine steps emitted, by kind."),
+                ("rows", "Sequences engine steps computed, by kind."),
+            )
+        }  # fmt: skip
+        for kind, *values in s.step_ledger:
+            for family, v in zip(ledger.values(), values):
+                family.add_metric([self._model, kind], v)
+        yield from ledger.values()
         yield gauge(
             "spec_decode_k",
             "Drafts the controller chose to verify in the last step (0: plain).",

@@ -59,6 +59,12 @@ def test_async_scheduling_gives_the_same_outputs(tiny_dir, prompts):  # noqa: F8
     ahead = _drive(llm, prompts)
     assert ahead == plain
     assert llm.engine.num_steps_run_ahead > 10
+    # The ledger saw every token, in prompt steps and in decode steps read with the next
+    # one already launched.
+    ledger = {k: (n, s, t, r) for k, n, s, t, r in llm.engine.ledger.snapshot()}
+    assert sum(t for _, _, t, _ in ledger.values()) == sum(map(len, ahead.values()))
+    assert ledger["decode_ahead"][0] > 10 and ledger["prefill"][0] >= 2
+    assert all(s > 0 and r >= n for n, s, _, r in ledger.values())
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     # and the next batch of work on the same engine still matches

@@ -792,3 +792,24 @@ def test_plot_refuses_files_that_are_not_results(tmp_path, capsys):
     assert "is not a benchmark result" in capsys.readouterr().err
     assert main(["bench", "plot", str(tmp_path / "nope.json")]) == 2
     assert "no result file" in capsys.readouterr().err
+
+
+def test_engine_step_ledger_over_a_point_gives_each_kinds_share():
+    from outrider.bench.stats import ledger_counters, ledger_delta
+
+    def text(decode, verify):
+        return "".join(
+            f'outrider:engine_step_{series}_total{{kind="{kind}",model_name="m"}} {v}\n'
+            for kind, values in (("decode_ahead", decode), ("verify", verify))
+            for series, v in zip(("count", "seconds", "tokens", "rows"), values)
+        )
+
+    before = ledger_counters(text((10, 0.1, 40, 40), (5, 0.1, 30, 20)))
+    after = ledger_counters(text((30, 0.3, 120, 120), (5, 0.1, 30, 20)))
+    d = ledger_delta(before, after, duration=0.4)
+    assert d["kinds"] == {
+        "decode_ahead": {"steps": 20, "ms_per_step": 10.0, "tokens_per_step": 4.0,
+                         "rows_per_step": 4.0, "time_share": 0.5},
+    }  # fmt: skip
+    assert d["busy_share"] == 0.5  # verify ran no step in the point: left out
+    assert ledger_delta({}, ledger_counters("vllm:num_requests_running 1\n"), 1.0) is None

@@ -166,6 +166,7 @@ def test_metrics_render_engine_snapshot():
         spec_accepted_per_position=(9, 7, 4, 2),
         spec_k=3,
         spec_steps_by_k=((0, 5), (3, 8)),
+        step_ledger=(("decode_ahead", 6, 0.25, 12, 12), ("verify", 2, 0.5, 9, 3)),
     )
     m = ServerMetrics("m", lambda: stats)
     out = RequestOutput("r", None, [1, 2], "ab", [5, 6], True, "stop", {"num_prompt_tokens": 2})
@@ -185,6 +186,10 @@ def test_metrics_render_engine_snapshot():
         'outrider:spec_decode_k{model_name="m"} 3.0',
         'outrider:spec_decode_steps_total{k="0",model_name="m"} 5.0',
         'outrider:spec_decode_steps_total{k="3",model_name="m"} 8.0',
+        'outrider:engine_step_count_total{kind="decode_ahead",model_name="m"} 6.0',
+        'outrider:engine_step_seconds_total{kind="verify",model_name="m"} 0.5',
+        'outrider:engine_step_tokens_total{kind="verify",model_name="m"} 9.0',
+        'outrider:engine_step_rows_total{kind="decode_ahead",model_name="m"} 12.0',
         'outrider:generation_tokens_total{model_name="m"} 4.0',
         'outrider:prompt_tokens_total{model_name="m"} 2.0',
         'outrider:inter_token_latency_seconds_count{model_name="m"} 2.0',
