@@ -296,6 +296,9 @@ def main() -> None:
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
+            for line in log_path.read_text(errors="replace").splitlines():
+                if "speculation: " in line:  # what the engine's controller did, as it stopped
+                    print(f"{name} round {r}: {line.split('speculation: ', 1)[1]}", flush=True)
             if args.thread_profile:
                 print(f"{name} round {r}, where the server's threads were ({threads}):\n"
                       f"{read_summary(threads)}", flush=True)  # fmt: skip

@@ -200,6 +200,33 @@ class Speculator:
         step: tests compare the two paths on one engine. Graphs stay as captured."""
         self._stepped = False
 
+    def summary(self) -> str | None:
+        """What speculation did, for the log when an engine stops: decode steps by k, the
+        acceptance by position, the step costs the controller timed live (ms by batch bucket
+        and k) and why its last batch size speculates or not. None without a proposer."""
+        if self.proposer is None:
+            return None
+        steps = ", ".join(f"k={k}: {n}" for k, n in sorted(self.steps_by_k.items()))
+        st = self.stats
+        seen = "nothing verified"
+        if st.num_verify_steps:
+            seen = (
+                f"accept length {st.accept_length:.2f} over {st.num_verify_steps} verifies "
+                f"({st.acceptance_rate:.0%} of {st.num_draft_tokens} drafts)"
+            )
+        text = f"decode steps {steps or 'none'}; {seen}"
+        c = self.controller
+        if c is not None:
+            live = "; ".join(
+                f"{b}: " + " ".join(f"k{k} {ms:.2f}" for k, ms in row.items())
+                for b, row in c.live_table().items()
+            )
+            batch = max(1, c.snapshot()["batch_size"])
+            text += (
+                f"; live step ms by batch {live or 'none'}; at batch {batch}, {c.explain(batch)}"
+            )
+        return text
+
     def reset_stats(self) -> None:
         """Start the engine-wide acceptance counters afresh (a benchmark measuring several
         proposers on one engine); a `stats` read before keeps its counts."""

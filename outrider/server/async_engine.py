@@ -342,6 +342,7 @@ class AsyncEngine:
                 self._push(sink, EngineDeadError(f"the engine failed: {e!r}"))
                 del self._sinks[rid]
         finally:
+            log_speculation(self.core)
             # Here, not in stop(): only this thread runs the model, so no forward sees the
             # hook dict change under it; a core served again gets a fresh heartbeat's hooks.
             for hook in hooks:
@@ -435,6 +436,15 @@ def engine_stats(core: EngineCore) -> EngineStats:
         step_ledger=core.ledger.snapshot() if hasattr(core, "ledger") else (),
         **_collective_stats(getattr(core, "runner", None)),
     )
+
+
+def log_speculation(core: EngineCore) -> None:
+    """One line on what speculation did in this engine's life, as it stops (none without:
+    a stand-in core has no speculator)."""
+    speculator = getattr(core, "speculator", None)
+    text = speculator.summary() if speculator is not None else None
+    if text:
+        log.info("speculation: %s", text)
 
 
 def _collective_stats(runner: ModelRunner | None) -> dict:

@@ -80,7 +80,12 @@ def engine_main(
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     try:
         core = _build(build)
-        from outrider.server.async_engine import SharedHeartbeat, engine_stats, hook_layers
+        from outrider.server.async_engine import (
+            SharedHeartbeat,
+            engine_stats,
+            hook_layers,
+            log_speculation,
+        )
     except BaseException as e:
         with contextlib.suppress(Exception):
             conn.send(("failed", _picklable(e)))
@@ -117,6 +122,7 @@ def engine_main(
             conn.send(("dead", repr(e)))
         raise SystemExit(1) from None
     finally:
+        log_speculation(core)
         for hook in hooks:
             hook.remove()
         if sampler is not None:

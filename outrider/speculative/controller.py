@@ -434,6 +434,13 @@ class SpecController:
             f"{rate[best]:.1f} tok/s against plain's {rate[0]:.1f}, so {verdict}"
         )
 
+    def live_table(self) -> dict[int, dict[int, float]]:
+        """The step costs timed live: batch bucket -> {k: ms}, what `choose` used there."""
+        out: dict[int, dict[int, float]] = {}
+        for (bucket, k), ms in sorted(self._live_ms.items()):
+            out.setdefault(bucket, {})[k] = round(ms, 3)
+        return out
+
     def snapshot(self) -> dict:
         """For /metrics and request metrics: the last choice (and whether it was a probe), the
         expected tokens/s of each candidate k at that choice, steps per k chosen, probes, and the

@@ -215,6 +215,12 @@ def test_adaptive_controller_turns_speculation_off_and_on(tiny_dir, prompts, ref
     if method == "ngram":  # the oracle always matches: the controller keeps k at its best, 4
         assert spec.stats.num_verify_steps > 0
         assert all(o.metrics["steps_by_k"].get(4, 0) > 0 for o in outs)
+        # What the log says as the engine stops: steps by k, acceptance, the live costs.
+        said = spec.summary()
+        assert f"k=4: {spec.steps_by_k[4]}" in said and "100% of" in said
+        bucket, row = next(iter(spec.controller.live_table().items()))
+        k, ms = next(iter(row.items()))
+        assert f"{bucket}: k{k} {ms:.2f}" in said and "so speculation pays" in said
 
 
 def test_adaptive_controller_counts_the_host_work_of_a_step(tiny_dir, prompts, reference):  # noqa: F811
