@@ -408,8 +408,9 @@ def _worker(tag: str) -> None:  # runs in a subprocess per dtype, TRITON_INTERPR
         for sms, bias in ((8, False), (8, True), (1, True)):
             out = gemm_rows((1, 3, 17, 70), 80, 2100, dtype, "cpu", bias, sms=sms)
             emit(name=f"gemm-{tag}-sms{sms}-bias{bias}", **out)
-        emit(name=f"attention-{tag}", **attention_rows(dtype, "cpu"))
-        emit(name=f"chunked-{tag}", **chunked_rows(dtype, "cpu"))
+        if tag in ATTENTION_DTYPES:
+            emit(name=f"attention-{tag}", **attention_rows(dtype, "cpu"))
+            emit(name=f"chunked-{tag}", **chunked_rows(dtype, "cpu"))
         emit(name=f"tree-{tag}", **tree_rows(dtype, "cpu"))
         return
     llama = dict(heads=32, kv_heads=8, head_dim=128, num_sms=132)
@@ -433,6 +434,10 @@ def results() -> dict[str, dict]:
 # has no bfloat16 and the interpreter's bf16 dots come out as garbage (invariantly so), so the
 # values are checked on a GPU (tests/gpu/test_deterministic_cuda.py) and float16 stands in here.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": None}
+# The attention forms take most of the interpreter's time (53 of 70 s a dtype on 2 cores):
+# here in float32 and float16 (the same kernels' 16-bit paths), in bfloat16 on a GPU at
+# Llama-3.1-8B's heads (tests/gpu/test_deterministic_cuda.py), where its values are real.
+ATTENTION_DTYPES = ("float32", "float16")
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
@@ -444,7 +449,7 @@ def test_gemm_rows_are_invariant(results, dtype):
         assert (r["splits"] > 1) == (sms == 8), r
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_chunked_rows_are_invariant(results, dtype):
     r = results[f"chunked-{dtype}"]
     assert r["equal"], r
@@ -473,7 +478,7 @@ def test_chunk_plans_cover_every_token_within_the_workspace_budget(results):
     assert results["plan-decode1"]["programs"] == [33]
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_attention_rows_are_invariant(results, dtype):
     r = results[f"attention-{dtype}"]
     assert r["equal"], r
