@@ -101,7 +101,7 @@ class EngineCore:
         self._grammar_miss = 0.0
         self.speculator = Speculator(
             config.speculative, self.runner, self.block_manager, self.max_model_len, proposer,
-            self.grammars,
+            self.grammars, ahead=self._async_asked,
         )  # fmt: skip
 
     def _start_runner(self, config: EngineConfig) -> ModelRunner:
@@ -243,7 +243,9 @@ class EngineCore:
         elif decodes is not None:  # a speculative step whose prompt chunks ran before it
             return self._speculate(decodes, t0)
         else:
-            max_drafts, lookahead = self.speculator.before_schedule(self.scheduler.running)
+            max_drafts, lookahead = self.speculator.before_schedule(
+                self.scheduler.running, waiting=self.scheduler.num_waiting > 0
+            )
             batch = self.scheduler.schedule(max_drafts=max_drafts, lookahead=lookahead)
             if batch.is_empty:
                 return []
@@ -252,7 +254,7 @@ class EngineCore:
                 plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
                 self.grammars.attach_masks(batch, pick=speculative or plain)
             if speculative and batch.mode == ForwardMode.PREFILL:
-                return self._prompts_first(batch)
+                return self._prompts_first(batch, t0)
             if speculative:
                 return self._speculate(batch, t0)
             self._label("prefill" if batch.mode == ForwardMode.PREFILL else "decode", batch)
@@ -303,7 +305,7 @@ class EngineCore:
         self.speculator.record_step(batch, True, t0)
         return deltas
 
-    def _prompts_first(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _prompts_first(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput]:
         """A speculative step with prompt chunks beside its decoding rows: the chunks run first,
         as a plain forward whose first tokens leave now, and the decoding rows in the next
         call, as the speculative step (`_decodes_next`). Together the two took one call, so a
@@ -315,7 +317,9 @@ class EngineCore:
         if output.grammar_candidates:
             self._pick_grammar_tokens(prompts, output)
         self._decodes_next = decodes
-        return self._advance(prompts, output)
+        deltas = self._advance(prompts, output)
+        self.speculator.record_prompts(decodes, t0)
+        return deltas
 
     def _speculate_ahead(
         self, batch: ScheduledBatch, launched: SpecLaunch, t0: float

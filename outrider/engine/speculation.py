@@ -3,13 +3,14 @@ tree) each step verifies, the slots a drafter writes ahead, the accepted runs cu
 drafts a step hands back, and the acceptance statistics. EngineCore calls it once at each point
 of its step:
 
-    before_schedule(running)      -> the scheduler's (max_drafts, lookahead)
+    before_schedule(running, waiting) -> the scheduler's (max_drafts, lookahead)
     is_speculative_step(batch)    -> run(batch) instead of the runner's plain run
     trim_output(batch, output)    before the scheduler appends the step's tokens
     after_postprocess(batch, out) after it: the next drafts, or the drafter catching up
     forget(request_id)            at finish or abort
     after_step(running)           drafts for the next step (device drafters, per-sequence path)
     record_step(...)              the whole step's time, for the controller
+    record_prompts(...)           a speculative step's prompt forward's time, for it too
 
 With no proposer every call does nothing and the engine decodes plainly."""
 
@@ -66,10 +67,13 @@ class Speculator:
         max_model_len: int,
         proposer: Proposer | None,
         grammars: Grammars | None = None,
+        ahead: bool = False,
     ) -> None:
         """grammars: the engine's constrained requests, whose drafts are cut to what their
-        grammar allows and led by the tokens it forces (engine/structured.py)."""
+        grammar allows and led by the tokens it forces (engine/structured.py). ahead: plain
+        steps run ahead of their read (async scheduling), which the controller's costs heed."""
         self._config = config
+        self._plain_ahead = ahead
         self._grammars = grammars
         self._runner = runner
         self._block_manager = block_manager
@@ -117,6 +121,7 @@ class Speculator:
         # The controller chooses chain lengths; a tree verifies its whole shape every step.
         if self._stepped and self._tree is None and self._config.controller == "adaptive":
             self.controller = SpecController(self._measure_profile(), max_k=k)
+            self.controller.ahead = self._plain_ahead
 
     def _measure_profile(self) -> StepProfile:
         """The step profile kept from an earlier start with the same key (machine, model and
@@ -218,7 +223,7 @@ class Speculator:
         c = self.controller
         if c is not None:
             live = "; ".join(
-                f"{b}: " + " ".join(f"k{k} {ms:.2f}" for k, ms in row.items())
+                f"{b}: " + " ".join(f"{_entry(k)} {ms:.2f}" for k, ms in row.items())
                 for b, row in c.live_table().items()
             )
             batch = max(1, c.snapshot()["batch_size"])
@@ -234,13 +239,16 @@ class Speculator:
 
     # -- the step ---------------------------------------------------------------------------
 
-    def before_schedule(self, running: Sequence[Request]) -> tuple[int | None, int]:
+    def before_schedule(
+        self, running: Sequence[Request], waiting: bool = False
+    ) -> tuple[int | None, int]:
         """Choose this step's k and, for a host proposer, draft for it; returns the scheduler's
         (max_drafts, lookahead): drafts a decoding request verifies at most (None: all it has)
-        and the slots past them a device drafter writes."""
+        and the slots past them a device drafter writes. waiting: requests wait to be
+        scheduled (their prompt chunks may join this step)."""
         if self.proposer is None or not self._stepped:
             return None, 0  # as proposed
-        self._choose_k(running)
+        self._choose_k(running, waiting)
         if not self.proposer.on_device and self._k:
             # Drafted on demand, for the k chosen: while speculation is off a host proposer
             # costs nothing.
@@ -259,10 +267,12 @@ class Speculator:
             lookahead = self._tree.reach - 1
         return self._k, lookahead
 
-    def _choose_k(self, running: Sequence[Request]) -> None:
-        """The controller's k for this step's decoding requests. A step that only drafted
-        (speculation was off before it) keeps its k one more step, so its drafts are verified
-        and acceptance is observed (a probe would otherwise never see a verify)."""
+    def _choose_k(self, running: Sequence[Request], waiting: bool) -> None:
+        """The controller's k for this step's decoding requests, told whether prompt chunks
+        may join the step (requests waiting, or running mid-prompt): a speculative step runs
+        them in a forward of their own (`split`). A step that only drafted (speculation was
+        off before it) keeps its k one more step, so its drafts are verified and acceptance
+        is observed (a probe would otherwise never see a verify)."""
         if self.controller is None:
             return
         if self._next_k is not None:  # chosen as the step before it was launched
@@ -273,7 +283,7 @@ class Speculator:
             return
         ids = [r.request_id for r in running if r.num_computed_tokens == r.num_tokens - 1]
         if ids:
-            self._k = self.controller.choose(ids)
+            self._k = self.controller.choose(ids, prompts=waiting or len(ids) < len(running))
 
     def plain_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the plain decode step after `batch` may be launched before `batch`'s tokens
@@ -631,14 +641,27 @@ class Speculator:
         aside, self._aside_ms = self._aside_ms, 0.0
         if self.controller is None:
             return
+        ms = (time.perf_counter() - started) * 1e3 - aside
         if speculative and batch.mode != ForwardMode.PREFILL:  # not beside prompt chunks
             k = self._k
         elif batch.mode == ForwardMode.DECODE and self._k == 0:
             k = 0
+        elif batch.mode == ForwardMode.PREFILL and not speculative:
+            decoding = sum(not _prompt_chunk(s) for s in batch.seqs)
+            if decoding:  # decode rows along in the prompts' forward
+                self.controller.record_prompts(decoding, ms, alone=False)
+            return
         else:
             return
-        ms = (time.perf_counter() - started) * 1e3 - aside
         self.controller.record_step(len(batch.seqs), k, ms)
+
+    def record_prompts(self, decodes: ScheduledBatch, started: float) -> None:
+        """A speculative step's prompt chunks run alone (`split`), timed from `started` on,
+        before its verify of `decodes`' rows: what the controller adds to a k's cost at a step
+        with prompts (SpecController.record_prompts)."""
+        if self.controller is not None and decodes.seqs:
+            ms = (time.perf_counter() - started) * 1e3
+            self.controller.record_prompts(len(decodes.seqs), ms, alone=True)
 
     # -- drafting ---------------------------------------------------------------------------
 
@@ -679,6 +702,11 @@ class Speculator:
         if req.num_computed_tokens + need > self._max_model_len:
             return False  # the last few tokens of the context decode plainly
         return self._block_manager.allocate(req, need)
+
+
+def _entry(k: int | str) -> str:
+    """A live table's column as the log names it: k3, or mixed / alone (steps with prompts)."""
+    return f"k{k}" if isinstance(k, int) else k
 
 
 def _prompt_chunk(seq: ScheduledSeq) -> bool:

@@ -35,6 +35,14 @@ The other way, while a k > 0 serves and the plain step at that batch size has no
 live three times, one plain step is taken once the speculative ones have run `probe_every`
 plain steps' time: a profile that overstates plain's cost is corrected within a few probes.
 
+Steps with prompt chunks (requests arriving) are decided apart (choose(prompts=True)): plain,
+the decode rows ride along in the prompts' forward; speculative, the prompts run in a forward
+of their own before the verify. Both kinds are timed live (record_prompts), and a k pays there
+only if its tokens beat plain's by more than a whole verify's time. Where plain steps run ahead
+of their read (`ahead`), the first plain step after a step read before the next was launched
+costs host and device in turn; what it costs over a plain step run ahead is charged to the step
+before it (record_step), so speculating pays for the pipeline it drains.
+
 Cost, host-side and sync-free: at B = 256, max_k = 4 (Python 3.11, a shared 2-core VM) a choose
 takes 30 us and the step's 256 observes 0.6 ms. Call forget() when a request finishes.
 """
@@ -247,8 +255,13 @@ class SpecController:
         self.live_window = 9
         # (batch bucket, k) -> the last live_window measured ms, newest last, and what they say
         # the step costs (_robust of them; read every choose, so kept, not recomputed)
-        self._live: dict[tuple[int, int], deque[float]] = {}
-        self._live_ms: dict[tuple[int, int], float] = {}
+        # (bucket, "mixed" or "alone") the same for steps with prompt chunks (record_prompts).
+        self._live: dict[tuple[int, int | str], deque[float]] = {}
+        self._live_ms: dict[tuple[int, int | str], float] = {}
+        # Whether plain steps run ahead of their read (async scheduling): then the plain step
+        # after a speculative one is charged in part to it (record_step).
+        self.ahead = False
+        self._last_timed: tuple[int, int | str] | None = None  # the last step entered
         # (batch bucket, speculative?) -> the last live step's ms over its profile entry: what
         # a k not yet timed at that bucket is assumed to cost on top of its own entry.
         self._extra: dict[tuple[int, bool], float] = {}
@@ -277,15 +290,21 @@ class SpecController:
         self._profile, self._ks = profile, ks
         # Measurements refine the table they were made against.
         self._live, self._live_ms, self._extra = {}, {}, {}
+        self._last_timed = None
 
-    def choose(self, request_ids: Sequence[str]) -> int:
+    def choose(self, request_ids: Sequence[str], prompts: bool = False) -> int:
         """k for the next step of a batch of these requests (len = batch size). An empty batch
-        gets 0 and changes nothing."""
+        gets 0 and changes nothing. prompts: the step also computes prompt chunks (requests
+        arriving), which a speculative step runs as a forward of their own before its verify,
+        where a plain step takes its decode rows along in the prompts' forward
+        (`_with_prompts`)."""
         batch = len(request_ids)
         if batch == 0:
             return 0
         rows = map(self._expect.get, request_ids, repeat(self._engine_expect()))
         totals = list(map(sum, zip(*rows)))  # sum_r E_r(k), k = 0..max_k
+        if prompts and len(self._ks) > 1:
+            return self._with_prompts(batch, totals)
         step_ms = self._step_ms
         tps = {k: totals[k] / step_ms(batch, k) for k in self._ks}  # tokens per ms
         plain, best = tps[0], 0
@@ -334,6 +353,52 @@ class SpecController:
         self._probes += probe
         return k
 
+    def _with_prompts(self, batch: int, totals: list[float]) -> int:
+        """k for a step with prompt chunks beside its decode rows. Plain, one forward computes
+        both: the rows cost what they add to the prompts' forward, here nothing (M, a mixed
+        step's time, covers both). Speculative, the prompts' forward runs alone (P) and the
+        verify after it: P + the step's own time. So a k pays only where its tokens beat
+        plain's by more than a whole verify's time: E(k) / (P + step(k)) > 1 / M. At a
+        server's concurrency requests arrive every few steps (64 streams of 128 tokens: one
+        nearly every other step); counted as a decode step's alone, each arrival's extra
+        forward went unseen, and n-gram at 23% acceptance speculated on a third of the steps
+        at 0.78-0.93x plain. No probes and no hysteresis here: the next step without prompts
+        decides as before."""
+        step_ms = self._step_ms
+        mixed, alone = self._prompt_ms(batch)
+        tps = {k: totals[k] / (step_ms(batch, k) + alone) for k in self._ks[1:]}
+        plain, k = totals[0] / mixed, 0
+        for j in self._ks[1:]:
+            if tps[j] > max(plain, tps.get(k, 0.0)):
+                k = j
+        self._plain_ms = self._plain_ms + step_ms(batch, 0) if k == 0 else 0.0
+        self._spec_ms = self._spec_ms + step_ms(batch, k) if k > 0 else 0.0
+        self._last_k, self._last_probe, self._last_batch = k, False, batch
+        self._last_tps = {0: plain * 1e3, **{j: t * 1e3 for j, t in tps.items()}}
+        self._steps[k] = self._steps.get(k, 0) + 1
+        return k
+
+    def _prompt_ms(self, batch: int) -> tuple[float, float]:
+        """(M, P) at this batch size: a plain step with prompt chunks beside its decode rows,
+        and a speculative step's prompt forward alone, as timed live (record_prompts); one
+        untimed reads as the other, both untimed as a plain step (the prompts' work unknown,
+        P's extra forward then costs a plain step's time)."""
+        bucket = self._profile.bucket(batch)
+        mixed = self._live_ms.get((bucket, "mixed"))
+        alone = self._live_ms.get((bucket, "alone"))
+        if mixed is None and alone is None:
+            mixed = alone = self._step_ms(batch, 0)
+        return mixed or alone, alone or mixed
+
+    def record_prompts(self, batch_size: int, ms: float, alone: bool) -> None:
+        """A step with prompt chunks, timed whole: a plain one that took batch_size decode rows
+        along (alone False), or a speculative step's prompt forward before its verify of
+        batch_size rows (alone True). Kept as record_step keeps a k's steps."""
+        if math.isfinite(ms) and ms > 0:
+            key = (self._profile.bucket(batch_size), "alone" if alone else "mixed")
+            self._enter(key, ms)
+            self._last_timed = key
+
     def record_step(self, batch_size: int, k: int, ms: float) -> None:
         """A step the engine ran, timed whole (scheduling, proposing, the runner, the host's
         bookkeeping of what it emitted): it refines that (batch size bucket, k) entry, which
@@ -350,14 +415,37 @@ class SpecController:
             return
         self._timed = True
         bucket = self._profile.bucket(batch_size)
-        window = self._live.get((bucket, k))
+        last, self._last_timed = self._last_timed, (bucket, k)
+        plain = self._live_ms.get((bucket, 0))
+        if (
+            self.ahead and k == 0 and last is not None and last[0] == bucket and last[1] != 0
+            and plain is not None and len(self._live[(bucket, 0)]) >= 3
+        ):  # fmt: skip
+            # The first plain step after a step read before the next was launched (a
+            # speculative one, or one with prompts): launched with nothing running ahead of
+            # it, it costs host and device one after the other, where a plain step run ahead
+            # costs the larger of the two. The difference is what that step left to it (a
+            # pipeline drained): charged to it, so a k that alternates with plain pays for
+            # every switch back.
+            extra = ms - plain
+            if extra > 0:
+                window = self._live[last]
+                window[-1] += extra
+                self._live_ms[last] = _robust(window)
+                return
+        live = self._enter((bucket, k), ms)
+        self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)
+
+    def _enter(self, key: tuple[int, int | str], ms: float) -> float:
+        """ms into key's window of live steps; what the window now says the step costs."""
+        window = self._live.get(key)
         if window is None:
-            window = self._live[(bucket, k)] = deque(maxlen=self.live_window)
-        elif ms < 0.5 * self._live_ms[(bucket, k)]:
+            window = self._live[key] = deque(maxlen=self.live_window)
+        elif ms < 0.5 * self._live_ms[key]:
             window.clear()  # what it cost before were stalls: this step is what it costs now
         window.append(ms)
-        live = self._live_ms[(bucket, k)] = _robust(window)
-        self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)
+        live = self._live_ms[key] = _robust(window)
+        return live
 
     def _step_ms(self, batch_size: int, k: int) -> float:
         """The live time at this bucket and k; else the profile's plus the host work the last
@@ -434,10 +522,10 @@ class SpecController:
             f"{rate[best]:.1f} tok/s against plain's {rate[0]:.1f}, so {verdict}"
         )
 
-    def live_table(self) -> dict[int, dict[int, float]]:
+    def live_table(self) -> dict[int, dict[int | str, float]]:
         """The step costs timed live: batch bucket -> {k: ms}, what `choose` used there."""
-        out: dict[int, dict[int, float]] = {}
-        for (bucket, k), ms in sorted(self._live_ms.items()):
+        out: dict[int, dict[int | str, float]] = {}
+        for (bucket, k), ms in sorted(self._live_ms.items(), key=lambda e: (e[0][0], str(e[0][1]))):
             out.setdefault(bucket, {})[k] = round(ms, 3)
         return out
 

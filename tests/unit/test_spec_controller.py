@@ -373,3 +373,46 @@ def test_stalled_first_speculative_steps_do_not_hold_speculation_off():
     first = ks.index(3)
     assert ks[0] == 0 and first <= 11, ks  # a probe once plain ran 8 x 12 ms
     assert ctl._step_ms(16, 3) == 12.0 and set(ks[first:]) == {3}, ks
+
+
+def _flat(plain: float, spec: float) -> StepProfile:
+    """Every batch size: plain `plain` ms, every k > 0 `spec` ms."""
+    return StepProfile({b: {0: plain, 1: spec, 2: spec} for b in SIZES})
+
+
+def test_a_step_with_prompts_charges_speculation_the_prompts_forward_of_its_own():
+    # E(2) = 1 + 0.6 + 0.36 = 1.96: 1.96 / 12 ms beats 1 / 10 ms on a step of decodes alone.
+    c = SpecController(_flat(10.0, 12.0), 2, prior=0.6)
+    ids = [f"r{i}" for i in range(4)]
+    assert c.choose(ids) == 2
+    # With prompts, untimed: the prompts' forward read as a plain step. 1.96 / (12 + 10) ms
+    # loses to 1 / 10 ms, so the rows ride along in the prompts' forward.
+    assert c.choose(ids, prompts=True) == 0
+    assert c.snapshot()["tokens_per_s"][0] == pytest.approx(4 / 10 * 1e3)
+    # Timed live: prompt steps cost 30 ms whole (a long prompt). 1.96 / 42 > 1 / 30: speculate.
+    for _ in range(3):
+        c.record_prompts(4, 30.0, alone=False)
+    assert c.choose(ids, prompts=True) == 2
+    # A speculative step's prompt forward alone took 30 ms, the mixed one 20: 1.96 / 42 < 1 / 20.
+    for _ in range(9):
+        c.record_prompts(4, 20.0, alone=False)
+        c.record_prompts(4, 30.0, alone=True)
+    assert c.choose(ids, prompts=True) == 0
+    assert c.choose(ids) == 2  # a step without prompts decides as before
+    assert c.live_table()[4] == {"alone": 30.0, "mixed": 20.0}
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_plain_step_after_a_speculative_one_is_charged_to_it_when_steps_run_ahead(ahead):
+    c = SpecController(_flat(10.0, 12.0), 2)
+    c.ahead = ahead
+    for _ in range(3):
+        c.record_step(4, 0, 10.0)
+    c.record_step(4, 2, 12.0)
+    c.record_step(4, 0, 19.0)  # launched with nothing ahead of it: host and device in turn
+    if ahead:
+        assert c.live_table()[4] == {0: 10.0, 2: 21.0}
+    else:
+        assert c.live_table()[4] == {0: 10.0, 2: 12.0}  # median of 10, 10, 10, 19
+    c.record_step(4, 0, 10.0)  # the next plain step is one as any other
+    assert c.live_table()[4][0] == 10.0

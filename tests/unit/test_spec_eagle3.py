@@ -159,7 +159,7 @@ class _ScriptedController:
         self.ks = list(ks)
         self.recorded: list[tuple[int, int, float]] = []
 
-    def choose(self, request_ids) -> int:
+    def choose(self, request_ids, prompts=False) -> int:  # noqa: F811 (not the fixture)
         return self.ks.pop(0) if self.ks else K
 
     def observe(self, request_id, num_drafts, num_accepted) -> None:
@@ -167,6 +167,9 @@ class _ScriptedController:
 
     def record_step(self, batch_size, k, ms) -> None:
         self.recorded.append((batch_size, k, ms))
+
+    def record_prompts(self, batch_size, ms, alone) -> None:
+        pass
 
     def forget(self, request_id) -> None:
         pass
