@@ -179,6 +179,7 @@ def main() -> None:
     from outrider.bench.prompts import load_prompts
     from outrider.bench.serve import BenchConfig, run
     from outrider.bench.serve import write_result as write_run
+    from outrider.server.async_engine import SPECULATION_SUMMARY
     from outrider.server.stack_sampler import read_summary
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -296,9 +297,10 @@ def main() -> None:
             finally:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
+            said = SPECULATION_SUMMARY  # what the engine's controller did, as it stopped
             for line in log_path.read_text(errors="replace").splitlines():
-                if "speculation: " in line:  # what the engine's controller did, as it stopped
-                    print(f"{name} round {r}: {line.split('speculation: ', 1)[1]}", flush=True)
+                if said in line:
+                    print(f"{name} round {r}: {line.split(said, 1)[1]}", flush=True)
             if args.thread_profile:
                 print(f"{name} round {r}, where the server's threads were ({threads}):\n"
                       f"{read_summary(threads)}", flush=True)  # fmt: skip

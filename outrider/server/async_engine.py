@@ -342,11 +342,11 @@ class AsyncEngine:
                 self._push(sink, EngineDeadError(f"the engine failed: {e!r}"))
                 del self._sinks[rid]
         finally:
-            log_speculation(self.core)
             # Here, not in stop(): only this thread runs the model, so no forward sees the
             # hook dict change under it; a core served again gets a fresh heartbeat's hooks.
             for hook in hooks:
                 hook.remove()
+            log_speculation(self.core)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -438,13 +438,17 @@ def engine_stats(core: EngineCore) -> EngineStats:
     )
 
 
+SPECULATION_SUMMARY = "speculation over the engine's life: "
+
+
 def log_speculation(core: EngineCore) -> None:
     """One line on what speculation did in this engine's life, as it stops (none without:
-    a stand-in core has no speculator)."""
+    a stand-in core has no speculator). A warning, as the start-up profile's lines are: what
+    a user of the default log level should see."""
     speculator = getattr(core, "speculator", None)
     text = speculator.summary() if speculator is not None else None
     if text:
-        log.info("speculation: %s", text)
+        log.warning("%s%s", SPECULATION_SUMMARY, text)
 
 
 def _collective_stats(runner: ModelRunner | None) -> dict:

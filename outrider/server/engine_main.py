@@ -122,9 +122,9 @@ def engine_main(
             conn.send(("dead", repr(e)))
         raise SystemExit(1) from None
     finally:
-        log_speculation(core)
         for hook in hooks:
             hook.remove()
+        log_speculation(core)
         if sampler is not None:
             sampler.stop()
             sampler.write(f"{profile}.engine.txt")

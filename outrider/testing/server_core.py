@@ -55,7 +55,9 @@ class StandInCore:
         stats = SimpleNamespace(
             num_verify_steps=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
         )
-        self.speculator = SimpleNamespace(stats=stats, last_k=0, steps_by_k={})
+        self.speculator = SimpleNamespace(
+            stats=stats, last_k=0, steps_by_k={}, summary=lambda: None
+        )
         self.tokens = tokens
         self.step_s, self.busy_s = step_ms / 1e3, engine_us / 1e6
         self.live: dict[str, int] = {}  # request id -> tokens given

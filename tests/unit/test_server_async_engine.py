@@ -207,3 +207,19 @@ def test_a_server_thread_lets_go_of_its_engine_core_when_it_exits():
             running_engine.release()
         finally:
             running_engine.stop()
+
+
+def test_an_engine_with_speculation_says_what_it_did_as_it_stops(caplog):
+    from types import SimpleNamespace
+
+    from outrider.server.async_engine import SPECULATION_SUMMARY
+    from outrider.speculative.stats import SpecStats
+
+    core = FakeCore(tokens=3)
+    core.speculator = SimpleNamespace(
+        summary=lambda: "decode steps k=0: 5, k=3: 2", stats=SpecStats(), last_k=0, steps_by_k={}
+    )
+    with caplog.at_level("WARNING", logger="outrider.server.async_engine"), running(core):
+        pass
+    said = [r.getMessage() for r in caplog.records if SPECULATION_SUMMARY in r.getMessage()]
+    assert said == [SPECULATION_SUMMARY + "decode steps k=0: 5, k=3: 2"]
