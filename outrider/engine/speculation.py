@@ -122,6 +122,7 @@ class Speculator:
         if self._stepped and self._tree is None and self._config.controller == "adaptive":
             self.controller = SpecController(self._measure_profile(), max_k=k)
             self.controller.ahead = self._plain_ahead
+            self.controller.drafts_inside = p.on_device
 
     def _measure_profile(self) -> StepProfile:
         """The step profile kept from an earlier start with the same key (machine, model and

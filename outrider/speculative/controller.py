@@ -261,6 +261,9 @@ class SpecController:
         # Whether plain steps run ahead of their read (async scheduling): then the plain step
         # after a speculative one is charged in part to it (record_step).
         self.ahead = False
+        # Whether the drafter drafts inside the speculative step (EAGLE-3): then the first
+        # speculative step after a plain one verifies nothing (_with_prompts).
+        self.drafts_inside = False
         self._last_timed: tuple[int, int | str] | None = None  # the last step entered
         # (batch bucket, speculative?) -> the last live step's ms over its profile entry: what
         # a k not yet timed at that bucket is assumed to cost on top of its own entry.
@@ -367,6 +370,12 @@ class SpecController:
         step_ms = self._step_ms
         mixed, alone = self._prompt_ms(batch)
         tps = {k: totals[k] / (step_ms(batch, k) + alone) for k in self._ks[1:]}
+        on = self._decision or 0
+        if self.drafts_inside and on > 0:
+            # A drafter that drafts inside the step has no drafts after a plain one: the next
+            # speculative step verifies none and only drafts, a k = `on` step's time for one
+            # token a row. Plain here costs that too, over a plain step's.
+            mixed += max(0.0, step_ms(batch, on) - step_ms(batch, 0))
         plain, k = totals[0] / mixed, 0
         for j in self._ks[1:]:
             if tps[j] > max(plain, tps.get(k, 0.0)):

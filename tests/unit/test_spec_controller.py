@@ -400,6 +400,11 @@ def test_a_step_with_prompts_charges_speculation_the_prompts_forward_of_its_own(
     assert c.choose(ids, prompts=True) == 0
     assert c.choose(ids) == 2  # a step without prompts decides as before
     assert c.live_table()[4] == {"alone": 30.0, "mixed": 20.0}
+    # A drafter that drafts inside the step: plain now leaves the next step no drafts to
+    # verify, a k = 2 step (12 ms) for one token a row, 2 ms over plain's. Plain costs 20 + 2:
+    # 1 / 22 = 0.0455 < 1.96 / 42 = 0.0467, so speculating pays.
+    c.drafts_inside = True
+    assert c.choose(ids, prompts=True) == 2
 
 
 @pytest.mark.parametrize("ahead", [True, False])
