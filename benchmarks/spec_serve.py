@@ -20,7 +20,10 @@ With --engine-c1 each configuration then runs through `LLM` at one stream on the
 (spec_gpu.py's timed_run), the engine as a script sees it: the server's C=1 speedup over the
 engine's is what the server path gives up. --thread-profile samples each server's threads
 (where the engine thread and the event loop spend the time; beside an engine process, that
-process's threads too, <out>_threads_<config>_<round>.txt.engine.txt). With --rounds N the
+process's threads too, <out>_threads_<config>_<round>.txt.engine.txt). Under each point it
+prints the engine's steps by kind (bench serve's engine_steps: ms a step, tokens a step, share
+of the point), and after each server the line its controller logged as it stopped (decode steps
+by k, acceptance, the step costs it timed live, why it speculates or not). With --rounds N the
 configurations take turns N times (plain, eagle3, ngram, plain,
 ...): a machine whose speed drifts (a shared CPU: +-5% from one run to the next) then weighs
 on every configuration alike, and each speedup is the median of the rounds' own (each round's
