@@ -36,6 +36,7 @@ class StackSampler:
         self.stacks: Counter[tuple[str, ...]] = Counter()  # (thread, frames root first...)
         self.samples = 0
         self._since = time.monotonic()  # wall clock at the first sample counted
+        self._last = self._since  # and at the last: a summary covers what lies between
         self._cpu0: dict[str, float] = {}  # thread name -> its CPU seconds then
         self._cpu: dict[str, float] = {}  # thread name -> its CPU seconds at the last sample
         self._stop = threading.Event()
@@ -64,16 +65,18 @@ class StackSampler:
                         self._cpu0.setdefault(name, cpu)
                         self._cpu[name] = cpu
             self.samples += 1
+            self._last = time.monotonic()
             if self.restart and self.samples % RESTART_CHECK == 0 and os.path.exists(self.restart):
                 self.stacks.clear()
                 self.samples = 0
-                self._since, self._cpu0 = time.monotonic(), dict(self._cpu)
+                self._since = self._last = time.monotonic()
+                self._cpu0 = dict(self._cpu)
                 os.remove(self.restart)
 
     def summary(self, top: int = 12) -> str:
         """Per thread: samples, then the frames it spent most samples in, itself (self) and
         with what it called (total, less the frames of every sample)."""
-        wall = time.monotonic() - self._since
+        wall = self._last - self._since  # the same whenever it is read once sampling stops
         lines = [f"{self.samples} samples every {self.interval * 1e3:g} ms over {wall:.2f} s"]
         threads: Counter[str] = Counter()
         own: dict[str, Counter[str]] = {}
