@@ -348,6 +348,12 @@ class SpecController:
             probe = self._spec_ms >= self.probe_every * step_ms(batch, 0)
             if probe:
                 k = 0
+        return self._chosen(batch, k, probe, tps)
+
+    def _chosen(self, batch: int, k: int, probe: bool, tps: dict[int, float]) -> int:
+        """Keep what a choice was (for probes, metrics and explain) and return its k: the time
+        since the last step of the other kind, the last choice, tokens/s by k (tps: per ms)."""
+        step_ms = self._step_ms
         self._plain_ms = self._plain_ms + step_ms(batch, 0) if k == 0 else 0.0
         self._spec_ms = self._spec_ms + step_ms(batch, k) if k > 0 else 0.0
         self._last_k, self._last_probe, self._last_batch = k, probe, batch
@@ -380,12 +386,7 @@ class SpecController:
         for j in self._ks[1:]:
             if tps[j] > max(plain, tps.get(k, 0.0)):
                 k = j
-        self._plain_ms = self._plain_ms + step_ms(batch, 0) if k == 0 else 0.0
-        self._spec_ms = self._spec_ms + step_ms(batch, k) if k > 0 else 0.0
-        self._last_k, self._last_probe, self._last_batch = k, False, batch
-        self._last_tps = {0: plain * 1e3, **{j: t * 1e3 for j, t in tps.items()}}
-        self._steps[k] = self._steps.get(k, 0) + 1
-        return k
+        return self._chosen(batch, k, False, {0: plain, **tps})
 
     def _prompt_ms(self, batch: int) -> tuple[float, float]:
         """(M, P) at this batch size: a plain step with prompt chunks beside its decode rows,
