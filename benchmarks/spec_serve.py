@@ -67,6 +67,10 @@ CONFIGS = {
     "plain_thread": ["--no-engine-process"],
     "eagle3_thread": ["--spec", "eagle3", "--no-engine-process"],
     "ngram_thread": ["--spec", "ngram", "--no-engine-process"],
+    # Steps with prompt chunks run eagerly (what the PREFILL graphs gain, side by side).
+    "plain_eager_prefill": ["--cuda-graph-prefill-tokens", "0"],
+    "eagle3_eager_prefill": ["--spec", "eagle3", "--cuda-graph-prefill-tokens", "0"],
+    "ngram_eager_prefill": ["--spec", "ngram", "--cuda-graph-prefill-tokens", "0"],
 }
 DEFAULT_CONFIGS = ["plain", "eagle3", "ngram"]
 PORT, KEY = 8011, "sk-bench"

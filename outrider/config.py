@@ -51,6 +51,9 @@ class ModelConfig:
     # supports them; False forces eager execution (debugging, profiling).
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64
+    # Steps with prompt chunks of at most this many tokens in all (decode rows beside them
+    # included) replay CUDA graphs too, captured at 32, 64, ... up to it; 0: they run eagerly.
+    cuda_graph_prefill_tokens: int = 512
     seed: int = 0
     # Batch-invariant kernels (layers/batch_invariant.py): each row's reduction order depends
     # on that row alone, so a verify row equals a one-token decode row bit for bit and greedy
@@ -68,6 +71,11 @@ class ModelConfig:
         if self.cuda_graph_max_batch < 1:
             raise ValueError(
                 f"invalid cuda_graph_max_batch={self.cuda_graph_max_batch}: use an integer >= 1"
+            )
+        if self.cuda_graph_prefill_tokens < 0:
+            raise ValueError(
+                f"invalid cuda_graph_prefill_tokens={self.cuda_graph_prefill_tokens}: use an "
+                "integer >= 0 (0: steps with prompt chunks run eagerly)"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(

@@ -8,6 +8,15 @@ A batch of B real sequences replays the graph of the smallest captured size >= B
 rows decode a dummy token into a scratch block the block manager never hands out, and their
 outputs are dropped.
 
+Steps with prompt chunks (PREFILL: chunks beside decode rows, ragged query lengths) replay a
+graph keyed by (PREFILL, B, T): up to B sequences of T tokens in all, split among them any way.
+Sequences past the real ones are empty, and one sequence after the B holds the T - n tokens the
+real ones leave (dummy tokens in the scratch block), so query_start_loc always ends at T. The
+prefill kernel reads every length from the device and sizes its grid by T, the longest query
+any split can give (an empty sequence's programs find no token and exit). Eagerly, such a step
+launches every kernel of every layer from Python: the default model's 30 layers took 12-17 ms of
+host time a step on an H100, where its device work takes well under one.
+
 Capture goes largest first into one shared memory pool, so smaller graphs reuse its memory.
 
 Under tensor parallelism every rank builds the same runner and captures the same keys in the
@@ -20,6 +29,7 @@ group's counts (TPGroup.recording, add_counts).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,13 +45,26 @@ from outrider.progress import progress
 log = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# PREFILL graphs' batch sizes (of those up to the largest captured, which is always one): fewer
+# than decode's, as an empty sequence costs only programs that exit at once.
+PREFILL_BATCH_SIZES = (1, 4, 16, 64)
 
 
 @dataclass(frozen=True)
 class GraphKey:
     mode: ForwardMode
     batch: int  # padded number of sequences
-    tokens_per_seq: int
+    tokens_per_seq: int  # 0 for PREFILL: `tokens` split among the sequences any way
+    tokens: int = 0  # PREFILL: the padded token count of the step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens if self.mode == ForwardMode.PREFILL else self.batch * self.tokens_per_seq
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the graph's metadata holds: PREFILL keys have one more, the padding's."""
+        return self.batch + (self.mode == ForwardMode.PREFILL)
 
 
 @dataclass
@@ -98,6 +121,7 @@ class GraphRunner:
         extra_widths: dict[str, tuple[int, torch.dtype]] | None = None,
         mode: ForwardMode | None = None,
         tp: TPGroup | None = None,
+        prefill_tokens: tuple[int, ...] = (),
     ) -> None:
         """aux_layers: the graphs also output those layers' input residual streams,
         concatenated (a drafter's features), as eager forwards do.
@@ -105,7 +129,11 @@ class GraphRunner:
         forward -> (hidden, aux streams or None). extra_widths: name -> (width, dtype) of the
         per-token inputs `step` reads. mode: every key's mode (DRAFT for a drafter's steps);
         None keys 1 token per sequence as DECODE and more as VERIFY. tp: the model's
-        tensor-parallel group (its collectives are recorded at capture, counted at replay)."""
+        tensor-parallel group (its collectives are recorded at capture, counted at replay).
+        prefill_tokens: token counts T of the PREFILL graphs (steps with prompt chunks), each
+        captured at every batch size up to T; () captures none (the backend must size its
+        grids by the metadata's host lengths alone, and the model read nothing from the host
+        in a prefill: the caller's to know)."""
         self.model, self.backend = model, backend
         self.tp = tp or single()
         self.aux_layers = tuple(aux_layers)
@@ -114,20 +142,34 @@ class GraphRunner:
         self.max_blocks, self.scratch_block, self.block_size = max_blocks, scratch_block, block_size
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.tokens_per_seq = tuple(sorted(tokens_per_seq))
+        self.prefill_tokens = tuple(sorted(prefill_tokens))
+        top = self.batch_sizes[-1]
+        self.prefill_batch_sizes = tuple(b for b in PREFILL_BATCH_SIZES if b < top) + (top,)
         device = next(model.parameters()).device
         max_batch, max_tpq = self.batch_sizes[-1], self.tokens_per_seq[-1]
         self.inputs = StaticInputs.allocate(
-            max_batch, max_batch * max_tpq, max_blocks, device, extra_widths
+            max_batch + 1,  # PREFILL keys' padding sequence
+            max(max_batch * max_tpq, *self.prefill_tokens, 0),
+            max_blocks,
+            device,
+            extra_widths,
         )
         # key -> (graph, its outputs, the collectives one replay runs)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, tuple, dict]] = {}
         self.pool = None
+        self.replays: Counter[ForwardMode] = Counter()  # by the keys' mode
 
     # -- capture ----------------------------------------------------------------------------
 
     def capture_keys(self) -> list[GraphKey]:
         """What `capture` captures, in its order (largest first)."""
-        return [
+        prefill = [
+            GraphKey(ForwardMode.PREFILL, batch, 0, tokens)
+            for tokens in reversed(self.prefill_tokens)
+            for batch in reversed(self.prefill_batch_sizes)
+            if batch <= tokens
+        ]
+        return prefill + [
             GraphKey(self._mode(tpq), batch, tpq)
             for tpq in reversed(self.tokens_per_seq)
             for batch in reversed(self.batch_sizes)
@@ -142,7 +184,7 @@ class GraphRunner:
     def _capture(self, key: GraphKey) -> None:
         self._fill_padding(key, first_row=0)
         meta = self._metadata(key)
-        n = key.batch * key.tokens_per_seq
+        n = key.num_tokens
         ids, pos = self.inputs.input_ids[:n], self.inputs.positions[:n]
         extras = {name: t[:n] for name, t in self.inputs.extras.items()}
         with torch.inference_mode():
@@ -164,7 +206,9 @@ class GraphRunner:
         self.graphs[key] = (graph, outputs, counted)
 
     def _forward(self, ids, pos, extras: dict, meta: AttentionMetadata) -> tuple:
-        self.backend.prepare(meta)
+        # A prefill's grid holds its longest query whole: no splits of the key range (their
+        # workspace and count would follow the lengths seen at capture).
+        self.backend.prepare(meta, 1 if meta.mode == ForwardMode.PREFILL else None)
         with forward_context(ForwardContext(meta, self.backend)):
             return (self.step or self._model_step)(ids, pos, extras)
 
@@ -178,22 +222,30 @@ class GraphRunner:
         return ForwardMode.DECODE if tokens_per_seq == 1 else ForwardMode.VERIFY
 
     def _metadata(self, key: GraphKey) -> AttentionMetadata:
-        b, t = key.batch, key.tokens_per_seq
+        b, t = key.num_seqs, key.tokens_per_seq
         s = self.inputs
+        # Host query lengths size the backend's grids: a PREFILL graph's must hold any split
+        # of its tokens, the whole of them in one sequence included.
+        query_lens = [key.tokens] + [0] * key.batch if key.mode == ForwardMode.PREFILL else [t] * b
         return AttentionMetadata(
             mode=key.mode,
-            slot_mapping=s.slot_mapping[: b * t],
+            slot_mapping=s.slot_mapping[: key.num_tokens],
             query_start_loc=s.query_start_loc[: b + 1],
             seq_lens=s.seq_lens[:b],
             block_tables=s.block_tables[:b],
-            query_lens_cpu=[t] * b,
+            query_lens_cpu=query_lens,
             # Host-side context lengths are unknown at capture: backends used under graphs must
             # read seq_lens from the device tensor only.
             seq_lens_cpu=[self.max_blocks * self.block_size] * b,
         )
 
-    def _fill_padding(self, key: GraphKey, first_row: int) -> None:
-        """Rows from first_row on: t dummy tokens at positions 0.. of the scratch block."""
+    def _fill_padding(self, key: GraphKey, first_row: int, first_token: int = 0) -> None:
+        """Rows from first_row on: t dummy tokens at positions 0.. of the scratch block. A
+        PREFILL key's rows from first_row on are empty, and its padding sequence (row
+        key.batch) takes the tokens from first_token on, the rest of key.tokens."""
+        if key.mode == ForwardMode.PREFILL:
+            self._fill_prefill_padding(key, first_row, first_token)
+            return
         b, t = key.batch, key.tokens_per_seq
         s = self.inputs
         if first_row >= b:
@@ -212,6 +264,21 @@ class GraphRunner:
             s.query_start_loc[first_row] + t * torch.arange(1, rows + 1, device=s.positions.device)
         )
 
+    def _fill_prefill_padding(self, key: GraphKey, first_row: int, first_token: int) -> None:
+        b, s = key.batch, self.inputs
+        rest = key.tokens - first_token
+        s.seq_lens[first_row:b].zero_()  # empty sequences: no query, no key
+        s.block_tables[first_row : b + 1].fill_(self.scratch_block)
+        s.query_start_loc[first_row + 1 : b + 1].fill_(first_token)
+        s.query_start_loc[b + 1].fill_(key.tokens)
+        s.seq_lens[b].fill_(rest)
+        if rest:
+            pos = torch.arange(rest, device=s.positions.device)
+            s.input_ids[first_token : key.tokens].zero_()
+            s.positions[first_token : key.tokens].copy_(pos)
+            scratch = self.scratch_block * self.block_size
+            s.slot_mapping[first_token : key.tokens].copy_(scratch + pos % self.block_size)
+
     # -- replay -----------------------------------------------------------------------------
 
     def key_for(self, mode: ForwardMode, batch: int, tokens_per_seq: int) -> GraphKey | None:
@@ -220,10 +287,20 @@ class GraphRunner:
         padded = next((b for b in self.batch_sizes if b >= batch), None)
         return None if padded is None else GraphKey(mode, padded, tokens_per_seq)
 
+    def prefill_key(self, batch: int, tokens: int) -> GraphKey | None:
+        """The PREFILL graph for `batch` sequences of `tokens` tokens in all, if captured."""
+        padded = next((t for t in self.prefill_tokens if t >= tokens), None)
+        b = next((b for b in self.prefill_batch_sizes if b >= batch), None)
+        if padded is None or b is None or b > padded:
+            return None
+        return GraphKey(ForwardMode.PREFILL, b, 0, padded)
+
     def can_run(self, inputs: ForwardInputs) -> GraphKey | None:
         meta = inputs.attn
         if meta.tree_mask is not None or meta.block_tables.shape[1] > self.max_blocks:
             return None
+        if meta.mode == ForwardMode.PREFILL and self.mode is None:
+            return self.prefill_key(meta.batch_size, inputs.input_ids.shape[0])
         lens = set(meta.query_lens_cpu)
         if len(lens) != 1:
             return None
@@ -236,6 +313,15 @@ class GraphRunner:
         """Copy the step's inputs (and `extras`, by name) into the static buffers, replay, and
         return the step's outputs cut to the real tokens: for the model's forward, the hidden
         states [num_tokens, hidden] and the aux streams [num_tokens, n_aux * hidden] or None."""
+        n = self.load(key, inputs, extras)
+        graph, outputs, counted = self.graphs[key]
+        graph.replay()
+        self.replays[key.mode] += 1
+        self.tp.add_counts(counted, inputs.attn.mode.value)
+        return tuple(None if o is None else o[:n] for o in outputs)
+
+    def load(self, key: GraphKey, inputs: ForwardInputs, extras: dict | None = None) -> int:
+        """The step's inputs into the static buffers, the rest of `key` padded; its tokens."""
         meta, s = inputs.attn, self.inputs
         b, n = meta.batch_size, inputs.input_ids.shape[0]
         s.input_ids[:n].copy_(inputs.input_ids)
@@ -248,8 +334,5 @@ class GraphRunner:
         s.block_tables[:b, width:].fill_(self.scratch_block)
         for name, t in (extras or {}).items():
             s.extras[name][:n].copy_(t)
-        self._fill_padding(key, first_row=b)
-        graph, outputs, counted = self.graphs[key]
-        graph.replay()
-        self.tp.add_counts(counted, meta.mode.value)
-        return tuple(None if o is None else o[:n] for o in outputs)
+        self._fill_padding(key, first_row=b, first_token=n)
+        return n

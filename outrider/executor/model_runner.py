@@ -334,7 +334,29 @@ class ModelRunner:
             tokens_per_seq=tpq,
             aux_layers=self.aux_layers,
             tp=self.tp,
+            prefill_tokens=self._prefill_graph_tokens(limit),
         )
+
+    def _prefill_graph_tokens(self, limit: int | None) -> tuple[int, ...]:
+        """Token counts of the PREFILL graphs (GraphRunner.prefill_tokens): 32, 64, ... up to
+        cuda_graph_prefill_tokens (no step holds more than max_num_batched_tokens, nor may a
+        graph pass the model's `limit`); none where a prefill reads the host: a backend
+        without PREFILL graphs, MLA latents (their prefill expands them in PyTorch), the
+        deterministic mode's chunk plans, or ranks that would each capture their own."""
+        config = self.config
+        if (
+            ForwardMode.PREFILL not in self.backend.graph_modes
+            or self.model.kv_layout(self.dtype).is_latent
+            or config.model.deterministic
+            or self.tp.size > 1
+        ):
+            return ()
+        top = min(config.model.cuda_graph_prefill_tokens, config.scheduler.max_num_batched_tokens)
+        if limit is not None:
+            top = min(top, limit)
+        if top < 1:
+            return ()
+        return tuple(t for t in (32, 64, 128, 256, 512, 1024, 2048) if t < top) + (top,)
 
     @torch.inference_mode()
     def forward(

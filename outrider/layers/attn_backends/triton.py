@@ -91,7 +91,9 @@ class _StepPlan:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
-    graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
+    # PREFILL too (steps with prompt chunks, executor/cuda_graph.py): the prefill kernel reads
+    # every length from the device and sizes its grid by a bound the graph fixes.
+    graph_modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY, ForwardMode.PREFILL})
     supports_latent = True
     takes_written_latents = True
     has_deterministic = True
