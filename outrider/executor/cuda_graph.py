@@ -178,7 +178,24 @@ class GraphRunner:
     def capture(self) -> None:
         what = "drafter " if self.mode == ForwardMode.DRAFT else ""
         for key in progress(self.capture_keys(), f"capturing {what}CUDA graphs"):
-            self._capture(key)
+            if key.mode == ForwardMode.PREFILL and not self.prefill_tokens:
+                continue  # dropped: one failed
+            try:
+                self._capture(key)
+            except RuntimeError as e:
+                if key.mode != ForwardMode.PREFILL:
+                    raise
+                # A prefill that reads the host somewhere (a synchronizing op, a length
+                # taken from a tensor) cannot be captured: those steps stay eager, the rest
+                # is captured as before.
+                log.warning(
+                    "steps with prompt chunks run eagerly: capturing their CUDA graph "
+                    "(%d sequences, %d tokens) failed: %s",
+                    key.batch, key.tokens, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )  # fmt: skip
+                self.prefill_tokens = ()
+                self.graphs = {k: g for k, g in self.graphs.items() if k.mode != key.mode}
+                torch.cuda.synchronize()
         log.info("captured %d CUDA graphs", len(self.graphs))
 
     def _capture(self, key: GraphKey) -> None:

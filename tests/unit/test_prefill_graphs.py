@@ -181,3 +181,26 @@ def test_a_step_over_the_padded_buffers_computes_what_it_computes_eagerly(interp
     assert res["hidden_diff"] <= 1e-5 * res["hidden_scale"], res
     assert res["kv_diff"] <= 1e-5  # the step's own KV, as eagerly
     assert res["kv_untouched"]  # the padding wrote nowhere but the scratch block
+
+
+def test_a_prefill_that_cannot_be_captured_leaves_those_steps_eager(monkeypatch, caplog):
+    r = _runner(batch_sizes=(1, 4), prefill_tokens=(8, 16))
+    done = []
+
+    def capture(key):
+        if key.mode == ForwardMode.PREFILL:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        done.append(key)
+        r.graphs[key] = (None, (), {})
+
+    monkeypatch.setattr(r, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    r.capture()
+    assert [k.mode for k in done] == [ForwardMode.DECODE] * 2  # the rest, as before
+    assert r.prefill_tokens == () and r.prefill_key(1, 4) is None
+    assert "run eagerly" in caplog.text and "not permitted" in caplog.text
+    with pytest.raises(RuntimeError, match="decode"):  # a decode graph's failure still stops
+        monkeypatch.setattr(
+            r, "_capture", lambda key: (_ for _ in ()).throw(RuntimeError("decode"))
+        )
+        r.capture()
