@@ -29,7 +29,8 @@ def run_worker(module: str, timeout: float = 600, parts: list[str] | None = None
     """`module`'s _worker() in a subprocess under the interpreter -> the lines it emitted, in
     order; the subprocess's failure (with its stderr's end) fails the caller. parts: run
     _worker(part) for each in subprocesses of their own, as many at once as there are cores
-    (the interpreter is one Python thread), and return their lines in the parts' order."""
+    (the interpreter is one Python thread), started in the order given (the longest first
+    keeps the cores evenly busy), and return their lines in the parts' order."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     calls = [f"_worker({part!r})" for part in parts] if parts else ["_worker()"]
     pending = list(enumerate(calls))
@@ -48,9 +49,15 @@ def run_worker(module: str, timeout: float = 600, parts: list[str] | None = None
                         cwd=ROOT, env=env, stdout=stdout, stderr=stderr, text=True,
                     )  # fmt: skip
                     running[i] = (proc, stdout, stderr)
-                i, (proc, stdout, stderr) = next(iter(running.items()))
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                del running[i]
+                # Whichever part ends first frees its core: parts differ in length.
+                ended = [i for i, (proc, _, _) in running.items() if proc.poll() is not None]
+                if not ended:
+                    if time.monotonic() > deadline:
+                        raise subprocess.TimeoutExpired(calls[next(iter(running))], timeout)
+                    time.sleep(0.05)
+                    continue
+                i = ended[0]
+                proc, stdout, stderr = running.pop(i)
                 stdout.seek(0), stderr.seek(0)
                 assert proc.returncode == 0, f"{calls[i]}: {stderr.read()[-3000:]}"
                 out[i] = stdout.read()

@@ -53,9 +53,11 @@ def test_batch_invariance(llm, chat_prompt_ids):
     prompts = [p if i % 3 else p[: 5 + i] for i, p in enumerate(prompts)]
     params = SamplingParams(temperature=0, max_tokens=24)
     batched = llm.generate(prompts, params)
+    alone: dict[tuple[int, ...], list[int]] = {}  # prompts 13 and 14 repeat 1 and 2: run once
     for p, b in zip(prompts, batched):
-        alone = llm.generate([p], params)[0]
-        assert alone.token_ids == b.token_ids
+        if tuple(p) not in alone:
+            alone[tuple(p)] = llm.generate([p], params)[0].token_ids
+        assert alone[tuple(p)] == b.token_ids
 
 
 def test_prefix_cache_hit_equals_miss(llm, chat_prompt_ids):

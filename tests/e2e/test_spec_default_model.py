@@ -62,20 +62,29 @@ def test_ngram_greedy_equals_plain_on_real_model(llm):
     assert max(grounded) > 1.5  # copying the input is what n-gram lookup is for
 
 
+EAGLE_PARAMS = SamplingParams(temperature=0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def eagle_plain(llm):
+    """The random drafter test's prompts and their plain greedy outputs: what the chain and the
+    tree must both give."""
+    prompts = [
+        llm.encode_chat_text(llm.apply_chat_template([{"role": "user", "content": p}]))
+        for p in CHAT_PROMPTS[:3] + GROUNDED[:2]
+    ]
+    return prompts, llm.generate(prompts, EAGLE_PARAMS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("topk", [1, 3])
-def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
+def test_eagle3_greedy_equals_plain_on_real_model(eagle_plain, topk):
     """Losslessness does not depend on the drafter's quality: a random EAGLE-3 drafter for the
     real model (chain, and a tree of 3 candidates per step) keeps greedy output exact."""
     from outrider.executor.drafter import Eagle3Drafter
     from tests.unit.test_spec_eagle3 import random_drafter
 
-    prompts = [
-        llm.encode_chat_text(llm.apply_chat_template([{"role": "user", "content": p}]))
-        for p in CHAT_PROMPTS[:3] + GROUNDED[:2]
-    ]
-    params = SamplingParams(temperature=0, max_tokens=32)
-    plain = llm.generate(prompts, params)
+    prompts, plain = eagle_plain
     spec = LLM(
         dtype="float32",
         device="cpu",
@@ -87,7 +96,7 @@ def test_eagle3_greedy_equals_plain_on_real_model(llm, topk):
             random_drafter(target, draft_vocab=8000), spec.engine.runner, topk=topk, num_steps=3
         )
     )
-    outs = spec.generate(prompts, params)
+    outs = spec.generate(prompts, EAGLE_PARAMS)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert spec.engine.speculator.stats.num_verify_steps > 0
 

@@ -7,7 +7,7 @@ does not round float32 -> bfloat16 to nearest as the GPU does, so results there 
 two bf16 steps apart; tests/gpu/test_fused_cuda.py asserts the bf16 agreement on real hardware.
 
 As in test_triton_attention.py, TRITON_INTERPRET=1 has to be set before triton is imported, so
-the checks run in one subprocess that prints a JSON line per check.
+the checks run in worker subprocesses that print a JSON line per check (tests/interpreter.py).
 """
 
 from __future__ import annotations
@@ -29,17 +29,53 @@ pytestmark = [
 ]
 
 
-def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
+def report(name: str, fused_out: torch.Tensor, ref: torch.Tensor) -> None:
+    diff = (fused_out.float() - ref.float()).abs().max().item()
+    scaled = diff / max(ref.float().abs().max().item(), 1e-30)
+    same = (fused_out == ref).float().mean().item()
+    emit(name=name, diff=diff, scaled=scaled, same=same)
+
+
+# moe_gemm's and moe_gemv's INT4 cases, (K, group): K past one K tile and not a multiple of it
+# (160), not a multiple of 8 (203), groups that do not divide the K tile (48) or span several
+# (256). Every group is a multiple of 8, so moe_gemm runs these few rows as the GEMV.
+INT4_CASES = ((160, 32), (203, 32), (192, 48), (512, 256))
+MOE_E, MOE_N = 5, 70  # experts, output columns
+
+
+def crowded_ids() -> torch.Tensor:
+    """37 rows crowding two of five experts (three with none, R not a multiple of
+    MOE_BLOCK_M, an expert past one block)."""
+    return torch.randint(0, 2, (37,), generator=torch.Generator().manual_seed(3))
+
+
+def int4_case(k_in: int, group: int) -> tuple[torch.Tensor, ...]:
+    """-> a [19, K] (two rows each: rows_per_a 2), packed INT4 experts, their scales, and the
+    weights they dequantize to (fp32 scales: exactly the kernels' q * scale)."""
+    from outrider.loaders.compressed_tensors import dequantize_int4, quantize_int4
+
+    gen = torch.Generator().manual_seed(k_in * 1000 + group)
+    w = torch.randn(MOE_E, MOE_N, k_in, generator=gen) / k_in**0.5
+    packed, scale = quantize_int4(w, group, torch.float32)
+    deq = torch.stack([dequantize_int4(packed[i], scale[i], k_in, group, torch.float32)
+                       for i in range(MOE_E)])  # fmt: skip
+    return torch.randn(19, k_in, generator=gen), packed, scale, deq
+
+
+def rowwise(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, rpa: int) -> torch.Tensor:
+    return torch.stack([a[r // rpa].float() @ w[e].float().T for r, e in enumerate(ids)])
+
+
+def _worker(part: str) -> None:  # runs in a subprocess, TRITON_INTERPRET=1
+    """The INT4 GEMV's own checks ("gemv"), or every other kernel's ("kernels"): two parts of
+    about equal length, run side by side where there are two cores."""
+    if part == "gemv":
+        _gemv()
+        return
     from outrider.layers import fused, moe_fused
     from outrider.layers.activation import SiluAndMul
     from outrider.layers.norm import RMSNorm
     from outrider.layers.rotary import Rope, RotaryEmbedding
-
-    def report(name: str, fused_out: torch.Tensor, ref: torch.Tensor) -> None:
-        diff = (fused_out.float() - ref.float()).abs().max().item()
-        scaled = diff / max(ref.float().abs().max().item(), 1e-30)
-        same = (fused_out == ref).float().mean().item()
-        emit(name=name, diff=diff, scaled=scaled, same=same)
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -205,19 +241,12 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
         fused.use_fused = real
         report(f"moe-{name}-nonzero", ref.abs().max().clamp(max=1), torch.tensor(1.0))
 
-    # moe_gemm alone against a row-by-row product: rows crowding two of five experts (three
-    # with none, R = 37 not a multiple of MOE_BLOCK_M, an expert past one block), rows sharing
-    # activation rows (rows_per_a 2), one row; INT4 with K past one K tile and not a multiple
-    # of it (160), not a multiple of 8 (203), groups that do not divide the K tile (48) or span
-    # several (256); unquantized fp32, bf16 (interpreter: within bf16 steps) and odd K.
-    from outrider.loaders.compressed_tensors import dequantize_int4
-
-    def rowwise(a: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, rpa: int) -> torch.Tensor:
-        return torch.stack([a[r // rpa].float() @ w[e].float().T for r, e in enumerate(ids)])
-
+    # moe_gemm alone against a row-by-row product: crowded rows, rows sharing activation rows
+    # (rows_per_a 2), one row; INT4_CASES; unquantized fp32, bf16 (interpreter: within bf16
+    # steps) and odd K.
     fused.use_fused = lambda x: True
-    e, n = 5, 70
-    crowded = torch.randint(0, 2, (37,), generator=gen)
+    e, n = MOE_E, MOE_N
+    crowded = crowded_ids()
     routings = {"crowded": crowded, "one": torch.tensor([3]), "spread": torch.arange(10) % 5}
     for (route, ids), rpa in itertools.product(routings.items(), (1, 2)):
         a = torch.randn(-(-ids.numel() // rpa), 203)
@@ -227,24 +256,12 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
             moe_fused.moe_gemm(a, ids, w, rpa),
             rowwise(a, ids, w, rpa),
         )
-    for k_in, group in ((160, 32), (203, 32), (192, 48), (512, 256)):
-        w = torch.randn(e, n, k_in) / k_in**0.5
-        packed, scale = quantize_int4(w, group, torch.float32)
-        deq = torch.stack([dequantize_int4(packed[i], scale[i], k_in, group, torch.float32)
-                           for i in range(e)])  # fmt: skip
-        a = torch.randn(19, k_in)
+    for k_in, group in INT4_CASES:
+        a, packed, scale, deq = int4_case(k_in, group)
         got = moe_fused.moe_gemm(a, crowded, packed, 2, scale, group)  # GEMV where it serves
         report(f"moe-gemm-int4-{k_in}-{group}", got, rowwise(a, crowded, deq, 2))
         tiles = moe_fused.moe_gemm(a, crowded, packed, 2, scale, group, tile=moe_fused.MoeTile())
         report(f"moe-gemm-int4-{k_in}-{group}-tiles", tiles, rowwise(a, crowded, deq, 2))
-        if group % 8 == 0:  # the GEMV itself, gated too, against the tensor-core path's
-            gemv = moe_fused.moe_gemv(a, crowded, packed, 2, scale, group)
-            report(f"moe-gemv-int4-{k_in}-{group}", gemv, rowwise(a, crowded, deq, 2))
-            gated = moe_fused.moe_gemv(a, crowded, packed, 2, scale, group, gated=True)
-            want = moe_fused.moe_gemm(
-                a, crowded, packed, 2, scale, group, gated=True, tile=moe_fused.MoeTile()
-            )
-            report(f"moe-gemv-gated-int4-{k_in}-{group}", gated, want)
     a, w = torch.randn(37, 100, dtype=torch.bfloat16), torch.randn(e, n, 100, dtype=torch.bfloat16)
     report("moe-gemm-bf16", moe_fused.moe_gemm(a, crowded, w), rowwise(a, crowded, w, 1))
     layout = moe_fused.moe_layout_no_sync(crowded, e)
@@ -299,9 +316,27 @@ def _worker() -> None:  # runs in the subprocess, TRITON_INTERPRET=1
              tie=int(got[1]), nothing=int(got[0]))  # fmt: skip
 
 
+def _gemv() -> None:
+    """moe_gemv itself at INT4_CASES, gated too against the tensor-core path's gated GEMM."""
+    from outrider.layers import fused, moe_fused
+
+    fused.use_fused = lambda x: True
+    crowded = crowded_ids()
+    for k_in, group in INT4_CASES:
+        a, packed, scale, deq = int4_case(k_in, group)
+        gemv = moe_fused.moe_gemv(a, crowded, packed, 2, scale, group)
+        report(f"moe-gemv-int4-{k_in}-{group}", gemv, rowwise(a, crowded, deq, 2))
+        gated = moe_fused.moe_gemv(a, crowded, packed, 2, scale, group, gated=True)
+        want = moe_fused.moe_gemm(
+            a, crowded, packed, 2, scale, group, gated=True, tile=moe_fused.MoeTile()
+        )
+        report(f"moe-gemv-gated-int4-{k_in}-{group}", gated, want)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    return {r["name"]: r for r in run_worker("tests.unit.test_fused_kernels")}
+    parts = ["kernels", "gemv"]
+    return {r["name"]: r for r in run_worker("tests.unit.test_fused_kernels", parts=parts)}
 
 
 BF16_STEPS = 2**-6  # two bfloat16 rounding steps, relative to the largest value

@@ -34,10 +34,13 @@ LAYOUTS = [("one", 8, 384), ("chunks", 100, 7), ("wide", 600, 384), ("single", 4
 
 
 def _worker(part: str) -> None:  # runs in a subprocess, TRITON_INTERPRET=1
-    """The kernels one by one ("kernels"), or whole tiny DeepSeek-V3 forwards ("forward"): two
-    parts, run side by side where there are two cores."""
+    """The kernels one by one ("kernels"), the gate kernel for one router ("gate-<name>"), or
+    whole tiny DeepSeek-V3 forwards ("forward"): parts run side by side, as the cores allow."""
     if part == "forward":
         _forward()
+        return
+    if part.startswith("gate-"):
+        _gate(next(row for row in ROUTERS if row[0] == part.removeprefix("gate-")))
         return
     from outrider.layers import fused, moe_fused
     from outrider.layers.moe import GroupedTopkRouter
@@ -77,40 +80,6 @@ def _worker(part: str) -> None:  # runs in a subprocess, TRITON_INTERPRET=1
             width=got_ids.shape[1],
             dtypes=[str(got_w.dtype), str(got_ids.dtype)],
         )
-
-    # The router's logits, choice and layout in one launch, at one token, a few and the most.
-    for name, experts, top_k, groups, keep, norm, scaling, always, hidden in ROUTERS:
-        router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, norm, scaling, always)
-        router.weight.data = torch.randn(experts, hidden, generator=gen)
-        router.e_score_correction_bias.data = torch.randn(experts, generator=gen) * 0.5
-        for tokens in (1, 5, moe_fused.GATE_MAX_TOKENS):
-            x = torch.randn(tokens, hidden, generator=gen)
-            want_w, want_ids = router(x)  # CPU: the torch path
-            got_w, got_ids, layout = moe_fused.moe_gate_no_sync(
-                x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
-                scaling, always,
-            )  # fmt: skip
-            order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
-            bare_w, bare_ids, none = moe_fused.moe_gate_no_sync(
-                x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
-                scaling, always, layout=False,
-            )  # fmt: skip
-            fused.use_fused = lambda x: False
-            want_layout = moe_fused.moe_layout_no_sync(got_ids, experts + always)
-            fused.use_fused = real
-            emit(
-                name=f"gate-{name}-{tokens}",
-                same_ids=torch.equal(got_ids.gather(1, order_g), want_ids.gather(1, order_w)),
-                weight_diff=(got_w.gather(1, order_g) - want_w.gather(1, order_w))
-                .abs()
-                .max()
-                .item(),
-                same_layout=torch.equal(layout, want_layout),
-                count=int(moe_fused._gate_count(x.device).item()),
-                width=got_ids.shape[1],
-                # layout=False: the same choice and weights, no layout
-                bare=none is None and torch.equal(bare_ids, got_ids) and torch.equal(bare_w, got_w),
-            )
 
     for name, rows, experts in LAYOUTS:
         ids = torch.randint(0, experts, (rows,), generator=gen)
@@ -184,6 +153,46 @@ def _worker(part: str) -> None:  # runs in a subprocess, TRITON_INTERPRET=1
         same_cache=bool(torch.equal(got_cache, want_cache)),
         untouched=int((got_cache == 7.0).all(-1).sum()),
     )
+
+
+def _gate(row: tuple) -> None:
+    """The router's logits, choice and layout in one launch, at one token, a few and the most.
+    A part of its own for each router: the interpreter's time goes on these launches (a
+    program per slice of the experts, each looping over the tokens)."""
+    from outrider.layers import fused, moe_fused
+    from outrider.layers.moe import GroupedTopkRouter
+
+    real = fused.use_fused
+    gen = torch.Generator().manual_seed(0)
+    name, experts, top_k, groups, keep, norm, scaling, always, hidden = row
+    router = GroupedTopkRouter(hidden, experts, top_k, groups, keep, norm, scaling, always)
+    router.weight.data = torch.randn(experts, hidden, generator=gen)
+    router.e_score_correction_bias.data = torch.randn(experts, generator=gen) * 0.5
+    for tokens in (1, 5, moe_fused.GATE_MAX_TOKENS):
+        x = torch.randn(tokens, hidden, generator=gen)
+        want_w, want_ids = router(x)  # CPU: the torch path
+        got_w, got_ids, layout = moe_fused.moe_gate_no_sync(
+            x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
+            scaling, always,
+        )  # fmt: skip
+        order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
+        bare_w, bare_ids, none = moe_fused.moe_gate_no_sync(
+            x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
+            scaling, always, layout=False,
+        )  # fmt: skip
+        fused.use_fused = lambda x: False
+        want_layout = moe_fused.moe_layout_no_sync(got_ids, experts + always)
+        fused.use_fused = real
+        emit(
+            name=f"gate-{name}-{tokens}",
+            same_ids=torch.equal(got_ids.gather(1, order_g), want_ids.gather(1, order_w)),
+            weight_diff=(got_w.gather(1, order_g) - want_w.gather(1, order_w)).abs().max().item(),
+            same_layout=torch.equal(layout, want_layout),
+            count=int(moe_fused._gate_count(x.device).item()),
+            width=got_ids.shape[1],
+            # layout=False: the same choice and weights, no layout
+            bare=none is None and torch.equal(bare_ids, got_ids) and torch.equal(bare_w, got_w),
+        )
 
 
 def _forward() -> None:
@@ -285,7 +294,10 @@ TINY_DEEPSEEK = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    parts = ["forward", "kernels"]  # the longer first
+    # The longer first: Kimi's 384 experts and DeepSeek-V3's 256 take the gate kernel longest,
+    # then the forwards; on two cores the parts end within seconds of each other.
+    gates = [f"gate-{row[0]}" for row in sorted(ROUTERS, key=lambda row: -row[1])]
+    parts = [*gates[:2], "forward", *gates[2:], "kernels"]
     return {r["name"]: r for r in run_worker("tests.unit.test_moe_kernels", parts=parts)}
 
 

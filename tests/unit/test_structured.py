@@ -418,8 +418,9 @@ def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_gr
         grammars.attach_masks(batch)
         batch.ready_masks()
         mask = seqs[0].token_masks[:1].clone()
-        allowed = sorted(_allowed(mask[0]))
-        refused = [t for t in range(grammars.vocab_size) if t not in set(allowed)][:64]
+        allowed_set = _allowed(mask[0])
+        allowed = sorted(allowed_set)
+        refused = [t for t in range(grammars.vocab_size) if t not in allowed_set][:64]
         rows = []
         for case in range(12):
             row = torch.randn(grammars.vocab_size, generator=g)
