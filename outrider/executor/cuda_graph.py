@@ -223,9 +223,13 @@ class GraphRunner:
         self.graphs[key] = (graph, outputs, counted)
 
     def _forward(self, ids, pos, extras: dict, meta: AttentionMetadata) -> tuple:
-        # A prefill's grid holds its longest query whole: no splits of the key range (their
-        # workspace and count would follow the lengths seen at capture).
-        self.backend.prepare(meta, 1 if meta.mode == ForwardMode.PREFILL else None)
+        if meta.mode == ForwardMode.PREFILL:
+            # Its grid holds the longest query whole: no splits of the key range (their
+            # workspace and count would follow the lengths seen at capture). Only backends
+            # with PREFILL graphs get here, and they take num_splits.
+            self.backend.prepare(meta, 1)
+        else:
+            self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
             return (self.step or self._model_step)(ids, pos, extras)
 

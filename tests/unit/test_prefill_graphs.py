@@ -204,3 +204,16 @@ def test_a_prefill_that_cannot_be_captured_leaves_those_steps_eager(monkeypatch,
             r, "_capture", lambda key: (_ for _ in ()).throw(RuntimeError("decode"))
         )
         r.capture()
+
+
+def test_decode_keys_prepare_a_backend_that_knows_nothing_of_splits():
+    """Backends without PREFILL graphs (torch_ref) take prepare(meta) alone."""
+    from outrider.layers.attn_backends.base import get_backend
+
+    backend = get_backend("torch_ref")
+    r = _runner(torch.nn.Embedding(8, 4), backend, prefill_tokens=())
+    r.step = lambda ids, pos, extras: (ids,)
+    key = r.capture_keys()[0]
+    r._fill_padding(key, first_row=0)
+    (out,) = r._forward(r.inputs.input_ids[: key.num_tokens], None, {}, r._metadata(key))
+    assert out.shape[0] == key.num_tokens
