@@ -67,10 +67,14 @@ CONFIGS = {
     "plain_thread": ["--no-engine-process"],
     "eagle3_thread": ["--spec", "eagle3", "--no-engine-process"],
     "ngram_thread": ["--spec", "ngram", "--no-engine-process"],
-    # Steps with prompt chunks run eagerly (what the PREFILL graphs gain, side by side).
+    # Steps with prompt chunks run eagerly, or with decode rows beside them replay graphs too
+    # (what the PREFILL graphs change, side by side).
     "plain_eager_prefill": ["--cuda-graph-prefill-tokens", "0"],
     "eagle3_eager_prefill": ["--spec", "eagle3", "--cuda-graph-prefill-tokens", "0"],
     "ngram_eager_prefill": ["--spec", "ngram", "--cuda-graph-prefill-tokens", "0"],
+    "plain_mixed_prefill": ["--cuda-graph-mixed-prefill"],
+    "eagle3_mixed_prefill": ["--spec", "eagle3", "--cuda-graph-mixed-prefill"],
+    "ngram_mixed_prefill": ["--spec", "ngram", "--cuda-graph-mixed-prefill"],
 }
 DEFAULT_CONFIGS = ["plain", "eagle3", "ngram"]
 PORT, KEY = 8011, "sk-bench"

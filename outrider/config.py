@@ -51,9 +51,11 @@ class ModelConfig:
     # supports them; False forces eager execution (debugging, profiling).
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 64
-    # Steps with prompt chunks of at most this many tokens in all (decode rows beside them
-    # included) replay CUDA graphs too, captured at 32, 64, ... up to it; 0: they run eagerly.
+    # Steps of prompt chunks of at most this many tokens in all replay CUDA graphs too,
+    # captured at 32, 64, ... up to it; 0: they run eagerly. With decode rows beside the chunks
+    # (a request arriving while others decode) only if cuda_graph_mixed_prefill.
     cuda_graph_prefill_tokens: int = 512
+    cuda_graph_mixed_prefill: bool = False
     seed: int = 0
     # Batch-invariant kernels (layers/batch_invariant.py): each row's reduction order depends
     # on that row alone, so a verify row equals a one-token decode row bit for bit and greedy

@@ -14,8 +14,14 @@ Sequences past the real ones are empty, and one sequence after the B holds the T
 real ones leave (dummy tokens in the scratch block), so query_start_loc always ends at T. The
 prefill kernel reads every length from the device and sizes its grid by T, the longest query
 any split can give (an empty sequence's programs find no token and exit). Eagerly, such a step
-launches every kernel of every layer from Python: the default model's 30 layers took 12-17 ms of
-host time a step on an H100, where its device work takes well under one.
+launches every kernel of every layer from Python: the default model's 30 layers took 11-12 ms of
+host time a step on an H100, where its device work takes well under one (replayed: 1.5 ms for
+one prompt, and the time to a server's first token at one stream went from 13 to 3.3 ms).
+Steps with decode rows beside the chunks (requests arriving while others decode) take them only
+with mixed_prefill: through a server at 64 streams each such step ran 3.3-3.8 ms where it had
+run 12, but the time to first token rose (median 55 -> 162-292 ms) at the same or lower
+throughput (14.4k against 14.7k tok/s; 9.5k against 13.4k), the server process seemingly taking
+new requests later while it streamed tokens at the higher step rate.
 
 Capture goes largest first into one shared memory pool, so smaller graphs reuse its memory.
 
@@ -122,6 +128,7 @@ class GraphRunner:
         mode: ForwardMode | None = None,
         tp: TPGroup | None = None,
         prefill_tokens: tuple[int, ...] = (),
+        mixed_prefill: bool = True,
     ) -> None:
         """aux_layers: the graphs also output those layers' input residual streams,
         concatenated (a drafter's features), as eager forwards do.
@@ -133,7 +140,8 @@ class GraphRunner:
         prefill_tokens: token counts T of the PREFILL graphs (steps with prompt chunks), each
         captured at every batch size up to T; () captures none (the backend must size its
         grids by the metadata's host lengths alone, and the model read nothing from the host
-        in a prefill: the caller's to know)."""
+        in a prefill: the caller's to know). mixed_prefill: steps with decode rows (one-token
+        queries) beside their prompt chunks take them too; else those run eagerly."""
         self.model, self.backend = model, backend
         self.tp = tp or single()
         self.aux_layers = tuple(aux_layers)
@@ -143,6 +151,7 @@ class GraphRunner:
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.tokens_per_seq = tuple(sorted(tokens_per_seq))
         self.prefill_tokens = tuple(sorted(prefill_tokens))
+        self.mixed_prefill = mixed_prefill
         top = self.batch_sizes[-1]
         self.prefill_batch_sizes = tuple(b for b in PREFILL_BATCH_SIZES if b < top) + (top,)
         device = next(model.parameters()).device
@@ -321,6 +330,8 @@ class GraphRunner:
         if meta.tree_mask is not None or meta.block_tables.shape[1] > self.max_blocks:
             return None
         if meta.mode == ForwardMode.PREFILL and self.mode is None:
+            if not self.mixed_prefill and 1 in meta.query_lens_cpu:
+                return None  # decode rows beside the chunks
             return self.prefill_key(meta.batch_size, inputs.input_ids.shape[0])
         lens = set(meta.query_lens_cpu)
         if len(lens) != 1:

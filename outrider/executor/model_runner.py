@@ -335,6 +335,7 @@ class ModelRunner:
             aux_layers=self.aux_layers,
             tp=self.tp,
             prefill_tokens=self._prefill_graph_tokens(limit),
+            mixed_prefill=config.model.cuda_graph_mixed_prefill,
         )
 
     def _prefill_graph_tokens(self, limit: int | None) -> tuple[int, ...]:

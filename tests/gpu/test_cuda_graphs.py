@@ -45,7 +45,12 @@ def test_verify_graphs_equal_eager():
 def test_prefill_graphs_equal_eager():
     # Chunks of at most 48 tokens: every prompt is computed over several steps, beside the
     # decode rows of the requests whose prompts are done (the server's mixed steps).
-    common = dict(attention_backend="triton", cuda_graph_max_batch=8, max_num_batched_tokens=48)
+    common = dict(
+        attention_backend="triton",
+        cuda_graph_max_batch=8,
+        max_num_batched_tokens=48,
+        cuda_graph_mixed_prefill=True,
+    )
     replays: list[int] = []
     graphed = _outputs(cuda_graphs=True, prefill_replays=replays, **common)
     assert replays[0] > 0  # steps with prompt chunks replayed PREFILL graphs

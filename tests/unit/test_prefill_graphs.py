@@ -18,7 +18,9 @@ BLOCK = 16
 SCRATCH = 63  # the pool's last block: no sequence here is given it
 
 
-def _runner(model=None, backend=None, batch_sizes=(1, 2, 4, 8), prefill_tokens=(32, 64)):
+def _runner(
+    model=None, backend=None, batch_sizes=(1, 2, 4, 8), prefill_tokens=(32, 64), mixed_prefill=True
+):
     return GraphRunner(
         model if model is not None else torch.nn.Linear(1, 1),
         backend,
@@ -27,6 +29,7 @@ def _runner(model=None, backend=None, batch_sizes=(1, 2, 4, 8), prefill_tokens=(
         block_size=BLOCK,
         batch_sizes=batch_sizes,
         prefill_tokens=prefill_tokens,
+        mixed_prefill=mixed_prefill,
     )
 
 
@@ -65,12 +68,18 @@ def test_a_step_takes_the_smallest_prefill_graph_that_holds_it():
 
 
 def test_can_run_sends_prompt_steps_to_prefill_graphs_but_not_tree_masks_or_long_ones():
+    """(Mixed steps only where mixed_prefill: the engine's default leaves them eager.)"""
     r = _runner()
     batch = _mixed_batch([(list(range(3, 23)), 0), (list(range(5, 40)), 8)], list(range(7, 16)))
     inputs = build_inputs(batch, BLOCK, torch.device("cpu"))
     assert r.can_run(inputs) == GraphKey(ForwardMode.PREFILL, 4, 0, 32)
     long = _mixed_batch([(list(range(3, 23)), 0)], list(range(3, 3 + 70)))
     assert r.can_run(build_inputs(long, BLOCK, torch.device("cpu"))) is None
+    alone = _mixed_batch([], list(range(7, 16)))  # a prompt with no decode rows beside it
+    unmixed = _runner(mixed_prefill=False)
+    assert unmixed.can_run(inputs) is None  # decode rows beside the chunk: eager
+    alone_inputs = build_inputs(alone, BLOCK, torch.device("cpu"))
+    assert unmixed.can_run(alone_inputs) == GraphKey(ForwardMode.PREFILL, 1, 0, 32)
     inputs.attn.tree_mask = torch.ones(inputs.input_ids.shape[0], 1, dtype=torch.bool)
     assert r.can_run(inputs) is None
 
