@@ -42,17 +42,16 @@ def test_verify_graphs_equal_eager():
     assert graphed == _outputs(cuda_graphs=False, **common)
 
 
-def test_prefill_graphs_equal_eager():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_prefill_graphs_equal_eager(mixed):
     # Chunks of at most 48 tokens: every prompt is computed over several steps, beside the
-    # decode rows of the requests whose prompts are done (the server's mixed steps).
-    common = dict(
-        attention_backend="triton",
-        cuda_graph_max_batch=8,
-        max_num_batched_tokens=48,
-        cuda_graph_mixed_prefill=True,
-    )
+    # decode rows of the requests whose prompts are done (the server's mixed steps, graphed
+    # only with cuda_graph_mixed_prefill); each batch's first step holds prompts alone.
+    common = dict(attention_backend="triton", cuda_graph_max_batch=8, max_num_batched_tokens=48)
     replays: list[int] = []
-    graphed = _outputs(cuda_graphs=True, prefill_replays=replays, **common)
+    graphed = _outputs(
+        cuda_graphs=True, cuda_graph_mixed_prefill=mixed, prefill_replays=replays, **common
+    )
     assert replays[0] > 0  # steps with prompt chunks replayed PREFILL graphs
     off: list[int] = []
     eager = _outputs(cuda_graphs=True, cuda_graph_prefill_tokens=0, prefill_replays=off, **common)
