@@ -197,6 +197,7 @@ class Speculator:
             "tensor_parallel": str(runner.tp.size),
             "shapes": f"batch sizes {list(sizes)}, k 0..{self._k_max}",
             "method": step_timing.METHOD,
+            "gemm": step_timing.gemm_form(runner.device),
             "versions": f"outrider {__version__}, torch {torch.__version__}",
         }
 

@@ -11,15 +11,16 @@ Here each row's arithmetic depends on that row alone:
 - linear / lm_head on CUDA: one Triton GEMM (`matmul`) with one tile config for every M, fp32
   accumulation over K in a fixed order, and a split of K chosen from (N, K) and the device's SM
   count only, its partials added in split order by a second kernel (no atomics). On the CPU,
-  each row is its own [1, K] GEMV call, the call a one-token decode makes.
+  each row is its own [1, K] GEMV call.
 - RMSNorm on CUDA: the fused one-program-per-row kernel (layers/fused.py), whatever
   OUTRIDER_FUSED_KERNELS says; on the CPU the torch ops one row at a time.
 - Already row-local and left alone: the embedding, rotary (the fused kernel runs one program
   per token; torch's ops are elementwise), SiLU-and-mul, the residual adds, greedy argmax.
 - Attention is the backends' business (their `deterministic` constructor argument).
 
-The default mode never reaches this module: its layers keep calling F.linear and their own
-kernels, so its speed and bits are unchanged.
+The default mode never reaches this module: its layers keep calling their GEMM
+(layers/cpu_gemm.py: F.linear, in another form for few rows on the CPU) and their own kernels,
+so its speed and bits are unchanged.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from outrider.distributed import TPGroup, single
-from outrider.layers import batch_invariant
+from outrider.layers import batch_invariant, cpu_gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -52,7 +52,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup | None = None) -> None:
         super().__init__(vocab_size, hidden, tp)
-        self.gemm = F.linear  # or the deterministic mode's row-invariant GEMM
+        self.gemm = cpu_gemm.linear  # or the deterministic mode's row-invariant GEMM
 
     def use_batch_invariant(self) -> None:
         """Each row's logits summed in an order independent of the batch (deterministic mode)."""

@@ -14,11 +14,10 @@ layer must reduce over the group its model was built for.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from outrider.distributed import TPGroup, kv_heads_per_rank, single
-from outrider.layers import batch_invariant
+from outrider.layers import batch_invariant, cpu_gemm
 
 
 class _Linear(nn.Module):
@@ -35,8 +34,9 @@ class _Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        # The GEMM every forward calls: F.linear, or the deterministic mode's row-invariant one.
-        self.gemm = F.linear
+        # The GEMM every forward calls: F.linear (on the CPU in the form that streams the
+        # weights fastest: layers/cpu_gemm.py), or the deterministic mode's row-invariant one.
+        self.gemm = cpu_gemm.linear
 
     def use_batch_invariant(self) -> None:
         """Compute each row with an order of sums independent of the batch (deterministic mode;

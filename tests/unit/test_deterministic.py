@@ -161,10 +161,10 @@ def test_speculative_equals_plain_in_bf16(tiny_dir, prompts, plain, tree):  # no
 
 
 def test_default_mode_keeps_its_kernels(tiny_dir):  # noqa: F811
-    """deterministic=False builds exactly today's layers: F.linear GEMMs, the usual norms and
-    backend; only deterministic=True switches them."""
-    import torch.nn.functional as F
-
+    """deterministic=False builds exactly today's layers: the default GEMM (F.linear, in its
+    faster form for few rows on the CPU: layers/cpu_gemm.py), the usual norms and backend; only
+    deterministic=True switches them."""
+    from outrider.layers import cpu_gemm
     from outrider.layers.linear import _Linear
     from outrider.layers.norm import RMSNorm
 
@@ -173,7 +173,7 @@ def test_default_mode_keeps_its_kernels(tiny_dir):  # noqa: F811
         runner = llm.engine.runner
         linears = [m for m in runner.model.modules() if isinstance(m, _Linear)]
         norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
-        want = batch_invariant.linear if deterministic else F.linear
+        want = batch_invariant.linear if deterministic else cpu_gemm.linear
         assert linears and all(m.gemm is want for m in linears)
         assert runner.model.lm_head.gemm is want
         assert norms and all(m.row_invariant is deterministic for m in norms)
