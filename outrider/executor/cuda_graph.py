@@ -138,7 +138,7 @@ class GraphRunner:
         None keys 1 token per sequence as DECODE and more as VERIFY. tp: the model's
         tensor-parallel group (its collectives are recorded at capture, counted at replay).
         prefill_tokens: token counts T of the PREFILL graphs (steps with prompt chunks), each
-        captured at every batch size up to T; () captures none (the backend must size its
+        captured at the PREFILL_BATCH_SIZES up to T and the largest batch size; () captures none (the backend must size its
         grids by the metadata's host lengths alone, and the model read nothing from the host
         in a prefill: the caller's to know). mixed_prefill: steps with decode rows (one-token
         queries) beside their prompt chunks take them too; else those run eagerly."""
