@@ -54,6 +54,8 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 # PREFILL graphs' batch sizes (of those up to the largest captured, which is always one): fewer
 # than decode's, as an empty sequence costs only programs that exit at once.
 PREFILL_BATCH_SIZES = (1, 4, 16, 64)
+# PREFILL graphs' token counts (of those below the largest asked for, which is always one).
+PREFILL_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass(frozen=True)

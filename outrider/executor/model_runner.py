@@ -20,7 +20,7 @@ from outrider.core import (
 from outrider.device import default_dtype, resolve_device, resolve_dtype
 from outrider.distributed import TPGroup, single
 from outrider.executor import step_timing, tp_graphs
-from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, GraphRunner
+from outrider.executor.cuda_graph import DEFAULT_BATCH_SIZES, PREFILL_TOKENS, GraphRunner
 from outrider.executor.inputs import ForwardInputs, build_inputs
 from outrider.executor.kv_cache import KVPool, num_blocks_for_budget
 from outrider.executor.sampler import (
@@ -357,7 +357,7 @@ class ModelRunner:
             top = min(top, limit)
         if top < 1:
             return ()
-        return tuple(t for t in (32, 64, 128, 256, 512, 1024, 2048) if t < top) + (top,)
+        return tuple(t for t in PREFILL_TOKENS if t < top) + (top,)
 
     @torch.inference_mode()
     def forward(

@@ -45,16 +45,14 @@ if TYPE_CHECKING:  # the runner's profile_steps calls in here: at run time a cyc
 # What the profile cache's key says of how steps are timed: a kept profile timed otherwise is
 # measured again (engine/speculation.py).
 METHOD = "rows at position 0 in blocks of their own"
+DEVICE_REPS = 5  # device-timed steps per shape (median): a replay varies by a few percent
+DEVICE_WARM = 3  # steps before them, so the device's clocks settle as in a sustained run
 
 
 def gemm_form(device: torch.device) -> str:
     """The form of the GEMM a step runs on `device` (layers/cpu_gemm.py), part of what a kept
     profile was timed with."""
     return cpu_gemm.FORM if device.type == "cpu" else "F.linear"
-
-
-DEVICE_REPS = 5  # device-timed steps per shape (median): a replay varies by a few percent
-DEVICE_WARM = 3  # steps before them, so the device's clocks settle as in a sustained run
 
 
 def profile_steps(
