@@ -283,9 +283,13 @@ class Speculator:
         if self._drafted_only:
             self._drafted_only = False
             return
-        ids = [r.request_id for r in running if r.num_computed_tokens == r.num_tokens - 1]
-        if ids:
-            self._k = self.controller.choose(ids, prompts=waiting or len(ids) < len(running))
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        if decoding:
+            self._k = self.controller.choose(
+                [r.request_id for r in decoding],
+                prompts=waiting or len(decoding) < len(running),
+                drafted=[r.drafts is not None for r in decoding],
+            )
 
     def plain_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the plain decode step after `batch` may be launched before `batch`'s tokens
@@ -302,8 +306,10 @@ class Speculator:
     def _picks(self, batch: ScheduledBatch, k: int) -> bool:
         """Whether the controller picks k for the step after `batch`, asked before that step
         is launched; another pick is kept for the step the engine then schedules (`_next_k`:
-        before_schedule does not choose again, one pick a step)."""
-        pick = self.controller.choose([s.request.request_id for s in batch.seqs])
+        before_schedule does not choose again, one pick a step). The rows hold drafts for it
+        where `batch` drafted them (a speculative step; a plain one drafts none)."""
+        ids = [s.request.request_id for s in batch.seqs]
+        pick = self.controller.choose(ids, drafted=[self._k > 0] * len(ids))
         if pick != k:
             self._next_k = pick
         return pick == k

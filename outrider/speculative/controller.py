@@ -38,10 +38,13 @@ plain steps' time: a profile that overstates plain's cost is corrected within a 
 Steps with prompt chunks (requests arriving) are decided apart (choose(prompts=True)): plain,
 the decode rows ride along in the prompts' forward; speculative, the prompts run in a forward
 of their own before the verify. Both kinds are timed live (record_prompts), and a k pays there
-only if its tokens beat plain's by more than a whole verify's time. Where plain steps run ahead
-of their read (`ahead`), the first plain step after a step read before the next was launched
-costs host and device in turn; what it costs over a plain step run ahead is charged to the step
-before it (record_step), so speculating pays for the pipeline it drains.
+only if its extra tokens beat what a whole verify's time yields in decode steps. Where the
+drafter drafts inside the step (`drafts_inside`), a row without drafts (speculation just turned
+on, a request just admitted) verifies none: it counts one token a step, its draft-only step
+spread over a run of speculative steps as long as arriving prompts let runs last. Where plain
+steps run ahead of their read (`ahead`), the first plain step after a step read before the next
+was launched costs host and device in turn; what it costs over a plain step run ahead is
+charged to the step before it (record_step), so speculating pays for the pipeline it drains.
 
 Cost, host-side and sync-free: at B = 256, max_k = 4 (Python 3.11, a shared 2-core VM) a choose
 takes 30 us and the step's 256 observes 0.6 ms. Call forget() when a request finishes.
@@ -223,6 +226,7 @@ class SpecController:
         ema: float = 0.1,
         probe_every: int = 64,
         prior: float = 0.6,
+        run_prior: float = 16.0,
     ) -> None:
         if max_k < 0:
             raise ValueError(f"invalid max_k={max_k}: use 0 (never speculate) or more")
@@ -232,6 +236,8 @@ class SpecController:
             raise ValueError(f"invalid prior={prior}: it is a probability, e.g. 0.6")
         if hysteresis < 0:
             raise ValueError(f"invalid hysteresis={hysteresis}: use a fraction >= 0, e.g. 0.05")
+        if run_prior < 1:
+            raise ValueError(f"invalid run_prior={run_prior}: use a step count >= 1, e.g. 16")
         if probe_every < 1:
             raise ValueError(f"invalid probe_every={probe_every}: use an integer >= 1, e.g. 64")
         if ks is not None and max(ks, default=0) > max_k:
@@ -268,6 +274,13 @@ class SpecController:
         # (batch bucket, speculative?) -> the last live step's ms over its profile entry: what
         # a k not yet timed at that bucket is assumed to cost on top of its own entry.
         self._extra: dict[tuple[int, bool], float] = {}
+        # Steps since prompts last came with plain chosen for them (which ends a run of
+        # speculative steps: every row's drafts are dropped), and how many steps lie between
+        # such prompts (an average, from run_prior): how long a run of speculative steps can
+        # last, over which a row without drafts pays its draft-only step (_draftless). Counted
+        # whatever k the steps take, so the average says how traffic cuts runs, not how
+        # often the controller switched.
+        self._since, self.run_steps = 0, run_prior
 
     @property
     def profile(self) -> StepProfile:
@@ -295,19 +308,30 @@ class SpecController:
         self._live, self._live_ms, self._extra = {}, {}, {}
         self._last_timed = None
 
-    def choose(self, request_ids: Sequence[str], prompts: bool = False) -> int:
+    def choose(
+        self,
+        request_ids: Sequence[str],
+        prompts: bool = False,
+        drafted: Sequence[bool] | None = None,
+    ) -> int:
         """k for the next step of a batch of these requests (len = batch size). An empty batch
         gets 0 and changes nothing. prompts: the step also computes prompt chunks (requests
         arriving), which a speculative step runs as a forward of their own before its verify,
         where a plain step takes its decode rows along in the prompts' forward
-        (`_with_prompts`)."""
+        (`_with_prompts`). drafted: whether each request holds drafts for the step (None: all
+        do), read where the drafter drafts inside the step (`drafts_inside`): a row without
+        them verifies none (`_draftless`)."""
         batch = len(request_ids)
         if batch == 0:
             return 0
-        rows = map(self._expect.get, request_ids, repeat(self._engine_expect()))
+        engine = self._engine_expect()
+        rows = map(self._expect.get, request_ids, repeat(engine))
         totals = list(map(sum, zip(*rows)))  # sum_r E_r(k), k = 0..max_k
+        if self.drafts_inside and drafted is not None and not all(drafted):
+            self._draftless(totals, [r for r, d in zip(request_ids, drafted) if not d], engine)
         if prompts and len(self._ks) > 1:
-            return self._with_prompts(batch, totals)
+            held = batch if drafted is None else sum(map(bool, drafted))
+            return self._with_prompts(batch, totals, held / batch)
         step_ms = self._step_ms
         tps = {k: totals[k] / step_ms(batch, k) for k in self._ks}  # tokens per ms
         plain, best = tps[0], 0
@@ -350,6 +374,22 @@ class SpecController:
                 k = 0
         return self._chosen(batch, k, probe, tps)
 
+    def _draftless(self, totals: list[float], ids: Sequence[str], engine: list[float]) -> None:
+        """Take from totals what rows without drafts do not yield: such a row's step verifies
+        nothing and drafts its first k, one token for a k step's time (at a switch-on every row;
+        after a prompt its request's row). Priced over a run of speculative steps (run_steps
+        long, as runs have lasted), not the step alone: a row yields 1 + (L - 1) E(k) tokens
+        in its L steps, so it counts 1 + (E(k) - 1)(1 - 1/L) a step. Priced a step alone, a
+        switch-on would never pay; ignored, on 2 CPU cores EAGLE-3 switched on at 4 streams
+        where each run of ~6 steps began with a draft-only one, and served 0.87x plain. Runs
+        are as long as the steps between prompts that plain steps took (run_steps): timed by
+        the runs the controller chose, a few short ones (a probe, a switch back) made every
+        switch-on look dear and held EAGLE-3 off at one stream where it won 1.4x."""
+        short = 1.0 / max(1.0, self.run_steps)
+        for e in map(self._expect.get, ids, repeat(engine)):
+            for k in range(1, len(totals)):
+                totals[k] -= (e[k] - 1.0) * short
+
     def _chosen(self, batch: int, k: int, probe: bool, tps: dict[int, float]) -> int:
         """Keep what a choice was (for probes, metrics and explain) and return its k: the time
         since the last step of the other kind, the last choice, tokens/s by k (tps: per ms)."""
@@ -360,33 +400,43 @@ class SpecController:
         self._last_tps = {j: t * 1e3 for j, t in tps.items()}
         self._steps[k] = self._steps.get(k, 0) + 1
         self._probes += probe
+        self._since += 1
         return k
 
-    def _with_prompts(self, batch: int, totals: list[float]) -> int:
+    def _with_prompts(self, batch: int, totals: list[float], held: float) -> int:
         """k for a step with prompt chunks beside its decode rows. Plain, one forward computes
-        both: the rows cost what they add to the prompts' forward, here nothing (M, a mixed
-        step's time, covers both). Speculative, the prompts' forward runs alone (P) and the
-        verify after it: P + the step's own time. So a k pays only where its tokens beat
-        plain's by more than a whole verify's time: E(k) / (P + step(k)) > 1 / M. At a
-        server's concurrency requests arrive every few steps (64 streams of 128 tokens: one
-        nearly every other step); counted as a decode step's alone, each arrival's extra
-        forward went unseen, and n-gram at 23% acceptance speculated on a third of the steps
-        at 0.78-0.93x plain. No probes and no hysteresis here: the next step without prompts
-        decides as before."""
+        both: the rows cost what they add to the prompts' forward (M, a mixed step's time,
+        covers both). Speculative, the prompts' forward runs alone (P) and the verify after it:
+        P + the step's own time. Each is worth its tokens less what its time would have
+        yielded at the best rate decode steps of this batch reach (r, tokens a ms over the k
+        choose would take without prompts): E(k) - r (P + step(k)) against 1 - r M. So a k
+        pays only where its extra tokens beat what a whole verify's time gives elsewhere. A
+        rate compared step for step (E(k) / (P + step(k)) against 1 / M) made a step long with
+        prompts look like the place to speculate: on 2 CPU cores, prompt forwards of 100-240 ms,
+        EAGLE-3 verified there at 4 streams and served 0.70x plain. No probes and no hysteresis
+        here: the next step without prompts decides as before. held: the share of the rows
+        holding drafts."""
         step_ms = self._step_ms
         mixed, alone = self._prompt_ms(batch)
-        tps = {k: totals[k] / (step_ms(batch, k) + alone) for k in self._ks[1:]}
+        rate = max(totals[k] / step_ms(batch, k) for k in self._ks)
+        value = {k: totals[k] - rate * (step_ms(batch, k) + alone) for k in self._ks[1:]}
+        plain = totals[0] - rate * mixed
         on = self._decision or 0
         if self.drafts_inside and on > 0:
             # A drafter that drafts inside the step has no drafts after a plain one: the next
             # speculative step verifies none and only drafts, a k = `on` step's time for one
-            # token a row. Plain here costs that too, over a plain step's.
-            mixed += max(0.0, step_ms(batch, on) - step_ms(batch, 0))
-        plain, k = totals[0] / mixed, 0
+            # token a row where that time yields `rate` tokens a ms. Rows without drafts pay
+            # that either way.
+            plain -= held * max(0.0, rate * step_ms(batch, on) - totals[0])
+        k = 0
         for j in self._ks[1:]:
-            if tps[j] > max(plain, tps.get(k, 0.0)):
+            if value[j] > max(plain, value.get(k, plain)):
                 k = j
-        return self._chosen(batch, k, False, {0: plain, **tps})
+        if k == 0:
+            self.run_steps += 0.25 * (self._since + 1 - self.run_steps)
+            self._since = -1  # (this step counts in _chosen)
+        tps = {0: totals[0] / mixed, **{j: totals[j] / (step_ms(batch, j) + alone) for j in value}}
+        return self._chosen(batch, k, False, tps)
 
     def _prompt_ms(self, batch: int) -> tuple[float, float]:
         """(M, P) at this batch size: a plain step with prompt chunks beside its decode rows,

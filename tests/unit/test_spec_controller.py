@@ -381,30 +381,82 @@ def _flat(plain: float, spec: float) -> StepProfile:
 
 
 def test_a_step_with_prompts_charges_speculation_the_prompts_forward_of_its_own():
-    # E(2) = 1 + 0.6 + 0.36 = 1.96: 1.96 / 12 ms beats 1 / 10 ms on a step of decodes alone.
+    # E(2) = 1 + 0.6 + 0.36 = 1.96: 1.96 / 12 ms beats 1 / 10 ms on a step of decodes alone,
+    # so decode steps of 4 rows yield r = 4 x 1.96 / 12 = 0.653 tokens a ms.
     c = SpecController(_flat(10.0, 12.0), 2, prior=0.6)
     ids = [f"r{i}" for i in range(4)]
     assert c.choose(ids) == 2
-    # With prompts, untimed: the prompts' forward read as a plain step. 1.96 / (12 + 10) ms
-    # loses to 1 / 10 ms, so the rows ride along in the prompts' forward.
+    # With prompts, untimed: the prompts' forward read as a plain step. Plain: 4 tokens less
+    # r x 10 ms = -2.53; k = 2: 7.84 less r x (10 + 12) = -6.53. The rows ride along.
     assert c.choose(ids, prompts=True) == 0
     assert c.snapshot()["tokens_per_s"][0] == pytest.approx(4 / 10 * 1e3)
-    # Timed live: prompt steps cost 30 ms whole (a long prompt). 1.96 / 42 > 1 / 30: speculate.
+    # Timed live: prompt steps cost 30 ms whole (a long prompt), alone as much. A step's rate
+    # would now favour speculating (7.84 / 42 > 4 / 30), but its 12 ms verify yields 3.84
+    # tokens where decode steps yield 7.84: plain (-15.6 against -19.6).
     for _ in range(3):
         c.record_prompts(4, 30.0, alone=False)
-    assert c.choose(ids, prompts=True) == 2
-    # A speculative step's prompt forward alone took 30 ms, the mixed one 20: 1.96 / 42 < 1 / 20.
-    for _ in range(9):
-        c.record_prompts(4, 20.0, alone=False)
-        c.record_prompts(4, 30.0, alone=True)
     assert c.choose(ids, prompts=True) == 0
+    # The prompts' forward alone costs 20 ms, 10 less than with the rows in it: the verify
+    # adds 2 ms, for 3.84 tokens. Speculate (-13.07 against -15.6).
+    for _ in range(9):
+        c.record_prompts(4, 20.0, alone=True)
+    assert c.choose(ids, prompts=True) == 2
     assert c.choose(ids) == 2  # a step without prompts decides as before
-    assert c.live_table()[4] == {"alone": 30.0, "mixed": 20.0}
-    # A drafter that drafts inside the step: plain now leaves the next step no drafts to
-    # verify, a k = 2 step (12 ms) for one token a row, 2 ms over plain's. Plain costs 20 + 2:
-    # 1 / 22 = 0.0455 < 1.96 / 42 = 0.0467, so speculating pays.
+    assert c.live_table()[4] == {"alone": 20.0, "mixed": 30.0}
+
+
+def test_a_step_with_prompts_keeps_the_drafts_a_drafter_inside_the_step_made():
+    # Acceptance 0.9: E(2) = 2.71, decode steps of 4 rows yield r = 4 x 2.71 / 12 = 0.903 a ms.
+    c = SpecController(_flat(10.0, 12.0), 2, prior=0.9)
+    ids = [f"r{i}" for i in range(4)]
+    for _ in range(3):
+        c.record_prompts(4, 20.0, alone=False)
+        c.record_prompts(4, 20.0, alone=True)
+    assert c.choose(ids) == 2
+    # Plain: 4 - r x 20 = -14.07; k = 2: 10.84 - r x 32 = -18.07.
+    assert c.choose(ids, prompts=True) == 0
+    # A drafter that drafts inside the step: after a plain step the rows have no drafts, and
+    # the next step only drafts, 12 ms for 4 tokens where decode steps yield 10.84: plain
+    # loses that too (-20.9), so the step verifies.
     c.drafts_inside = True
     assert c.choose(ids, prompts=True) == 2
+    # Rows that hold no drafts lose nothing by a plain step.
+    assert c.choose(ids, prompts=True, drafted=[False] * 4) == 0
+    assert c.choose(ids, prompts=True, drafted=[True, False, False, False]) == 0
+    assert c.choose(ids, prompts=True, drafted=[True, True, True, False]) == 2
+
+
+def test_rows_without_drafts_pay_their_draft_only_step_over_a_run():
+    # k = 2 at 18 ms, E(2) = 1.96: 7.84 / 18 = 0.436 tokens a ms against plain's 0.4.
+    ids = [f"r{i}" for i in range(4)]
+    c = SpecController(_flat(10.0, 18.0), 2, prior=0.6)
+    assert c.choose(ids, drafted=[False] * 4) == 2  # drafts made outside the step: no matter
+    c = SpecController(_flat(10.0, 18.0), 2, prior=0.6)
+    c.drafts_inside = True
+    # Turning on, every row only drafts in the first step: over a run of 16 steps a row yields
+    # 1.96 - 0.96 / 16 a step, 7.6 / 18 = 0.422 a ms: still worth it.
+    assert c.choose(ids, drafted=[False] * 4) == 2
+    assert c.choose(ids) == 2
+    # Prompts arrive every third step (their forward alone 30 ms, mixed 10: plain there), and
+    # each drops the rows' drafts.
+    for _ in range(3):
+        c.record_prompts(4, 10.0, alone=False)
+        c.record_prompts(4, 30.0, alone=True)
+    runs = []
+    for _ in range(12):
+        assert c.choose(ids, prompts=True) == 0
+        runs.append(c.run_steps)
+        if c.choose(ids, drafted=[False] * 4) == 0:
+            break
+        assert c.choose(ids) == 2
+    # A switch-on pays while 1.96 - 0.96 / L a row beats 0.4 x 18 / 4 = 1.8: runs of 6 steps
+    # or more. Runs of 3 bring the average there (from 16: 12.75, 10.3, ..., 6.1, 5.3) and
+    # turning on stops, while rows that hold drafts keep speculating.
+    assert runs == pytest.approx([12.75, 10.312, 8.484, 7.113, 6.085, 5.314], abs=1e-3)
+    assert c.choose(ids, drafted=[False] * 4) == 0
+    assert c.choose(ids, drafted=[True] * 4) == 2
+    with pytest.raises(ValueError, match="run_prior=0.5"):
+        SpecController(_flat(10.0, 18.0), 2, run_prior=0.5)
 
 
 @pytest.mark.parametrize("ahead", [True, False])

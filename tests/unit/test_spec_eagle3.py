@@ -159,7 +159,7 @@ class _ScriptedController:
         self.ks = list(ks)
         self.recorded: list[tuple[int, int, float]] = []
 
-    def choose(self, request_ids, prompts=False) -> int:  # noqa: F811 (not the fixture)
+    def choose(self, request_ids, prompts=False, drafted=None) -> int:  # noqa: F811 (not the fixture)
         return self.ks.pop(0) if self.ks else K
 
     def observe(self, request_id, num_drafts, num_accepted) -> None:
