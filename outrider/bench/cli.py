@@ -105,6 +105,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="seconds per sweep point; requests still running then are cancelled",
     )  # fmt: skip
     g.add_argument("--seed", type=int, default=d["seed"], help="prompt order and arrivals")
+    g.add_argument(
+        "--client-processes", type=int, default=d["client_processes"], metavar="N",
+        help="processes sending each point's requests, each a share of the streams, prompts "
+        "and rate (default: one per 16 streams, at most half the cores): one process parsing "
+        "every stream's chunks becomes the bottleneck at high concurrency",
+    )  # fmt: skip
     g = p.add_argument_group("requests")
     g.add_argument(
         "--dataset", nargs="+", default=[d["dataset"]], metavar=("NAME", "PATH"),
@@ -305,6 +311,7 @@ def _serve(args: argparse.Namespace) -> int:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         time_limit_s=args.time_limit,
+        client_processes=args.client_processes,
     )  # bad values fail here, before a prompt is read or a request sent
     prompts = load_prompts(cfg)
     result = run(

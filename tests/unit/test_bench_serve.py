@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import re
 import socket
@@ -328,6 +329,29 @@ def test_concurrency_bounds_requests_in_flight_at_each_point(fake):
     assert [p["completed"] for p in result["points"]] == [6, 6]
 
 
+def test_client_processes_share_the_streams_and_the_prompts(fake):
+    # 12 requests of ~80 ms, 6 streams from 3 processes of 2: two waves of 6 in flight.
+    p = _point(fake, [f"ttft=0.05 itl=0.01 n=4 k={i}" for i in range(12)], max_concurrency=(6,),
+               client_processes=3)  # fmt: skip
+    assert p["client_processes"] == 3
+    assert (p["completed"], p["failed"], p["incomplete"]) == (12, 0, 0)
+    assert fake.state()["max_in_flight"] == 6
+    assert p["total_output_tokens"] == 48 and len(p["errors"]) == 0
+    # Timed from the processes' common start (their spawn and imports before it): two waves.
+    assert 0.16 <= p["duration"] <= 0.6
+    assert 50 <= p["median_ttft_ms"] <= 150 and 79.5 <= p["median_e2el_ms"] <= 250
+
+
+def test_client_processes_default_to_one_per_16_streams_within_half_the_cores(monkeypatch):
+    cfg = BenchConfig(base_url="http://127.0.0.1:9")
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert [cfg.client_processes_at(c) for c in (1, 16, 17, 64, 256)] == [1, 1, 2, 4, 8]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # a 2-core machine: one process
+    assert cfg.client_processes_at(64) == 1
+    given = BenchConfig(base_url="http://127.0.0.1:9", client_processes=3)
+    assert [given.client_processes_at(c) for c in (1, 2, 64)] == [1, 2, 3]
+
+
 def test_time_limit_cancels_what_is_still_running(fake):
     # ~0.3 s per request, one at a time, 0.75 s allowed: two finish, the third is cancelled.
     p = _point(fake, ["ttft=0.28 itl=0.02 n=2"] * 5, max_concurrency=(1,), time_limit_s=0.75)
@@ -543,6 +567,7 @@ def test_load_prompts_builtin_grounded_sharegpt_and_random(tmp_path):
             "--dataset 'bogus': use builtin, grounded, sharegpt PATH or random",
         ),
         (["--request-rate", "0"], "--request-rate 0.0 must be positive"),
+        (["--client-processes", "0"], "--client-processes 0 must be positive"),
     ],
 )
 def test_bad_flags_are_clear_errors(argv, says, capsys):
