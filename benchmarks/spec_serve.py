@@ -72,9 +72,9 @@ CONFIGS = {
     "plain_eager_prefill": ["--cuda-graph-prefill-tokens", "0"],
     "eagle3_eager_prefill": ["--spec", "eagle3", "--cuda-graph-prefill-tokens", "0"],
     "ngram_eager_prefill": ["--spec", "ngram", "--cuda-graph-prefill-tokens", "0"],
-    "plain_mixed_prefill": ["--cuda-graph-mixed-prefill"],
-    "eagle3_mixed_prefill": ["--spec", "eagle3", "--cuda-graph-mixed-prefill"],
-    "ngram_mixed_prefill": ["--spec", "ngram", "--cuda-graph-mixed-prefill"],
+    "plain_eager_mixed": ["--no-cuda-graph-mixed-prefill"],
+    "eagle3_eager_mixed": ["--spec", "eagle3", "--no-cuda-graph-mixed-prefill"],
+    "ngram_eager_mixed": ["--spec", "ngram", "--no-cuda-graph-mixed-prefill"],
 }
 DEFAULT_CONFIGS = ["plain", "eagle3", "ngram"]
 PORT, KEY = 8011, "sk-bench"

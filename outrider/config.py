@@ -53,9 +53,9 @@ class ModelConfig:
     cuda_graph_max_batch: int = 64
     # Steps of prompt chunks of at most this many tokens in all replay CUDA graphs too,
     # captured at 32, 64, ... up to it; 0: they run eagerly. With decode rows beside the chunks
-    # (a request arriving while others decode) only if cuda_graph_mixed_prefill.
+    # (a request arriving while others decode) too unless cuda_graph_mixed_prefill is False.
     cuda_graph_prefill_tokens: int = 512
-    cuda_graph_mixed_prefill: bool = False
+    cuda_graph_mixed_prefill: bool = True
     seed: int = 0
     # Batch-invariant kernels (layers/batch_invariant.py): each row's reduction order depends
     # on that row alone, so a verify row equals a one-token decode row bit for bit and greedy

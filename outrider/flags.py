@@ -273,7 +273,8 @@ _GENERATED_HELP = {
     "model.cuda_graph_prefill_tokens": "steps of prompt chunks of up to this many tokens "
     "replay CUDA graphs too; longer ones run eagerly (0: all eagerly)",
     "model.cuda_graph_mixed_prefill": "steps with prompt chunks beside decode rows (requests "
-    "arriving while others decode) replay those graphs too; off: they run eagerly",
+    "arriving while others decode) replay those graphs too (--no-cuda-graph-mixed-prefill: "
+    "they run eagerly)",
     "scheduler.enable_chunked_prefill": "prefill prompts longer than --max-num-batched-tokens "
     "in chunks of it (--no-enable-chunked-prefill: off)",
     "scheduler.long_prefill_token_threshold": "a prompt with more tokens than this still to "

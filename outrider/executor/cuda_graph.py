@@ -17,11 +17,12 @@ any split can give (an empty sequence's programs find no token and exit). Eagerl
 launches every kernel of every layer from Python: the default model's 30 layers took 11-12 ms of
 host time a step on an H100, where its device work takes well under one (replayed: 1.5 ms for
 one prompt, and the time to a server's first token at one stream went from 13 to 3.3 ms).
-Steps with decode rows beside the chunks (requests arriving while others decode) take them only
-with mixed_prefill: through a server at 64 streams each such step ran 3.3-3.8 ms where it had
-run 12, but the time to first token rose (median 55 -> 162-292 ms) at the same or lower
-throughput (14.4k against 14.7k tok/s; 9.5k against 13.4k), the server process seemingly taking
-new requests later while it streamed tokens at the higher step rate.
+Steps with decode rows beside the chunks (requests arriving while others decode) take them
+with mixed_prefill (the engine's default): through a server on an H100, such a step ran 2.8-3.5
+ms where eagerly it ran 23-25, and plain decoding went from 4.2k to 10.6k tok/s at 16 streams
+(median time to first token 45 -> 14 ms) and from 6.9k to 16.1k at 64 (52 -> 33 ms). A first
+measurement had seen the time to first token rise instead: its single load-testing client
+process was the bottleneck (bench/serve.py, client_processes_at).
 
 Capture goes largest first into one shared memory pool, so smaller graphs reuse its memory.
 

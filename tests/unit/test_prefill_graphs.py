@@ -68,7 +68,7 @@ def test_a_step_takes_the_smallest_prefill_graph_that_holds_it():
 
 
 def test_can_run_sends_prompt_steps_to_prefill_graphs_but_not_tree_masks_or_long_ones():
-    """(Mixed steps only where mixed_prefill: the engine's default leaves them eager.)"""
+    """(Mixed steps only where mixed_prefill, the engine's default; off, they run eager.)"""
     r = _runner()
     batch = _mixed_batch([(list(range(3, 23)), 0), (list(range(5, 40)), 8)], list(range(7, 16)))
     inputs = build_inputs(batch, BLOCK, torch.device("cpu"))
