@@ -158,9 +158,12 @@ class _ScriptedController:
     def __init__(self, ks: list[int]) -> None:
         self.ks = list(ks)
         self.recorded: list[tuple[int, int, float]] = []
+        self.asked: list[tuple[int, tuple[bool, ...] | None]] = []  # (k chosen, drafted)
 
     def choose(self, request_ids, prompts=False, drafted=None) -> int:  # noqa: F811 (not the fixture)
-        return self.ks.pop(0) if self.ks else K
+        k = self.ks.pop(0) if self.ks else K
+        self.asked.append((k, None if drafted is None else tuple(drafted)))
+        return k
 
     def observe(self, request_id, num_drafts, num_accepted) -> None:
         pass
@@ -208,6 +211,29 @@ def test_drafts_after_plain_steps_match_a_dense_recomputation(tiny_dir, prompts,
             want = _dense_chain(llm, engine.speculator.proposer.draft, r.all_token_ids,
                                 d.num_nodes)  # fmt: skip
             assert d.token_ids == want
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_controller_is_told_which_rows_hold_drafts(tiny_dir, prompts, async_scheduling):  # noqa: F811
+    """After plain steps no row holds drafts (the step that turns speculation on only drafts);
+    after a speculative step every row does: what the controller prices such rows by."""
+    llm = eagle_llm(tiny_dir, async_scheduling=async_scheduling)
+    engine = llm.engine
+    controller = engine.speculator.controller = _ScriptedController([0] * 4)
+    reqs = [
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=40)) for p in prompts[:3]
+    ]
+    for _ in range(12):
+        engine.step()
+    assert not any(r.is_finished for r in reqs)
+    asked = controller.asked
+    first_on = next(i for i, (k, _) in enumerate(asked) if k > 0)
+    assert first_on >= 4 and all(d is not None for _, d in asked)
+    # Through the plain steps and the pick that turns speculation on: no drafts anywhere.
+    assert all(not any(d) for _, d in asked[: first_on + 1]), asked
+    # Once a speculative step has drafted, every row holds drafts at every pick.
+    assert len(asked) > first_on + 2 and all(all(d) for _, d in asked[first_on + 1 :]), asked
+    assert all(len(d) == 3 for _, d in asked)
 
 
 def test_a_catch_up_is_not_charged_to_the_step_k(tiny_dir, prompts):  # noqa: F811
