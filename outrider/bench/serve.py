@@ -328,7 +328,7 @@ def _send_from_processes(
         procs.append(
             ctx.Process(
                 target=_client_process,
-                args=(cfg, model, *share, barrier, answers, count),
+                args=(cfg, model, share, barrier, answers, count),
                 daemon=True,
             )
         )
@@ -370,25 +370,22 @@ def _send_from_processes(
 def _client_process(
     cfg: BenchConfig,
     model: str,
-    prompts: list[Prompt],
-    concurrency: int,
-    rate: float,
-    seed: int,
+    share: tuple[list[Prompt], int, float, int],
     barrier: Any,
     answers: Any,
     count: Any,
 ) -> None:
-    """A spawned process's share of a point (_send_from_processes): its answer, or its error
-    as a string, goes to `answers`."""
+    """A spawned process's share of a point (_send_from_processes: its prompts, streams, rate
+    and seed): its answer, or its error as a string, goes to `answers`."""
 
     def done(n: int) -> None:
         with count.get_lock():
             count.value += n
 
     async def main() -> tuple[list[RequestResult], float, bool]:
-        async with _client(cfg, concurrency) as client:
+        async with _client(cfg, share[1]) as client:
             barrier.wait()
-            return await _send_all(client, cfg, model, prompts, concurrency, rate, seed, done)
+            return await _send_all(client, cfg, model, *share, done)
 
     try:
         answers.put(asyncio.run(main()))
