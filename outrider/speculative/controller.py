@@ -328,7 +328,12 @@ class SpecController:
         rows = map(self._expect.get, request_ids, repeat(engine))
         totals = list(map(sum, zip(*rows)))  # sum_r E_r(k), k = 0..max_k
         if self.drafts_inside and drafted is not None and not all(drafted):
-            self._draftless(totals, [r for r, d in zip(request_ids, drafted) if not d], engine)
+            if any(drafted):
+                ids = [r for r, d in zip(request_ids, drafted) if not d]
+                bare = list(map(sum, zip(*map(self._expect.get, ids, repeat(engine)))))
+            else:  # every row (after plain steps): their sums are the totals
+                bare = totals
+            self._draftless(totals, bare)
         if prompts and len(self._ks) > 1:
             held = batch if drafted is None else sum(map(bool, drafted))
             return self._with_prompts(batch, totals, held / batch)
@@ -374,21 +379,21 @@ class SpecController:
                 k = 0
         return self._chosen(batch, k, probe, tps)
 
-    def _draftless(self, totals: list[float], ids: Sequence[str], engine: list[float]) -> None:
-        """Take from totals what rows without drafts do not yield: such a row's step verifies
-        nothing and drafts its first k, one token for a k step's time (at a switch-on every row;
-        after a prompt its request's row). Priced over a run of speculative steps (run_steps
-        long, as runs have lasted), not the step alone: a row yields 1 + (L - 1) E(k) tokens
-        in its L steps, so it counts 1 + (E(k) - 1)(1 - 1/L) a step. Priced a step alone, a
+    def _draftless(self, totals: list[float], bare: list[float]) -> None:
+        """Take from totals what rows without drafts do not yield (bare: their sum_r E_r(k),
+        k = 0..max_k; bare[0] counts them): such a row's step verifies nothing and drafts its
+        first k, one token for a k step's time (at a switch-on every row; after a prompt its
+        request's row). Priced over a run of L = run_steps speculative steps, not the step
+        alone: a row yields 1 + (L - 1) E(k) tokens in its L steps, so it counts
+        1 + (E(k) - 1)(1 - 1/L) a step. Priced a step alone, a
         switch-on would never pay; ignored, on 2 CPU cores EAGLE-3 switched on at 4 streams
         where each run of ~6 steps began with a draft-only one, and served 0.87x plain. Runs
         are as long as the steps between prompts that plain steps took (run_steps): timed by
         the runs the controller chose, a few short ones (a probe, a switch back) made every
         switch-on look dear and held EAGLE-3 off at one stream where it won 1.4x."""
         short = 1.0 / max(1.0, self.run_steps)
-        for e in map(self._expect.get, ids, repeat(engine)):
-            for k in range(1, len(totals)):
-                totals[k] -= (e[k] - 1.0) * short
+        n = bare[0]
+        totals[1:] = [t - (b - n) * short for t, b in zip(totals[1:], bare[1:])]
 
     def _chosen(self, batch: int, k: int, probe: bool, tps: dict[int, float]) -> int:
         """Keep what a choice was (for probes, metrics and explain) and return its k: the time
