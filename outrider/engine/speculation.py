@@ -43,9 +43,10 @@ from outrider.executor.model_runner import ModelRunner
 from outrider.executor.spec_launch import SpecLaunch
 from outrider.executor.spec_step import masked_greedy, runs_ahead, simple_greedy
 from outrider.speculative.base import Proposer
-from outrider.speculative.controller import SpecController, StepProfile
+from outrider.speculative.controller import SpecController
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
 from outrider.speculative.stats import SpecStats, record_verify
+from outrider.speculative.step_profile import StepProfile
 from outrider.speculative.tree_batch import TreeShape
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from outrider.speculative.controller import SpecController, StepProfile, expected_tokens
+from outrider.speculative.controller import SpecController, expected_tokens
+from outrider.speculative.step_profile import StepProfile
 
 SIZES = (1, 4, 16)
 

@@ -179,7 +179,7 @@ def test_kv_accounting_after_1000_mixed_requests(tiny_dir):  # noqa: F811
 
 
 def _profile(verify_factor: float, sizes=(1, 4), k: int = 4):
-    from outrider.speculative.controller import StepProfile
+    from outrider.speculative.step_profile import StepProfile
 
     return StepProfile({b: {j: 10.0 * (verify_factor if j else 1.0) for j in range(k + 1)}
                         for b in sizes})  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 
 from outrider import LLM, SamplingParams
 from outrider.core import ForwardMode, Request, ScheduledBatch, ScheduledSeq, SeqDrafts, StepOutput
-from outrider.speculative.controller import StepProfile
+from outrider.speculative.step_profile import StepProfile
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_engine import OracleProposer
 
