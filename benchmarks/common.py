@@ -191,3 +191,66 @@ def time_graph(fn, reps: int = 10) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / reps)
     return sorted(times)[2]
+
+
+def kernel_spans(prof) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every GPU kernel, copy and fill a torch.profiler run saw
+    (kernels replayed inside CUDA graphs included), sorted by start."""
+    from torch.autograd import DeviceType
+
+    return sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA
+    )
+
+
+def _gaps(spans: list[tuple[float, float]], host_gap_us: float) -> tuple[float, float, float]:
+    """Microseconds the device spent busy (the union of `spans`, sorted by start) and idle
+    between them, the idle split into gaps shorter than `host_gap_us` (one kernel launched
+    after another, inside a graph replay) and longer ones (the device waiting on the host):
+    (busy, short, long)."""
+    busy = short = long = 0.0
+    start = end = None
+    for s, e in spans:
+        if end is not None and s > end:
+            busy += end - start
+            gap = s - end
+            if gap < host_gap_us:
+                short += gap
+            else:
+                long += gap
+            start = s
+        elif start is None:
+            start = s
+        end = e if end is None else max(end, e)
+    if end is not None:
+        busy += end - start
+    return busy, short, long
+
+
+def idle_per_step(spans: list[tuple[float, float]], steps: int, host_gap_us: float = 20.0) -> dict:
+    """Where the device waits in a stretch of `steps` steps, per step: launch gaps (shorter
+    than `host_gap_us`) and host gaps (longer), in milliseconds."""
+    _, short, long = _gaps(spans, host_gap_us)
+    return {
+        "launch_gaps_ms_per_step": round(short / 1e3 / steps, 3),
+        "host_gaps_ms_per_step": round(long / 1e3 / steps, 3),
+    }
+
+
+def device_idle(spans: list[tuple[float, float]], host_gap_us: float = 20.0) -> dict:
+    """What share of a profiled stretch, from its first kernel's start to its last one's end,
+    the device sat idle, and of that the launch gaps (shorter than `host_gap_us`) and the host
+    gaps (longer)."""
+    if not spans:
+        raise ValueError("no GPU kernels were recorded: profile a CUDA run")
+    busy, short, long = _gaps(spans, host_gap_us)
+    window = max(e for _, e in spans) - spans[0][0]
+    return {
+        "window_ms": round(window / 1e3, 3),
+        "busy_ms": round(busy / 1e3, 3),
+        "idle_fraction": round((short + long) / window, 4),
+        "launch_gaps_fraction": round(short / window, 4),
+        "host_gaps_fraction": round(long / window, 4),
+    }

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, save_figure, write_result  # noqa: E402
+from common import idle_per_step, kernel_spans, pyplot, save_figure, write_result  # noqa: E402
 from gpu_decode import LLAMA_8B, copy_bandwidth_gbs, run_outrider  # noqa: E402
 from kimi_layers import KIMI, hf_config, random_checkpoint  # noqa: E402
 from plan_accuracy import compare, measure_interleaved  # noqa: E402
@@ -131,7 +131,7 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
     row = run_outrider(engine, concurrency, prompt_len, steps + 1, during=prof)
     kernels = kernel_times(prof)
     n = row["steps"]
-    spans = sorted(kernel_spans(prof))
+    spans = kernel_spans(prof)
     by_name = Counter(name for name, _ in kernels)
     us_by_name: Counter = Counter()
     for name, us in kernels:
@@ -147,38 +147,6 @@ def profile_decode(engine, concurrency: int, prompt_len: int, steps: int, device
             k[:90]: [round(by_name[k] / n, 2), round(us / n, 1)]
             for k, us in us_by_name.most_common()
         },
-    }
-
-
-def kernel_spans(prof) -> list[tuple[float, float]]:
-    """(start, end) in microseconds of every GPU kernel, copy and fill the profiler saw."""
-    from torch.autograd import DeviceType
-
-    return [
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA
-    ]
-
-
-def idle_per_step(spans: list[tuple[float, float]], steps: int, host_gap_us: float = 20.0) -> dict:
-    """Where the device waits in a stretch of `steps` steps, per step: gaps between one
-    kernel's end and the next one's start, split into those shorter than `host_gap_us` (one
-    kernel launched after another, inside a graph replay) and the longer ones (the device
-    waiting on the host between steps)."""
-    short = long = 0.0
-    end = None
-    for s, e in spans:
-        if end is not None and s > end:
-            gap = s - end
-            if gap < host_gap_us:
-                short += gap
-            else:
-                long += gap
-        end = e if end is None else max(end, e)
-    return {
-        "launch_gaps_ms_per_step": round(short / 1e3 / steps, 3),
-        "host_gaps_ms_per_step": round(long / 1e3 / steps, 3),
     }
 
 

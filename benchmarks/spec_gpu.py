@@ -14,6 +14,11 @@ runs plain, then `--rounds` rounds of every configuration (rotated order) each f
 over rounds is reported). It reports tok/s, accept length, speedup,
 the fraction of outputs identical to plain's and the median first-divergence position. Writes
 benchmarks/results/spec_gpu.json (CPU: spec_cpu_sweep.json) and a PNG of speedup against C.
+
+--device-idle C [C ...] (CUDA) then runs one batch of C prompts per configuration under
+torch.profiler (GPU activity only) and reports the share of that stretch, first kernel to last,
+the device sat idle: launch gaps (under 20 us, between kernels of one replay) and host gaps (the
+device waiting on the host), beside the steps by k the stretch ran.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pyplot, save_figure, write_result  # noqa: E402
+from common import device_idle, kernel_spans, pyplot, save_figure, write_result  # noqa: E402
 
 CONFIGS = (
     "ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3",
@@ -190,6 +195,26 @@ def timed_run(llm, convs: list, c: int, new_tokens: int, device: str, min_batche
     }
 
 
+def profiled_run(llm, convs: list, c: int, new_tokens: int) -> dict:
+    """One batch of c of `convs` under torch.profiler, GPU activity only: the share of the
+    stretch the device sat idle (common.device_idle) and the engine's steps by k in it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from outrider import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    before = _clock(llm.engine)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outs = llm.chat(batches(convs, c)[0], params)
+        torch.cuda.synchronize()  # CPU-GPU sync point: the stretch ends when the GPU does
+    return {
+        **device_idle(kernel_spans(prof)),
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "step_split": step_split(before, _clock(llm.engine)),
+    }
+
+
 def summarize(tries: list[dict]) -> dict:
     """One configuration's rounds -> its row: speedup = the median over rounds of its tok/s
     over the mean of the two plain runs around that round (each round runs every
@@ -275,6 +300,11 @@ def main() -> None:
         "C=32 and 64 the 30 prompts are one batch, a 0.5 s run, and plain runs of one slot "
         "varied 20%%; CPU 1)",
     )  # fmt: skip
+    ap.add_argument(
+        "--device-idle", type=int, nargs="+", default=[], metavar="C",
+        help="after the sweep, profile one batch of C prompts per configuration (CUDA): the "
+        "share of it the device sat idle",
+    )  # fmt: skip
     ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
     ap.add_argument("--model", default=None, help="target model (default: the embedded one)")
     ap.add_argument("--dtype", default="auto")
@@ -297,6 +327,10 @@ def main() -> None:
     if args.min_batches < 1:
         ap.error(f"--min-batches {args.min_batches}: use 1 or more")
     mb = args.min_batches
+    if args.device_idle and not cuda:
+        ap.error(f"--device-idle needs a CUDA device, not --device {args.device}")
+    if any(c < 1 for c in args.device_idle):
+        ap.error(f"--device-idle {args.device_idle}: batch sizes of 1 or more")
     name = args.out or ("spec_gpu" if cuda else "spec_cpu_sweep")
     prompt_sets = {"heldout": HELDOUT, "grounded": GROUNDED}
     convs = {s: [[{"role": "user", "content": p}] for p in prompt_sets[s][: args.num_prompts]]
@@ -365,6 +399,15 @@ def main() -> None:
                 print(f"{cfg:16s} {key:14s} {row['tok_per_s']:>9.1f} {row['speedup']:>8.2f} "
                       f"{'-' if acc is None else acc:>7} {row['same_output_fraction']:>6} "
                       f"{'-' if div is None else div:>6}", flush=True)  # fmt: skip
+    idle: dict = {}
+    for c in args.device_idle:
+        for cfg, llm in llms.items():
+            row = profiled_run(llm, next(iter(convs.values())), c, new_tokens)
+            idle.setdefault(cfg, {})[str(c)] = row
+            by_k = (row["step_split"] or {}).get("steps_by_k")
+            print(f"{cfg:16s} idle c{c:<11d} {row['idle_fraction']:>9.1%} of "
+                  f"{row['window_ms']:.0f} ms (launch {row['launch_gaps_fraction']:.1%}, "
+                  f"host {row['host_gaps_fraction']:.1%}), steps by k {by_k}", flush=True)  # fmt: skip
     del llms
     gc.collect()
     result = {
@@ -381,6 +424,7 @@ def main() -> None:
         "configs": specs,
         "errors": errors,
         "runs": runs,
+        "device_idle": idle,
         **summary_tables(runs),
     }
     path = write_result(name, result, args.out_dir)
