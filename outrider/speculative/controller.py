@@ -35,6 +35,9 @@ verify costs 15% more than plain). No probes when no k could beat plain even at 
 The other way, while a k > 0 serves and the plain step at that batch size has not been timed
 live three times, one plain step is taken once the speculative ones have run `probe_every`
 plain steps' time: a profile that overstates plain's cost is corrected within a few probes.
+Where plain steps run ahead (`ahead`), the probe is two plain steps: the first, launched after
+the speculative step was read, costs host and device in turn and is not what a plain step in a
+run of them costs; the second, launched before the first was read, is (record_step).
 
 Steps with prompt chunks (requests arriving) are decided apart (choose(prompts=True)): plain,
 the decode rows ride along in the prompts' forward; speculative, the prompts run in a forward
@@ -128,6 +131,7 @@ class SpecController:
         self._spec_ms = 0.0  # and in speculative steps since the last plain one
         self._timed = False  # whether record_step has timed a step: plain probes measure
         self._last_k, self._last_probe, self._last_batch = 0, False, 0
+        self._probe_again = False  # a plain probe's second step comes next (`ahead`)
         self._last_tps: dict[int, float] = {}
         self._steps: dict[int, int] = {}
         self._probes = 0
@@ -224,6 +228,9 @@ class SpecController:
         )
         self._decision = k = prev if keep else best
         probe = False
+        if self._probe_again:  # a plain probe's second step: the one run ahead, timed
+            self._probe_again = False
+            return self._chosen(batch, 0, True, tps)
         if k == 0 and len(self._ks) > 1:
             # Judged by the start-up profile, not the live times: a k whose first live steps
             # stalled (kernels compiling at their first use, an allocation) would otherwise
@@ -249,7 +256,7 @@ class SpecController:
             # steps are timed (record_step) at all: an untimed probe would measure nothing.
             probe = self._spec_ms >= self.probe_every * step_ms(batch, 0)
             if probe:
-                k = 0
+                k, self._probe_again = 0, self.ahead
         return self._chosen(batch, k, probe, tps)
 
     def _draftless(self, totals: list[float], bare: list[float]) -> None:
@@ -355,16 +362,18 @@ class SpecController:
         bucket = self._profile.bucket(batch_size)
         last, self._last_timed = self._last_timed, (bucket, k)
         plain = self._live_ms.get((bucket, 0))
-        if (
-            self.ahead and k == 0 and last is not None and last[0] == bucket and last[1] != 0
-            and plain is not None and len(self._live[(bucket, 0)]) >= 3
-        ):  # fmt: skip
+        if self.ahead and k == 0 and last is not None and last[1] != 0:
             # The first plain step after a step read before the next was launched (a
             # speculative one, or one with prompts): launched with nothing running ahead of
             # it, it costs host and device one after the other, where a plain step run ahead
             # costs the larger of the two. The difference is what that step left to it (a
             # pipeline drained): charged to it, so a k that alternates with plain pays for
-            # every switch back.
+            # every switch back. Before plain's own cost is known there, it is no sample of
+            # it: timed as plain's, probes of one step each had a 64-stream H100 server read
+            # a plain step at 3.2 ms where one run ahead took 2.0 (the probe's second step,
+            # run ahead, is timed instead).
+            if last[0] != bucket or plain is None or len(self._live[(bucket, 0)]) < 3:
+                return
             extra = ms - plain
             if extra > 0:
                 window = self._live[last]

@@ -337,6 +337,35 @@ def test_a_profile_that_overstates_plain_is_corrected_by_plain_probes():
     assert ctl._step_ms(1, 0) == 60.0
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_plain_probes_time_a_plain_step_run_ahead_where_steps_run_ahead(ahead):
+    """A start-up table that overstates plain (30 ms, where a plain step run ahead takes 10 and
+    the first one after a speculative step, launched after its read, 25) and verifies yielding
+    2 tokens in 40 ms. Probes of one plain step each time only the first kind, and 1/25 ms
+    loses to 2/40: speculation would stay on at half plain's rate. Run ahead, a probe is two
+    plain steps, the second timed as plain's cost, and plain wins."""
+    table = StepProfile({1: {0: 30.0, 4: 40.0}})
+    ctl = SpecController(table, max_k=4, hysteresis=0.0, probe_every=2)
+    ctl.ahead = ahead
+    ks, prev = [], 4
+    for _ in range(60):
+        k = ctl.choose(["r"])
+        ks.append(k)
+        ms = 40.0 if k else (25.0 if prev else 10.0) if ahead else 25.0
+        ctl.record_step(1, k, ms)
+        if k:
+            ctl.observe("r", 4, 1)  # one of four accepted: 2 tokens a verify
+        prev = k
+    first_plain = ks.index(0)
+    if ahead:
+        assert ks[first_plain : first_plain + 2] == [0, 0]  # a probe of two steps
+        assert ctl._step_ms(1, 0) == 10.0
+        assert ks[-20:].count(0) >= 18  # plain, but for probes back
+    else:  # not run ahead, every plain step costs 25 ms: 1/25 loses to 2/40, it speculates
+        assert ks[first_plain + 1] == 4 and ctl._step_ms(1, 0) == 25.0
+        assert ks[-20:].count(4) >= 18
+
+
 def test_no_plain_probe_once_plain_was_timed():
     """With plain's cost timed live (three times) and speculation winning, every step
     speculates: no plain probes cost it anything."""
