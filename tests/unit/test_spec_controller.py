@@ -366,6 +366,20 @@ def test_plain_probes_time_a_plain_step_run_ahead_where_steps_run_ahead(ahead):
         assert ks[-20:].count(4) >= 18
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_one_short_period_of_a_plain_step_run_ahead_is_not_its_cost(ahead):
+    """Run ahead, a plain step's time is its period, which swings with the host work around it:
+    one short period (tokens found ready after a long step) is not a stall ending, and plain's
+    cost stays the median. Read before the next is launched, a step under half the window
+    still replaces stalls (speculative steps' first uses compile kernels)."""
+    ctl = SpecController(_flat(2.0, 3.0), 2)
+    ctl.ahead = ahead
+    for ms in (2.0, 2.1, 1.9, 2.0):
+        ctl.record_step(16, 0, ms)
+    ctl.record_step(16, 0, 0.37)
+    assert ctl.live_table()[16][0] == (2.0 if ahead else 0.37)
+
+
 def test_no_plain_probe_once_plain_was_timed():
     """With plain's cost timed live (three times) and speculation winning, every step
     speculates: no plain probes cost it anything."""
