@@ -676,7 +676,11 @@ class Speculator:
 
     def _propose(self, running: Sequence[Request]) -> list[Request]:
         """Draft for every running request that is decoding, capped so accepted drafts plus
-        the final token never pass max_tokens or the context; the requests asked."""
+        the final token never pass max_tokens or the context; the requests asked. At k = 0 (after
+        every plain step of a device drafter) none, and the rows are not walked."""
+        k = self._k
+        if k == 0:
+            return []
         reqs = [
             r
             for r in running
@@ -685,8 +689,7 @@ class Speculator:
             and r.request_id not in self._held  # or drafts inside a step launched or due
             and self._room(r) > 0  # (its drafts would be cut to none)
         ]
-        k = self._k
-        if not reqs or k == 0:
+        if not reqs:
             return []
         if self.proposer.writes_kv:
             reqs = [r for r in reqs if self._reserve_draft_slots(r, k)]
