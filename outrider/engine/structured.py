@@ -21,9 +21,11 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             the row's top logits read after the forward, each checked by the
                             matcher, walking the drafts only as far as the targets accept
                             them; where none is allowed (or a tie reaches the last one), its
-                            mask is computed then, a round's such rows in one call. A step of
-                            64 constrained greedy rows checks a few tokens a row where it
-                            filled a vocabulary mask per row and draft.
+                            mask is computed then, a round's such rows in one call, and a mask
+                            that allows one token (a key or a brace the grammar forces, which
+                            the model need not rank high) is the token, with no read of the
+                            logits. A step of 64 constrained greedy rows checks a few tokens a
+                            row where it filled a vocabulary mask per row and draft.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
@@ -55,6 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from outrider.core import Candidates, ScheduledBatch, ScheduledSeq, SeqDrafts, StructuredOutputs
@@ -71,6 +74,9 @@ class GrammarCounters:
     mask_rows: int = 0  # vocabulary masks filled ahead of a forward (attach_masks)
     picked_rows: int = 0  # rows decided from their top logits (`path`)
     late_masks: int = 0  # of those, rows none of whose candidates was allowed: a mask then
+    # of those, masks allowing one token (a key, a quote, a brace the grammar forces): that
+    # token, with no read of the row's logits
+    late_forced: int = 0
     path_s: float = 0.0  # host seconds in `path`, its late masks and their argmax included
 
 
@@ -254,9 +260,10 @@ class Grammars:
             -> [(0, a), (1, b), (2, x)]: drafts a b accepted, x emitted after them
 
         Rows whose candidates cannot tell (a late mask) wait for the round's end: their masks
-        are computed in one call, in llguidance's threads, and `decide([(seq index, row)],
-        masks [n, words] int32)` gives their tokens in one go; their walks then go on. The
-        matchers end where they began."""
+        are computed in one call, in llguidance's threads; a mask that allows one token gives
+        it, and `decide([(seq index, row)], masks [n, words] int32)` gives the rest in one go
+        (from the logits on the device: a read, which in a step run ahead waits for the step
+        after). Their walks then go on. The matchers end where they began."""
         t0 = time.perf_counter()
         self._settle()
         walks = [_Walk(self._matchers[s.request.request_id], s.drafts) for s in seqs]
@@ -275,10 +282,16 @@ class Grammars:
                         walk.take(token)
                 if late:
                     masks = self._masks([walks[i].matcher for i in late])
-                    tokens = decide([(i, walks[i].row) for i in late], masks)
+                    tokens = self._only_allowed(masks)
+                    rest = [n for n, token in enumerate(tokens) if token is None]
+                    if rest:  # the logits decide, on the device
+                        picked = decide([(late[n], walks[late[n]].row) for n in rest], masks[rest])
+                        for n, token in zip(rest, picked):
+                            tokens[n] = token
                     for i, token in zip(late, tokens):
                         walks[i].take(token)
                     self.counters.late_masks += len(late)
+                    self.counters.late_forced += len(late) - len(rest)
                 going = [i for i in late if not walks[i].done]
         finally:
             for walk in walks:
@@ -286,6 +299,16 @@ class Grammars:
         self.counters.picked_rows += sum(len(w.targets) for w in walks)
         self.counters.path_s += time.perf_counter() - t0
         return [w.targets for w in walks]
+
+    def _only_allowed(self, masks: torch.Tensor) -> list[int | None]:
+        """Per row of masks [n, words] int32: the one token it allows, where it allows exactly
+        one inside the vocabulary (the argmax among what it allows, whatever the logits), else
+        None."""
+        bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
+        bits = bits[:, : self.vocab_size]
+        ones = bits.sum(axis=1)
+        first = bits.argmax(axis=1)
+        return [int(t) if n == 1 else None for n, t in zip(ones.tolist(), first.tolist())]
 
     def _masks(self, matchers: list) -> torch.Tensor:
         """[n, words] int32: each matcher's allowed next tokens, computed now in one call."""

@@ -166,8 +166,9 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
     nothing but that read, which waits on an event (a pageable host->device copy, such as an
     index tensor made with torch.as_tensor, would wait for the step in flight: the next one
     would then be launched on an idle device). Steps that run nothing ahead (they read as they
-    go) and steps where a grammar refused every top candidate (a late mask, read at once) are
-    left out."""
+    go) and steps where a grammar refused every top candidate and allowed more than one token
+    (a late mask decided from the logits, read at once) are left out: a mask of one token is
+    the token, with no read."""
     llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
     engine = llm.engine
     schema = {
@@ -197,16 +198,21 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
         if all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
             break
         engine.step()
-    ahead, late = engine.num_steps_run_ahead, engine.grammars.counters.late_masks
+    counters = engine.grammars.counters
+    ahead, late = engine.num_steps_run_ahead, counters.late_masks
+
+    def decided() -> int:  # late rows whose logits were read (a mask of one token is not)
+        return counters.late_masks - counters.late_forced
+
     waited, finished, steps = [], 0, 0
     torch.cuda.set_sync_debug_mode("warn")
     try:
         while engine.has_unfinished() and steps < 80:
-            before = engine.grammars.counters.late_masks, engine.num_steps_run_ahead
+            before = decided(), engine.num_steps_run_ahead
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
                 finished += sum(o.finished for o in engine.step())
-            after = engine.grammars.counters.late_masks, engine.num_steps_run_ahead
+            after = decided(), engine.num_steps_run_ahead
             if after[0] == before[0] and after[1] > before[1]:
                 waited += [str(w.message) for w in seen if "synchroniz" in str(w.message)]
             steps += 1
@@ -219,4 +225,4 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
     assert engine.grammars.counters.picked_rows > 0
     assert not waited, waited[:3]
     assert all(r.is_finished for r in reqs)
-    print("late masks in the window:", engine.grammars.counters.late_masks - late)
+    print("late masks in the window:", counters.late_masks - late, "forced:", counters.late_forced)

@@ -451,6 +451,46 @@ def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_gr
     assert picked >= 20 and fell_back >= 6  # both ways were taken
 
 
+def test_a_late_row_whose_grammar_allows_one_token_takes_it_without_its_logits(
+    default_grammars,
+):
+    """Where none of a row's top logits is allowed and its mask allows one token (what the
+    grammar forces: the object's opening, a key's quote after a comma), that token is the
+    masked argmax whatever the logits, and `decide` (a read of the logits on the device) is
+    not called for it; a late row with more than one allowed token still goes to `decide`."""
+    grammars, tok = default_grammars
+    prefixes = ["", '{"name": "Al",', '{"name": "Al", "age": 4']  # forced, forced, free
+    reqs = [_request(grammars, {"json": PERSON}, f"forced{n}") for n in range(len(prefixes))]
+    seqs = [ScheduledSeq(req, [5], 2, [0], True) for req in reqs]
+    masks = []
+    for req, prefix in zip(reqs, prefixes):
+        grammars._matchers[req.request_id].consume_tokens(tok.encode(prefix) if prefix else [])
+        masks.append(grammars._masks([grammars._matchers[req.request_id]])[0])
+    masks = torch.stack(masks)
+    assert [len(_allowed(m)) for m in masks[:2]] == [1, 1] and len(_allowed(masks[2])) > 1
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(len(reqs), grammars.vocab_size, generator=g)
+    for r, m in enumerate(masks):  # every row's best tokens refused: all late
+        refused = [t for t in range(200) if t not in _allowed(m)][:GRAMMAR_TOPK]
+        logits[r, refused] = 10.0
+    want = masked_argmax(logits, masks)
+    candidates = top_candidates(logits, list(range(len(reqs))))
+    asked = []
+
+    def decide(late, late_masks):
+        asked.extend(i for i, _ in late)
+        return masked_argmax(logits[[i for i, _ in late]], late_masks)
+
+    before = dataclasses.replace(grammars.counters)
+    paths = grammars.paths(seqs, [[candidates[r]] for r in range(len(reqs))], decide)
+    assert [p for ((_, p),) in paths] == want
+    assert asked == [2]  # only the row the grammar leaves free
+    assert grammars.counters.late_masks - before.late_masks == 3
+    assert grammars.counters.late_forced - before.late_forced == 2
+    for req in reqs:
+        grammars.forget(req.request_id)
+
+
 def test_picked_paths_follow_the_drafts_as_far_as_the_masked_targets_accept(
     default_grammars,
 ):
@@ -500,9 +540,11 @@ def test_picked_paths_follow_the_drafts_as_far_as_the_masked_targets_accept(
         assert path == [(r, want[r]) for r in range(accepted + 1)], cuts[n]
     assert max(accepts) == len(drafts)  # a chain taken whole
     late = sum(len(c) for c in calls)
-    assert late >= t and len(calls) < late  # a late mask per refused cut, several a call
     counters = grammars.counters
-    assert counters.late_masks - before.late_masks == late
+    forced = counters.late_forced - before.late_forced  # a mask of one token: no decide
+    assert late + forced >= t and len(calls) < late  # a late mask per refused cut, several a call
+    assert forced >= 1
+    assert counters.late_masks - before.late_masks == late + forced
     assert counters.picked_rows - before.picked_rows == sum(a + 1 for a in accepts)
     assert counters.path_s > before.path_s
     for req in reqs[:: len(reqs) - 1]:  # the matchers rolled back
