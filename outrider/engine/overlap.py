@@ -114,7 +114,7 @@ class Pending:
         `read` has returned; None without such rows."""
         if self.grammar is None:
             return None
-        return unpack_candidates(self.candidates_host.tolist(), self.grammar.rows)
+        return unpack_candidates(self.candidates_host.wait(), self.grammar.rows)
 
 
 @dataclass

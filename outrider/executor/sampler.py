@@ -133,7 +133,7 @@ def top_candidates(
     """logits [R, V] (on the device) -> {rows[r]: (the GRAMMAR_TOPK highest ids of row r,
     their values as float32 holds them), best first}. One host read."""
     packed = top_candidates_no_sync(logits)
-    return unpack_candidates(packed.tolist(), rows)  # CPU-GPU sync point
+    return unpack_candidates(packed.cpu(), rows)  # CPU-GPU sync point
 
 
 def top_candidates_no_sync(logits: torch.Tensor) -> torch.Tensor:
@@ -142,16 +142,22 @@ def top_candidates_no_sync(logits: torch.Tensor) -> torch.Tensor:
     (A topk chunk by chunk first, then over the chunks' best, was slower on an H100 past one
     row: 64 vs 57 us at 4 rows of 49,152, 156 vs 98 at 64; 44 vs 53 at one.)"""
     k = min(GRAMMAR_TOPK, logits.shape[-1])
+    packed = fused.top_candidates(logits, k)  # ties to the lowest token; two launches
+    if packed is not None:
+        return packed
     values, ids = logits.float().topk(k, dim=-1)
     return torch.cat([ids.double(), values.double()], dim=1)
 
 
 def unpack_candidates(
-    host: Sequence[Sequence[float]], rows: Sequence[int]
+    host: torch.Tensor, rows: Sequence[int]
 ) -> dict[int, tuple[list[int], list[float]]]:
-    """top_candidates_no_sync's rows, read to the host, as top_candidates gives them."""
-    k = len(host[0]) // 2 if host else 0
-    return {row: ([int(t) for t in h[:k]], list(h[k:])) for row, h in zip(rows, host)}
+    """top_candidates_no_sync's rows [R, 2 k] float64, read to the host, as top_candidates
+    gives them (through numpy: 64 rows took 0.1 ms as Python lists on an H100's host)."""
+    packed = host.numpy()
+    k = packed.shape[1] // 2
+    ids = packed[:, :k].astype(np.int64).tolist()
+    return dict(zip(rows, zip(ids, packed[:, k:].tolist())))
 
 
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> list[int]:

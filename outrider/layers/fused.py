@@ -156,6 +156,34 @@ def masked_argmax(
     return out
 
 
+TOPK_CHUNK = 2048  # tokens a program of top_candidates' first launch ranks
+
+
+def top_candidates(logits: torch.Tensor, k: int) -> torch.Tensor | None:
+    """[R, 2 k] float64: each row of logits [R, V]'s k highest token ids, then their logits as
+    float32 holds them, best first and ties to the lowest token (sampler.top_candidates_no_sync's
+    layout), in two launches: each chunk of TOPK_CHUNK tokens ranks its k best, then each row
+    merges its chunks'. torch.topk takes 70-160 us of host time a call on an H100, more than
+    the step's other launches together; this takes two launches'. None where the fused path
+    does not serve (or k exceeds a chunk)."""
+    if not use_fused(logits) or logits.stride(-1) != 1 or not 0 < k <= TOPK_CHUNK:
+        return None
+    rows, vocab = logits.shape
+    chunks = -(-vocab // TOPK_CHUNK)
+    out = torch.empty((rows, 2 * k), dtype=torch.float64, device=logits.device)
+    if rows:
+        kern = _kernels()
+        vals = torch.empty((rows, chunks * k), dtype=torch.float32, device=logits.device)
+        toks = torch.empty((rows, chunks * k), dtype=torch.int32, device=logits.device)
+        kern.topk_chunk_kernel[(rows, chunks)](
+            logits, vals, toks, logits.stride(0), VOCAB=vocab, K=k, BLOCK=TOPK_CHUNK
+        )
+        kern.topk_merge_kernel[(rows,)](
+            vals, toks, out, N=chunks * k, K=k, BLOCK=kern.next_pow2(chunks * k)
+        )
+    return out
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] packed gate|up -> silu(gate) * up: [T, I]."""
     k = _kernels()

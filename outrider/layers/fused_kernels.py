@@ -355,3 +355,50 @@ def masked_argmax_kernel(
     top = tl.max(best_val, 0)
     best = tl.min(tl.where(best_val == top, best_idx, VOCAB), 0)
     tl.store(out_ptr + r, best.to(tl.int64))
+
+
+_NO_TOKEN = 2**30  # past any vocabulary: the id of "nothing left" in the top-k kernels
+
+
+@triton.jit
+def topk_chunk_kernel(
+    x_ptr, val_ptr, idx_ptr, stride_x, VOCAB: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program (r, c): the K highest of row r's tokens [c BLOCK, (c + 1) BLOCK), best first, ties
+    # to the lowest token, as fp32 values and token ids at [r, c K + j]. A chunk of fewer than K
+    # tokens ends with -inf at _NO_TOKEN.
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    toks = c * BLOCK + tl.arange(0, BLOCK)
+    taken = toks >= VOCAB
+    x = tl.load(x_ptr + r * stride_x + toks, mask=toks < VOCAB, other=float("-inf"))
+    x = x.to(tl.float32)
+    at = (r * tl.num_programs(1) + c) * K
+    for j in tl.static_range(K):
+        left = tl.where(taken, float("-inf"), x)
+        best = tl.max(left, 0)
+        tok = tl.min(tl.where((toks < VOCAB) & (taken == 0) & (left == best), toks, _NO_TOKEN), 0)
+        tl.store(val_ptr + at + j, best)
+        tl.store(idx_ptr + at + j, tok)
+        taken = taken | (toks == tok)
+
+
+@triton.jit
+def topk_merge_kernel(
+    val_ptr, idx_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program r: the K best of row r's N chunk candidates (value, then the lowest token), into
+    # out row r [2 K] float64: the K token ids, then their values.
+    r = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    ok = lanes < N
+    val = tl.load(val_ptr + r * N + lanes, mask=ok, other=float("-inf"))
+    tok = tl.load(idx_ptr + r * N + lanes, mask=ok, other=_NO_TOKEN)
+    taken = lanes >= N
+    for j in tl.static_range(K):
+        left = tl.where(taken, float("-inf"), val)
+        best = tl.max(left, 0)
+        pick = tl.min(tl.where((taken == 0) & (left == best), tok, _NO_TOKEN + 1), 0)
+        tl.store(out_ptr + r * 2 * K + j, pick.to(tl.float64))
+        tl.store(out_ptr + r * 2 * K + K + j, best.to(tl.float64))
+        taken = taken | (tok == pick)

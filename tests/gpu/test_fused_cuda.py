@@ -314,3 +314,19 @@ def test_int4_dequant_pairs_equal_the_per_element_path(gated, tokens, monkeypatc
     out, per_element = run(True), run(False)
     assert out.abs().max() > 0.1
     assert torch.equal(out, per_element)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_top_candidates_rank_as_torch_topk_with_ties_to_the_lowest_token(rows, dtype):
+    """fused.top_candidates at the default model's vocabulary: the same values as torch.topk,
+    and the ids a sort by (-logit, token) gives (bf16 logits tie often)."""
+    torch.manual_seed(0)
+    logits = torch.randn(rows, 49152, device="cuda").to(dtype)
+    logits[0, [40000, 3, 2049]] = 30.0
+    got = fused.top_candidates(logits, 16)
+    values, _ = logits.float().topk(16, dim=-1)
+    assert torch.equal(got[:, 16:], values.double())
+    order = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :16]  # ties: lowest
+    assert torch.equal(got[:, :16].long(), order)
+    assert got[0, :3].long().tolist() == [3, 2049, 40000]

@@ -315,6 +315,26 @@ def _worker(part: str) -> None:  # runs in a subprocess, TRITON_INTERPRET=1
         emit(name=f"masked-argmax-{vocab}", same=bool(torch.equal(got, want)),
              tie=int(got[1]), nothing=int(got[0]))  # fmt: skip
 
+    # Each row's 16 best tokens (ties to the lowest) in two launches, over vocabularies of one
+    # chunk, of several with a short last one, and of fewer tokens than 16.
+    for vocab, dtype in ((1000, torch.float32), (5000, torch.float32), (5000, torch.bfloat16),
+                         (10, torch.float32)):  # fmt: skip
+        logits = torch.randn(4, vocab, generator=gen).to(dtype)
+        tied = [t for t in (4999, 2100, 10, 7) if t < vocab]
+        logits[1, tied] = 50.0  # a tie across chunks: lowest token first
+        logits[2] = 1.0  # a row tied everywhere
+        logits[3, : vocab // 2] = float("-inf")  # half refused, as a masked row is
+        k = min(sampler.GRAMMAR_TOPK, vocab)
+        got = fused.top_candidates(logits, k)
+        same = got is not None and got.dtype == torch.float64
+        for r in range(4):
+            row = logits[r].float().tolist()
+            order = sorted(range(vocab), key=lambda t: (-row[t], t))[:k]
+            same = same and got[r, :k].tolist() == order
+            same = same and got[r, k:].tolist() == [row[t] for t in order]
+        emit(name=f"top-candidates-{vocab}-{str(dtype)[6:]}", same=bool(same),
+             tied=[int(t) for t in got[1, : len(tied)].tolist()])  # fmt: skip
+
 
 def _gemv() -> None:
     """moe_gemv itself at INT4_CASES, gated too against the tensor-core path's gated GEMM."""
@@ -356,6 +376,16 @@ def test_token_bitmask_in_one_launch_matches_the_torch_ops(results, vocab):
 def test_masked_argmax_in_one_launch_matches_the_torch_ops(results, vocab):
     r = results[f"masked-argmax-{vocab}"]
     assert r["same"] and r["tie"] == 7 and r["nothing"] == 0, r
+
+
+@pytest.mark.parametrize("case", ["1000-float32", "5000-float32", "5000-bfloat16", "10-float32"])
+def test_top_candidates_in_two_launches_rank_as_a_sort_by_logit_then_token(results, case):
+    """fused.top_candidates: each row's best tokens, best first and ties to the lowest token,
+    their logits as float32 holds them, exactly as a sort by (-logit, token) gives them."""
+    r = results[f"top-candidates-{case}"]
+    vocab = int(case.split("-")[0])
+    assert r["same"], r
+    assert r["tied"] == sorted(t for t in (4999, 2100, 10, 7) if t < vocab), r
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
