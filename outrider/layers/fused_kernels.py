@@ -357,7 +357,7 @@ def masked_argmax_kernel(
     tl.store(out_ptr + r, best.to(tl.int64))
 
 
-_NO_TOKEN = 2**30  # past any vocabulary: the id of "nothing left" in the top-k kernels
+_NO_TOKEN = tl.constexpr(2**30)  # past any vocabulary: "nothing left" in the top-k kernels
 
 
 @triton.jit
