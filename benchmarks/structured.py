@@ -7,6 +7,7 @@ constrained only), greedy and sampled, over a concurrency sweep.
     python benchmarks/structured.py [--configs ngram eagle3 eagle3_tree ngram_nogd eagle3_nogd]
         [--concurrency 1 16 64]
         [--temperatures 0 0.8] [--max-tokens 200] [--num-schemas N] [--rounds 3] [--k 4]
+        [--min-batches 3]
         [--cases PATH] [--model DIR] [--draft DIR] [--dtype auto] [--device cuda]
         [--grammar-masks] [--out NAME] [--out-dir DIR] [--plot PATH]
 
@@ -19,7 +20,8 @@ plain constrained once (untimed: the lengths of plain matched), then `--rounds` 
 round followed by plain unconstrained again; a run's speedup is over the mean of the plain runs
 around its round, the median over rounds is reported (as benchmarks/spec_gpu.py does, whose
 helpers this imports). A run serves all cases in batches of C requests (cases cycled so every
-batch holds C); a sampled request's seed is its case's index.
+batch holds C, and at least --min-batches batches: a run of one batch of 64 short answers
+lasted 0.15-0.3 s on an H100, too short to time); a sampled request's seed is its case's index.
 
 Per (configuration, constrained, temperature, C) it reports valid_fraction (outputs that parse
 with json.loads and validate against their schema, fullmatch their regex or equal one of their
@@ -163,11 +165,13 @@ def timed_run(
     max_tokens: int,
     device: str,
     lengths: list[int] | None = None,
+    min_batches: int = 1,
 ) -> dict:
-    """Every case once (cycled to full batches of c); tok/s over the timed part, validity
-    counts, the engine's speculation counters and step split over it. `lengths` (one per
-    request, in run order): each request makes exactly that many tokens, unconstrained."""
-    idx = [i for batch in batches(list(range(len(cases))), c) for i in batch]
+    """Every case once (cycled to full batches of c, at least min_batches of them); tok/s over
+    the timed part, validity counts, the engine's speculation counters and step split over it.
+    `lengths` (one per request, in run order): each request makes exactly that many tokens,
+    unconstrained."""
+    idx = [i for batch in batches(list(range(len(cases))), c, min_batches) for i in batch]
     if lengths is not None and len(lengths) != len(idx):
         raise ValueError(f"{len(lengths)} lengths for a run of {len(idx)} requests")
     params = [
@@ -353,6 +357,7 @@ def sweep(
     rounds: int,
     max_tokens: int,
     device: str,
+    min_batches: int = 1,
 ) -> dict:
     """Every (temperature, C) slot: plain unconstrained, then `rounds` rounds of every other
     (config, constraint) pair in a rotated order, each round followed by plain unconstrained;
@@ -375,17 +380,19 @@ def sweep(
         for c in concurrency:
             key = f"t{temperature:g}_c{c}"
             args = (cases, temperature, c, max_tokens, device)
-            plains = [timed_run(llms["plain"], False, *args)]
+            plains = [timed_run(llms["plain"], False, *args, min_batches=min_batches)]
             # The lengths plain constrained decoding gives (fixed: greedy, or seeded).
-            lengths = [len(ids) for ids in timed_run(llms["plain"], True, *args)["ids"]]
+            fixed = timed_run(llms["plain"], True, *args, min_batches=min_batches)
+            lengths = [len(ids) for ids in fixed["ids"]]
             tries: dict = {pair: [] for pair in pairs}
             for r in range(rounds):
                 for cfg, constraint in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
                     length = lengths if constraint == MATCHED else None
-                    row = timed_run(llms[cfg], constraint == "constrained", *args, length)
+                    constrained = constraint == "constrained"
+                    row = timed_run(llms[cfg], constrained, *args, length, min_batches)
                     row["plain_around"] = [plains[-1]]  # and the plain run after: below
                     tries[(cfg, constraint)].append(row)
-                plains.append(timed_run(llms["plain"], False, *args))
+                plains.append(timed_run(llms["plain"], False, *args, min_batches=min_batches))
                 for pair in pairs:
                     tries[pair][-1]["plain_around"].append(plains[-1])
             runs[key] = slot_rows(plains, tries, greedy=temperature == 0)
@@ -487,6 +494,12 @@ def main() -> None:
         default=None,
         help="rounds per (temperature, C) (default GPU 3, CPU 1)",
     )
+    ap.add_argument(
+        "--min-batches",
+        type=int,
+        default=None,
+        help="batches of C requests a run serves at least, the cases cycled (default GPU 3, CPU 1)",
+    )
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step")
     ap.add_argument("--cases", default=str(CASES), help="the case set (JSON)")
     ap.add_argument("--draft", default=None, help="EAGLE-3 drafter dir (default: the shipped one)")
@@ -517,6 +530,9 @@ def main() -> None:
     rounds = args.rounds or (3 if cuda else 1)
     if rounds < 1:
         ap.error(f"--rounds {rounds}: use 1 or more")
+    min_batches = args.min_batches or (3 if cuda else 1)
+    if min_batches < 1:
+        ap.error(f"--min-batches {min_batches}: use 1 or more")
     name = args.out or ("structured" if cuda else "structured_cpu")
     cases = load_cases(args.cases, args.num_schemas)
     all_specs = engine_configs(args.k, args.draft)
@@ -552,7 +568,16 @@ def main() -> None:
             [[{"role": "user", "content": cases[-1].prompt}]],
             request_params(0, cases[-1], True, 0.0, 16),
         )
-    runs = sweep(llms, cases, args.temperatures, concurrency, rounds, args.max_tokens, args.device)
+    runs = sweep(
+        llms,
+        cases,
+        args.temperatures,
+        concurrency,
+        rounds,
+        args.max_tokens,
+        args.device,
+        min_batches,
+    )
     del llms
     gc.collect()
     result = {
@@ -565,6 +590,7 @@ def main() -> None:
         "temperatures": args.temperatures,
         "k": args.k,
         "rounds": rounds,
+        "min_batches": min_batches,
         "cases": {
             "file": Path(args.cases).name,
             "names": [c.name for c in cases],

@@ -166,6 +166,11 @@ def test_timed_run_sends_full_batches_with_each_cases_params(bench, cases):
     assert row["run_ahead"] == {"steps": 8, "dropped": 4, "rows_redone": 12}  # this run only
     free = bench.timed_run(FakeLLM({c.prompt: c for c in cases}), False, cases, 0.0, 4, 9, "cpu")
     assert free["requests"] == 4 and free["validity_counts"]["valid"] == 4
+    # At least three batches of 4, the 3 cases cycled through them: a run long enough to time.
+    many = FakeLLM({c.prompt: c for c in cases})
+    row = bench.timed_run(many, True, cases, 0.0, 4, 9, "cpu", min_batches=3)
+    assert [len(b) for b in many.batches] == [4, 4, 4] and row["requests"] == 12
+    assert [p for b in many.batches for p, _ in b] == [cases[i % 3].prompt for i in range(12)]
 
 
 def _run(tps: float, ids, valid: int, acc=None, around=()):
@@ -305,6 +310,7 @@ def test_end_to_end_on_a_tiny_model_every_constrained_output_is_valid(
     result = json.loads((tmp_path / "structured_cpu.json").read_text())
     for key in ("command", "commit", "machine", "versions"):
         assert key in result, key
+    assert result["min_batches"] == 1  # the CPU's default
     cost = result["compile_cost"]
     # The first validate builds the engine's llguidance tokenizer too; a cached one compiles
     # nothing.
