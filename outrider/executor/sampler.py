@@ -138,9 +138,11 @@ def top_candidates(
 
 def top_candidates_no_sync(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> [R, 2 k] float64 where it is: each row's GRAMMAR_TOPK (k) highest ids,
-    then their values as float32 holds them, best first (exact in float64: ids < 2^53).
-    (A topk chunk by chunk first, then over the chunks' best, was slower on an H100 past one
-    row: 64 vs 57 us at 4 rows of 49,152, 156 vs 98 at 64; 44 vs 53 at one.)"""
+    then their values as float32 holds them, best first (exact in float64: ids < 2^53). On
+    CUDA fused.top_candidates serves (two Triton launches; torch.topk's host time was the
+    cost there), else torch.topk. (torch.topk chunk by chunk first, then over the chunks'
+    best, was slower on an H100 past one row: 64 vs 57 us at 4 rows of 49,152, 156 vs 98 at
+    64; 44 vs 53 at one.)"""
     k = min(GRAMMAR_TOPK, logits.shape[-1])
     packed = fused.top_candidates(logits, k)  # ties to the lowest token; two launches
     if packed is not None:
