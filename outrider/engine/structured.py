@@ -20,11 +20,12 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             target is the argmax among what the grammar allows (`_pick`), from
                             the row's top logits read after the forward, each checked by the
                             matcher, walking the drafts only as far as the targets accept
-                            them; where none is allowed (or a tie reaches the last one), its
-                            mask is computed then, a round's such rows in one call, and a mask
-                            that allows one token (a key or a brace the grammar forces, which
-                            the model need not rank high) is the token, with no read of the
-                            logits. A step of 64 constrained greedy rows checks a few tokens a
+                            them; where the grammar forces bytes or none is allowed (or a tie
+                            reaches the last one), its mask is computed then, a round's such
+                            rows in one call, and a mask that allows one token (a key or a
+                            brace the grammar forces, which the model need not rank high) is
+                            the token, with no read of the logits: the mask decides every
+                            greedy row, as it decides sampled ones. A step of 64 constrained greedy rows checks a few tokens a
                             row where it filled a vocabulary mask per row and draft.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
@@ -73,7 +74,9 @@ class GrammarCounters:
 
     mask_rows: int = 0  # vocabulary masks filled ahead of a forward (attach_masks)
     picked_rows: int = 0  # rows decided from their top logits (`path`)
-    late_masks: int = 0  # of those, rows none of whose candidates was allowed: a mask then
+    # of those, rows their candidates could not decide (the grammar forces bytes there, or
+    # none was allowed): a mask then
+    late_masks: int = 0
     # of those, masks allowing one token (a key, a quote, a brace the grammar forces): that
     # token, with no read of the row's logits
     late_forced: int = 0
@@ -261,7 +264,8 @@ class Grammars:
 
         Rows whose candidates cannot tell (a late mask) wait for the round's end: their masks
         are computed in one call, in llguidance's threads; a mask that allows one token gives
-        it, and `decide([(seq index, row)], masks [n, words] int32)` gives the rest in one go
+        it, a row's candidates checked against its mask give the next, and
+        `decide([(seq index, row)], masks [n, words] int32)` gives the rest in one go
         (from the logits on the device: a read, which in a step run ahead waits for the step
         after). Their walks then go on. The matchers end where they began."""
         t0 = time.perf_counter()
@@ -283,6 +287,14 @@ class Grammars:
                 if late:
                     masks = self._masks([walks[i].matcher for i in late])
                     tokens = self._only_allowed(masks)
+                    forced = sum(token is not None for token in tokens)
+                    for n, i in enumerate(late):  # a forced row's mask may allow several
+                        if tokens[n] is None:
+                            words = masks[n].numpy()
+                            tokens[n] = _best(
+                                lambda t, w=words: bool((w[t >> 5] >> (t & 31)) & 1),
+                                *candidates[i][walks[i].row],
+                            )
                     rest = [n for n, token in enumerate(tokens) if token is None]
                     if rest:  # the logits decide, on the device
                         picked = decide([(late[n], walks[late[n]].row) for n in rest], masks[rest])
@@ -291,7 +303,7 @@ class Grammars:
                     for i, token in zip(late, tokens):
                         walks[i].take(token)
                     self.counters.late_masks += len(late)
-                    self.counters.late_forced += len(late) - len(rest)
+                    self.counters.late_forced += forced
                 going = [i for i in late if not walks[i].done]
         finally:
             for walk in walks:
@@ -452,12 +464,25 @@ def _pick(matcher, ids: Sequence[int], values: Sequence[float]) -> int | None:
     """The argmax among what the matcher allows next, from a row's top logits (`ids` by
     descending `values`): the allowed id of the highest value, the lowest id of those tied
     there, as an argmax over the masked row gives. None where it cannot be told from them:
-    none is allowed, or the value reached ties the last one (more may tie past them)."""
+    the grammar forces the next bytes, none is allowed, or the value reached ties the last
+    one (more may tie past them).
+
+    Where the grammar forces bytes (a key, its quotes), its mask allows one token, the first
+    of the forced text's own tokenization, while validate_tokens also accepts other spellings
+    of it ('to' for the 't' of a forced "todos"): those rows go to the mask. Elsewhere the two
+    allow the same tokens."""
+    if matcher.compute_ff_bytes():
+        return None
+    return _best(lambda token: matcher.validate_tokens([token]) == 1, ids, values)
+
+
+def _best(allowed: Callable[[int], bool], ids: Sequence[int], values: Sequence[float]) -> int | None:
+    """`_pick`'s argmax over the candidates `allowed` admits; None where they cannot tell."""
     best, best_value = None, None
     for token, value in zip(ids, values):
         if best_value is not None and value < best_value:
             break
-        if matcher.validate_tokens([token]) == 1 and (best is None or token < best):
+        if allowed(token) and (best is None or token < best):
             best, best_value = token, value
     if best is None or values[-1] == best_value:
         return None
