@@ -242,8 +242,9 @@ def timed_run(
 def grammar_split(before, after, split: dict | None) -> dict:
     """The grammars' work over a run (engine/structured.py GrammarCounters): mask rows filled
     ahead of the forwards, rows picked from their top logits, masks those picks still needed
-    (late_forced: of those, masks that allowed one token, with no read of the logits), and the
-    host milliseconds a step spent picking (inside the runner's time for speculative
+    (late_forced: of those, masks that allowed one token, with no read of the logits), rows of
+    steps run ahead whose masked argmax the device took (masked_ahead), and the host
+    milliseconds a step spent picking (inside the runner's time for speculative
     steps, in the host's for plain ones)."""
     steps = split["steps"] if split else 0
     return {
@@ -251,6 +252,7 @@ def grammar_split(before, after, split: dict | None) -> dict:
         "picked_rows": after.picked_rows - before.picked_rows,
         "late_masks": after.late_masks - before.late_masks,
         "late_forced": after.late_forced - before.late_forced,
+        "masked_ahead": after.masked_ahead - before.masked_ahead,
         "path_ms_per_step": round((after.path_s - before.path_s) / steps * 1e3, 3)
         if steps
         else None,

@@ -466,11 +466,12 @@ class LaunchedGrammar:
     """What a plain decode step launched without a host read (ModelRunner.launch) keeps for its
     grammar_topk rows, on the device: their rows among the step's sequences, their logits
     [P, vocab] and their top candidates packed [P, 2 GRAMMAR_TOPK] (ids then values, float64;
-    sampler.top_candidates_no_sync). The step's ids hold their unmasked argmax."""
+    sampler.top_candidates_no_sync; None where the engine takes their masked argmax on the
+    device instead). The step's ids hold their unmasked argmax."""
 
     rows: list[int]
     logits: torch.Tensor
-    candidates: torch.Tensor
+    candidates: torch.Tensor | None
 
 
 @dataclass

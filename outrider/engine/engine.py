@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 import torch
 
@@ -32,12 +32,12 @@ from outrider.engine.structured import Grammars
 from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.sampler import make_generator, masked_argmax
+from outrider.executor.sampler import make_generator, masked_argmax, masked_argmax_no_sync
 from outrider.executor.spec_launch import SpecLaunch
 from outrider.executor.spec_step import runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
-from outrider.transfer import to_device_no_sync, to_device_packed
+from outrider.transfer import HostCopy, to_device_no_sync, to_device_packed
 
 # Beside a drafter's aux streams (where a refused guess drops the whole step run ahead), a batch
 # with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds or
@@ -45,6 +45,12 @@ from outrider.transfer import to_device_no_sync, to_device_packed
 # rows with this weight for the newest.
 AHEAD_GRAMMAR_ODDS = 0.75
 GRAMMAR_MISS_RATE = 0.05
+# A plain step run ahead with at most this many greedy constrained rows takes their masked
+# argmax on the device before the step after is launched on them (their masks computed on the
+# host since the tokens before them were read); more rows run ahead on a guess, their unmasked
+# argmax, picked by their grammars from their top logits once read. 64 masks took 1.1-1.4 ms
+# on an H200's host, about a step of the default model; 16 take a quarter of it, in a thread.
+MASKS_AHEAD_MAX_ROWS = 16
 
 
 class EngineCore:
@@ -234,8 +240,10 @@ class EngineCore:
         if decodes is not None:
             decodes = self.speculator.rows_left(decodes)
         redo: dict[int, int] = {}  # rows launched on a refused guess (overlap.Ahead.redo)
+        masks = None  # greedy constrained rows' masks, taken on the device (_masks_ahead)
         if self._ahead is not None:
             batch, ids, redo = self._ahead.batch, self._ahead.token_ids, self._ahead.redo
+            masks = self._ahead.masks
             self._ahead = None
             if isinstance(ids, SpecLaunch):
                 return self._speculate_ahead(batch, ids, t0)
@@ -265,12 +273,19 @@ class EngineCore:
                 deltas = self._advance(batch, output)
                 self.speculator.record_step(batch, False, t0)
                 return deltas
-            ids = overlap.Pending.start(self.runner.launch(batch))
-        self._ahead = self._run_ahead(batch, ids.device, redo)
+            launched = self.runner.launch(batch, candidates=not self._masks_on_device(batch))
+            ids = overlap.Pending.start(launched)
+        if masks is None:  # (computed while the device runs the step)
+            masks = self._masks_ahead(ids, batch, redo)
+        on_device, masked = self._mask_on_device(ids, masks)
+        self._ahead = self._run_ahead(batch, on_device, redo)
         tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
+        if masked is not None:  # greedy constrained rows: the masked argmax, as launched on
+            for row, token in zip(ids.grammar.rows, masked.tolist()):
+                tokens[row] = token
         rids = [s.request.request_id for s in batch.seqs]
         output = StepOutput(rids, [[t] for t in tokens], aux_hidden=ids.aux)
-        if ids.grammar is not None:  # greedy constrained rows: their grammars pick now
+        if ids.grammar is not None and masked is None:  # their grammars pick now
             output.grammar_candidates = ids.candidates()
             output.grammar_logits = ids.grammar.logits
             self._pick_grammar_tokens(batch, output, skip=redo)
@@ -291,8 +306,52 @@ class EngineCore:
             # writes land in finished requests' slots before anything launched later). Kept,
             # the next run's first step would take it, a proposer given since included.
             self._ahead = None
+        if self._ahead is not None:  # its rows' grammars have followed this step's tokens
+            ahead = self._ahead
+            ahead.masks = self._masks_ahead(ahead.token_ids, ahead.batch, ahead.redo)
         self.speculator.record_step(batch, False, t0)  # the period of a step run ahead
         return deltas
+
+    def _masks_on_device(self, batch: ScheduledBatch) -> bool:
+        """Whether a plain step's greedy constrained rows (grammar_topk), once launched ahead
+        of its read, take their masked argmax on the device (`_mask_on_device`) rather than
+        being picked from their top logits: at most MASKS_AHEAD_MAX_ROWS of them."""
+        return sum(s.grammar_topk for s in batch.seqs) <= MASKS_AHEAD_MAX_ROWS
+
+    def _masks_ahead(
+        self, pending: overlap.Pending, batch: ScheduledBatch, redo: dict[int, int]
+    ) -> Callable[[], torch.Tensor] | None:
+        """Start computing the masks of a launched plain step's greedy constrained rows, in
+        LaunchedGrammar.rows order, from where their grammars stand (each row's position: its
+        request's tokens before it are read and followed), where the step takes them on the
+        device; None where it does not. Rows in `redo` (dropped at the read) and rows whose
+        request ended allow everything."""
+        grammar = pending.grammar
+        if grammar is None or grammar.candidates is not None:
+            return None
+        sampling = [s for s in batch.seqs if s.sample]
+        rids = [None if r in redo else sampling[r].request.request_id for r in grammar.rows]
+        return self.grammars.masks_now(rids)
+
+    def _mask_on_device(
+        self, pending: overlap.Pending, masks: Callable[[], torch.Tensor] | None
+    ) -> tuple[torch.Tensor, HostCopy | None]:
+        """The launched step's ids with its greedy constrained rows' masked argmax in their
+        rows (queued on the device behind the step, before the step after is launched on them),
+        and those rows' tokens on their way to the host; the ids as sampled and None without
+        masks. Waits for the masks on the host (computed since `_masks_ahead`)."""
+        if masks is None:
+            return pending.device, None
+        bits = masks()
+        logits = pending.grammar.logits
+        dev = logits.device
+        count = len(pending.grammar.rows)
+        at, rows = to_device_packed(
+            [(pending.grammar.rows, torch.int64), (list(range(count)), torch.int64)], dev
+        )
+        picked = masked_argmax_no_sync(logits, rows, to_device_no_sync(bits, torch.int32, dev))
+        self.grammars.counters.masked_ahead += count
+        return pending.device.index_copy(0, at, picked), HostCopy(picked)
 
     def _speculate(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput]:
         """A speculative step over decoding rows: launched ahead of its read where it can be
@@ -425,15 +484,15 @@ class EngineCore:
             output.token_ids[row] = [token]
 
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
-        """overlap.can_run_ahead, and for greedy constrained rows (run ahead on a guess, their
-        unmasked argmax) beside a drafter's aux streams, whose refusal drops the whole step run
-        ahead (`_redo_or_drop`), odds of at least AHEAD_GRAMMAR_ODDS that every guess holds, at
-        the rate their grammars have refused argmaxes lately. Without them a refused guess
-        costs its row alone."""
+        """overlap.can_run_ahead, and for greedy constrained rows run ahead on a guess (their
+        unmasked argmax: more than MASKS_AHEAD_MAX_ROWS of them) beside a drafter's aux
+        streams, whose refusal drops the whole step run ahead (`_redo_or_drop`), odds of at
+        least AHEAD_GRAMMAR_ODDS that every guess holds, at the rate their grammars have
+        refused argmaxes lately. Without them a refused guess costs its row alone."""
         if not overlap.can_run_ahead(batch):
             return False
         guesses = sum(s.grammar_topk for s in batch.seqs)
-        if not guesses or not self.runner.aux_layers:
+        if not guesses or not self.runner.aux_layers or self._masks_on_device(batch):
             return True
         return (1.0 - self._grammar_miss) ** guesses >= AHEAD_GRAMMAR_ODDS
 
@@ -487,7 +546,8 @@ class EngineCore:
             )
             ids = ids.index_copy(0, at, tokens)
         self.num_steps_run_ahead += 1
-        launched = overlap.Pending.start(self.runner.launch(next_batch, ids))
+        candidates = not self._masks_on_device(next_batch)
+        launched = overlap.Pending.start(self.runner.launch(next_batch, ids, candidates))
         return overlap.Ahead(next_batch, launched, continues=keep)
 
     def _advance(

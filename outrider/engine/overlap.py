@@ -18,14 +18,19 @@ With a proposer, plain steps run ahead while the adaptive controller picks k=0 f
 after (Speculator.plain_ahead): an n-gram lookup needs nothing from them, and an EAGLE-3
 drafter defers their rows from the aux streams the launched step kept (Pending.aux). A step
 the controller gives drafts to is scheduled as usual, once the step before it is read.
-Greedy constrained sequences run ahead on a guess: step n+1 takes their unmasked argmax of step
-n, which is the grammar's pick whenever the grammar allows it. Where it does not, only that row
-is lost (Ahead.redo): once step n is read, its grammar picks from step n's top candidates as in
-a step not run ahead, step n+2 (launched before step n+1 is read) computes the row again at the
-same position on the picked token (its KV write replaces step n+1's), and step n+1's output for
-it is dropped at its read. At 64 streams a refusal came nearly every step (5% of guesses), and
-dropping the whole step n+1 for it left the batch running one step at a time. With a drafter
-that defers rows from the step's aux streams (EAGLE-3) the whole step n+1 is still dropped.
+Greedy constrained sequences run ahead too. Where a step holds at most MASKS_AHEAD_MAX_ROWS of
+them (engine.py), their masks for step n are computed on the host from the moment step n-1's
+tokens are followed by their grammars (Grammars.masks_now, in a thread), and before step n+1 is
+launched the device takes their masked argmax of step n's logits into the ids step n+1 reads
+(Ahead.masks; the engine's _mask_on_device): nothing is guessed. With more of them, they run
+ahead on a guess: step n+1 takes their unmasked argmax of step n, which is the grammar's pick
+whenever the grammar allows it. Where it does not, only that row is lost (Ahead.redo): once step
+n is read, its grammar picks from step n's top candidates as in a step not run ahead, step n+2
+(launched before step n+1 is read) computes the row again at the same position on the picked
+token (its KV write replaces step n+1's), and step n+1's output for it is dropped at its read.
+At 64 streams a refusal came nearly every step (5% of guesses), and dropping the whole step n+1
+for it left the batch running one step at a time. With a drafter that defers rows from the
+step's aux streams (EAGLE-3) the whole step n+1 is still dropped.
 
 A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy or sample
 from their parameters alone (spec_step.runs_ahead: no penalties or grammar; a seeded row's
@@ -57,6 +62,7 @@ ahead, as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +103,9 @@ class Pending:
         """ModelRunner.launch's ids, grammar rows and aux streams; the ids and candidates on
         their way to the host."""
         ids, grammar, aux = launched
-        top = HostCopy(grammar.candidates) if grammar is not None else None
+        top = None
+        if grammar is not None and grammar.candidates is not None:
+            top = HostCopy(grammar.candidates)
         return cls(HostCopy(ids), grammar, top, aux)
 
     @property
@@ -112,7 +120,7 @@ class Pending:
     def candidates(self) -> dict[int, Candidates] | None:
         """The greedy constrained rows' top candidates (as StepOutput.grammar_candidates), once
         `read` has returned; None without such rows."""
-        if self.grammar is None:
+        if self.candidates_host is None:
             return None
         return unpack_candidates(self.candidates_host.wait(), self.grammar.rows)
 
@@ -129,6 +137,9 @@ class Ahead:
     # Rows launched on a guess their grammar refused, by row -> the token it picked instead:
     # their outputs are dropped at the read, and the step after computes them again.
     redo: dict[int, int] = field(default_factory=dict)
+    # Its greedy constrained rows' masks, on their way (Grammars.masks_now), where their
+    # masked argmax is taken on the device before the step after is launched on them.
+    masks: Callable[[], torch.Tensor] | None = None
 
 
 def can_run_ahead(batch: ScheduledBatch) -> bool:

@@ -25,8 +25,14 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             rows in one call, and a mask that allows one token (a key or a
                             brace the grammar forces, which the model need not rank high) is
                             the token, with no read of the logits: the mask decides every
-                            greedy row, as it decides sampled ones. A step of 64 constrained greedy rows checks a few tokens a
-                            row where it filled a vocabulary mask per row and draft.
+                            greedy row, as it decides sampled ones. A step of 64 constrained
+                            greedy rows checks a few tokens a row where it filled a vocabulary
+                            mask per row and draft.
+    masks_now(rids)         the greedy rows of a plain step run ahead (at most 16 of them,
+                            engine.MASKS_AHEAD_MAX_ROWS): their masks from where the grammars
+                            stand once the tokens before them are followed, computed in the
+                            thread; the engine takes their masked argmax on the device before
+                            the step after is launched on them, so nothing is guessed.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
@@ -80,6 +86,8 @@ class GrammarCounters:
     # of those, masks allowing one token (a key, a quote, a brace the grammar forces): that
     # token, with no read of the row's logits
     late_forced: int = 0
+    # greedy rows of steps run ahead whose masked argmax the device took (masks_now)
+    masked_ahead: int = 0
     path_s: float = 0.0  # host seconds in `path`, its late masks and their argmax included
 
 
@@ -235,6 +243,32 @@ class Grammars:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="outrider-masks")
         self._pending = self._filler.submit(fill)
         batch.fill_masks = self._pending.result
+
+    def masks_now(self, request_ids: Sequence[str | None]) -> Callable[[], torch.Tensor]:
+        """[n, words] int32 on the host (page-locked where masks are): the tokens each request's
+        grammar allows next, from where it stands now, computed from now on in the thread;
+        the call returned waits for them and gives them. A None, or a request no longer
+        followed, allows every token. For the greedy rows of a plain step run ahead, whose
+        masked argmax the engine takes on the device before the step after is launched on
+        them (the next move of their grammars waits for these, as for attach_masks')."""
+        self._settle()
+        masks = self._rows(len(request_ids))
+        ours = [(self._matchers.get(r), i) for i, r in enumerate(request_ids) if r is not None]
+        ours = [(m, i) for m, i in ours if m is not None]
+        taken = {i for _, i in ours}
+        free = [i for i in range(len(request_ids)) if i not in taken]
+
+        def fill() -> None:
+            if free:
+                masks.numpy()[free] = -1
+            if ours:
+                size = (masks.data_ptr(), self.words * 4, masks.shape[0])
+                self._executor.unsafe_compute_mask_ptr(ours, *size)
+
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="outrider-masks")
+        pending = self._pending = self._filler.submit(fill)
+        return lambda: (pending.result(), masks)[1]
 
     def _rows(self, n: int) -> torch.Tensor:
         """[n, words] int32 of this step's host buffer, its old contents left as they are."""

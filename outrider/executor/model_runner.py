@@ -443,7 +443,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(
-        self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+        self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None, candidates: bool = True
     ) -> tuple[torch.Tensor, LaunchedGrammar | None, torch.Tensor | None]:
         """A DECODE step, or prompt chunks (a speculative step run ahead's beside), without
         waiting for it: forward, logits and sampling are queued on the device and the sampled
@@ -452,7 +452,8 @@ class ModelRunner:
         drafter are made as in `run` and come back third (a copy, as `run`'s aux_hidden: the
         next replay leaves it alone), for the drafter to defer its rows from. Greedy
         constrained rows (grammar_topk) sample their unmasked argmax; their logits and top
-        candidates come back beside, for their grammar to pick from once read."""
+        candidates come back beside, for their grammar to pick from once read (candidates
+        False: their logits alone, for the engine's masked argmax on the device)."""
         hidden, aux, inputs = self.forward(batch, self.aux_layers, input_ids=input_ids)
         aux_hidden = torch.cat(aux, dim=-1) if aux else None
         sampling = [s for s in batch.seqs if s.sample]  # (a prompt chunk samples nothing)
@@ -463,7 +464,8 @@ class ModelRunner:
         picked, rows = _picked_rows(logits, sampling)
         if not picked:
             return ids, None, aux_hidden
-        return ids, LaunchedGrammar(picked, rows, top_candidates_no_sync(rows)), aux_hidden
+        top = top_candidates_no_sync(rows) if candidates else None
+        return ids, LaunchedGrammar(picked, rows, top), aux_hidden
 
     def _move_kv(self, src: list[int], dst: list[int]) -> None:
         """KV slot moves in this rank's pool and, under tensor parallelism, every rank's."""

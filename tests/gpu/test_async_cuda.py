@@ -159,9 +159,11 @@ def test_arrivals_join_speculative_steps_run_ahead_on_cuda(drafter_path):
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
 
 
-def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
+@pytest.mark.parametrize("masks_ahead", [0, 16])
+def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda(masks_ahead, monkeypatch):
     """Plain decode steps run ahead beside greedy constrained rows (picked from their top
-    logits, a refused guess computed again in the step after) and requests that finish at
+    logits, a refused guess computed again in the step after; or, at most masks_ahead of them,
+    their masked argmax taken on the device, the masks sent pinned) and requests that finish at
     different steps: a step that launches the next before its read makes the host wait on
     nothing but that read, which waits on an event (a pageable host->device copy, such as an
     index tensor made with torch.as_tensor, would wait for the step in flight: the next one
@@ -169,6 +171,9 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
     go) and steps where a grammar refused every top candidate and allowed more than one token
     (a late mask decided from the logits, read at once) are left out: a mask of one token is
     the token, with no read."""
+    from outrider.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
     llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
     engine = llm.engine
     schema = {
@@ -222,7 +227,10 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda():
         engine.step()
     assert engine.num_steps_run_ahead - ahead >= 20, "the steps did not run ahead"
     assert finished >= 3, "too few requests finished inside the window"
-    assert engine.grammars.counters.picked_rows > 0
+    if masks_ahead:
+        assert counters.masked_ahead > 0
+    else:
+        assert counters.picked_rows > 0 and counters.masked_ahead == 0
     assert not waited, waited[:3]
     assert all(r.is_finished for r in reqs)
     print("late masks in the window:", counters.late_masks - late, "forced:", counters.late_forced)

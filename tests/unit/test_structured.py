@@ -841,7 +841,9 @@ def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
     assert len(seen) > 4 and not refused, refused[:3]
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3_guarded", "eagle3_always"])
+@pytest.mark.parametrize(
+    "kind", ["plain", "eagle3_guarded", "eagle3_always", "plain_masked", "eagle3_masked"]
+)
 def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     tiny_json_dir,
     prompts,  # noqa: F811
@@ -855,10 +857,16 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     ahead is dropped whole: the same tokens as one step at a time, batched and alone, a mix of
     constrained and unconstrained rows included, rows whose request ended in the step before
     (their grammar gone) left alone, and every block back. "always": run ahead beside the aux
-    streams whatever the refusal rate (every drop path taken); "guarded": the engine's odds."""
+    streams whatever the refusal rate (every drop path taken); "guarded": the engine's odds.
+    "_masked": as the engine runs so few rows (MASKS_AHEAD_MAX_ROWS), no guess at all: their
+    masked argmax is taken on the device before the step after is launched on them, so
+    nothing is redone or dropped, beside aux streams too."""
     from outrider.engine import engine as engine_module
     from tests.unit.test_spec_eagle3 import _ScriptedController
 
+    masked = kind.endswith("_masked")
+    if not masked:  # every step guesses
+        monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", 0)
     if kind == "eagle3_always":
         monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
@@ -869,7 +877,7 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     batch = prompts[:5]
 
     def llm(async_scheduling: bool) -> LLM:
-        if kind == "plain" or not async_scheduling:
+        if kind.startswith("plain") or not async_scheduling:
             return LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
                        async_scheduling=async_scheduling)  # fmt: skip
         out = eagle_llm(tiny_json_dir, async_scheduling=True)
@@ -885,10 +893,17 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     for spec, out in zip(specs, got):
         _check_valid(spec, out.text, out.finish_reason)
     engine = ahead.engine
+    counters = engine.grammars.counters
+    if masked:  # nothing guessed, nothing redone or dropped
+        assert engine.num_steps_run_ahead >= 20 and counters.masked_ahead >= 20
+        assert engine.num_rows_run_ahead_redone == engine.num_steps_run_ahead_dropped == 0
+        # (steps not run ahead, after a prompt's, still pick from their top logits)
+        assert counters.masked_ahead > 2 * counters.picked_rows
     # The tiny random model's argmax is mostly refused: without aux streams the batch runs
     # ahead and redoes the refused rows; beside them, guarded, it stops guessing after its
     # first steps (the unconstrained row runs ahead alone at the end); always, it drops steps.
-    assert engine._grammar_miss > 0.3
+    else:
+        assert engine._grammar_miss > 0.3 and counters.masked_ahead == 0
     assert engine.num_steps_run_ahead > 0
     if kind == "plain":
         assert engine.num_rows_run_ahead_redone > 5
@@ -906,17 +921,21 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("masks_ahead", [0, 16])
 def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks(
     tiny_json_dir,
     prompts,  # noqa: F811
     monkeypatch,
+    masks_ahead,
 ):
     """Run ahead whatever the refusals, on a grammar that allows nearly every argmax: the
     requests that reach max_tokens end while a step run ahead holds their rows; that step's
-    read leaves their rows alone (their grammars are gone) and the others keep going."""
+    read leaves their rows alone (their grammars are gone: picked from their top logits, or,
+    masked on the device, masked by nothing) and the others keep going."""
     from outrider.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
+    monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
     anything = {"regex": "[\\s\\S]*"}
     params = [
         SamplingParams(temperature=0, max_tokens=n, structured_outputs=anything)
@@ -933,6 +952,7 @@ def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks
     assert got == want and [len(t) for t in got] == [3, 9, 5, 16]
     engine = llm.engine
     assert engine.num_steps_run_ahead >= 10
+    assert (engine.grammars.counters.masked_ahead > 0) == bool(masks_ahead)
     assert not engine.grammars and engine._ahead is None
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
