@@ -34,7 +34,7 @@ from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.sampler import make_generator, masked_argmax, masked_argmax_no_sync
 from outrider.executor.spec_launch import SpecLaunch
-from outrider.executor.spec_step import runs_ahead
+from outrider.executor.spec_step import masked_greedy, runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
 from outrider.transfer import HostCopy, to_device_no_sync, to_device_packed
@@ -51,6 +51,13 @@ GRAMMAR_MISS_RATE = 0.05
 # argmax, picked by their grammars from their top logits once read. 64 masks took 1.1-1.4 ms
 # on an H200's host, about a step of the default model; 16 take a quarter of it, in a thread.
 MASKS_AHEAD_MAX_ROWS = 16
+# A speculative step whose greedy constrained rows verify at most this many rows in all (each
+# one's root and drafts) takes their masked argmax on the device, the masks computed on the host
+# while the device verifies (Grammars.attach_masks); more are picked from their top logits, read
+# between the verify and the drafter (a sync inside the step, the device idle while the host
+# walks the grammars). 64 masks took 1.1-1.4 ms on an H200's host; at one stream and k = 4 a
+# step verifies 5 rows.
+SPEC_MASKS_MAX_ROWS = 32
 
 
 class EngineCore:
@@ -260,7 +267,8 @@ class EngineCore:
             speculative = self.speculator.is_speculative_step(batch)
             if self.grammars:  # greedy rows picked from their top logits where the step can
                 plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
-                self.grammars.attach_masks(batch, pick=speculative or plain)
+                pick = plain or (speculative and self._mask_rows(batch) > SPEC_MASKS_MAX_ROWS)
+                self.grammars.attach_masks(batch, pick=pick)
             if speculative and batch.mode == ForwardMode.PREFILL:
                 return self._prompts_first(batch, t0)
             if speculative:
@@ -311,6 +319,15 @@ class EngineCore:
             ahead.masks = self._masks_ahead(ahead.token_ids, ahead.batch, ahead.redo)
         self.speculator.record_step(batch, False, t0)  # the period of a step run ahead
         return deltas
+
+    def _mask_rows(self, batch: ScheduledBatch) -> int:
+        """The rows a speculative step verifies for its greedy constrained sequences: the masks
+        it needs to decide them on the device (SPEC_MASKS_MAX_ROWS)."""
+        return sum(
+            1 + (s.drafts.num_nodes if s.drafts is not None else 0)
+            for s in batch.seqs
+            if s.sample and masked_greedy(s) and s.request.request_id in self.grammars
+        )
 
     def _masks_on_device(self, batch: ScheduledBatch) -> bool:
         """Whether a plain step's greedy constrained rows (grammar_topk), once launched ahead

@@ -673,15 +673,21 @@ def _check_valid(spec: dict, text: str, finish: str) -> None:
     ],
     ids=["ngram", "eagle3_chain", "eagle3_tree"],
 )
+@pytest.mark.parametrize("decided", ["picked", "masked"])
 def test_greedy_constrained_speculation_equals_constrained_plain(
     tiny_json_dir,
     prompts,  # noqa: F811
     speculative,
+    decided,
     monkeypatch,
 ):
     """fp32 greedy, batches of 1 and of every prompt: token for token; every output that
-    finished is valid."""
+    finished is valid. Verify rows decided on the host from their top logits (`picked`: more
+    rows than engine.SPEC_MASKS_MAX_ROWS), or by their masks on the device (`masked`)."""
+    from outrider.engine import engine as engine_module
     from outrider.executor.spec_step import SpecStep
+
+    monkeypatch.setattr(engine_module, "SPEC_MASKS_MAX_ROWS", 0 if decided == "picked" else 999)
 
     tree_steps, run_tree = [], SpecStep.run_tree
     monkeypatch.setattr(
@@ -711,10 +717,14 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
         llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
                   speculative=speculative)  # fmt: skip
     paths.clear()
+    masks_before = llm.engine.grammars.counters.mask_rows
     got = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    # verify rows decided from their top logits, no mask computed for them
-    assert any(drafted for drafted, _ in paths) and all(m is None for _, m in paths)
+    if decided == "picked":  # verify rows decided from their top logits, no mask for them
+        assert any(drafted for drafted, _ in paths) and all(m is None for _, m in paths)
+    else:  # every verify row's mask, none picked from top logits
+        assert not any(drafted for drafted, _ in paths)
+        assert llm.engine.grammars.counters.mask_rows - masks_before > len(prompts)
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
     assert llm.generate([prompts[1]], params[1])[0].outputs[0].token_ids == alone[0]
     stats = llm.engine.speculator.stats
