@@ -510,7 +510,9 @@ def _pick(matcher, ids: Sequence[int], values: Sequence[float]) -> int | None:
     return _best(lambda token: matcher.validate_tokens([token]) == 1, ids, values)
 
 
-def _best(allowed: Callable[[int], bool], ids: Sequence[int], values: Sequence[float]) -> int | None:
+def _best(
+    allowed: Callable[[int], bool], ids: Sequence[int], values: Sequence[float]
+) -> int | None:
     """`_pick`'s argmax over the candidates `allowed` admits; None where they cannot tell."""
     best, best_value = None, None
     for token, value in zip(ids, values):
