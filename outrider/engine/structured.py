@@ -239,10 +239,7 @@ class Grammars:
             if trees:
                 _tree_masks(self._executor, trees, size)
 
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="outrider-masks")
-        self._pending = self._filler.submit(fill)
-        batch.fill_masks = self._pending.result
+        batch.fill_masks = self._in_thread(fill).result
 
     def masks_now(self, request_ids: Sequence[str | None]) -> Callable[[], torch.Tensor]:
         """[n, words] int32 on the host (page-locked where masks are): the tokens each request's
@@ -265,10 +262,16 @@ class Grammars:
                 size = (masks.data_ptr(), self.words * 4, masks.shape[0])
                 self._executor.unsafe_compute_mask_ptr(ours, *size)
 
+        pending = self._in_thread(fill)
+        return lambda: (pending.result(), masks)[1]
+
+    def _in_thread(self, fill: Callable[[], None]) -> Future:
+        """`fill` started in the masks' thread (made on the first call) as the computation in
+        flight, which every other call here waits for first (`_settle`)."""
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="outrider-masks")
-        pending = self._pending = self._filler.submit(fill)
-        return lambda: (pending.result(), masks)[1]
+        self._pending = self._filler.submit(fill)
+        return self._pending
 
     def _rows(self, n: int) -> torch.Tensor:
         """[n, words] int32 of this step's host buffer, its old contents left as they are."""
