@@ -241,7 +241,8 @@ def timed_run(
 
 def grammar_split(before, after, split: dict | None) -> dict:
     """The grammars' work over a run (engine/structured.py GrammarCounters): mask rows filled
-    ahead of the forwards, rows picked from their top logits, masks those picks still needed
+    ahead of the forwards, rows picked from their top logits (forced_rows: of those, the
+    first token of the bytes the grammar forces, with no mask), masks those picks still needed
     (late_forced: of those, masks that allowed one token, with no read of the logits), rows of
     steps run ahead whose masked argmax the device took (masked_ahead), and the host
     milliseconds a step spent picking (inside the runner's time for speculative
@@ -250,6 +251,7 @@ def grammar_split(before, after, split: dict | None) -> dict:
     return {
         "mask_rows": after.mask_rows - before.mask_rows,
         "picked_rows": after.picked_rows - before.picked_rows,
+        "forced_rows": after.forced_rows - before.forced_rows,
         "late_masks": after.late_masks - before.late_masks,
         "late_forced": after.late_forced - before.late_forced,
         "masked_ahead": after.masked_ahead - before.masked_ahead,

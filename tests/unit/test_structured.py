@@ -451,28 +451,36 @@ def test_a_greedy_row_picked_from_its_top_logits_is_its_masked_argmax(default_gr
     assert picked >= 20 and fell_back >= 6  # both ways were taken
 
 
-def test_a_late_row_whose_grammar_allows_one_token_takes_it_without_its_logits(
+def test_a_row_whose_grammar_forces_bytes_takes_its_masks_one_token_without_a_mask(
     default_grammars,
 ):
-    """Where none of a row's top logits is allowed and its mask allows one token (what the
-    grammar forces: the object's opening, a key's quote after a comma), that token is the
-    masked argmax whatever the logits, and `decide` (a read of the logits on the device) is
-    not called for it; a late row with more than one allowed token still goes to `decide`."""
+    """Where the grammar forces bytes (the object's opening, a key's quote after a comma) its
+    mask allows one token, the first of the forced text's tokens, and `paths` takes that token
+    whatever the logits, with neither a mask nor `decide` (a read of the logits on the
+    device); a row the grammar leaves free, and a forced row of a grammar that turns forcing
+    off (whose mask allows other spellings: 't' and 'to' for a forced "todos"), still go to a
+    late mask and `decide`."""
     grammars, tok = default_grammars
     prefixes = ["", '{"name": "Al",', '{"name": "Al", "age": 4']  # forced, forced, free
-    reqs = [_request(grammars, {"json": PERSON}, f"forced{n}") for n in range(len(prefixes))]
+    specs = [{"json": PERSON}] * 3 + [
+        {"grammar": '%llguidance {"no_forcing": true}\nstart: "todos" /[a-z]+/'}
+    ]
+    reqs = [_request(grammars, spec, f"forced{n}") for n, spec in enumerate(specs)]
     seqs = [ScheduledSeq(req, [5], 2, [0], True) for req in reqs]
     masks = []
-    for req, prefix in zip(reqs, prefixes):
+    for req, prefix in zip(reqs, [*prefixes, ""]):
         grammars._matchers[req.request_id].consume_tokens(tok.encode(prefix) if prefix else [])
         masks.append(grammars._masks([grammars._matchers[req.request_id]])[0])
     masks = torch.stack(masks)
-    assert [len(_allowed(m)) for m in masks[:2]] == [1, 1] and len(_allowed(masks[2])) > 1
+    assert [len(_allowed(m)) for m in masks[:2]] == [1, 1]
+    assert len(_allowed(masks[2])) > 1 and len(_allowed(masks[3])) > 1
+    assert grammars._matchers[reqs[3].request_id].compute_ff_bytes() == b"todos"
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(len(reqs), grammars.vocab_size, generator=g)
-    for r, m in enumerate(masks):  # every row's best tokens refused: all late
+    for r, m in enumerate(masks):  # every row's best tokens refused
         refused = [t for t in range(200) if t not in _allowed(m)][:GRAMMAR_TOPK]
         logits[r, refused] = 10.0
+    logits[3, sorted(_allowed(masks[3]))[-1]] = 9.0  # 'to' above 't', both allowed there
     want = masked_argmax(logits, masks)
     candidates = top_candidates(logits, list(range(len(reqs))))
     asked = []
@@ -484,11 +492,48 @@ def test_a_late_row_whose_grammar_allows_one_token_takes_it_without_its_logits(
     before = dataclasses.replace(grammars.counters)
     paths = grammars.paths(seqs, [[candidates[r]] for r in range(len(reqs))], decide)
     assert [p for ((_, p),) in paths] == want
-    assert asked == [2]  # only the row the grammar leaves free
-    assert grammars.counters.late_masks - before.late_masks == 3
-    assert grammars.counters.late_forced - before.late_forced == 2
+    assert tok.decode([want[3]]) == "to"
+    assert asked == [2, 3]  # the free row and the unforced grammar's
+    assert grammars.counters.forced_rows - before.forced_rows == 2
+    assert grammars.counters.late_masks - before.late_masks == 2
     for req in reqs:
         grammars.forget(req.request_id)
+
+
+def test_the_forced_token_is_the_masks_only_token_wherever_a_schema_forces_bytes(
+    default_grammars,
+):
+    """What `_pick` relies on, along whole outputs of three schemas: at every position where
+    the grammar forces bytes and has tokens for them (keys, quotes, braces), the mask allows
+    exactly the first of those tokens. Where it forces bytes it has no tokens for, the mask
+    allows more than one (a late mask decides)."""
+    grammars, tok = default_grammars
+    outputs = [
+        ({"json": PERSON}, '{"name": "Al", "age": 41, "tags": ["a", "b"]}'),
+        (
+            {"json": {"type": "object", "properties": {"todos": {"type": "array", "items":
+             {"type": "string"}}, "total": {"type": "integer"}}, "required": ["todos", "total"],
+             "additionalProperties": False}},
+            '{"todos": ["milk", "tea"], "total": 2}',
+        ),
+        ({"json_object": True}, '{"k": [1, 2.5, {"z": null}]}'),
+    ]  # fmt: skip
+    forced = 0
+    for n, (spec, text) in enumerate(outputs):
+        req = _request(grammars, spec, f"walk{n}")
+        matcher = grammars._matchers[req.request_id]
+        for token in tok.encode(text):
+            ff_bytes, ff_tokens = matcher.compute_ff_bytes(), matcher.compute_ff_tokens()
+            if ff_bytes:
+                allowed = _allowed(grammars._masks([matcher])[0])
+                if ff_tokens:
+                    assert allowed == {ff_tokens[0]}, (text, ff_bytes)
+                    forced += 1
+                else:
+                    assert len(allowed) > 1, (text, ff_bytes)
+            assert matcher.consume_token(token), (text, tok.decode([token]))
+        grammars.forget(req.request_id)
+    assert forced >= 10
 
 
 def test_picked_paths_follow_the_drafts_as_far_as_the_masked_targets_accept(
@@ -541,11 +586,11 @@ def test_picked_paths_follow_the_drafts_as_far_as_the_masked_targets_accept(
     assert max(accepts) == len(drafts)  # a chain taken whole
     late = sum(len(c) for c in calls)
     counters = grammars.counters
-    forced = counters.late_forced - before.late_forced  # a mask of one token: no decide
+    forced = counters.forced_rows - before.forced_rows  # the grammar's token: no mask, no decide
     assert late + forced >= t and len(calls) < late  # a late mask per refused cut, several a call
     assert forced >= 1
-    # late masks: the forced rows, the rows `decide` read, and those their candidates then told
-    assert counters.late_masks - before.late_masks >= late + forced
+    # late masks: the rows `decide` read, and those their candidates then told
+    assert counters.late_masks - before.late_masks >= late
     assert counters.picked_rows - before.picked_rows == sum(a + 1 for a in accepts)
     assert counters.path_s > before.path_s
     for req in reqs[:: len(reqs) - 1]:  # the matchers rolled back
