@@ -320,11 +320,14 @@ def run(args: argparse.Namespace) -> dict | None:
     decode_run(engine, [first], 2 * args.k + 2)  # warm-up of the speculative step
     # And of every path a timed run may take at each concurrency (plain steps between
     # speculative ones under the adaptive controller, the drafter catching up after them):
-    # their kernels compile at first use, which the timed runs must not pay.
+    # their kernels compile at first use, which the timed runs must not pay. As long as the
+    # timed runs: a drafter deferring rows through plain steps catches up over them all
+    # after 64 steps (executor/drafter.py), a forward over the prompts too, of shapes no
+    # shorter run makes.
     for c in args.concurrency:
         cont = {tuple(p): o for p, o in zip(prompts[c], plain[c]["outputs"])}
         wrapper.use_proposer(SyntheticProposer(cont, curves[-1], vocab, args.seed))
-        decode_run(engine, prompts[c], min(args.new_tokens, 32))
+        decode_run(engine, prompts[c], args.new_tokens)
     setup = planner_setup(engine, hf, args.gpu, getattr(args, "link", "nvlink4"))
     plan_drafter = Drafter("eagle3", vocab_size=drafter.draft.config.draft_vocab_size)
     context = args.prompt_len + args.new_tokens // 2
