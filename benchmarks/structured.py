@@ -1,10 +1,12 @@
 """Structured outputs as a user runs them (`outrider.LLM`): every case of
 benchmarks/structured_schemas.json (JSON schemas, regexes, choices) asked as a one-turn chat,
 without and with its constraint (SamplingParams.structured_outputs), by plain decoding, n-gram
-and EAGLE-3 (chain of k and a tree; the chains also without grammar drafts, `_nogd`,
-constrained only), greedy and sampled, over a concurrency sweep.
+and EAGLE-3 (chain of k and a tree; plain and the chains also without grammar drafts,
+`_nogd`, constrained only: plain then takes a forced token a step), greedy and sampled, over a
+concurrency sweep.
 
-    python benchmarks/structured.py [--configs ngram eagle3 eagle3_tree ngram_nogd eagle3_nogd]
+    python benchmarks/structured.py [--configs ngram eagle3 eagle3_tree plain_nogd ngram_nogd
+        eagle3_nogd]
         [--concurrency 1 16 64]
         [--temperatures 0 0.8] [--max-tokens 200] [--num-schemas N] [--rounds 3] [--k 4]
         [--min-batches 3]
@@ -64,7 +66,7 @@ from spec_gpu import (  # noqa: E402
 )
 from structured_cases import CASES, Case, load_cases  # noqa: E402
 
-CONFIGS = ("plain", "ngram", "eagle3", "eagle3_tree", "ngram_nogd", "eagle3_nogd")
+CONFIGS = ("plain", "ngram", "eagle3", "eagle3_tree", "plain_nogd", "ngram_nogd", "eagle3_nogd")
 CONSTRAINTS = ("unconstrained", "constrained")
 # Plain unconstrained requests made exactly as long as plain constrained ones (ignore_eos):
 # constrained outputs end early, and a run of short outputs weighs its prefills more.
@@ -75,11 +77,13 @@ def engine_configs(k: int, draft: str | None) -> dict[str, dict | None]:
     """Config name -> `speculative=` for LLM: spec_gpu's plain, ngram, eagle3_chain (fixed
     k, so accept lengths compare across constrained and not) and eagle3_tree (8 nodes, top 3,
     4 steps: the grammar prunes a tree to the paths it allows), and the two chains again
-    without grammar drafts (`_nogd`: what the forced tokens add to the accept length)."""
+    without grammar drafts (`_nogd`: what the forced tokens add to the accept length), and
+    plain without taking forced runs at once (plain_nogd: one forced token a step)."""
     specs = spec_configs(k, draft)
     ours = {"plain": specs["plain"], "ngram": specs["ngram"], "eagle3": specs["eagle3_chain"],
             "eagle3_tree": specs["eagle3_tree"]}  # fmt: skip
-    return ours | {f"{n}_nogd": {**ours[n], "grammar_drafts": False} for n in ("ngram", "eagle3")}
+    nogd = {f"{n}_nogd": {**ours[n], "grammar_drafts": False} for n in ("ngram", "eagle3")}
+    return ours | {"plain_nogd": {**(ours["plain"] or {}), "grammar_drafts": False}} | nogd
 
 
 def request_params(

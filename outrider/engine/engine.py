@@ -22,7 +22,7 @@ from outrider.core import (
 )
 from outrider.engine import overlap, stop_strings
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
+from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
 from outrider.engine.limits import ContextLimit, check_request, context_limit
 from outrider.engine.proposers import build_proposer, check_method
 from outrider.engine.scheduler import Scheduler
@@ -58,6 +58,11 @@ MASKS_AHEAD_MAX_ROWS = 16
 # walks the grammars). 64 masks took 1.1-1.4 ms on an H200's host; at one stream and k = 4 a
 # step verifies 5 rows.
 SPEC_MASKS_MAX_ROWS = 32
+# A plain step launched before its predecessor is read is not launched where one of at most
+# this many constrained rows is inside a forced run (EngineCore._jump_due): the run is then
+# taken at once after the read. Each row costs a look at its grammar (compute_ff_tokens, about
+# 40 us on a host core) before every launch.
+JUMP_CHECK_ROWS = 4
 
 
 class EngineCore:
@@ -548,6 +553,8 @@ class EngineCore:
             return None
         if not self.speculator.plain_ahead(batch):  # the controller gives the next step drafts
             return None
+        if self._jump_due(batch):  # the step after it computes a forced run instead
+            return None
         nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len, redo)
         if nxt is None:
             return None
@@ -566,6 +573,18 @@ class EngineCore:
         candidates = not self._masks_on_device(next_batch)
         launched = overlap.Pending.start(self.runner.launch(next_batch, ids, candidates))
         return overlap.Ahead(next_batch, launched, continues=keep)
+
+    def _jump_due(self, batch: ScheduledBatch) -> bool:
+        """Whether a constrained row of `batch` (at most JUMP_CHECK_ROWS of them) is inside a
+        forced run that goes on past the token it computes now: that token is the run's first,
+        and once it is read the rest are taken at once (`_jump`), which a step run ahead on the
+        row would forbid. With more rows, steps run ahead and forced tokens take a step each."""
+        if not self.grammars or not self._jumps():
+            return False
+        rows = [s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars]
+        if not rows or len(rows) > JUMP_CHECK_ROWS:
+            return False
+        return any(len(self.grammars.forced_tokens(rid)) > 1 for rid in rows)
 
     def _advance(
         self, batch: ScheduledBatch, output: StepOutput, hold: int = 0
@@ -586,16 +605,23 @@ class EngineCore:
             }
         self.speculator.after_postprocess(batch, output)
         deltas = []
+        # Rows of a step launched before this one was read continue from its tokens: no jump.
+        ahead = (
+            () if self._ahead is None else {s.request.request_id for s in self._ahead.batch.seqs}
+        )
         for rid, new_ids in zip(output.request_ids, output.token_ids):
             tracked = self._tracked.get(rid)
             if tracked is None:
                 continue  # aborted while the step ran
             req = tracked.request
             text, new_ids = tracked.detokenize(new_ids)
-            if tracked.detokenizer.stop_hit or complete.get(rid, False):
-                reason = FinishReason.STOP
-            else:
-                reason = check_stop(req, self.max_model_len)
+            reason = self._stop(tracked, complete.get(rid, False))
+            if reason is None and rid not in ahead and rid in self.grammars:
+                forced = self._jump(tracked)
+                if forced:
+                    more, forced = tracked.detokenize(forced)
+                    text, new_ids = text + more, [*new_ids, *forced]
+                    reason = self._stop(tracked, self.grammars.advance(rid, forced))
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 if req.params.detokenize:
@@ -606,6 +632,36 @@ class EngineCore:
             deltas.append(tracked.output(text, new_ids))
         self.speculator.after_step(self.scheduler.running)
         return deltas
+
+    def _stop(self, tracked: TrackedRequest, complete: bool) -> FinishReason | None:
+        """Why the request ends after its output so far (a stop string, its grammar complete,
+        a stop token, a length), or None."""
+        if tracked.detokenizer.stop_hit or complete:
+            return FinishReason.STOP
+        return check_stop(tracked.request, self.max_model_len)
+
+    def _jumps(self) -> bool:
+        """Whether constrained requests take the tokens their grammars force at once (`_jump`):
+        in a plain engine, with grammar_drafts on (a speculative one drafts them instead)."""
+        return self.speculator.proposer is None and self.config.speculative.grammar_drafts
+
+    def _jump(self, tracked: TrackedRequest) -> list[int]:
+        """The tokens the request's grammar forces after its output (each the only one its
+        mask allows, so the masked argmax or a masked draw of any seed), appended to the output
+        now, cut at a stop token or length: the next step computes them as a chunk and samples
+        after them, one forward for a forced run (a key, its quotes, a brace) that took a step a
+        token. Not for a request asking for logprobs (a forced token has none of the model)."""
+        req = tracked.request
+        if not self._jumps() or req.params.logprobs is not None:
+            return []
+        forced = self.grammars.forced_tokens(req.request_id)
+        if not forced:
+            return []
+        n, _ = count_until_stop(req, forced, self.max_model_len)
+        forced = forced[:n]
+        req.output_token_ids.extend(forced)
+        self.grammars.counters.jumped += n
+        return forced
 
 
 def validate_request(

@@ -88,6 +88,8 @@ class GrammarCounters:
     late_forced: int = 0
     # rows decided by the first token of what the grammar forces (`_pick`), with no mask
     forced_rows: int = 0
+    # tokens a plain engine emitted as its grammars forced them, computed in the next forward
+    jumped: int = 0
     # greedy rows of steps run ahead whose masked argmax the device took (masks_now)
     masked_ahead: int = 0
     path_s: float = 0.0  # host seconds in `path`, its late masks and their argmax included
@@ -389,6 +391,17 @@ class Grammars:
             return False
         matcher.consume_tokens(tokens if isinstance(tokens, list) else list(tokens))
         return matcher.is_stopped()  # also after an error: the matcher stops there
+
+    def forced_tokens(self, request_id: str) -> list[int]:
+        """The tokens the request's grammar forces next (llguidance's fast-forward tokens: each
+        one the only token its mask allows there), not taken; [] where it forces none or the
+        request is not followed. The grammar, not the model, decides them: a plain engine
+        emits them at once and computes them in the next forward (EngineCore._jump)."""
+        self._settle()
+        matcher = self._matchers.get(request_id)
+        if matcher is None or request_id in self._unforced:
+            return []
+        return matcher.compute_ff_tokens()
 
     def until_complete(self, request_id: str, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a step's accepted run) come before the grammar is complete,

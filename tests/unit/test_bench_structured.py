@@ -253,6 +253,7 @@ def test_configs_are_spec_gpus_chains_and_tree(bench):
     for name in ("ngram", "eagle3"):  # the twin differs only in grammar drafts
         assert specs[f"{name}_nogd"] == {**specs[name], "grammar_drafts": False}
         assert specs[name].get("grammar_drafts", True)
+    assert specs["plain_nogd"] == {"grammar_drafts": False}  # a forced token a step
 
 
 # -- end to end on the CPU ------------------------------------------------------------------

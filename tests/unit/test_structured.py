@@ -797,6 +797,45 @@ def test_grammar_drafts_can_be_turned_off_and_output_stays(tiny_json_dir, prompt
     assert stats[0].num_accepted_tokens > stats[1].num_accepted_tokens
 
 
+def test_a_plain_engine_takes_forced_runs_at_once_with_the_same_output(
+    tiny_json_dir,
+    prompts,  # noqa: F811
+):
+    """A plain engine emits the tokens a grammar forces (keys, quotes, brackets, a choice's
+    rest) as soon as they are forced and computes them in the next forward: fewer steps, and
+    the same output as one token a step (grammar_drafts off), greedy and seeded sampling (its
+    noise is keyed by output position, so skipped draws change nothing); a run cut by
+    max_tokens ends the output there; a request asking for logprobs takes none."""
+    specs = TINY_SPECS * 2
+    runs = {}
+    for jumps in (True, False):
+        llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+                  speculative={"grammar_drafts": jumps})  # fmt: skip
+        got = {}
+        for temperature in (0.0, 0.8):
+            c0 = llm.engine.grammars.counters.jumped
+            steps = sum(n for _, n, *_ in llm.engine.ledger.snapshot())
+            outs = llm.generate(prompts[: len(specs)], _constrained(specs, temperature))
+            got[temperature] = [o.outputs[0].token_ids for o in outs]
+            got[temperature, "steps"] = sum(n for _, n, *_ in llm.engine.ledger.snapshot()) - steps
+            got[temperature, "jumped"] = llm.engine.grammars.counters.jumped - c0
+        short = _constrained(specs[:1], max_tokens=3)  # inside the object's first key
+        got["short"] = llm.generate(prompts[:1], short)[0].outputs[0]
+        c0 = llm.engine.grammars.counters.jumped
+        asked = [dataclasses.replace(p, logprobs=1) for p in _constrained(specs[:1])]
+        got["logprobs"] = llm.generate(prompts[:1], asked)[0].outputs[0].token_ids
+        got["logprobs", "jumped"] = llm.engine.grammars.counters.jumped - c0
+        runs[jumps] = got
+    on, off = runs[True], runs[False]
+    for temperature in (0.0, 0.8):
+        assert on[temperature] == off[temperature]
+        assert on[temperature, "jumped"] > 10 and off[temperature, "jumped"] == 0
+        assert on[temperature, "steps"] < off[temperature, "steps"]
+    assert on["short"].token_ids == off["short"].token_ids and len(on["short"].token_ids) == 3
+    assert on["short"].finish_reason == off["short"].finish_reason == "length"
+    assert on["logprobs"] == off["logprobs"] == on[0.0][0] and on["logprobs", "jumped"] == 0
+
+
 def test_sampled_constrained_output_is_valid_with_speculation(tiny_json_dir, prompts):  # noqa: F811
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(len(prompts))]
     llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
@@ -840,9 +879,10 @@ def test_the_default_model_writes_valid_json_for_its_schema():
 
 def test_the_default_models_greedy_constrained_output_is_the_same_run_ahead():
     """A real model on schemas whose keys the grammar forces: greedy constrained requests
-    stepped one at a time, run ahead (async forced on), and asking for logprobs (each row then
-    masked whole before its argmax) give the same tokens. After `{"` on a schema whose key must
-    be "todos", llguidance's validate_tokens accepts 'to' where its mask allows only 't': a row
+    stepped one at a time, run ahead (async forced on), asking for logprobs (each row then
+    masked whole before its argmax), and taking forced runs one token a step instead of at once
+    (grammar_drafts off), give the same tokens. After `{"` on a schema whose key must be
+    "todos", llguidance's validate_tokens accepts 'to' where its mask allows only 't': a row
     decided by validate_tokens in one path and by the mask in another would fork there (the
     tiny model's grammars never meet such a spot)."""
     from tests.benchmarks import load_benchmark
@@ -856,15 +896,19 @@ def test_the_default_models_greedy_constrained_output_is_the_same_run_ahead():
         for c in picked
     ]
     outs = {}
-    for async_scheduling in (False, True):
-        llm = LLM(device="cpu", dtype="float32", async_scheduling=async_scheduling)
-        outs[async_scheduling] = [r.outputs[0].token_ids for r in llm.chat(convs, params)]
+    for async_scheduling, jumps in ((False, True), (True, False), (True, True)):
+        llm = LLM(device="cpu", dtype="float32", async_scheduling=async_scheduling,
+                  speculative={"grammar_drafts": jumps})  # fmt: skip
+        key = (async_scheduling, jumps)
+        outs[key] = [r.outputs[0].token_ids for r in llm.chat(convs, params)]
+        jumped = llm.engine.grammars.counters.jumped
+        assert (jumped > 20) if jumps else (jumped == 0)
         if async_scheduling:
-            assert llm.engine.num_steps_run_ahead > 20
+            assert llm.engine.num_steps_run_ahead > (5 if jumps else 20)
         else:
             masked = [dataclasses.replace(p, logprobs=1) for p in params]
             outs["logprobs"] = [r.outputs[0].token_ids for r in llm.chat(convs, masked)]
-    assert outs[True] == outs[False] == outs["logprobs"]
+    assert outs[False, True] == outs[True, False] == outs[True, True] == outs["logprobs"]
 
 
 def test_drafts_verified_are_ones_the_grammar_allows_after_the_output(
