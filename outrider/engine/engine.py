@@ -58,10 +58,11 @@ MASKS_AHEAD_MAX_ROWS = 16
 # walks the grammars). 64 masks took 1.1-1.4 ms on an H200's host; at one stream and k = 4 a
 # step verifies 5 rows.
 SPEC_MASKS_MAX_ROWS = 32
-# A plain step launched before its predecessor is read is not launched where one of at most
-# this many constrained rows is inside a forced run (EngineCore._jump_due): the run is then
-# taken at once after the read. Each row costs a look at its grammar (compute_ff_tokens, about
-# 40 us on a host core) before every launch.
+# Under async scheduling a plain engine takes forced runs at once (EngineCore._jump) in steps
+# of at most this many constrained rows: a step after one of them is not launched before its
+# read where a row is inside a forced run (EngineCore._jump_due). Each row costs a look at its
+# grammar (compute_ff_tokens, about 40 us on a host core) before every launch; with more rows
+# steps run ahead as before, a forced token a step (not yet measured on a GPU either way).
 JUMP_CHECK_ROWS = 4
 
 
@@ -575,15 +576,10 @@ class EngineCore:
         return overlap.Ahead(next_batch, launched, continues=keep)
 
     def _jump_due(self, batch: ScheduledBatch) -> bool:
-        """Whether a constrained row of `batch` (at most JUMP_CHECK_ROWS of them) is inside a
-        forced run that goes on past the token it computes now: that token is the run's first,
-        and once it is read the rest are taken at once (`_jump`), which a step run ahead on the
-        row would forbid. With more rows, steps run ahead and forced tokens take a step each."""
-        if not self.grammars or not self._jumps():
-            return False
-        rows = [s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars]
-        if not rows or len(rows) > JUMP_CHECK_ROWS:
-            return False
+        """Whether a constrained row of `batch` is inside a forced run that goes on past the
+        token it computes now (`_jumps`): that token is the run's first, and once it is read
+        the rest are taken at once (`_jump`), which a step run ahead on the row would forbid."""
+        rows = self._jumps(batch)
         return any(len(self.grammars.forced_tokens(rid)) > 1 for rid in rows)
 
     def _advance(
@@ -605,10 +601,9 @@ class EngineCore:
             }
         self.speculator.after_postprocess(batch, output)
         deltas = []
-        # Rows of a step launched before this one was read continue from its tokens: no jump.
-        ahead = (
-            () if self._ahead is None else {s.request.request_id for s in self._ahead.batch.seqs}
-        )
+        jumps = self._jumps(batch)
+        if self._ahead is not None:  # rows a step launched before this read continues: no jump
+            jumps = jumps.difference(s.request.request_id for s in self._ahead.batch.seqs)
         for rid, new_ids in zip(output.request_ids, output.token_ids):
             tracked = self._tracked.get(rid)
             if tracked is None:
@@ -616,7 +611,7 @@ class EngineCore:
             req = tracked.request
             text, new_ids = tracked.detokenize(new_ids)
             reason = self._stop(tracked, complete.get(rid, False))
-            if reason is None and rid not in ahead and rid in self.grammars:
+            if reason is None and rid in jumps:
                 forced = self._jump(tracked)
                 if forced:
                     more, forced = tracked.detokenize(forced)
@@ -640,10 +635,17 @@ class EngineCore:
             return FinishReason.STOP
         return check_stop(tracked.request, self.max_model_len)
 
-    def _jumps(self) -> bool:
-        """Whether constrained requests take the tokens their grammars force at once (`_jump`):
-        in a plain engine, with grammar_drafts on (a speculative one drafts them instead)."""
-        return self.speculator.proposer is None and self.config.speculative.grammar_drafts
+    def _jumps(self, batch: ScheduledBatch) -> set[str]:
+        """The constrained requests of `batch` that take the tokens their grammars force at
+        once (`_jump`): in a plain engine with grammar_drafts on (a speculative one drafts
+        them instead); under async scheduling only in a batch of at most JUMP_CHECK_ROWS of
+        them (with more, steps keep running ahead and forced tokens take a step each)."""
+        if not self.grammars or self.speculator.proposer is not None:
+            return set()
+        if not self.config.speculative.grammar_drafts:
+            return set()
+        rows = {s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars}
+        return rows if not self._async or len(rows) <= JUMP_CHECK_ROWS else set()
 
     def _jump(self, tracked: TrackedRequest) -> list[int]:
         """The tokens the request's grammar forces after its output (each the only one its
@@ -652,7 +654,7 @@ class EngineCore:
         after them, one forward for a forced run (a key, its quotes, a brace) that took a step a
         token. Not for a request asking for logprobs (a forced token has none of the model)."""
         req = tracked.request
-        if not self._jumps() or req.params.logprobs is not None:
+        if req.params.logprobs is not None:
             return []
         forced = self.grammars.forced_tokens(req.request_id)
         if not forced:

@@ -22,6 +22,7 @@ from outrider.core import (
     SeqDrafts,
     StructuredOutputs,
 )
+from outrider.engine.engine import JUMP_CHECK_ROWS
 from outrider.engine.structured import Grammars
 from outrider.executor.sampler import (
     GRAMMAR_TOPK,
@@ -834,6 +835,17 @@ def test_a_plain_engine_takes_forced_runs_at_once_with_the_same_output(
     assert on["short"].token_ids == off["short"].token_ids and len(on["short"].token_ids) == 3
     assert on["short"].finish_reason == off["short"].finish_reason == "length"
     assert on["logprobs"] == off["logprobs"] == on[0.0][0] and on["logprobs", "jumped"] == 0
+    # Run ahead (async scheduling), a batch of more constrained rows than JUMP_CHECK_ROWS keeps
+    # its steps running ahead and takes a forced token a step (till few rows are left): the
+    # same tokens, fewer taken at once.
+    llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+              async_scheduling=True)  # fmt: skip
+    wide = TINY_SPECS * 2  # 8 rows
+    assert len(wide) > JUMP_CHECK_ROWS
+    outs = llm.generate(prompts[: len(wide)], _constrained(wide))
+    assert [o.outputs[0].token_ids for o in outs] == on[0.0]
+    assert llm.engine.num_steps_run_ahead > 10
+    assert 0 < llm.engine.grammars.counters.jumped < on[0.0, "jumped"]
 
 
 def test_sampled_constrained_output_is_valid_with_speculation(tiny_json_dir, prompts):  # noqa: F811
