@@ -204,9 +204,12 @@ class EngineCore:
             req.generator = make_generator(params.seed, self.runner.device)
         if params.structured_outputs is not None:
             self.grammars.start(req.request_id, params.structured_outputs)
-        self._tracked[req.request_id] = TrackedRequest(
-            req, IncrementalDetokenizer(self.tokenizer, req), prompt
-        )
+        tracked = TrackedRequest(req, IncrementalDetokenizer(self.tokenizer, req), prompt)
+        self._tracked[req.request_id] = tracked
+        if params.structured_outputs is not None and self._jumps_alone():
+            # What the grammar forces first (an object's opening and first key) is computed
+            # with the prompt, and the first token sampled after it.
+            tracked.pending = self._jump(tracked, start=True)[0]
         self.scheduler.add_request(req)
         return req
 
@@ -609,14 +612,16 @@ class EngineCore:
             if tracked is None:
                 continue  # aborted while the step ran
             req = tracked.request
+            if tracked.pending:  # forced before its first step, which it leads
+                new_ids, tracked.pending = [*tracked.pending, *new_ids], []
             text, new_ids = tracked.detokenize(new_ids)
             reason = self._stop(tracked, complete.get(rid, False))
             if reason is None and rid in jumps:
-                forced = self._jump(tracked)
+                forced, complete_now = self._jump(tracked)
                 if forced:
                     more, forced = tracked.detokenize(forced)
                     text, new_ids = text + more, [*new_ids, *forced]
-                    reason = self._stop(tracked, self.grammars.advance(rid, forced))
+                    reason = self._stop(tracked, complete_now)
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 if req.params.detokenize:
@@ -640,30 +645,44 @@ class EngineCore:
         once (`_jump`): in a plain engine with grammar_drafts on (a speculative one drafts
         them instead); under async scheduling only in a batch of at most JUMP_CHECK_ROWS of
         them (with more, steps keep running ahead and forced tokens take a step each)."""
-        if not self.grammars or self.speculator.proposer is not None:
-            return set()
-        if not self.config.speculative.grammar_drafts:
+        if not self.grammars or not self._jumps_alone():
             return set()
         rows = {s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars}
         return rows if not self._async or len(rows) <= JUMP_CHECK_ROWS else set()
 
-    def _jump(self, tracked: TrackedRequest) -> list[int]:
+    def _jumps_alone(self) -> bool:
+        """Whether forced runs are taken at once at all: a plain engine (a speculative one
+        drafts them instead) with grammar_drafts on."""
+        return self.speculator.proposer is None and self.config.speculative.grammar_drafts
+
+    def _jump(self, tracked: TrackedRequest, start: bool = False) -> tuple[list[int], bool]:
         """The tokens the request's grammar forces after its output (each the only one its
-        mask allows, so the masked argmax or a masked draw of any seed), appended to the output
-        now, cut at a stop token or length: the next step computes them as a chunk and samples
-        after them, one forward for a forced run (a key, its quotes, a brace) that took a step a
-        token. Not for a request asking for logprobs (a forced token has none of the model)."""
+        mask allows, so the masked argmax or a masked draw of any seed), taken by the grammar
+        and appended to the output now, cut at a stop token or length; and whether the grammar
+        is complete after them. The next step computes them as a chunk and samples after them:
+        one forward for a forced run (a key, its quotes, a brace) that took a step a token.
+        Not for a request asking for logprobs (a forced token has none of the model). start:
+        before the request's first step, which must sample a token: none that ends it."""
         req = tracked.request
-        if req.params.logprobs is not None:
-            return []
-        forced = self.grammars.forced_tokens(req.request_id)
-        if not forced:
-            return []
-        n, _ = count_until_stop(req, forced, self.max_model_len)
-        forced = forced[:n]
-        req.output_token_ids.extend(forced)
-        self.grammars.counters.jumped += n
-        return forced
+        rid = req.request_id
+        taken: list[int] = []
+        complete = req.params.logprobs is not None
+        while not complete:  # llguidance lists a run in parts (their ends may join a token)
+            forced = self.grammars.forced_tokens(rid)
+            n, reason = count_until_stop(req, forced, self.max_model_len)
+            n -= start and reason is not None
+            if n <= 0:
+                break
+            complete = self.grammars.advance(rid, forced[:n])
+            if start and complete:  # they end the output: the first step samples the last
+                self.grammars.rewind(rid, 1)
+                n, complete, reason = n - 1, False, True
+            req.output_token_ids.extend(forced[:n])
+            taken += forced[:n]
+            if reason is not None:
+                break
+        self.grammars.counters.jumped += len(taken)
+        return taken, complete and bool(taken)
 
 
 def validate_request(

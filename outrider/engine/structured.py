@@ -403,6 +403,13 @@ class Grammars:
             return []
         return matcher.compute_ff_tokens()
 
+    def rewind(self, request_id: str, n: int) -> None:
+        """Take back the request's last n tokens (its matcher rolled back over them)."""
+        self._settle()
+        matcher = self._matchers.get(request_id)
+        if matcher is not None and n > 0:
+            matcher.rollback(n)
+
     def until_complete(self, request_id: str, tokens: Sequence[int]) -> int:
         """How many of `tokens` (a step's accepted run) come before the grammar is complete,
         the completing token included: the rest would follow a request that plain decoding

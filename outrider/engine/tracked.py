@@ -5,7 +5,7 @@ hands back."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from outrider.core import Request, RequestOutput, RequestStatus
 from outrider.engine.detokenizer import IncrementalDetokenizer
@@ -17,6 +17,9 @@ class TrackedRequest:
     request: Request
     detokenizer: IncrementalDetokenizer
     prompt: str | None
+    # Output tokens its grammar forced before any step (EngineCore.add_request): they lead
+    # the first step's delta.
+    pending: list[int] = field(default_factory=list)
 
     def detokenize(self, new_ids: list[int]) -> tuple[str, list[int]]:
         """Stream new ids through the detokenizer one at a time, so a stop string inside a run

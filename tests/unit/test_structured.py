@@ -808,10 +808,10 @@ def test_a_plain_engine_takes_forced_runs_at_once_with_the_same_output(
     noise is keyed by output position, so skipped draws change nothing); a run cut by
     max_tokens ends the output there; a request asking for logprobs takes none."""
     specs = TINY_SPECS * 2
-    runs = {}
+    runs, llms = {}, {}
     for jumps in (True, False):
-        llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
-                  speculative={"grammar_drafts": jumps})  # fmt: skip
+        llm = llms[jumps] = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu",
+                                num_blocks=256, speculative={"grammar_drafts": jumps})  # fmt: skip
         got = {}
         for temperature in (0.0, 0.8):
             c0 = llm.engine.grammars.counters.jumped
@@ -835,6 +835,22 @@ def test_a_plain_engine_takes_forced_runs_at_once_with_the_same_output(
     assert on["short"].token_ids == off["short"].token_ids and len(on["short"].token_ids) == 3
     assert on["short"].finish_reason == off["short"].finish_reason == "length"
     assert on["logprobs"] == off["logprobs"] == on[0.0][0] and on["logprobs", "jumped"] == 0
+    # Admission: what the grammar forces first is output before any step and leads the first
+    # delta; a run that would end the output leaves its last token to a step to sample.
+    engine = llms[True].engine
+    for spec, text in (({"json": PERSON}, None), ({"choice": ["brown fox"]}, "brown fox")):
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+        req = engine.add_request(prompts[0], params)
+        forced = list(req.output_token_ids)
+        left = engine.grammars.forced_tokens(req.request_id)
+        assert len(forced) > 1 and len(left) == (text is not None)  # a choice: its last token
+        deltas = []
+        while not req.is_finished:
+            deltas += [d for d in engine.step() if d.request_id == req.request_id]
+        assert deltas[0].token_ids[: len(forced)] == forced
+        assert [t for d in deltas for t in d.token_ids] == req.output_token_ids
+        if text is not None:
+            assert "".join(d.text for d in deltas) == text and len(deltas) == 1
     # Run ahead (async scheduling), a batch of more constrained rows than JUMP_CHECK_ROWS keeps
     # its steps running ahead and takes a forced token a step (till few rows are left): the
     # same tokens, fewer taken at once.
