@@ -666,23 +666,27 @@ class EngineCore:
         req = tracked.request
         rid = req.request_id
         taken: list[int] = []
-        complete = req.params.logprobs is not None
-        while not complete:  # llguidance lists a run in parts (their ends may join a token)
+        complete = False
+        if req.params.logprobs is not None:
+            return taken, complete
+        while True:  # llguidance lists a run in parts (their ends may join a token)
             forced = self.grammars.forced_tokens(rid)
             n, reason = count_until_stop(req, forced, self.max_model_len)
-            n -= start and reason is not None
+            if start and reason is not None:
+                n -= 1  # the first step samples the last
             if n <= 0:
                 break
             complete = self.grammars.advance(rid, forced[:n])
+            last = complete or reason is not None
             if start and complete:  # they end the output: the first step samples the last
                 self.grammars.rewind(rid, 1)
-                n, complete, reason = n - 1, False, True
+                n, complete = n - 1, False
             req.output_token_ids.extend(forced[:n])
             taken += forced[:n]
-            if reason is not None:
+            if last:
                 break
         self.grammars.counters.jumped += len(taken)
-        return taken, complete and bool(taken)
+        return taken, complete
 
 
 def validate_request(

@@ -533,9 +533,9 @@ def _with_decoder(tokenizer_json: str) -> str:
 def _pick(
     matcher, ids: Sequence[int], values: Sequence[float], forces: bool = True
 ) -> tuple[int | None, bool]:
-    """(token, whether the grammar forced it): the argmax among what the matcher allows next, from a row's top logits (`ids` by
-    descending `values`): the allowed id of the highest value, the lowest id of those tied
-    there, as an argmax over the masked row gives. None where it cannot be told from them:
+    """(token, whether the grammar forced it): the argmax among what the matcher allows next,
+    from a row's top logits (`ids` by descending `values`): the allowed id of the highest
+    value, the lowest id of those tied there, as an argmax over the masked row gives. None where it cannot be told from them:
     the grammar forces bytes it has no tokens for, none is allowed, or the value reached
     ties the last one (more may tie past them).
 
@@ -543,7 +543,7 @@ def _pick(
     of the forced text's own tokenization (compute_ff_tokens: llguidance builds that mask
     from the same tokens), while validate_tokens also accepts other spellings of it ('to' for
     the 't' of a forced "todos"): such a row is that token, whatever its logits, with no mask
-    (about 125 us a row on a CPU core). forces: False for a grammar that turns forcing off
+    (29 us a mask on a CPU core, against 18 us for the forced tokens). forces: False for a grammar that turns forcing off
     (`no_forcing`), whose mask there is not its forced tokens' first: those rows go to the
     mask. Elsewhere validate_tokens and the mask allow the same tokens."""
     if matcher.compute_ff_bytes():
