@@ -3,6 +3,9 @@ steps run ahead and the speculative algorithms (which import nothing from the ex
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -115,3 +118,24 @@ class HostCopy:
 
     def tolist(self) -> list:
         return self.wait().tolist()
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device, made on first use
+
+
+@contextlib.contextmanager
+def beside(after: torch.cuda.Event | None) -> Iterator[None]:
+    """Work queued inside runs on a side stream of the current device, after the work `after`
+    marks alone, not behind what the main stream was given since (a step launched ahead): a
+    read inside waits for that work, not for the step. None: the current stream, as is (the
+    CPU, or nothing in flight)."""
+    if after is None:
+        yield
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = _SIDE.get(device)
+    if stream is None:
+        stream = _SIDE[device] = torch.cuda.Stream(device)
+    stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield

@@ -37,7 +37,7 @@ from outrider.executor.spec_launch import SpecLaunch
 from outrider.executor.spec_step import masked_greedy, runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
-from outrider.transfer import HostCopy, to_device_no_sync, to_device_packed
+from outrider.transfer import HostCopy, beside, to_device_no_sync, to_device_packed
 
 # Beside a drafter's aux streams (where a refused guess drops the whole step run ahead), a batch
 # with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds or
@@ -305,7 +305,7 @@ class EngineCore:
         if ids.grammar is not None and masked is None:  # their grammars pick now
             output.grammar_candidates = ids.candidates()
             output.grammar_logits = ids.grammar.logits
-            self._pick_grammar_tokens(batch, output, skip=redo)
+            self._pick_grammar_tokens(batch, output, skip=redo, after=ids.ids.event)
             refused = {
                 r: output.token_ids[r][0]
                 for r in ids.grammar.rows
@@ -477,11 +477,18 @@ class EngineCore:
         return prompts, overlap.Pending.start(self.runner.launch(prompts))
 
     def _pick_grammar_tokens(
-        self, batch: ScheduledBatch, output: StepOutput, skip: Container[int] = ()
+        self,
+        batch: ScheduledBatch,
+        output: StepOutput,
+        skip: Container[int] = (),
+        after: torch.cuda.Event | None = None,
     ) -> None:
         """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):
         the argmax among what each grammar allows, from the row's top logits, or where those
-        cannot tell, from its mask computed now. skip: rows whose output is dropped."""
+        cannot tell, from its mask computed now. skip: rows whose output is dropped. after: in
+        a step run ahead, where the step's logits were done; a masked argmax of them is taken
+        on a side stream after that alone (transfer.beside), so its read does not wait for the
+        step launched since, and the host's work after it overlaps that step."""
         sampling = [s for s in batch.seqs if s.sample]
         # grammar_logits holds the candidates' rows in this order (j). A request that ended in
         # the step before this one, run ahead, has no grammar left: its row is dropped anyway.
@@ -495,9 +502,10 @@ class EngineCore:
         at_rows = [j for j, _ in rows]
 
         def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
-            at = [at_rows[i] for i, _ in late]
-            at = to_device_no_sync(at, torch.int64, output.grammar_logits.device)
-            return masked_argmax(output.grammar_logits.index_select(0, at), masks)
+            with beside(after):
+                at = [at_rows[i] for i, _ in late]
+                at = to_device_no_sync(at, torch.int64, output.grammar_logits.device)
+                return masked_argmax(output.grammar_logits.index_select(0, at), masks)
 
         paths = self.grammars.paths(
             [sampling[row] for _, row in rows],

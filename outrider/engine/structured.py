@@ -316,8 +316,8 @@ class Grammars:
         are computed in one call, in llguidance's threads; a mask that allows one token gives
         it, a row's candidates checked against its mask give the next, and
         `decide([(seq index, row)], masks [n, words] int32)` gives the rest in one go
-        (from the logits on the device: a read, which in a step run ahead waits for the step
-        after). Their walks then go on. The matchers end where they began."""
+        (from the logits on the device: a read, in a step run ahead taken on a side stream so
+        that it waits for this step's logits, not for the step after). Their walks then go on. The matchers end where they began."""
         t0 = time.perf_counter()
         self._settle()
         walks = [_Walk(self._matchers[s.request.request_id], s.drafts) for s in seqs]

@@ -234,3 +234,25 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda(masks_ahe
     assert not waited, waited[:3]
     assert all(r.is_finished for r in reqs)
     print("late masks in the window:", counters.late_masks - late, "forced:", counters.late_forced)
+
+
+def test_a_read_beside_waits_for_its_own_work_not_the_step_launched_after_it():
+    """transfer.beside: a late mask's masked argmax in a step run ahead is read on a side
+    stream after the event that marks the step's logits, while the main stream runs the step
+    launched since (here a sleep of about a second); on the main stream the same read waits
+    for it."""
+    from outrider.transfer import beside
+
+    logits = torch.randn(64, 4096, device="cuda")
+    done = torch.cuda.Event()
+    done.record()
+    torch.cuda._sleep(2_000_000_000)  # the step launched ahead
+    step_after = torch.cuda.Event()
+    step_after.record()
+    with beside(done):
+        got = logits.argmax(dim=-1).tolist()
+    assert not step_after.query(), "the read beside waited for the step launched after it"
+    with beside(None):
+        want = logits.argmax(dim=-1).tolist()
+    assert step_after.query(), "a read on the main stream should wait for it"
+    assert got == want
