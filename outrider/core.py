@@ -376,6 +376,10 @@ class ScheduledSeq:
     # grammar_paths) instead of masks, in a plain decode step or a speculative step (SpecStep):
     # no mask is computed for it unless none of them fits.
     grammar_topk: bool = False
+    # A row of a plain step run ahead that computes a run of tokens its grammar forced after the
+    # token the step before it samples, that token first (engine/overlap.py): the host has them
+    # all, and the row samples after the last.
+    forced_run: bool = False
 
     @property
     def query_len(self) -> int:

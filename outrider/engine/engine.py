@@ -58,12 +58,6 @@ MASKS_AHEAD_MAX_ROWS = 16
 # walks the grammars). 64 masks took 1.1-1.4 ms on an H200's host; at one stream and k = 4 a
 # step verifies 5 rows.
 SPEC_MASKS_MAX_ROWS = 32
-# Under async scheduling a plain engine takes forced runs at once (EngineCore._jump) in steps
-# of at most this many constrained rows: a step after one of them is not launched before its
-# read where a row is inside a forced run (EngineCore._jump_due). Each row costs a look at its
-# grammar (compute_ff_tokens, about 40 us on a host core) before every launch; with more rows
-# steps run ahead as before, a forced token a step (not yet measured on a GPU either way).
-JUMP_CHECK_ROWS = 4
 
 
 class EngineCore:
@@ -317,7 +311,10 @@ class EngineCore:
             live = [i for i in range(len(batch.seqs)) if i not in redo]
             batch = ScheduledBatch(batch.mode, [batch.seqs[i] for i in live])
             output = StepOutput([rids[i] for i in live], [output.token_ids[i] for i in live])
-        deltas = self._advance(batch, output)
+        hold = 0  # a forced run the step run ahead computes reaches past this step's tokens
+        if self._ahead is not None:
+            hold = max((s.query_len - 1 for s in self._ahead.batch.seqs if s.forced_run), default=0)
+        deltas = self._advance(batch, output, hold)
         if self._ahead is not None and all(s.request.is_finished for s in self._ahead.batch.seqs):
             # Every row it continues finished with this step: nothing of it is wanted (its KV
             # writes land in finished requests' slots before anything launched later). Kept,
@@ -543,9 +540,17 @@ class EngineCore:
             return
         at = {row: j for j, row in enumerate(ahead.continues)}
         for row, token in refused.items():
-            if row in at:  # (a request that ended with the step read has no row there)
-                ahead.redo[at[row]] = token
-                self.num_rows_run_ahead_redone += 1
+            if row not in at:  # (a request that ended with the step read has no row there)
+                continue
+            seq = ahead.batch.seqs[at[row]]
+            if seq.forced_run:  # launched on its forced run, the host's: the grammar's pick
+                if seq.token_ids[0] != token:  # (a pick off its own forced run: never)
+                    self._ahead = None
+                    self.num_steps_run_ahead_dropped += 1
+                    return
+                continue
+            ahead.redo[at[row]] = token
+            self.num_rows_run_ahead_redone += 1
 
     def _may_follow(self, batch: ScheduledBatch) -> bool:
         """Whether a step over `batch`'s rows may be launched after it before it is read: no
@@ -565,9 +570,8 @@ class EngineCore:
             return None
         if not self.speculator.plain_ahead(batch):  # the controller gives the next step drafts
             return None
-        if self._jump_due(batch):  # the step after it computes a forced run instead
-            return None
-        nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len, redo)
+        runs = self._forced_runs(batch, redo)
+        nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len, redo, runs)
         if nxt is None:
             return None
         next_batch, keep = nxt
@@ -581,17 +585,38 @@ class EngineCore:
                 ids.device,
             )
             ids = ids.index_copy(0, at, tokens)
+        if runs:
+            ids = _with_runs(next_batch, ids)
         self.num_steps_run_ahead += 1
         candidates = not self._masks_on_device(next_batch)
         launched = overlap.Pending.start(self.runner.launch(next_batch, ids, candidates))
         return overlap.Ahead(next_batch, launched, continues=keep)
 
-    def _jump_due(self, batch: ScheduledBatch) -> bool:
-        """Whether a constrained row of `batch` is inside a forced run that goes on past the
-        token it computes now (`_jumps`): that token is the run's first, and once it is read
-        the rest are taken at once (`_jump`), which a step run ahead on the row would forbid."""
+    def _forced_runs(self, batch: ScheduledBatch, redo: dict[int, int]) -> dict[int, list[int]]:
+        """By row of `batch`: the run its grammar forces from the token the row samples now (that
+        token first), where the run goes on past it (`_jumps`' rows, not recomputed ones); the
+        step run ahead after `batch` computes the run in the row (overlap.next_batch), and once
+        `batch` is read the rest of it is output at once (`_take_run`), as `_jump` takes one in
+        a step read before the next. Cut at a stop token or length, and to the scheduler's token
+        budget. Read before `batch`'s tokens: its grammars stand before them."""
         rows = self._jumps(batch)
-        return any(len(self.grammars.forced_tokens(rid)) > 1 for rid in rows)
+        if not rows:
+            return {}
+        budget = self.scheduler.config.max_num_batched_tokens - len(batch.seqs)
+        runs = {}
+        for i, s in enumerate(batch.seqs):
+            req = s.request
+            if req.request_id not in rows or i in redo or req.is_finished:
+                continue
+            forced = self.grammars.forced_run(req.request_id, budget + 1)
+            if len(forced) < 2:
+                continue
+            n, _ = count_until_stop(req, forced, self.max_model_len)
+            if n < 2 or n - 1 > budget:
+                continue
+            runs[i] = forced[:n]
+            budget -= n - 1
+        return runs
 
     def _advance(
         self, batch: ScheduledBatch, output: StepOutput, hold: int = 0
@@ -613,8 +638,11 @@ class EngineCore:
         self.speculator.after_postprocess(batch, output)
         deltas = []
         jumps = self._jumps(batch)
+        runs: dict[str, list[int]] = {}  # rid -> the forced run the step run ahead computes
         if self._ahead is not None:  # rows a step launched before this read continues: no jump
-            jumps = jumps.difference(s.request.request_id for s in self._ahead.batch.seqs)
+            seqs = self._ahead.batch.seqs
+            runs = {s.request.request_id: s.token_ids[1:] for s in seqs if s.forced_run}
+            jumps = jumps.difference(s.request.request_id for s in seqs)
         for rid, new_ids in zip(output.request_ids, output.token_ids):
             tracked = self._tracked.get(rid)
             if tracked is None:
@@ -624,8 +652,11 @@ class EngineCore:
                 new_ids, tracked.pending = [*tracked.pending, *new_ids], []
             text, new_ids = tracked.detokenize(new_ids)
             reason = self._stop(tracked, complete.get(rid, False))
-            if reason is None and rid in jumps:
-                forced, complete_now = self._jump(tracked)
+            if reason is None and (rid in jumps or rid in runs):
+                if rid in runs:
+                    forced, complete_now = self._take_run(tracked, runs[rid])
+                else:
+                    forced, complete_now = self._jump(tracked)
                 if forced:
                     more, forced = tracked.detokenize(forced)
                     text, new_ids = text + more, [*new_ids, *forced]
@@ -650,18 +681,28 @@ class EngineCore:
 
     def _jumps(self, batch: ScheduledBatch) -> set[str]:
         """The constrained requests of `batch` that take the tokens their grammars force at
-        once (`_jump`): in a plain engine with grammar_drafts on (a speculative one drafts
-        them instead); under async scheduling only in a batch of at most JUMP_CHECK_ROWS of
-        them (with more, steps keep running ahead and forced tokens take a step each)."""
+        once (`_jump`, or in a step run ahead `_forced_runs`): in a plain engine with
+        grammar_drafts on (a speculative one drafts them instead)."""
         if not self.grammars or not self._jumps_alone():
             return set()
-        rows = {s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars}
-        return rows if not self._async or len(rows) <= JUMP_CHECK_ROWS else set()
+        return {s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars}
 
     def _jumps_alone(self) -> bool:
         """Whether forced runs are taken at once at all: a plain engine (a speculative one
         drafts them instead) with grammar_drafts on."""
         return self.speculator.proposer is None and self.config.speculative.grammar_drafts
+
+    def _take_run(self, tracked: TrackedRequest, run: list[int]) -> tuple[list[int], bool]:
+        """The rest of the forced run (`_forced_runs`) that the step run ahead computes for the
+        request, after the token this step gave it: taken by the grammar and output now, as
+        `_jump` takes a run; and whether the grammar is complete after it."""
+        req = tracked.request
+        n, _ = count_until_stop(req, run, self.max_model_len)
+        taken = run[:n]
+        complete = self.grammars.advance(req.request_id, taken)
+        req.output_token_ids.extend(taken)
+        self.grammars.counters.jumped += len(taken)
+        return taken, complete
 
     def _jump(self, tracked: TrackedRequest, start: bool = False) -> tuple[list[int], bool]:
         """The tokens the request's grammar forces after its output (each the only one its
@@ -695,6 +736,22 @@ class EngineCore:
                 break
         self.grammars.counters.jumped += len(taken)
         return taken, complete
+
+
+def _with_runs(batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor:
+    """The input ids of a step run ahead whose forced_run rows compute their runs: those the
+    host's, every other row's one token from `ids` (one a row, on the device), in one copy."""
+    flat, at, rows, start = [], [], [], 0
+    for j, s in enumerate(batch.seqs):
+        flat += s.token_ids
+        if not s.forced_run:
+            at.append(start)
+            rows.append(j)
+        start += s.query_len
+    flat, at, rows = to_device_packed(
+        [(flat, torch.int64), (at, torch.int64), (rows, torch.int64)], ids.device
+    )
+    return flat.index_copy(0, at, ids.index_select(0, rows))
 
 
 def validate_request(

@@ -32,6 +32,19 @@ At 64 streams a refusal came nearly every step (5% of guesses), and dropping the
 for it left the batch running one step at a time. With a drafter that defers rows from the
 step's aux streams (EAGLE-3) the whole step n+1 is still dropped.
 
+Forced runs (a plain engine, grammar_drafts on): where a constrained row's grammar, standing
+before the token step n samples, forces that token and more after it (a key, its quotes, a
+brace), step n+1 computes the whole run in that row, the host's tokens (ScheduledSeq.forced_run,
+a mixed step through the PREFILL graphs), and samples after its last; once step n is read the
+rest of the run is output at once (EngineCore._take_run). Stepped one at a time the run is
+computed in one forward after the token before it too (EngineCore._jump); run ahead, a run that
+follows a token the model chose is known only once that token is read, so its first token
+takes a step of its own.
+
+    step n (row A samples `"`, the end of a string; the grammar then forces `, "age": `)
+    ─> step n+1 (A computes `"`, samples `,`) ─> read n ─> step n+2 (A computes `, "age": `,
+    samples the age) ─> read n+1: `,` and the rest of the run, ` "age": `, output at once
+
 A speculative step runs ahead too, for EAGLE-3 chains whose rows are all plain greedy or sample
 from their parameters alone (spec_step.runs_ahead: no penalties or grammar; a seeded row's
 output positions are completed on the device, logprobs come back in the read;
@@ -144,12 +157,13 @@ class Ahead:
 
 def can_run_ahead(batch: ScheduledBatch) -> bool:
     """Whether `batch` can be launched without reading the previous step's tokens, and followed
-    by a step launched without reading its own."""
-    if batch.mode != ForwardMode.DECODE:
+    by a step launched without reading its own: a decode, or one whose rows of several tokens
+    are forced runs (ScheduledSeq.forced_run)."""
+    if batch.mode not in (ForwardMode.DECODE, ForwardMode.PREFILL):
         return False
     for s in batch.seqs:
         p = s.request.params
-        if not s.sample or s.drafts is not None or s.query_len != 1:
+        if not s.sample or s.drafts is not None or (s.query_len != 1 and not s.forced_run):
             return False
         if p.logprobs is not None or p.has_penalties:
             return False
@@ -169,33 +183,50 @@ def prompt_beside(req: Request) -> bool:
 
 
 def next_batch(
-    batch: ScheduledBatch, blocks: BlockManager, max_model_len: int, redo: dict[int, int]
+    batch: ScheduledBatch,
+    blocks: BlockManager,
+    max_model_len: int,
+    redo: dict[int, int],
+    runs: dict[int, list[int]] | None = None,
 ) -> tuple[ScheduledBatch, list[int]] | None:
-    """The decode after `batch` for its unfinished sequences, each one position further (a row
-    in `redo` at the same position again, on the token given there), and the rows of `batch`
-    they continue; None when a sequence's next slot does not fit (the context ends, or the pool
-    is short: no one is preempted for a step run ahead).
+    """The step after `batch` for its unfinished sequences, each past the tokens it computes now
+    (a row in `redo` at the same position again, on the token given there; a row in `runs` on
+    the forced run given there, whose first token is the one it samples now: a forced_run row),
+    and the rows of `batch` they continue; None when a sequence's next slots do not fit (the
+    context ends, or the pool is short: no one is preempted for a step run ahead).
 
     Called before `batch` is postprocessed: num_computed_tokens is still `batch`'s start."""
+    runs = runs or {}
     keep = [i for i, s in enumerate(batch.seqs) if not s.request.is_finished]
     if not keep:
         return None
     for i in keep:
         s = batch.seqs[i]
-        if s.start_pos + 2 > max_model_len or not blocks.allocate(s.request, 2):
+        reach = s.query_len + len(runs.get(i, (PLACEHOLDER,)))
+        if s.start_pos + reach > max_model_len or not blocks.allocate(s.request, reach):
             return None
-    seqs = [
-        _again(batch.seqs[i], redo[i]) if i in redo else _one_further(batch.seqs[i]) for i in keep
-    ]
-    nxt = ScheduledBatch(ForwardMode.DECODE, seqs)
+    seqs = []
+    for i in keep:
+        s = batch.seqs[i]
+        if i in redo:
+            seqs.append(_again(s, redo[i]))
+        else:
+            seqs.append(_further(s, runs.get(i)))
+    mode = ForwardMode.PREFILL if any(s.forced_run for s in seqs) else ForwardMode.DECODE
+    nxt = ScheduledBatch(mode, seqs)
     nxt.grammar_paths = batch.grammar_paths
     return nxt, keep
 
 
-def _one_further(s: ScheduledSeq) -> ScheduledSeq:
-    # The same sequence's next decode row, its token still on the device.
-    pos, blocks = s.start_pos + 1, s.request.block_ids
-    return ScheduledSeq(s.request, [PLACEHOLDER], pos, blocks, True, grammar_topk=s.grammar_topk)
+def _further(s: ScheduledSeq, run: list[int] | None) -> ScheduledSeq:
+    # The same sequence's next row, past this one's tokens: its sampled token, still on the
+    # device, or the forced run that starts with it, the host's.
+    pos, blocks = s.start_pos + s.query_len, s.request.block_ids
+    tokens = [PLACEHOLDER] if run is None else list(run)
+    return ScheduledSeq(
+        s.request, tokens, pos, blocks, True, grammar_topk=s.grammar_topk,
+        forced_run=run is not None,
+    )  # fmt: skip
 
 
 def _again(s: ScheduledSeq, token: int) -> ScheduledSeq:

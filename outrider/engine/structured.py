@@ -403,6 +403,27 @@ class Grammars:
             return []
         return matcher.compute_ff_tokens()
 
+    def forced_run(self, request_id: str, limit: int) -> list[int]:
+        """`forced_tokens` and what the grammar forces after them, part after part (llguidance
+        lists a run in parts, whose ends may join a token), at most `limit`; the matcher left
+        where it stood. For a step launched before the token that starts the run is read
+        (EngineCore._forced_runs)."""
+        self._settle()
+        matcher = self._matchers.get(request_id)
+        if matcher is None or request_id in self._unforced:
+            return []
+        run: list[int] = []
+        while len(run) < limit:
+            part = matcher.compute_ff_tokens()[: limit - len(run)]
+            if not part or not matcher.consume_tokens(part):
+                break
+            run += part
+            if matcher.is_stopped():
+                break
+        if run:
+            matcher.rollback(len(run))
+        return run
+
     def rewind(self, request_id: str, n: int) -> None:
         """Take back the request's last n tokens (its matcher rolled back over them)."""
         self._settle()

@@ -22,7 +22,6 @@ from outrider.core import (
     SeqDrafts,
     StructuredOutputs,
 )
-from outrider.engine.engine import JUMP_CHECK_ROWS
 from outrider.engine.structured import Grammars
 from outrider.executor.sampler import (
     GRAMMAR_TOPK,
@@ -851,17 +850,31 @@ def test_a_plain_engine_takes_forced_runs_at_once_with_the_same_output(
         assert [t for d in deltas for t in d.token_ids] == req.output_token_ids
         if text is not None:
             assert "".join(d.text for d in deltas) == text and len(deltas) == 1
-    # Run ahead (async scheduling), a batch of more constrained rows than JUMP_CHECK_ROWS keeps
-    # its steps running ahead and takes a forced token a step (till few rows are left): the
-    # same tokens, fewer taken at once.
-    llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
-              async_scheduling=True)  # fmt: skip
+    # Run ahead (async scheduling): a row inside a forced run computes the rest of the run in
+    # the step launched before the run's first token is read (overlap.next_batch's forced_run
+    # rows), so steps keep running ahead and runs are still taken at once: the same tokens, and
+    # fewer steps than one forced token a step run ahead.
     wide = TINY_SPECS * 2  # 8 rows
-    assert len(wide) > JUMP_CHECK_ROWS
-    outs = llm.generate(prompts[: len(wide)], _constrained(wide))
-    assert [o.outputs[0].token_ids for o in outs] == on[0.0]
-    assert llm.engine.num_steps_run_ahead > 10
-    assert 0 < llm.engine.grammars.counters.jumped < on[0.0, "jumped"]
+    ahead = {}
+    for jumps in (True, False):
+        llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+                  async_scheduling=True, speculative={"grammar_drafts": jumps})  # fmt: skip
+        outs = llm.generate(prompts[: len(wide)], _constrained(wide))
+        engine = llm.engine
+        ahead[jumps] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "steps": sum(n for _, n, *_ in engine.ledger.snapshot()),
+            "ahead": engine.num_steps_run_ahead,
+            "jumped": engine.grammars.counters.jumped,
+        }
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert ahead[True]["tokens"] == ahead[False]["tokens"] == on[0.0]
+    # (A run that starts after a token the model chose is known only once that token is read:
+    # the step launched before then samples the run's first token, and the run rides in the
+    # step after. Stepped one at a time, the whole run is taken after the chosen token.)
+    assert ahead[True]["jumped"] > 10 and ahead[False]["jumped"] == 0
+    assert ahead[True]["steps"] < ahead[False]["steps"]
+    assert ahead[True]["ahead"] > ahead[True]["steps"] // 2
 
 
 def test_sampled_constrained_output_is_valid_with_speculation(tiny_json_dir, prompts):  # noqa: F811
