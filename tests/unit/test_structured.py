@@ -868,6 +868,15 @@ def test_a_plain_engine_takes_forced_runs_at_once_with_the_same_output(
             "jumped": engine.grammars.counters.jumped,
         }
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    # Blocks of 2 positions in a pool of few: a run reaches into blocks past the read's tokens,
+    # which the read keeps (postprocess's hold); were they trimmed, other rows would take them
+    # and the run's KV would land in theirs.
+    llm = LLM(str(tiny_json_dir[0]), dtype="float32", device="cpu", block_size=2, num_blocks=72,
+              async_scheduling=True)  # fmt: skip
+    outs = llm.generate(prompts[: len(wide)], _constrained(wide))
+    assert [o.outputs[0].token_ids for o in outs] == on[0.0]
+    assert llm.engine.grammars.counters.jumped > 10
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert ahead[True]["tokens"] == ahead[False]["tokens"] == on[0.0]
     # (A run that starts after a token the model chose is known only once that token is read:
     # the step launched before then samples the run's first token, and the run rides in the
