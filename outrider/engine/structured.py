@@ -317,7 +317,8 @@ class Grammars:
         it, a row's candidates checked against its mask give the next, and
         `decide([(seq index, row)], masks [n, words] int32)` gives the rest in one go
         (from the logits on the device: a read, in a step run ahead taken on a side stream so
-        that it waits for this step's logits, not for the step after). Their walks then go on. The matchers end where they began."""
+        that it waits for this step's logits, not for the step after). Their walks then go on.
+        The matchers end where they began."""
         t0 = time.perf_counter()
         self._settle()
         walks = [_Walk(self._matchers[s.request.request_id], s.drafts) for s in seqs]
@@ -415,8 +416,10 @@ class Grammars:
         run: list[int] = []
         while len(run) < limit:
             part = matcher.compute_ff_tokens()[: limit - len(run)]
-            if not part or not matcher.consume_tokens(part):
+            part = part[: matcher.validate_tokens(part)] if part else part  # (never fewer)
+            if not part:
                 break
+            matcher.consume_tokens(part)  # valid: the matcher cannot end in an error here
             run += part
             if matcher.is_stopped():
                 break
