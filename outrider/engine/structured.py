@@ -559,17 +559,18 @@ def _pick(
 ) -> tuple[int | None, bool]:
     """(token, whether the grammar forced it): the argmax among what the matcher allows next,
     from a row's top logits (`ids` by descending `values`): the allowed id of the highest
-    value, the lowest id of those tied there, as an argmax over the masked row gives. None where it cannot be told from them:
-    the grammar forces bytes it has no tokens for, none is allowed, or the value reached
-    ties the last one (more may tie past them).
+    value, the lowest id of those tied there, as an argmax over the masked row gives. None
+    where it cannot be told from them: the grammar forces bytes it has no tokens for, none is
+    allowed, or the value reached ties the last one (more may tie past them).
 
     Where the grammar forces bytes (a key, its quotes), its mask allows one token, the first
     of the forced text's own tokenization (compute_ff_tokens: llguidance builds that mask
     from the same tokens), while validate_tokens also accepts other spellings of it ('to' for
     the 't' of a forced "todos"): such a row is that token, whatever its logits, with no mask
-    (29 us a mask on a CPU core, against 18 us for the forced tokens). forces: False for a grammar that turns forcing off
-    (`no_forcing`), whose mask there is not its forced tokens' first: those rows go to the
-    mask. Elsewhere validate_tokens and the mask allow the same tokens."""
+    (29 us a mask on a CPU core, against 18 us for the forced tokens). forces: False for a
+    grammar that turns forcing off (`no_forcing`), whose mask there is not its forced tokens'
+    first: those rows go to the mask. Elsewhere validate_tokens and the mask allow the same
+    tokens."""
     if matcher.compute_ff_bytes():
         forced = matcher.compute_ff_tokens() if forces else None
         return (forced[0], True) if forced else (None, False)
