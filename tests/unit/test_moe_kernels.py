@@ -176,10 +176,13 @@ def _gate(row: tuple) -> None:
             scaling, always,
         )  # fmt: skip
         order_g, order_w = got_ids.argsort(1), want_ids.argsort(1)
-        bare_w, bare_ids, none = moe_fused.moe_gate_no_sync(
-            x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
-            scaling, always, layout=False,
-        )  # fmt: skip
+        bare = None  # layout=False: at one token (see the test)
+        if tokens == 1:
+            bare_w, bare_ids, none = moe_fused.moe_gate_no_sync(
+                x, router.weight, router.e_score_correction_bias, top_k, groups, keep, norm,
+                scaling, always, layout=False,
+            )  # fmt: skip
+            bare = none is None and torch.equal(bare_ids, got_ids) and torch.equal(bare_w, got_w)
         fused.use_fused = lambda x: False
         want_layout = moe_fused.moe_layout_no_sync(got_ids, experts + always)
         fused.use_fused = real
@@ -190,8 +193,7 @@ def _gate(row: tuple) -> None:
             same_layout=torch.equal(layout, want_layout),
             count=int(moe_fused._gate_count(x.device).item()),
             width=got_ids.shape[1],
-            # layout=False: the same choice and weights, no layout
-            bare=none is None and torch.equal(bare_ids, got_ids) and torch.equal(bare_w, got_w),
+            bare=bare,
         )
 
 
@@ -322,7 +324,10 @@ def test_gate_kernel_routes_and_lays_out_as_the_router_and_layout(results, name)
         assert r["same_ids"] and r["same_layout"], r
         assert r["weight_diff"] <= 1e-6, r
         assert r["count"] == 0, r  # the arrival count is back to zero for the next launch
-        assert r["bare"], r  # asked for no layout: none, the rest the same
+        # Asked for no layout (INT4 experts read none): none, the rest the same. At one token
+        # only: the flag skips the layout's writes whatever the tokens, and each launch of
+        # Kimi's 384 experts takes the interpreter seconds.
+        assert r["bare"] is (True if tokens == 1 else None), r
 
 
 @pytest.mark.parametrize("name", [r[0] for r in LAYOUTS])
