@@ -1,20 +1,25 @@
-"""The default mode's GEMM, y = x W^T: F.linear, but on the CPU for a few rows computed as
-(W x^T)^T with at least two columns.
+"""The default mode's GEMM, y = x W^T: F.linear, but on the CPU through oneDNN with the weight
+packed once into its blocked layout.
 
 Why: decode and verify steps multiply a few rows by weights far larger than the caches, so a
-step streams every weight from memory once, and its speed is the memory bandwidth the GEMM
-reaches. torch's CPU build hands F.linear of M rows to MKL as an M x K by K x N product, which
-for small M reads the weights at a fraction of the bandwidth: one row is a GEMV on one thread.
-The same product as W (N x K) times x^T (K x M), with M at least 2, is a GEMM over N, split
-across the threads. The default model's GEMMs of one step (30 layers' projections and the LM
-head, fp32, 2-core x86 VM, MKL): 52 ms as F.linear at one row against 26 ms this way; 113 -> 31
-ms at 2 rows, 117 -> 40 at 3, 75 -> 40 at 4, 83 -> 50 at 8, 186 -> 155 at 64 (a one-row GEMV of
-either form took the 52 ms, so a lone row is doubled: the copy's product is dropped).
+step streams every weight from memory once and its speed is the bandwidth the GEMM reaches;
+a verify's rows (1 + k per sequence) should cost little more than a decode's. torch's CPU
+build hands F.linear to MKL, which reads the weights at a fraction of the bandwidth for few
+rows and whose time jumps with the row count. oneDNN's inner-product over a weight reordered
+once (mkldnn._reorder_linear_weight, as torch's compiler does for frozen CPU models) keeps it
+flat. The default model's GEMMs of one step (30 layers' projections and the LM head, fp32,
+2-core AMD EPYC VM, medians): 1 row 30 ms, 4 rows 27, 8 28, 12 32, 16 40, 32 58, against 28,
+33, 47-73, 82, 66-72, 110 for the form used before (W x^T)^T; prefill chunks 1.5x faster too
+(2,048 rows of the 3072 x 576 projection: 49 ms against F.linear's 73).
 
-Only the rounding differs from F.linear's (another summation order in MKL), as it differs
-between F.linear's own paths at different M. CUDA tensors, other dtypes, more than MAX_ROWS rows
-(prefills: there F.linear is a blocked GEMM already) and inputs of other shapes go to F.linear
-as they are. The deterministic mode keeps its own GEMM (layers/batch_invariant.py).
+The packed copy is kept beside the weight, keyed by its version: a weight loaded or changed in
+place afterwards is packed again. It costs a second copy of every weight the GEMM meets (the
+dense one stays: embeddings read it, loaders write it, training takes grads through F.linear).
+Only the rounding differs from F.linear's. Where oneDNN is missing (a torch built without it)
+or refuses a weight, the (W x^T)^T form with at least two columns is the fallback (2x
+F.linear at one row: a one-column product is a GEMV on one thread). CUDA tensors, other
+dtypes, inputs of other shapes and weights that need a gradient go to F.linear as they are.
+The deterministic mode keeps its own GEMM (layers/batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -22,10 +27,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 128  # measured faster up to here (the 64-row step: 186 -> 155 ms; 128: 304 -> 261)
+MAX_ROWS = 128  # the fallback form's reach (measured faster up to here than F.linear)
+_ONEDNN = bool(
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
 # What a step's time depends on here, for the kept step profiles' key (engine/speculation.py):
 # a profile timed with another form of the GEMM is timed again.
-FORM = f"cpu linear as mm(W, x^T), 2 to {MAX_ROWS} columns"
+FORM = (
+    "cpu linear by oneDNN, packed weights"
+    if _ONEDNN
+    else f"cpu linear as mm(W, x^T), 2 to {MAX_ROWS} columns"
+)
 
 
 def linear(
@@ -38,10 +52,36 @@ def linear(
         x.device.type != "cpu"
         or x.dtype != torch.float32
         or weight.dtype != torch.float32
-        or not 1 <= rows <= MAX_ROWS
+        or rows < 1
         or not weight.is_contiguous()
+        or (weight.requires_grad and torch.is_grad_enabled())
     ):
+        return F.linear(x, weight, bias)
+    packed = _packed(weight) if _ONEDNN else None
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if rows > MAX_ROWS:  # a prefill's rows: F.linear is a blocked GEMM already
         return F.linear(x, weight, bias)
     cols = x if rows > 1 else torch.cat([x, x])  # one column would be a GEMV on one thread
     y = torch.mm(weight, cols.t()).t()[:rows].contiguous()  # [M, N]
     return y if bias is None else y.add_(bias)
+
+
+def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight in oneDNN's layout, packed at its first use and again after it changed; None
+    where oneDNN refuses it (then never asked again for it)."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: no version counter, and it never changes
+        version = -1
+    key = (version, weight.data_ptr())
+    kept = getattr(weight, "_onednn", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    try:
+        # No batch-size hint: packed for any row count (a hint of 1 made 16 rows 2x slower).
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:
+        packed = None
+    weight._onednn = (key, packed)
+    return packed

@@ -1,5 +1,6 @@
 """layers/cpu_gemm.py: the default mode's GEMM on the CPU gives F.linear's product (up to fp32
-rounding) in the (W x^T)^T form for 1..MAX_ROWS rows, and F.linear's own result elsewhere."""
+rounding) through oneDNN over a packed weight (or, without oneDNN, the (W x^T)^T form for
+1..MAX_ROWS rows), packs a weight again once it changed, and leaves other inputs to F.linear."""
 
 from __future__ import annotations
 
@@ -9,10 +10,18 @@ import torch.nn.functional as F
 
 from outrider.layers import cpu_gemm
 
+FORMS = [True, False] if cpu_gemm._ONEDNN else [False]
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, cpu_gemm.MAX_ROWS])
+
+@pytest.fixture(params=FORMS, ids=lambda on: "onednn" if on else "fallback")
+def onednn(request, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_ONEDNN", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 64, cpu_gemm.MAX_ROWS, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_give_the_product_of_f_linear(rows, bias):
+def test_rows_give_the_product_of_f_linear(rows, bias, onednn):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=g)
     w = torch.randn(200, 96, generator=g)
@@ -20,10 +29,27 @@ def test_few_rows_give_the_product_of_f_linear(rows, bias):
     y = cpu_gemm.linear(x, w, b)
     assert y.shape == (rows, 200) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert (getattr(w, "_onednn", None) is not None) == onednn  # packed once, kept on w
 
 
-def test_a_lone_row_is_the_same_as_inside_its_doubled_product():
-    """The one-row case multiplies two copies and keeps one: not a GEMV."""
+@pytest.mark.skipif(not cpu_gemm._ONEDNN, reason="torch built without oneDNN")
+def test_a_weight_changed_in_place_or_replaced_is_packed_again():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g)
+    lin = torch.nn.Linear(64, 32, bias=False).requires_grad_(False)
+    torch.testing.assert_close(cpu_gemm.linear(x, lin.weight), F.linear(x, lin.weight))
+    packed = lin.weight._onednn[1]
+    assert cpu_gemm._packed(lin.weight) is packed  # kept while the weight stays as it was
+    lin.weight.copy_(torch.randn(32, 64, generator=g))  # a loader writing the weight
+    torch.testing.assert_close(cpu_gemm.linear(x, lin.weight), F.linear(x, lin.weight))
+    lin.weight.data = torch.randn(32, 64, generator=g)  # a weight swapped in
+    torch.testing.assert_close(cpu_gemm.linear(x, lin.weight), F.linear(x, lin.weight))
+    assert lin.weight._onednn[1] is not packed
+
+
+def test_a_lone_row_is_the_same_as_inside_its_doubled_product(monkeypatch):
+    """Without oneDNN the one-row case multiplies two copies and keeps one: not a GEMV."""
+    monkeypatch.setattr(cpu_gemm, "_ONEDNN", False)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 64, generator=g), torch.randn(32, 64, generator=g)
     assert torch.equal(cpu_gemm.linear(x, w), torch.mm(w, torch.cat([x, x]).t()).t()[:1])
@@ -32,18 +58,27 @@ def test_a_lone_row_is_the_same_as_inside_its_doubled_product():
 @pytest.mark.parametrize(
     "x, w",
     [
-        (torch.randn(cpu_gemm.MAX_ROWS + 1, 16), torch.randn(8, 16)),  # a prefill's rows
         (torch.randn(2, 3, 16), torch.randn(8, 16)),  # not [M, K]
         (torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()),  # not fp32
         (torch.randn(4, 16), torch.randn(16, 8).t()),  # a transposed weight
         (torch.randn(0, 16), torch.randn(8, 16)),  # no rows
+        (torch.randn(4, 16), torch.randn(8, 16, requires_grad=True)),  # a weight in training
     ],
 )
-def test_other_inputs_go_to_f_linear_as_they_are(x, w, monkeypatch):
+def test_other_inputs_go_to_f_linear_as_they_are(x, w, monkeypatch, onednn):
     want = F.linear(x, w)
 
-    def mm(*args):
-        raise AssertionError("the (W x^T)^T form was taken")
+    def taken(*args, **kwargs):
+        raise AssertionError("another form was taken")
 
-    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "mm", taken)
+    monkeypatch.setattr(cpu_gemm, "_packed", taken)
+    assert torch.equal(cpu_gemm.linear(x, w), want)
+
+
+def test_a_fallback_prefill_goes_to_f_linear(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_ONEDNN", False)
+    x, w = torch.randn(cpu_gemm.MAX_ROWS + 1, 16), torch.randn(8, 16)
+    want = F.linear(x, w)
+    monkeypatch.setattr(torch, "mm", lambda *a: pytest.fail("the (W x^T)^T form was taken"))
     assert torch.equal(cpu_gemm.linear(x, w), want)
