@@ -1,6 +1,6 @@
-"""The reference backend's batched verify (torch_ref._uniform): every sequence querying the same
-number of rows, chain or tree, gives what the per-sequence loop gives, and the backend takes
-it exactly for such steps."""
+"""The reference backend's batched verify (torch_ref._batched): sequences querying their last
+rows, as many or fewer than the longest's (right-aligned, padded), chain or tree, give what the
+per-sequence loop gives, and the backend takes it for such steps, not for prefill-sized ones."""
 
 from __future__ import annotations
 
@@ -46,34 +46,41 @@ def _step(contexts: list[int], qlens: list[int], tree: bool, seed: int):
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize(
-    "contexts, qlen",
-    [([9, 30, 4, 17], 4), ([2, 13], 2), ([40], 5), ([5, 5, 21], 5)],
+    "contexts, qlens",
+    [
+        ([9, 30, 4, 17], [4, 4, 4, 4]),
+        ([2, 13], [2, 2]),
+        ([40], [5]),
+        ([5, 5, 21], [5, 5, 5]),
+        ([9, 30, 4, 17], [4, 1, 3, 4]),  # drafts cut, a row verifying none
+        ([3, 12, 20], [1, 5, 2]),  # the first sequence's padding sees a key it does not own
+    ],
 )
-def test_a_uniform_verify_equals_the_per_sequence_loop(contexts, qlen, tree):
-    q, k, v, meta = _step(contexts, [qlen] * len(contexts), tree, seed=sum(contexts) + qlen)
+def test_a_verify_in_one_call_equals_the_per_sequence_loop(contexts, qlens, tree):
+    q, k, v, meta = _step(contexts, qlens, tree, seed=sum(contexts) + sum(qlens))
     scale = DIM**-0.5
-    assert torch_ref._uniform_len(meta) == qlen
-    got = torch_ref._uniform(q, k, v, meta, scale, qlen)
-    want = torch_ref._per_sequence(
-        q, k, v, AttentionMetadata(**{**vars(meta), "backend_data": {}}), scale
-    )
+    span = torch_ref._query_span(meta)
+    assert span == max(qlens)
+    got = torch_ref._batched(q, k, v, meta, scale, span)
+    fresh = AttentionMetadata(**{**vars(meta), "backend_data": {}})
+    want = torch_ref._per_sequence(q, k, v, fresh, scale)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
-    "qlens, uniform",
-    [([3, 3, 3], 3), ([3, 2, 3], 0), ([1, 1], 0), ([65, 65], 0), ([64], 64)],
+    "qlens, batched",
+    [([3, 3, 3], True), ([3, 2, 3], True), ([1, 1], False), ([65, 1], False), ([64], True)],
 )
-def test_the_backend_batches_only_steps_of_one_query_length(qlens, uniform, monkeypatch):
+def test_the_backend_batches_steps_without_a_prefill_sized_query(qlens, batched, monkeypatch):
     q, k, v, meta = _step([70] * len(qlens), qlens, tree=False, seed=1)
     calls = []
-    for name in ("_uniform", "_per_sequence", "_decode"):
+    for name in ("_batched", "_per_sequence", "_decode"):
         real = getattr(torch_ref, name)
         monkeypatch.setattr(
             torch_ref, name, lambda *a, name=name, real=real: calls.append(name) or real(*a)
         )
     cache = {"k": k, "v": v}
     torch_ref.TorchRefBackend().forward(q, q[:, :KV_HEADS], q[:, :KV_HEADS], cache, meta, 0.25)
-    want = "_decode" if max(qlens) == 1 else "_uniform" if uniform else "_per_sequence"
+    want = "_decode" if max(qlens) == 1 else "_batched" if batched else "_per_sequence"
     assert calls == [want]

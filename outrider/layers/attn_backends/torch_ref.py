@@ -60,9 +60,9 @@ class TorchRefBackend(AttentionBackend):
             return _per_row(q, k_cache, v_cache, meta, scale)
         if meta.tree_mask is None and max(meta.query_lens_cpu) == 1:
             return _decode(q, k_cache, v_cache, meta, scale)
-        qlen = _uniform_len(meta)
-        if qlen:
-            return _uniform(q, k_cache, v_cache, meta, scale, qlen)
+        span = _query_span(meta)
+        if span:
+            return _batched(q, k_cache, v_cache, meta, scale, span)
         return _per_sequence(q, k_cache, v_cache, meta, scale)
 
 
@@ -108,62 +108,89 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _uniform_len(meta: AttentionMetadata) -> int:
-    """The query length every sequence of the step has (a verify of 1 + k drafts, chain or
-    tree), where it is worth a batched call: 0 for a step of ragged lengths or prefill-sized
-    queries, which the per-sequence loop serves."""
-    lens = meta.query_lens_cpu
-    qlen = lens[0] if lens else 0
-    if not 1 < qlen <= UNIFORM_MAX_QUERY or any(n != qlen for n in lens):
-        return 0
-    return qlen
+def _query_span(meta: AttentionMetadata) -> int:
+    """The most query rows a sequence of the step has, where the step is worth one batched
+    call (a verify of 1 + k drafts a row, chain or tree, rows with fewer or none among them):
+    0 for a step with a prefill-sized query, which the per-sequence loop serves."""
+    span = max(meta.query_lens_cpu, default=0)
+    return span if 1 < span <= BATCHED_MAX_QUERY else 0
 
 
-# Past this many queries a sequence, a step is a prefill chunk's: padding every sequence's keys
-# to the longest costs more than the loop's calls.
-UNIFORM_MAX_QUERY = 64
+# Past this many queries a sequence, a step holds a prefill chunk: padding every sequence's
+# queries and keys to the longest costs more than the loop's calls.
+BATCHED_MAX_QUERY = 64
 
 
-def _uniform(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, qlen: int) -> torch.Tensor:
-    """Every sequence queries qlen rows, its last qlen positions (a verify): as _decode, one
-    batched SDPA over each sequence's blocks padded to [B, L], a row seeing the keys at its
-    position and before, or, under a tree mask over each sequence's last W keys, the keys
-    before those and the tree's columns the mask gives it. On 2 CPU cores the per-sequence
-    loop (an SDPA call a sequence and layer, unbatched) took 20 of a 79 ms verify of 4 x 4."""
+def _batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, span: int) -> torch.Tensor:
+    """Each sequence's query rows, its last positions (a verify), right-aligned in `span` rows
+    (row i of sequence b at position seq_len_b - span + i; rows before its own are padding):
+    as _decode, one batched SDPA over each sequence's blocks padded to [B, L], a row seeing
+    the keys at its position and before, or, under a tree mask over each sequence's last W
+    keys, the keys before those and the tree's columns the mask gives it. On 2 CPU cores the
+    per-sequence loop (an SDPA call a sequence and layer, unbatched) took 20 of a 79 ms
+    EAGLE-3 verify of 4 x 4."""
     num_tokens, num_heads, head_dim = q.shape
-    batch = num_tokens // qlen
+    batch = len(meta.query_lens_cpu)
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
-    key = ("uniform_mask", group)
-    mask = meta.backend_data.get(key)
-    if mask is None:
-        length = meta.block_tables.shape[1] * block_size
-        keys = torch.arange(length, device=q.device)
-        lens = meta.seq_lens.long()[:, None]  # [B, 1]
-        if meta.tree_mask is None:
-            pos = lens - qlen + torch.arange(qlen, device=q.device)[None, :]  # [B, qlen]
-            seen = keys[None, None, :] <= pos[:, :, None]  # [B, qlen, L]
-        else:
-            width = meta.tree_mask.shape[1]
-            col = keys[None, :] - (lens - width)  # [B, L]: the tree column a key is, if any
-            in_tree = (col >= 0) & (col < width)
-            tree = meta.tree_mask.view(batch, qlen, width).gather(
-                2, col.clamp(0, width - 1)[:, None, :].expand(batch, qlen, length)
-            )
-            before = (keys[None, :] < lens - width)[:, None, :]
-            seen = torch.where(in_tree[:, None, :], tree, before)
-        # Rows ordered (group head, query) as qg below: each query's row repeats per head.
-        mask = seen.repeat(1, group, 1).view(batch, 1, group * qlen, length)
-        meta.backend_data[key] = mask
+    key = ("batched", group)
+    plan = meta.backend_data.get(key)
+    if plan is None:
+        plan = meta.backend_data[key] = _batched_plan(meta, block_size, group, span, q.device)
+    mask, rows = plan
+    if rows is not None:  # ragged: each token to its padded row (the padding rows' are 0)
+        q = q.new_zeros(batch * span, num_heads, head_dim).index_copy_(0, rows, q)
     flat_blocks = meta.block_tables.long().flatten()
     keys = _gather(k_cache, flat_blocks).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
     values = _gather(v_cache, flat_blocks).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
-    qg = q.view(batch, qlen, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    qg = qg.reshape(batch, kv_heads, group * qlen, head_dim)
+    qg = q.view(batch, span, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, kv_heads, group * span, head_dim)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-    # [B, kvh, group * qlen, d] -> [B * qlen, heads, d]
-    out = out.view(batch, kv_heads, group, qlen, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_tokens, num_heads, head_dim)
+    # [B, kvh, group * span, d] -> [B * span, heads, d]
+    out = out.view(batch, kv_heads, group, span, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(batch * span, num_heads, head_dim)
+    return out if rows is None else out.index_select(0, rows)
+
+
+def _batched_plan(
+    meta: AttentionMetadata, block_size: int, group: int, span: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mask [B, 1, group * span, L] for _batched's rows, ordered (head of the group, query
+    row), and each token's padded row, or None where every sequence has `span` rows)."""
+    lens_cpu = meta.query_lens_cpu
+    batch = len(lens_cpu)
+    length = meta.block_tables.shape[1] * block_size
+    keys = torch.arange(length, device=device)
+    lens = meta.seq_lens.long()[:, None]  # [B, 1]
+    ragged = any(n != span for n in lens_cpu)
+    rows = None
+    if ragged:
+        rows = torch.tensor(
+            [b * span + span - n + t for b, n in enumerate(lens_cpu) for t in range(n)],
+            device=device,
+        )
+    if meta.tree_mask is None:
+        pos = lens - span + torch.arange(span, device=device)[None, :]  # [B, span]
+        seen = keys[None, None, :] <= pos[:, :, None]  # [B, span, L]
+    else:
+        width = meta.tree_mask.shape[1]
+        tree = meta.tree_mask
+        if ragged:
+            tree = tree.new_zeros(batch * span, width).index_copy_(0, rows, tree)
+        col = keys[None, :] - (lens - width)  # [B, L]: the tree column a key is, if any
+        in_tree = (col >= 0) & (col < width)
+        picked = tree.view(batch, span, width).gather(
+            2, col.clamp(0, width - 1)[:, None, :].expand(batch, span, length)
+        )
+        before = (keys[None, :] < lens - width)[:, None, :]
+        seen = torch.where(in_tree[:, None, :], picked, before)
+    if ragged:  # padding rows see key 0: no row without a key (SDPA would give NaN there)
+        short = torch.tensor([span - n for n in lens_cpu], device=device)
+        pad = torch.arange(span, device=device)[None, :] < short[:, None]  # [B, span]
+        seen[:, :, 0] |= pad
+    # Rows ordered (group head, query) as _batched's: each query's row repeats per head.
+    mask = seen.repeat(1, group, 1).view(batch, 1, group * span, length)
+    return mask, rows
 
 
 def _per_sequence(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
