@@ -1,6 +1,7 @@
 """The reference backend: plain PyTorch on any device. It is the oracle the fast kernels are
-tested against, so clarity beats speed here; still, decode batches take one batched SDPA call
-per layer rather than one per sequence, which is what keeps CPU decoding usable."""
+tested against, so clarity beats speed here; still, decode batches and verifies take one
+batched SDPA call per layer rather than one per sequence, which is what keeps CPU decoding
+usable and a CPU verify close to a decode's cost; prefill chunks loop over their sequences."""
 
 from __future__ import annotations
 
