@@ -10,15 +10,18 @@ once (mkldnn._reorder_linear_weight, as torch's compiler does for frozen CPU mod
 flat. The default model's GEMMs of one step (30 layers' projections and the LM head, fp32,
 2-core AMD EPYC VM, medians): 1 row 30 ms, 4 rows 27, 8 28, 12 32, 16 40, 32 58, against 28,
 33, 47-73, 82, 66-72, 110 for the form used before (W x^T)^T; prefill chunks 1.5x faster too
-(2,048 rows of the 3072 x 576 projection: 49 ms against F.linear's 73).
+(2,048 rows of the 3072 x 576 projection: 49 ms against F.linear's 73). bf16 weights the same
+way: 13 ms at one row and 18 at 16 against F.linear's 20 and 28 (the same step's GEMMs, an
+EPYC with avx512_bf16).
 
 The packed copy is kept beside the weight, keyed by its version: a weight loaded or changed in
 place afterwards is packed again. It costs a second copy of every weight the GEMM meets (the
 dense one stays: embeddings read it, loaders write it, training takes grads through F.linear).
 Only the rounding differs from F.linear's. Where oneDNN is missing (a torch built without it)
 or refuses a weight, the (W x^T)^T form with at least two columns is the fallback (2x
-F.linear at one row: a one-column product is a GEMV on one thread). CUDA tensors, other
-dtypes, inputs of other shapes and weights that need a gradient go to F.linear as they are.
+F.linear at one row: a one-column product is a GEMV on one thread; fp32 only). CUDA tensors,
+dtypes other than fp32 and bf16, mixed dtypes, inputs of other shapes and weights that need a
+gradient go to F.linear as they are.
 The deterministic mode keeps its own GEMM (layers/batch_invariant.py).
 """
 
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 128  # the fallback form's reach (measured faster up to here than F.linear)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ONEDNN = bool(
     torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -36,7 +40,7 @@ _ONEDNN = bool(
 # What a step's time depends on here, for the kept step profiles' key (engine/speculation.py):
 # a profile timed with another form of the GEMM is timed again.
 FORM = (
-    "cpu linear by oneDNN, packed weights"
+    "cpu linear by oneDNN, packed fp32 and bf16 weights"
     if _ONEDNN
     else f"cpu linear as mm(W, x^T), 2 to {MAX_ROWS} columns"
 )
@@ -50,8 +54,9 @@ def linear(
     rows = x.shape[0] if x.dim() == 2 else 0
     if (
         x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        or x.dtype not in PACKED_DTYPES
+        or weight.dtype != x.dtype
+        or (bias is not None and bias.dtype != x.dtype)
         or rows < 1
         or not weight.is_contiguous()
         or (weight.requires_grad and torch.is_grad_enabled())
@@ -60,7 +65,7 @@ def linear(
     packed = _packed(weight) if _ONEDNN else None
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if rows > MAX_ROWS:  # a prefill's rows: F.linear is a blocked GEMM already
+    if rows > MAX_ROWS or x.dtype != torch.float32:  # a prefill's rows: F.linear is blocked
         return F.linear(x, weight, bias)
     cols = x if rows > 1 else torch.cat([x, x])  # one column would be a GEMV on one thread
     y = torch.mm(weight, cols.t()).t()[:rows].contiguous()  # [M, N]

@@ -1,6 +1,7 @@
-"""layers/cpu_gemm.py: the default mode's GEMM on the CPU gives F.linear's product (up to fp32
-rounding) through oneDNN over a packed weight (or, without oneDNN, the (W x^T)^T form for
-1..MAX_ROWS rows), packs a weight again once it changed, and leaves other inputs to F.linear."""
+"""layers/cpu_gemm.py: the default mode's GEMM on the CPU gives F.linear's product (up to
+rounding) through oneDNN over a packed fp32 or bf16 weight (or, without oneDNN, the (W x^T)^T
+form for 1..MAX_ROWS fp32 rows), packs a weight again once it changed, and leaves other inputs
+to F.linear."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def test_rows_give_the_product_of_f_linear(rows, bias, onednn):
 
 
 @pytest.mark.skipif(not cpu_gemm._ONEDNN, reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 4, 70])
+def test_bf16_rows_give_the_product_of_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w = torch.randn(200, 96, generator=g).bfloat16()
+    b = torch.randn(200, generator=g).bfloat16()
+    y = cpu_gemm.linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and w._onednn[1] is not None  # through the packed weight
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not cpu_gemm._ONEDNN, reason="torch built without oneDNN")
 def test_a_weight_changed_in_place_or_replaced_is_packed_again():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 64, generator=g)
@@ -59,7 +73,7 @@ def test_a_lone_row_is_the_same_as_inside_its_doubled_product(monkeypatch):
     "x, w",
     [
         (torch.randn(2, 3, 16), torch.randn(8, 16)),  # not [M, K]
-        (torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()),  # not fp32
+        (torch.randn(4, 16).half(), torch.randn(8, 16).half()),  # neither fp32 nor bf16
         (torch.randn(4, 16), torch.randn(16, 8).t()),  # a transposed weight
         (torch.randn(0, 16), torch.randn(8, 16)),  # no rows
         (torch.randn(4, 16), torch.randn(8, 16, requires_grad=True)),  # a weight in training
