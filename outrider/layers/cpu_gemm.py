@@ -21,8 +21,8 @@ Only the rounding differs from F.linear's. Where oneDNN is missing (a torch buil
 or refuses a weight, the (W x^T)^T form with at least two columns is the fallback (2x
 F.linear at one row: a one-column product is a GEMV on one thread; fp32 only). CUDA tensors,
 dtypes other than fp32 and bf16, mixed dtypes, inputs of other shapes and weights that need a
-gradient go to F.linear as they are.
-The deterministic mode keeps its own GEMM (layers/batch_invariant.py).
+gradient go to F.linear as they are. The deterministic mode keeps its own GEMM
+(layers/batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def linear(
     packed = _packed(weight) if _ONEDNN else None
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if rows > MAX_ROWS or x.dtype != torch.float32:  # a prefill's rows: F.linear is blocked
+    if rows > MAX_ROWS or x.dtype != torch.float32:  # a prefill's rows (F.linear is a blocked
+        # GEMM already), or bf16 (the fallback form is measured for fp32 only)
         return F.linear(x, weight, bias)
     cols = x if rows > 1 else torch.cat([x, x])  # one column would be a GEMV on one thread
     y = torch.mm(weight, cols.t()).t()[:rows].contiguous()  # [M, N]
