@@ -416,7 +416,9 @@ class Grammars:
         run: list[int] = []
         while len(run) < limit:
             part = matcher.compute_ff_tokens()[: limit - len(run)]
-            part = part[: matcher.validate_tokens(part)] if part else part  # (never fewer)
+            # What the matcher accepts of its own forced tokens (all of them, as llguidance
+            # builds them; a part it refused would leave it in an error state).
+            part = part[: matcher.validate_tokens(part)] if part else part
             if not part:
                 break
             matcher.consume_tokens(part)  # valid: the matcher cannot end in an error here

@@ -130,7 +130,7 @@ def _batched(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, span: i
     keys, the keys before those and the tree's columns the mask gives it. On 2 CPU cores the
     per-sequence loop (an SDPA call a sequence and layer, unbatched) took 20 of a 79 ms
     EAGLE-3 verify of 4 x 4."""
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     batch = len(meta.query_lens_cpu)
     _, block_size, kv_heads, _ = k_cache.shape
     group = num_heads // kv_heads
