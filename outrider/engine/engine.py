@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Container
+from collections.abc import Container
 
 import torch
 
@@ -286,7 +286,7 @@ class EngineCore:
                 return deltas
             launched = self.runner.launch(batch, candidates=not self._masks_on_device(batch))
             ids = overlap.Pending.start(launched)
-        if masks is None:  # (computed while the device runs the step)
+        if masks is None:  # (while the device runs the step)
             masks = self._masks_ahead(ids, batch, redo)
         on_device, masked = self._mask_on_device(ids, masks)
         self._ahead = self._run_ahead(batch, on_device, redo)
@@ -343,8 +343,8 @@ class EngineCore:
 
     def _masks_ahead(
         self, pending: overlap.Pending, batch: ScheduledBatch, redo: dict[int, int]
-    ) -> Callable[[], torch.Tensor] | None:
-        """Start computing the masks of a launched plain step's greedy constrained rows, in
+    ) -> torch.Tensor | None:
+        """The masks of a launched plain step's greedy constrained rows, in
         LaunchedGrammar.rows order, from where their grammars stand (each row's position: its
         request's tokens before it are read and followed), where the step takes them on the
         device; None where it does not. Rows in `redo` (dropped at the read) and rows whose
@@ -357,22 +357,25 @@ class EngineCore:
         return self.grammars.masks_now(rids)
 
     def _mask_on_device(
-        self, pending: overlap.Pending, masks: Callable[[], torch.Tensor] | None
+        self, pending: overlap.Pending, masks: torch.Tensor | None
     ) -> tuple[torch.Tensor, HostCopy | None]:
         """The launched step's ids with its greedy constrained rows' masked argmax in their
         rows (queued on the device behind the step, before the step after is launched on them),
         and those rows' tokens on their way to the host; the ids as sampled and None without
-        masks. Waits for the masks on the host (computed since `_masks_ahead`)."""
+        masks (`_masks_ahead`'s)."""
         if masks is None:
             return pending.device, None
-        bits = masks()
         logits = pending.grammar.logits
-        dev = logits.device
         count = len(pending.grammar.rows)
-        at, rows = to_device_packed(
-            [(pending.grammar.rows, torch.int64), (list(range(count)), torch.int64)], dev
+        at, rows, bits = to_device_packed(  # one copy
+            [
+                (pending.grammar.rows, torch.int64),
+                (list(range(count)), torch.int64),
+                (masks.numpy(), torch.int32),
+            ],
+            logits.device,
         )
-        picked = masked_argmax_no_sync(logits, rows, to_device_no_sync(bits, torch.int32, dev))
+        picked = masked_argmax_no_sync(logits, rows, bits)
         self.grammars.counters.masked_ahead += count
         return pending.device.index_copy(0, at, picked), HostCopy(picked)
 

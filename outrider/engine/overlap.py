@@ -20,7 +20,7 @@ drafter defers their rows from the aux streams the launched step kept (Pending.a
 the controller gives drafts to is scheduled as usual, once the step before it is read.
 Greedy constrained sequences run ahead too. Where a step holds at most MASKS_AHEAD_MAX_ROWS of
 them (engine.py), their masks for step n are computed on the host from the moment step n-1's
-tokens are followed by their grammars (Grammars.masks_now, in a thread), and before step n+1 is
+tokens are followed by their grammars (Grammars.masks_now), and before step n+1 is
 launched the device takes their masked argmax of step n's logits into the ids step n+1 reads
 (Ahead.masks; the engine's _mask_on_device): nothing is guessed. With more of them, they run
 ahead on a guess: step n+1 takes their unmasked argmax of step n, which is the grammar's pick
@@ -75,7 +75,6 @@ ahead, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,9 +149,9 @@ class Ahead:
     # Rows launched on a guess their grammar refused, by row -> the token it picked instead:
     # their outputs are dropped at the read, and the step after computes them again.
     redo: dict[int, int] = field(default_factory=dict)
-    # Its greedy constrained rows' masks, on their way (Grammars.masks_now), where their
-    # masked argmax is taken on the device before the step after is launched on them.
-    masks: Callable[[], torch.Tensor] | None = None
+    # Its greedy constrained rows' masks on the host (Grammars.masks_now), where their masked
+    # argmax is taken on the device before the step after is launched on them.
+    masks: torch.Tensor | None = None
 
 
 def can_run_ahead(batch: ScheduledBatch) -> bool:
