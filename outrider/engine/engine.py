@@ -229,10 +229,13 @@ class EngineCore:
 
         With async scheduling, a plain decode step launches the next one before reading its
         own tokens (engine/overlap.py): that step is then taken here instead of a new schedule.
-        Each step is entered in `ledger` by its kind (engine/step_ledger.py)."""
+        Each step is entered in `ledger` by its kind (engine/step_ledger.py). Autograd is off
+        for all of it: the device work the engine queues itself (a step run ahead's masked
+        argmax) takes the fused kernels, which serve only without it (fused.use_fused)."""
         t0 = time.perf_counter()
         self._kind, self._rows = None, 0
-        deltas = self._step(t0)
+        with torch.no_grad():
+            deltas = self._step(t0)
         if self._kind is not None:
             kind = self._kind
             if kind != "prefill" and self._ahead is not None:

@@ -1080,11 +1080,20 @@ def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks
     """Run ahead whatever the refusals, on a grammar that allows nearly every argmax: the
     requests that reach max_tokens end while a step run ahead holds their rows; that step's
     read leaves their rows alone (their grammars are gone: picked from their top logits, or,
-    masked on the device, masked by nothing) and the others keep going."""
+    masked on the device, masked by nothing) and the others keep going. The masked argmax
+    the engine queues itself runs with autograd off, where the fused kernel serves it."""
     from outrider.engine import engine as engine_module
 
     monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
     monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
+    grad_on = []  # torch.is_grad_enabled() at each of the engine's masked argmaxes
+    argmax = engine_module.masked_argmax_no_sync
+
+    def spy(*args):
+        grad_on.append(torch.is_grad_enabled())
+        return argmax(*args)
+
+    monkeypatch.setattr(engine_module, "masked_argmax_no_sync", spy)
     anything = {"regex": "[\\s\\S]*"}
     params = [
         SamplingParams(temperature=0, max_tokens=n, structured_outputs=anything)
@@ -1102,6 +1111,7 @@ def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks
     engine = llm.engine
     assert engine.num_steps_run_ahead >= 10
     assert (engine.grammars.counters.masked_ahead > 0) == bool(masks_ahead)
+    assert bool(grad_on) == bool(masks_ahead) and not any(grad_on)
     assert not engine.grammars and engine._ahead is None
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
