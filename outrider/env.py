@@ -73,6 +73,12 @@ def fused_kernels() -> bool:
     return _bool("OUTRIDER_FUSED_KERNELS", True)
 
 
+def cpu_packed_weights() -> bool:
+    """OUTRIDER_CPU_PACKED_WEIGHTS: 0 keeps the CPU's GEMMs on the dense weights (F.linear's
+    MKL path, no second copy of each weight: layers/cpu_gemm.py)."""
+    return _bool("OUTRIDER_CPU_PACKED_WEIGHTS", True)
+
+
 def progress(default: bool) -> bool:
     """OUTRIDER_PROGRESS: 1 shows start-up progress bars (loading, graph capture) on stderr, 0
     hides them; unset: `default` (the caller's: stderr is a terminal)."""

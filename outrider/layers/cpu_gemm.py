@@ -16,7 +16,10 @@ EPYC with avx512_bf16).
 
 The packed copy is kept beside the weight, keyed by its version: a weight loaded or changed in
 place afterwards is packed again. It costs a second copy of every weight the GEMM meets (the
-dense one stays: embeddings read it, loaders write it, training takes grads through F.linear).
+dense one stays: embeddings read it, loaders write it, training takes grads through F.linear),
+so a weight is packed only while the host keeps PACK_RESERVE of its memory available beyond
+that copy (MemAvailable, Linux): a model that fits once but not twice runs unpacked, not into
+swap, and says so once in the log. OUTRIDER_CPU_PACKED_WEIGHTS=0 packs nothing.
 Only the rounding differs from F.linear's. Where oneDNN is missing (a torch built without it)
 or refuses a weight, the (W x^T)^T form with at least two columns is the fallback (2x
 F.linear at one row: a one-column product is a GEMV on one thread; fp32 only). CUDA tensors,
@@ -27,16 +30,27 @@ gradient go to F.linear as they are. The deterministic mode keeps its own GEMM
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
+
+from outrider import env
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = 128  # the fallback form's reach (measured faster up to here than F.linear)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _ONEDNN = bool(
-    torch.backends.mkldnn.is_available()
+    env.cpu_packed_weights()
+    and torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 )
+# Host memory a packing must leave available: the rest of a step's working set (activations,
+# KV blocks, the server) lives there too.
+PACK_RESERVE = 1 << 30
+_short_of_memory = False  # logged once
 # What a step's time depends on here, for the kept step profiles' key (engine/speculation.py):
 # a profile timed with another form of the GEMM is timed again.
 FORM = (
@@ -84,6 +98,9 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
     kept = getattr(weight, "_onednn", None)
     if kept is not None and kept[0] == key:
         return kept[1]
+    if not _room_for(weight.nbytes):
+        weight._onednn = (key, None)
+        return None
     try:
         # No batch-size hint: packed for any row count (a hint of 1 made 16 rows 2x slower).
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -91,3 +108,33 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
         packed = None
     weight._onednn = (key, packed)
     return packed
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether a packed copy of `nbytes` leaves PACK_RESERVE of the host's memory available;
+    logs the first refusal."""
+    global _short_of_memory
+    available = available_memory()
+    if available is None or available - nbytes >= PACK_RESERVE:
+        return True
+    if not _short_of_memory:
+        _short_of_memory = True
+        log.warning(
+            "CPU GEMMs: %d MB of memory available, too little to pack a %d MB weight for "
+            "oneDNN beside the dense one and keep %d MB free; such weights run unpacked (slower "
+            "for a verify's rows). More memory, or OUTRIDER_CPU_PACKED_WEIGHTS=0 to pack none.",
+            available >> 20, nbytes >> 20, PACK_RESERVE >> 20,
+        )  # fmt: skip
+    return False
+
+
+def available_memory() -> int | None:
+    """The host's MemAvailable in bytes (/proc/meminfo); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

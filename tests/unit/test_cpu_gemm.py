@@ -5,10 +5,15 @@ to F.linear."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from outrider import env
 from outrider.layers import cpu_gemm
 
 FORMS = [True, False] if cpu_gemm._ONEDNN else [False]
@@ -96,3 +101,35 @@ def test_a_fallback_prefill_goes_to_f_linear(monkeypatch):
     want = F.linear(x, w)
     monkeypatch.setattr(torch, "mm", lambda *a: pytest.fail("the (W x^T)^T form was taken"))
     assert torch.equal(cpu_gemm.linear(x, w), want)
+
+
+@pytest.mark.skipif(not cpu_gemm._ONEDNN, reason="torch built without oneDNN")
+def test_a_weight_the_memory_left_cannot_copy_runs_unpacked_and_says_so_once(monkeypatch, caplog):
+    """A packed copy must leave PACK_RESERVE of the host's memory available; a weight it would
+    not is multiplied unpacked (the same product), and the first such weight is logged."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g)
+    small, large = torch.randn(16, 64, generator=g), torch.randn(512, 64, generator=g)
+    room = cpu_gemm.PACK_RESERVE + small.nbytes  # the small one fits, the large one does not
+    monkeypatch.setattr(cpu_gemm, "available_memory", lambda: room)
+    monkeypatch.setattr(cpu_gemm, "_short_of_memory", False)
+    with caplog.at_level("WARNING", logger=cpu_gemm.__name__):
+        for w in (small, large, large.clone()):
+            torch.testing.assert_close(cpu_gemm.linear(x, w), F.linear(x, w))
+    assert small._onednn[1] is not None and large._onednn[1] is None
+    assert len(caplog.records) == 1 and "OUTRIDER_CPU_PACKED_WEIGHTS=0" in caplog.text
+    monkeypatch.setattr(cpu_gemm, "available_memory", lambda: None)  # unknown: packed
+    big = torch.randn(512, 64, generator=g)
+    cpu_gemm.linear(x, big)
+    assert big._onednn[1] is not None
+
+
+def test_packing_can_be_turned_off_from_the_environment(monkeypatch):
+    code = "from outrider.layers import cpu_gemm as c; print(c._ONEDNN, c.FORM)"
+    off = {**os.environ, "OUTRIDER_CPU_PACKED_WEIGHTS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=off, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("False cpu linear as mm(W, x^T)")
+    monkeypatch.setenv("OUTRIDER_CPU_PACKED_WEIGHTS", "maybe")
+    with pytest.raises(ValueError, match="OUTRIDER_CPU_PACKED_WEIGHTS='maybe'"):
+        env.cpu_packed_weights()
