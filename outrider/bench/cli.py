@@ -1,8 +1,9 @@
-"""`outrider bench serve | plot | comm`: load an OpenAI-compatible server over a concurrency sweep
-and chart the results; time the collectives of tensor parallelism. Flag defaults come from
-BenchConfig (bench/serve.py) and CommConfig (bench/comm.py); each subcommand's flags are added
-only when it is chosen (flags.Commands), and httpx, tqdm, matplotlib and torch are imported only
-when a command runs."""
+"""`outrider bench serve | plot | comm | routing`: load an OpenAI-compatible server over a
+concurrency sweep and chart the results; time the collectives of tensor parallelism; count an
+MoE model's routing for the planner. Flag defaults come from BenchConfig (bench/serve.py) and
+CommConfig (bench/comm.py); each subcommand's flags are added only when it is chosen
+(flags.Commands), and httpx, tqdm, matplotlib and torch are imported only when a command
+runs."""
 
 from __future__ import annotations
 
@@ -62,6 +63,34 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
         "candidate in its own processes (protocol, algorithm, channels, P2P). Writes the full "
         "result, the best candidate's figures for `outrider plan --link FILE`, and its settings "
         "as an env file for `outrider deploy systemd --env-file FILE`.",
+    )
+    add_command(
+        sub,
+        "routing",
+        _add_routing_flags,
+        help="count an MoE model's routing per layer and expert, for `outrider plan --routing`",
+        description="Run an MoE model (eagerly, greedy, ignoring EOS) over the built-in prompts "
+        "and count every router's choices per layer and routed expert. The JSON it writes is "
+        "what `outrider plan MODEL --routing FILE` prices experts touched and grouped-GEMM "
+        "blocks from, where it otherwise takes routing to be uniform (an upper estimate).",
+    )
+
+
+def _add_routing_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="an MoE checkpoint (HF directory or .gguf)")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts run (default: 64)")
+    p.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens generated a prompt (default: 128)"
+    )
+    p.add_argument(
+        "--dataset", choices=("builtin", "grounded"), default="builtin",
+        help="the built-in chat prompts, or its tasks on a given text (default: builtin)",
+    )  # fmt: skip
+    p.add_argument("--out", default="routing.json", help="where the counts go")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over"
     )
 
 
@@ -248,10 +277,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return _serve(args)
         if args.bench_command == "comm":
             return _comm(args)
+        if args.bench_command == "routing":
+            return _routing(args)
         return _plot(args)
     except BenchError as e:
         print(f"outrider: error: {e}", file=sys.stderr)
         return 1
+
+
+def _routing(args: argparse.Namespace) -> int:
+    import json
+
+    from outrider import LLM
+    from outrider.bench.prompts import load_prompts
+    from outrider.bench.routing import measure_routing, summary
+    from outrider.bench.serve import BenchConfig
+
+    for name in ("num_prompts", "max_tokens"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"invalid {flag} {getattr(args, name)}: use an integer >= 1")
+    cfg = BenchConfig(
+        base_url="http://127.0.0.1", dataset=args.dataset, num_prompts=args.num_prompts
+    )  # (no server: only the prompt set is read)
+    prompts = [p.text for p in load_prompts(cfg)]
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, enforce_eager=True,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )  # fmt: skip
+    try:
+        result = measure_routing(llm, prompts, args.max_tokens)
+    finally:
+        llm.shutdown()
+    result = {"model": args.model, "dataset": args.dataset, **result}
+    Path(args.out).write_text(json.dumps(result) + "\n")
+    print(summary(result))
+    print(f"wrote {args.out}: outrider plan {args.model} --routing {args.out}")
+    return 0
 
 
 def _comm(args: argparse.Namespace) -> int:

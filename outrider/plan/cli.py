@@ -75,6 +75,11 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--context", type=int, default=2048, help="tokens in each sequence's KV")
     g.add_argument(
+        "--routing", default=None, metavar="FILE",
+        help="an MoE model's measured routing (`outrider bench routing` writes it): experts "
+        "touched and grouped-GEMM blocks priced from it instead of uniform routing",
+    )  # fmt: skip
+    g.add_argument(
         "--weights", choices=tuple(WEIGHT_FORMATS), default=None,
         help="every linear layer's format (default: the model's own)",
     )  # fmt: skip
@@ -146,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from outrider.env import default_model
     from outrider.plan.costmodel import Setup
     from outrider.plan.hardware import calibrated_dtype, load_gpu, load_link
-    from outrider.plan.models import load_model, weight_format
+    from outrider.plan.models import load_model, read_routing, weight_format
     from outrider.plan.planner import Drafter, Tree, drafter_model, plan_batch
     from outrider.plan.report import machine, table, to_json, write_png
 
@@ -158,6 +163,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # No MODEL: OUTRIDER_MODEL, else the embedded default's shape, as --help says.
     name = args.model or default_model() or EMBEDDED_MODEL
     model = load_model(name).with_weights(args.weights, args.expert_weights)
+    if args.routing:
+        model = model.with_routing(read_routing(args.routing), f"--routing {args.routing!r}")
     gpu = load_gpu(args.gpu or "h200")
     eager = args.eager
     if gpu.is_cpu:

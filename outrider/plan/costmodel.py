@@ -38,7 +38,9 @@ independent, an expert is missed by one token with probability 1 - k/E, so N tok
 
 which is why large batches read most of the experts and a verify of 1 + k tokens per sequence
 reads several times the expert bytes of a decode step. Real routing is skewed, so U(N) is an
-upper estimate. The engine's grouped GEMM (layers/moe_fused.py moe_gemm) runs each expert's
+upper estimate; a model given its measured routing (ModelSpec.routing, `outrider plan
+--routing`: each expert's chance p_e that a token chooses it, per layer) is priced with
+U(N) = sum_e 1 - (1 - p_e)^N and the blocks below from each expert's own binomial. The engine's grouped GEMM (layers/moe_fused.py moe_gemm) runs each expert's
 rows in blocks of MOE_BLOCK_M, and every block takes in its expert's weights: the first from
 memory, the rest from L2 (an expert's blocks run together). So the SMs take in
 
@@ -220,9 +222,17 @@ def expert_blocks(num_experts: int, per_token: int, tokens: int, block: int = MO
     tokens, 127.4 at 256, 221.6 at 512 (48 rows an expert)."""
     if num_experts == 0 or tokens == 0:
         return 0.0
-    p = per_token / num_experts
+    return num_experts * _blocks_of_one(per_token / num_experts, tokens, block)
+
+
+def _blocks_of_one(p: float, tokens: int, block: int) -> float:
+    """E[ceil(X / M)], X ~ Binomial(N, p): one expert's blocks of M rows for N tokens."""
+    if p <= 0.0:
+        return 0.0
     if p >= 1.0:
-        return num_experts * math.ceil(tokens / block)
+        return float(math.ceil(tokens / block))
+    if tokens <= block:  # one block, if any row
+        return 1.0 - (1.0 - p) ** tokens
     mean, sd = tokens * p, math.sqrt(tokens * p * (1.0 - p))
     lo, hi = max(1, int(mean - 12 * sd)), min(tokens, int(mean + 12 * sd) + 1)
     log_n, lp, lq = math.lgamma(tokens + 1), math.log(p), math.log1p(-p)
@@ -230,7 +240,40 @@ def expert_blocks(num_experts: int, per_token: int, tokens: int, block: int = MO
     for x in range(lo, hi + 1):
         log_pmf = log_n - math.lgamma(x + 1) - math.lgamma(tokens - x + 1) + x * lp
         total += math.ceil(x / block) * math.exp(log_pmf + (tokens - x) * lq)
-    return num_experts * total
+    return total
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _routed_one(p: float, tokens: int, block: int) -> tuple[float, float]:
+    """(P(touched), E[blocks]) of an expert each token chooses with probability p."""
+    return 1.0 - (1.0 - p) ** tokens, _blocks_of_one(p, tokens, block)
+
+
+# Measured probabilities are priced on a grid 1% apart (relative): a model's thousands of
+# (layer, expert) values then share a few hundred binomial sums.
+_GRID = 100.0
+
+
+@functools.lru_cache(maxsize=256)
+def routed_load(
+    routing: tuple[tuple[float, ...], ...], tokens: int, block: int = MOE_BLOCK_M
+) -> tuple[tuple[float, float], ...]:
+    """Per row of `routing` (ModelSpec.routing: each expert's chance that a token chooses
+    it), (U, B) for N tokens: the experts they touch, sum_e 1 - (1 - p_e)^N, and the blocks of
+    M rows the grouped GEMM runs, sum_e E[ceil(X_e / M)], X_e ~ Binomial(N, p_e) (choices
+    taken as independent between experts, as the uniform U(N) takes them). Skewed routing
+    touches fewer experts than uniform and piles more rows, so more blocks, on the popular
+    ones."""
+    out = []
+    for row in routing:
+        touched = blocks = 0.0
+        for p in row:
+            if p > 0.0:
+                q = min(1.0, math.exp(round(math.log(p) * _GRID) / _GRID))
+                t, b = _routed_one(q, tokens, block)
+                touched, blocks = touched + t, blocks + b
+        out.append((touched, blocks))
+    return tuple(out)
 
 
 def grouped_gemm(
@@ -287,6 +330,7 @@ def forward_kernels(
         cs.append(reduce)
     experts = 0.0
     heads = m.num_heads // tp
+    loads = routed_load(m.routing, n) if m.routing else ()  # measured routing's (U, B) a layer
     for layer in range(m.num_layers):
         ks.append(small("input_norm", h))
         if m.mla:
@@ -327,11 +371,14 @@ def forward_kernels(
         ks.append(small("post_attention_norm", h))
         if m.moe and layer >= m.first_k_dense:
             inter = m.moe_intermediate_size // tp
-            touched = unique_experts(m.num_experts, m.experts_per_token, n)
+            if loads:  # measured: this layer's row, or the one row for all
+                touched, blocks = loads[min(layer - m.first_k_dense, len(loads) - 1)]
+            else:
+                touched = unique_experts(m.num_experts, m.experts_per_token, n)
+                blocks = expert_blocks(m.num_experts, m.experts_per_token, n)
             experts = max(experts, touched)
             folded = folded_shared_experts(m)  # more experts every token chooses: n rows each
             read = touched + folded
-            blocks = expert_blocks(m.num_experts, m.experts_per_token, n)
             blocks += folded * -(-n // MOE_BLOCK_M)
             routed = n * (m.experts_per_token + folded)  # token-expert pairs
             ks.append(gemm("router", h, m.num_experts, 2))  # the gate stays bf16

@@ -90,6 +90,9 @@ class ModelSpec:
     weights: str = "bf16"
     expert_weights: str | None = None
     kv_bytes: int = 2
+    # Measured routing (`with_routing`): per MoE layer, each routed expert's probability that
+    # a token chooses it (a row sums to experts_per_token); () prices uniform routing.
+    routing: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size"):
@@ -102,6 +105,40 @@ class ModelSpec:
             )
         weight_format(self.weights)
         weight_format(self.expert_weights or self.weights)
+        for row in self.routing:
+            if len(row) != self.num_experts or not all(0.0 <= p <= 1.0 for p in row):
+                raise ValueError(
+                    f"model {self.name!r}: a routing row of {len(row)} probabilities, where "
+                    f"{self.num_experts} in [0, 1] (one a routed expert) are needed"
+                )
+
+    def with_routing(self, counts: list[list[float]], source: str = "routing") -> ModelSpec:
+        """This model priced with measured routing: `counts`, per MoE layer (or one row for
+        all of them), how many times each routed expert was chosen. Each row becomes each
+        expert's share of the choices times experts_per_token (a token's chance of choosing
+        it); `source` names the counts in errors."""
+        if not self.moe:
+            raise ValueError(f"{source}: {self.name} has no routed experts to route")
+        rows = []
+        for i, row in enumerate(counts):
+            if (
+                not isinstance(row, list)
+                or len(row) != self.num_experts
+                or not all(isinstance(c, (int, float)) and c >= 0 for c in row)
+                or not sum(row)
+            ):
+                raise ValueError(
+                    f"{source}: layer {i} must be {self.num_experts} counts >= 0 (one for each "
+                    f"of {self.name}'s routed experts), not all zero"
+                )
+            total = float(sum(row))
+            rows.append(tuple(min(1.0, self.experts_per_token * c / total) for c in row))
+        if len(rows) not in (1, self.num_moe_layers):
+            raise ValueError(
+                f"{source}: {len(rows)} layers of counts, where {self.name} has "
+                f"{self.num_moe_layers} MoE layers: give one row for each, or one for all"
+            )
+        return dataclasses.replace(self, routing=tuple(rows))
 
     @property
     def mla(self) -> bool:
@@ -246,6 +283,26 @@ def _formats(q: Any) -> tuple[str, str | None]:
                 group = w.get("group_size") or 32
                 return "bf16", "int4" if group == 32 else f"int4-g{group}"
     return "bf16", None
+
+
+def read_routing(path: str) -> list[list[float]]:
+    """The per-layer counts of a routing file (`outrider bench routing` writes one): a JSON
+    object whose "layers" holds, for each MoE layer, how many times each routed expert was
+    chosen."""
+    p = Path(path).expanduser()
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"--routing {path!r}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--routing {path!r} is not valid JSON ({e})") from None
+    layers = d.get("layers") if isinstance(d, dict) else None
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(
+            f'--routing {path!r}: expected a JSON object with "layers", a list of each MoE '
+            "layer's counts of choices per routed expert (what `outrider bench routing` writes)"
+        )
+    return layers
 
 
 def load_model(model: str) -> ModelSpec:
