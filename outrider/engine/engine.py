@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Container
 
 import torch
 
@@ -22,7 +21,8 @@ from outrider.core import (
 )
 from outrider.engine import overlap, stop_strings
 from outrider.engine.block_manager import BlockManager
-from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop, count_until_stop
+from outrider.engine.detokenizer import IncrementalDetokenizer, check_stop
+from outrider.engine.grammar_steps import GrammarSteps, with_runs
 from outrider.engine.limits import ContextLimit, check_request, context_limit
 from outrider.engine.proposers import build_proposer, check_method
 from outrider.engine.scheduler import Scheduler
@@ -32,32 +32,12 @@ from outrider.engine.structured import Grammars
 from outrider.engine.tracked import TrackedRequest
 from outrider.executor import tp_workers
 from outrider.executor.model_runner import ModelRunner
-from outrider.executor.sampler import make_generator, masked_argmax, masked_argmax_no_sync
+from outrider.executor.sampler import make_generator
 from outrider.executor.spec_launch import SpecLaunch
-from outrider.executor.spec_step import masked_greedy, runs_ahead
+from outrider.executor.spec_step import runs_ahead
 from outrider.loaders.checkpoint import Checkpoint, open_checkpoint
 from outrider.loaders.hf_config import check_tp_size
-from outrider.transfer import HostCopy, beside, to_device_no_sync, to_device_packed
-
-# Beside a drafter's aux streams (where a refused guess drops the whole step run ahead), a batch
-# with greedy constrained rows runs ahead (on their unmasked argmax) only at these odds or
-# better that no grammar refuses its row's guess; the refusal rate is a running average over
-# rows with this weight for the newest.
-AHEAD_GRAMMAR_ODDS = 0.75
-GRAMMAR_MISS_RATE = 0.05
-# A plain step run ahead with at most this many greedy constrained rows takes their masked
-# argmax on the device before the step after is launched on them (their masks computed on the
-# host since the tokens before them were read); more rows run ahead on a guess, their unmasked
-# argmax, picked by their grammars from their top logits once read. 64 masks took 1.1-1.4 ms
-# on an H200's host, about a step of the default model; 16 take a quarter of it, in a thread.
-MASKS_AHEAD_MAX_ROWS = 16
-# A speculative step whose greedy constrained rows verify at most this many rows in all (each
-# one's root and drafts) takes their masked argmax on the device, the masks computed on the host
-# while the device verifies (Grammars.attach_masks); more are picked from their top logits, read
-# between the verify and the drafter (a sync inside the step, the device idle while the host
-# walks the grammars). 64 masks took 1.1-1.4 ms on an H200's host; at one stream and k = 4 a
-# step verifies 5 rows.
-SPEC_MASKS_MAX_ROWS = 32
+from outrider.transfer import to_device_no_sync, to_device_packed
 
 
 class EngineCore:
@@ -106,15 +86,16 @@ class EngineCore:
         self._rows = 0
         # Steps run ahead on a greedy constrained row's unmasked argmax that its grammar then
         # refused: dropped whole (beside a drafter's aux streams), or only the refused rows
-        # computed again (Ahead.redo); and how often a constrained row's grammar refuses its
-        # argmax (a running average over rows): beside aux streams a batch runs ahead only
-        # while that seems unlikely.
+        # computed again (Ahead.redo).
         self.num_steps_run_ahead_dropped = 0
         self.num_rows_run_ahead_redone = 0
-        self._grammar_miss = 0.0
         self.speculator = Speculator(
             config.speculative, self.runner, self.block_manager, self.max_model_len, proposer,
             self.grammars, ahead=self._async_asked,
+        )  # fmt: skip
+        self.grammar_steps = GrammarSteps(
+            self.grammars, proposer is None and config.speculative.grammar_drafts,
+            config.scheduler.max_num_batched_tokens, self.max_model_len,
         )  # fmt: skip
 
     def _start_runner(self, config: EngineConfig) -> ModelRunner:
@@ -200,10 +181,10 @@ class EngineCore:
             self.grammars.start(req.request_id, params.structured_outputs)
         tracked = TrackedRequest(req, IncrementalDetokenizer(self.tokenizer, req), prompt)
         self._tracked[req.request_id] = tracked
-        if params.structured_outputs is not None and self._jumps_alone():
+        if params.structured_outputs is not None and self.grammar_steps.jumps_alone():
             # What the grammar forces first (an object's opening and first key) is computed
             # with the prompt, and the first token sampled after it.
-            tracked.pending = self._jump(tracked, start=True)[0]
+            tracked.pending = self.grammar_steps.jump(tracked, start=True)[0]
         self.scheduler.add_request(req)
         return req
 
@@ -253,7 +234,9 @@ class EngineCore:
         if decodes is not None:
             decodes = self.speculator.rows_left(decodes)
         redo: dict[int, int] = {}  # rows launched on a refused guess (overlap.Ahead.redo)
-        masks = None  # greedy constrained rows' masks, taken on the device (_masks_ahead)
+        masks = (
+            None  # greedy constrained rows' masks, taken on the device (GrammarSteps.masks_ahead)
+        )
         if self._ahead is not None:
             batch, ids, redo = self._ahead.batch, self._ahead.token_ids, self._ahead.redo
             masks = self._ahead.masks
@@ -271,10 +254,8 @@ class EngineCore:
             if batch.is_empty:
                 return []
             speculative = self.speculator.is_speculative_step(batch)
-            if self.grammars:  # greedy rows picked from their top logits where the step can
-                plain = batch.mode != ForwardMode.VERIFY and not any(s.drafts for s in batch.seqs)
-                pick = plain or (speculative and self._mask_rows(batch) > SPEC_MASKS_MAX_ROWS)
-                self.grammars.attach_masks(batch, pick=pick)
+            if self.grammars:
+                self.grammar_steps.attach_masks(batch, speculative)
             if speculative and batch.mode == ForwardMode.PREFILL:
                 return self._prompts_first(batch, t0)
             if speculative:
@@ -283,15 +264,17 @@ class EngineCore:
             if not (self._async and self._can_run_ahead(batch)):
                 output = self.runner.run(batch)
                 if output.grammar_candidates:
-                    self._pick_grammar_tokens(batch, output)
+                    self.grammar_steps.pick_tokens(batch, output)
                 deltas = self._advance(batch, output)
                 self.speculator.record_step(batch, False, t0)
                 return deltas
-            launched = self.runner.launch(batch, candidates=not self._masks_on_device(batch))
+            launched = self.runner.launch(
+                batch, candidates=not self.grammar_steps.masks_on_device(batch)
+            )
             ids = overlap.Pending.start(launched)
         if masks is None:  # (while the device runs the step)
-            masks = self._masks_ahead(ids, batch, redo)
-        on_device, masked = self._mask_on_device(ids, masks)
+            masks = self.grammar_steps.masks_ahead(ids, batch, redo)
+        on_device, masked = self.grammar_steps.mask_on_device(ids, masks)
         self._ahead = self._run_ahead(batch, on_device, redo)
         tokens = ids.read()  # CPU-GPU sync point (the device is busy with the step run ahead)
         if masked is not None:  # greedy constrained rows: the masked argmax, as launched on
@@ -302,7 +285,7 @@ class EngineCore:
         if ids.grammar is not None and masked is None:  # their grammars pick now
             output.grammar_candidates = ids.candidates()
             output.grammar_logits = ids.grammar.logits
-            self._pick_grammar_tokens(batch, output, skip=redo, after=ids.ids.event)
+            self.grammar_steps.pick_tokens(batch, output, skip=redo, after=ids.ids.event)
             refused = {
                 r: output.token_ids[r][0]
                 for r in ids.grammar.rows
@@ -325,62 +308,9 @@ class EngineCore:
             self._ahead = None
         if self._ahead is not None:  # its rows' grammars have followed this step's tokens
             ahead = self._ahead
-            ahead.masks = self._masks_ahead(ahead.token_ids, ahead.batch, ahead.redo)
+            ahead.masks = self.grammar_steps.masks_ahead(ahead.token_ids, ahead.batch, ahead.redo)
         self.speculator.record_step(batch, False, t0)  # the period of a step run ahead
         return deltas
-
-    def _mask_rows(self, batch: ScheduledBatch) -> int:
-        """The rows a speculative step verifies for its greedy constrained sequences: the masks
-        it needs to decide them on the device (SPEC_MASKS_MAX_ROWS)."""
-        return sum(
-            1 + (s.drafts.num_nodes if s.drafts is not None else 0)
-            for s in batch.seqs
-            if s.sample and masked_greedy(s) and s.request.request_id in self.grammars
-        )
-
-    def _masks_on_device(self, batch: ScheduledBatch) -> bool:
-        """Whether a plain step's greedy constrained rows (grammar_topk), once launched ahead
-        of its read, take their masked argmax on the device (`_mask_on_device`) rather than
-        being picked from their top logits: at most MASKS_AHEAD_MAX_ROWS of them."""
-        return sum(s.grammar_topk for s in batch.seqs) <= MASKS_AHEAD_MAX_ROWS
-
-    def _masks_ahead(
-        self, pending: overlap.Pending, batch: ScheduledBatch, redo: dict[int, int]
-    ) -> torch.Tensor | None:
-        """The masks of a launched plain step's greedy constrained rows, in
-        LaunchedGrammar.rows order, from where their grammars stand (each row's position: its
-        request's tokens before it are read and followed), where the step takes them on the
-        device; None where it does not. Rows in `redo` (dropped at the read) and rows whose
-        request ended allow everything."""
-        grammar = pending.grammar
-        if grammar is None or grammar.candidates is not None:
-            return None
-        sampling = [s for s in batch.seqs if s.sample]
-        rids = [None if r in redo else sampling[r].request.request_id for r in grammar.rows]
-        return self.grammars.masks_now(rids)
-
-    def _mask_on_device(
-        self, pending: overlap.Pending, masks: torch.Tensor | None
-    ) -> tuple[torch.Tensor, HostCopy | None]:
-        """The launched step's ids with its greedy constrained rows' masked argmax in their
-        rows (queued on the device behind the step, before the step after is launched on them),
-        and those rows' tokens on their way to the host; the ids as sampled and None without
-        masks (`_masks_ahead`'s)."""
-        if masks is None:
-            return pending.device, None
-        logits = pending.grammar.logits
-        count = len(pending.grammar.rows)
-        at, rows, bits = to_device_packed(  # one copy
-            [
-                (pending.grammar.rows, torch.int64),
-                (list(range(count)), torch.int64),
-                (masks.numpy(), torch.int32),
-            ],
-            logits.device,
-        )
-        picked = masked_argmax_no_sync(logits, rows, bits)
-        self.grammars.counters.masked_ahead += count
-        return pending.device.index_copy(0, at, picked), HostCopy(picked)
 
     def _speculate(self, batch: ScheduledBatch, t0: float) -> list[RequestOutput]:
         """A speculative step over decoding rows: launched ahead of its read where it can be
@@ -403,7 +333,7 @@ class EngineCore:
         self._label("prefill", prompts)
         output = self.runner.run(prompts)
         if output.grammar_candidates:
-            self._pick_grammar_tokens(prompts, output)
+            self.grammar_steps.pick_tokens(prompts, output)
         self._decodes_next = decodes
         deltas = self._advance(prompts, output)
         self.speculator.record_prompts(decodes, t0)
@@ -479,59 +409,12 @@ class EngineCore:
             return None
         return prompts, overlap.Pending.start(self.runner.launch(prompts))
 
-    def _pick_grammar_tokens(
-        self,
-        batch: ScheduledBatch,
-        output: StepOutput,
-        skip: Container[int] = (),
-        after: torch.cuda.Event | None = None,
-    ) -> None:
-        """The tokens of a plain step's greedy constrained rows (ScheduledSeq.grammar_topk):
-        the argmax among what each grammar allows, from the row's top logits, or where those
-        cannot tell, from its mask computed now. skip: rows whose output is dropped. after: in
-        a step run ahead, where the step's logits were done; a masked argmax of them is taken
-        on a side stream after that alone (transfer.beside), so its read does not wait for the
-        step launched since, and the host's work after it overlaps that step."""
-        sampling = [s for s in batch.seqs if s.sample]
-        # grammar_logits holds the candidates' rows in this order (j). A request that ended in
-        # the step before this one, run ahead, has no grammar left: its row is dropped anyway.
-        rows = [
-            (j, row)
-            for j, row in enumerate(output.grammar_candidates)
-            if sampling[row].request.request_id in self.grammars and row not in skip
-        ]
-        if not rows:
-            return
-        at_rows = [j for j, _ in rows]
-
-        def decide(late: list[tuple[int, int]], masks: torch.Tensor) -> list[int]:
-            with beside(after):
-                at = [at_rows[i] for i, _ in late]
-                at = to_device_no_sync(at, torch.int64, output.grammar_logits.device)
-                return masked_argmax(output.grammar_logits.index_select(0, at), masks)
-
-        paths = self.grammars.paths(
-            [sampling[row] for _, row in rows],
-            [[output.grammar_candidates[row]] for _, row in rows],
-            decide,
-        )
-        for (_, row), ((_, token),) in zip(rows, paths):
-            miss = output.token_ids[row] != [token]  # its unmasked argmax, refused
-            self._grammar_miss += GRAMMAR_MISS_RATE * (miss - self._grammar_miss)
-            output.token_ids[row] = [token]
-
     def _can_run_ahead(self, batch: ScheduledBatch) -> bool:
-        """overlap.can_run_ahead, and for greedy constrained rows run ahead on a guess (their
-        unmasked argmax: more than MASKS_AHEAD_MAX_ROWS of them) beside a drafter's aux
-        streams, whose refusal drops the whole step run ahead (`_redo_or_drop`), odds of at
-        least AHEAD_GRAMMAR_ODDS that every guess holds, at the rate their grammars have
-        refused argmaxes lately. Without them a refused guess costs its row alone."""
-        if not overlap.can_run_ahead(batch):
-            return False
-        guesses = sum(s.grammar_topk for s in batch.seqs)
-        if not guesses or not self.runner.aux_layers or self._masks_on_device(batch):
-            return True
-        return (1.0 - self._grammar_miss) ** guesses >= AHEAD_GRAMMAR_ODDS
+        """overlap.can_run_ahead, and where its greedy constrained rows would run ahead on
+        guesses, odds that they hold (GrammarSteps.guesses_hold)."""
+        return overlap.can_run_ahead(batch) and self.grammar_steps.guesses_hold(
+            batch, aux=bool(self.runner.aux_layers)
+        )
 
     def _redo_or_drop(self, refused: dict[int, int]) -> None:
         """The step run ahead was launched on guesses the grammars refused, by row of the step
@@ -576,7 +459,7 @@ class EngineCore:
             return None
         if not self.speculator.plain_ahead(batch):  # the controller gives the next step drafts
             return None
-        runs = self._forced_runs(batch, redo)
+        runs = self.grammar_steps.forced_runs(batch, redo)
         nxt = overlap.next_batch(batch, self.block_manager, self.max_model_len, redo, runs)
         if nxt is None:
             return None
@@ -592,37 +475,11 @@ class EngineCore:
             )
             ids = ids.index_copy(0, at, tokens)
         if runs:
-            ids = _with_runs(next_batch, ids)
+            ids = with_runs(next_batch, ids)
         self.num_steps_run_ahead += 1
-        candidates = not self._masks_on_device(next_batch)
+        candidates = not self.grammar_steps.masks_on_device(next_batch)
         launched = overlap.Pending.start(self.runner.launch(next_batch, ids, candidates))
         return overlap.Ahead(next_batch, launched, continues=keep)
-
-    def _forced_runs(self, batch: ScheduledBatch, redo: dict[int, int]) -> dict[int, list[int]]:
-        """By row of `batch`: the run its grammar forces from the token the row samples now (that
-        token first), where the run goes on past it (`_jumps`' rows, not recomputed ones); the
-        step run ahead after `batch` computes the run in the row (overlap.next_batch), and once
-        `batch` is read the rest of it is output at once (`_take_run`), as `_jump` takes one in
-        a step read before the next. Cut at a stop token or length, and to the scheduler's token
-        budget. Read before `batch`'s tokens: its grammars stand before them."""
-        rows = self._jumps(batch)
-        if not rows:
-            return {}
-        budget = self.scheduler.config.max_num_batched_tokens - len(batch.seqs)
-        runs = {}
-        for i, s in enumerate(batch.seqs):
-            req = s.request
-            if req.request_id not in rows or i in redo or req.is_finished:
-                continue
-            forced = self.grammars.forced_run(req.request_id, budget + 1)
-            if len(forced) < 2:
-                continue
-            n, _ = count_until_stop(req, forced, self.max_model_len)
-            if n < 2 or n - 1 > budget:
-                continue
-            runs[i] = forced[:n]
-            budget -= n - 1
-        return runs
 
     def _advance(
         self, batch: ScheduledBatch, output: StepOutput, hold: int = 0
@@ -643,7 +500,7 @@ class EngineCore:
             }
         self.speculator.after_postprocess(batch, output)
         deltas = []
-        jumps = self._jumps(batch)
+        jumps = self.grammar_steps.jumps(batch)
         runs: dict[str, list[int]] = {}  # rid -> the forced run the step run ahead computes
         if self._ahead is not None:  # rows a step launched before this read continues: no jump
             seqs = self._ahead.batch.seqs
@@ -660,9 +517,9 @@ class EngineCore:
             reason = self._stop(tracked, complete.get(rid, False))
             if reason is None and (rid in jumps or rid in runs):
                 if rid in runs:
-                    forced, complete_now = self._take_run(tracked, runs[rid])
+                    forced, complete_now = self.grammar_steps.take_run(tracked, runs[rid])
                 else:
-                    forced, complete_now = self._jump(tracked)
+                    forced, complete_now = self.grammar_steps.jump(tracked)
                 if forced:
                     more, forced = tracked.detokenize(forced)
                     text, new_ids = text + more, [*new_ids, *forced]
@@ -684,80 +541,6 @@ class EngineCore:
         if tracked.detokenizer.stop_hit or complete:
             return FinishReason.STOP
         return check_stop(tracked.request, self.max_model_len)
-
-    def _jumps(self, batch: ScheduledBatch) -> set[str]:
-        """The constrained requests of `batch` that take the tokens their grammars force at
-        once (`_jump`, or in a step run ahead `_forced_runs`): in a plain engine with
-        grammar_drafts on (a speculative one drafts them instead)."""
-        if not self.grammars or not self._jumps_alone():
-            return set()
-        return {s.request.request_id for s in batch.seqs if s.request.request_id in self.grammars}
-
-    def _jumps_alone(self) -> bool:
-        """Whether forced runs are taken at once at all: a plain engine (a speculative one
-        drafts them instead) with grammar_drafts on."""
-        return self.speculator.proposer is None and self.config.speculative.grammar_drafts
-
-    def _take_run(self, tracked: TrackedRequest, run: list[int]) -> tuple[list[int], bool]:
-        """The rest of the forced run (`_forced_runs`) that the step run ahead computes for the
-        request, after the token this step gave it: taken by the grammar and output now, as
-        `_jump` takes a run; and whether the grammar is complete after it."""
-        req = tracked.request
-        n, _ = count_until_stop(req, run, self.max_model_len)
-        taken = run[:n]
-        complete = self.grammars.advance(req.request_id, taken)
-        req.output_token_ids.extend(taken)
-        self.grammars.counters.jumped += len(taken)
-        return taken, complete
-
-    def _jump(self, tracked: TrackedRequest, start: bool = False) -> tuple[list[int], bool]:
-        """The tokens the request's grammar forces after its output (each the only one its
-        mask allows, so the masked argmax or a masked draw of any seed), taken by the grammar
-        and appended to the output now, cut at a stop token or length; and whether the grammar
-        is complete after them. The next step computes them as a chunk and samples after them:
-        one forward for a forced run (a key, its quotes, a brace) that took a step a token.
-        Not for a request asking for logprobs (a forced token has none of the model). start:
-        before the request's first step, which must sample a token: none that ends it."""
-        req = tracked.request
-        rid = req.request_id
-        taken: list[int] = []
-        complete = False
-        if req.params.logprobs is not None:
-            return taken, complete
-        while True:  # llguidance lists a run in parts (their ends may join a token)
-            forced = self.grammars.forced_tokens(rid)
-            n, reason = count_until_stop(req, forced, self.max_model_len)
-            if start and reason is not None:
-                n -= 1  # the first step samples the last
-            if n <= 0:
-                break
-            complete = self.grammars.advance(rid, forced[:n])
-            last = complete or reason is not None
-            if start and complete:  # they end the output: the first step samples the last
-                self.grammars.rewind(rid, 1)
-                n, complete = n - 1, False
-            req.output_token_ids.extend(forced[:n])
-            taken += forced[:n]
-            if last:
-                break
-        self.grammars.counters.jumped += len(taken)
-        return taken, complete
-
-
-def _with_runs(batch: ScheduledBatch, ids: torch.Tensor) -> torch.Tensor:
-    """The input ids of a step run ahead whose forced_run rows compute their runs: those the
-    host's, every other row's one token from `ids` (one a row, on the device), in one copy."""
-    flat, at, rows, start = [], [], [], 0
-    for j, s in enumerate(batch.seqs):
-        flat += s.token_ids
-        if not s.forced_run:
-            at.append(start)
-            rows.append(j)
-        start += s.query_len
-    flat, at, rows = to_device_packed(
-        [(flat, torch.int64), (at, torch.int64), (rows, torch.int64)], ids.device
-    )
-    return flat.index_copy(0, at, ids.index_select(0, rows))
 
 
 def validate_request(

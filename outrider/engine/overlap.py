@@ -19,10 +19,10 @@ after (Speculator.plain_ahead): an n-gram lookup needs nothing from them, and an
 drafter defers their rows from the aux streams the launched step kept (Pending.aux). A step
 the controller gives drafts to is scheduled as usual, once the step before it is read.
 Greedy constrained sequences run ahead too. Where a step holds at most MASKS_AHEAD_MAX_ROWS of
-them (engine.py), their masks for step n are computed on the host from the moment step n-1's
+them (engine/grammar_steps.py), their masks for step n are computed on the host from the moment step n-1's
 tokens are followed by their grammars (Grammars.masks_now), and before step n+1 is
 launched the device takes their masked argmax of step n's logits into the ids step n+1 reads
-(Ahead.masks; the engine's _mask_on_device): nothing is guessed. With more of them, they run
+(Ahead.masks; GrammarSteps.mask_on_device): nothing is guessed. With more of them, they run
 ahead on a guess: step n+1 takes their unmasked argmax of step n, which is the grammar's pick
 whenever the grammar allows it. Where it does not, only that row is lost (Ahead.redo): once step
 n is read, its grammar picks from step n's top candidates as in a step not run ahead, step n+2
@@ -36,8 +36,8 @@ Forced runs (a plain engine, grammar_drafts on): where a constrained row's gramm
 before the token step n samples, forces that token and more after it (a key, its quotes, a
 brace), step n+1 computes the whole run in that row, the host's tokens (ScheduledSeq.forced_run,
 a mixed step through the PREFILL graphs), and samples after its last; once step n is read the
-rest of the run is output at once (EngineCore._take_run). Stepped one at a time the run is
-computed in one forward after the token before it too (EngineCore._jump); run ahead, a run that
+rest of the run is output at once (GrammarSteps.take_run). Stepped one at a time the run is
+computed in one forward after the token before it too (GrammarSteps.jump); run ahead, a run that
 follows a token the model chose is known only once that token is read, so its first token
 takes a step of its own.
 

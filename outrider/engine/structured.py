@@ -29,7 +29,7 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             greedy rows checks a few tokens a row where it filled a vocabulary
                             mask per row and draft.
     masks_now(rids)         the greedy rows of a plain step run ahead (at most 16 of them,
-                            engine.MASKS_AHEAD_MAX_ROWS): their masks from where the grammars
+                            grammar_steps.MASKS_AHEAD_MAX_ROWS): their masks from where the grammars
                             stand once the tokens before them are followed, computed at once
                             (not in the thread); the engine takes their masked argmax on the device before
                             the step after is launched on them, so nothing is guessed.
@@ -397,7 +397,7 @@ class Grammars:
         """The tokens the request's grammar forces next (llguidance's fast-forward tokens: each
         one the only token its mask allows there), not taken; [] where it forces none or the
         request is not followed. The grammar, not the model, decides them: a plain engine
-        emits them at once and computes them in the next forward (EngineCore._jump)."""
+        emits them at once and computes them in the next forward (GrammarSteps.jump)."""
         self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None or request_id in self._unforced:
@@ -408,7 +408,7 @@ class Grammars:
         """`forced_tokens` and what the grammar forces after them, part after part (llguidance
         lists a run in parts, whose ends may join a token), at most `limit`; the matcher left
         where it stood. For a step launched before the token that starts the run is read
-        (EngineCore._forced_runs)."""
+        (GrammarSteps.forced_runs)."""
         self._settle()
         matcher = self._matchers.get(request_id)
         if matcher is None or request_id in self._unforced:

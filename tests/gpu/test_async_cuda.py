@@ -171,9 +171,9 @@ def test_plain_steps_run_ahead_wait_on_nothing_but_their_reads_on_cuda(masks_ahe
     go) and steps where a grammar refused every top candidate and allowed more than one token
     (a late mask decided from the logits, read at once) are left out: a mask of one token is
     the token, with no read."""
-    from outrider.engine import engine as engine_module
+    from outrider.engine import grammar_steps as steps_module
 
-    monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
+    monkeypatch.setattr(steps_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
     llm = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2)
     engine = llm.engine
     schema = {

@@ -728,11 +728,11 @@ def test_greedy_constrained_speculation_equals_constrained_plain(
 ):
     """fp32 greedy, batches of 1 and of every prompt: token for token; every output that
     finished is valid. Verify rows decided on the host from their top logits (`picked`: more
-    rows than engine.SPEC_MASKS_MAX_ROWS), or by their masks on the device (`masked`)."""
-    from outrider.engine import engine as engine_module
+    rows than grammar_steps.SPEC_MASKS_MAX_ROWS), or by their masks on the device (`masked`)."""
+    from outrider.engine import grammar_steps as steps_module
     from outrider.executor.spec_step import SpecStep
 
-    monkeypatch.setattr(engine_module, "SPEC_MASKS_MAX_ROWS", 0 if decided == "picked" else 999)
+    monkeypatch.setattr(steps_module, "SPEC_MASKS_MAX_ROWS", 0 if decided == "picked" else 999)
 
     tree_steps, run_tree = [], SpecStep.run_tree
     monkeypatch.setattr(
@@ -1010,14 +1010,14 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     "_masked": as the engine runs so few rows (MASKS_AHEAD_MAX_ROWS), no guess at all: their
     masked argmax is taken on the device before the step after is launched on them, so
     nothing is redone or dropped, beside aux streams too."""
-    from outrider.engine import engine as engine_module
+    from outrider.engine import grammar_steps as steps_module
     from tests.unit.test_spec_eagle3 import _ScriptedController
 
     masked = kind.endswith("_masked")
     if not masked:  # every step guesses
-        monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", 0)
+        monkeypatch.setattr(steps_module, "MASKS_AHEAD_MAX_ROWS", 0)
     if kind == "eagle3_always":
-        monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
+        monkeypatch.setattr(steps_module, "AHEAD_GRAMMAR_ODDS", 0.0)
     specs = [TINY_SPECS[i % len(TINY_SPECS)] for i in range(4)]
     # Some end mid-run, with a step run ahead of them.
     ends = (7, 30, 13, 30)
@@ -1052,7 +1052,7 @@ def test_greedy_constrained_rows_run_ahead_on_a_guess_and_give_the_same_tokens(
     # ahead and redoes the refused rows; beside them, guarded, it stops guessing after its
     # first steps (the unconstrained row runs ahead alone at the end); always, it drops steps.
     else:
-        assert engine._grammar_miss > 0.3 and counters.masked_ahead == 0
+        assert engine.grammar_steps.miss > 0.3 and counters.masked_ahead == 0
     assert engine.num_steps_run_ahead > 0
     if kind == "plain":
         assert engine.num_rows_run_ahead_redone > 5
@@ -1082,18 +1082,18 @@ def test_a_constrained_row_whose_request_ended_is_left_out_of_the_grammars_picks
     read leaves their rows alone (their grammars are gone: picked from their top logits, or,
     masked on the device, masked by nothing) and the others keep going. The masked argmax
     the engine queues itself runs with autograd off, where the fused kernel serves it."""
-    from outrider.engine import engine as engine_module
+    from outrider.engine import grammar_steps as steps_module
 
-    monkeypatch.setattr(engine_module, "AHEAD_GRAMMAR_ODDS", 0.0)
-    monkeypatch.setattr(engine_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
+    monkeypatch.setattr(steps_module, "AHEAD_GRAMMAR_ODDS", 0.0)
+    monkeypatch.setattr(steps_module, "MASKS_AHEAD_MAX_ROWS", masks_ahead)
     grad_on = []  # torch.is_grad_enabled() at each of the engine's masked argmaxes
-    argmax = engine_module.masked_argmax_no_sync
+    argmax = steps_module.masked_argmax_no_sync
 
     def spy(*args):
         grad_on.append(torch.is_grad_enabled())
         return argmax(*args)
 
-    monkeypatch.setattr(engine_module, "masked_argmax_no_sync", spy)
+    monkeypatch.setattr(steps_module, "masked_argmax_no_sync", spy)
     anything = {"regex": "[\\s\\S]*"}
     params = [
         SamplingParams(temperature=0, max_tokens=n, structured_outputs=anything)
