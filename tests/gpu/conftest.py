@@ -15,11 +15,12 @@ def pytest_collection_modifyitems(config, items):
 def drafter_path(tmp_path_factory):
     """A random-weight EAGLE-3 drafter for the default model, saved: losslessness and graph
     tests do not depend on its quality."""
+    from outrider.env import default_model
     from outrider.loaders.checkpoint import open_checkpoint
     from outrider.models.eagle3_io import save_drafter
     from tests.unit.test_spec_eagle3 import random_drafter
 
-    target = open_checkpoint(None).config
+    target = open_checkpoint(default_model()).config  # OUTRIDER_MODEL, as the engines take
     path = tmp_path_factory.mktemp("eagle3") / "drafter"
     save_drafter(random_drafter(target, draft_vocab=8000), path)
     return str(path)
