@@ -219,9 +219,10 @@ def test_tree_rows_equal_their_paths_decodes_at_llama8b_heads():
 
 def _default_model_or_skip():
     try:
+        from outrider.env import default_model
         from outrider.loaders.checkpoint import open_checkpoint
 
-        open_checkpoint(None)
+        open_checkpoint(default_model())  # OUTRIDER_MODEL first, as LLM() takes it
     except (ImportError, FileNotFoundError, ValueError) as e:
         pytest.skip(f"the default model is not installed: {e}")
 
