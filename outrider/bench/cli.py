@@ -78,7 +78,10 @@ def _add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
 def _add_routing_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="an MoE checkpoint (HF directory or .gguf)")
-    p.add_argument("--num-prompts", type=int, default=64, help="prompts run (default: 64)")
+    p.add_argument(
+        "--num-prompts", type=int, default=64,
+        help="prompts run through the model, the set cycled if smaller (default: 64)",
+    )  # fmt: skip
     p.add_argument(
         "--max-tokens", type=int, default=128, help="tokens generated a prompt (default: 128)"
     )
