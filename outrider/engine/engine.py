@@ -234,9 +234,7 @@ class EngineCore:
         if decodes is not None:
             decodes = self.speculator.rows_left(decodes)
         redo: dict[int, int] = {}  # rows launched on a refused guess (overlap.Ahead.redo)
-        masks = (
-            None  # greedy constrained rows' masks, taken on the device (GrammarSteps.masks_ahead)
-        )
+        masks = None  # greedy constrained rows' masks for the device (GrammarSteps.masks_ahead)
         if self._ahead is not None:
             batch, ids, redo = self._ahead.batch, self._ahead.token_ids, self._ahead.redo
             masks = self._ahead.masks

@@ -19,7 +19,7 @@ after (Speculator.plain_ahead): an n-gram lookup needs nothing from them, and an
 drafter defers their rows from the aux streams the launched step kept (Pending.aux). A step
 the controller gives drafts to is scheduled as usual, once the step before it is read.
 Greedy constrained sequences run ahead too. Where a step holds at most MASKS_AHEAD_MAX_ROWS of
-them (engine/grammar_steps.py), their masks for step n are computed on the host from the moment step n-1's
+them (engine/grammar_steps.py), their masks for step n are computed on the host once step n-1's
 tokens are followed by their grammars (Grammars.masks_now), and before step n+1 is
 launched the device takes their masked argmax of step n's logits into the ids step n+1 reads
 (Ahead.masks; GrammarSteps.mask_on_device): nothing is guessed. With more of them, they run

@@ -29,10 +29,11 @@ llguidance into a matcher that follows the request's output token by token. Per 
                             greedy rows checks a few tokens a row where it filled a vocabulary
                             mask per row and draft.
     masks_now(rids)         the greedy rows of a plain step run ahead (at most 16 of them,
-                            grammar_steps.MASKS_AHEAD_MAX_ROWS): their masks from where the grammars
-                            stand once the tokens before them are followed, computed at once
-                            (not in the thread); the engine takes their masked argmax on the device before
-                            the step after is launched on them, so nothing is guessed.
+                            grammar_steps.MASKS_AHEAD_MAX_ROWS): their masks from where the
+                            grammars stand once the tokens before them are followed, computed
+                            at once (not in the thread); the engine takes their masked argmax
+                            on the device before the step after is launched on them, so
+                            nothing is guessed.
     advance(rid, tokens)    the tokens the step emitted; True when the grammar is complete
                             (nothing may follow), which finishes the request ("stop").
 
