@@ -28,11 +28,14 @@ def measure_routing(llm, prompts: list[str], max_tokens: int) -> dict:
             f"{llm.config.model.model or 'the default model'} has no routed experts: "
             "`outrider bench routing` measures an MoE model's routing"
         )
-    counts = [torch.zeros(r.num_experts, dtype=torch.int64) for r in routers]
+    # On each router's device, read once at the end (no sync a layer and step).
+    counts = [
+        torch.zeros(r.num_experts, dtype=torch.int64, device=r.weight.device) for r in routers
+    ]
 
     def counter(i: int):
         def count(router: GroupedTopkRouter, args, out) -> None:
-            ids = out[1][:, : router.top_k].reshape(-1).to("cpu")
+            ids = out[1][:, : router.top_k].reshape(-1)
             counts[i] += torch.bincount(ids, minlength=router.num_experts)[: router.num_experts]
 
         return count

@@ -272,8 +272,7 @@ class Grammars:
         free = [i for i in range(len(request_ids)) if i not in taken]
         if free:
             masks.numpy()[free] = -1
-        if ours:
-            self._llg_tokenizer()  # the executor
+        if ours:  # (their compile made the executor)
             self._executor.unsafe_compute_mask_ptr(
                 ours, masks.data_ptr(), self.words * 4, masks.shape[0]
             )
