@@ -42,7 +42,7 @@ from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.spec_launch import SpecLaunch
 from outrider.executor.spec_step import masked_greedy, runs_ahead, simple_greedy
-from outrider.speculative.base import Proposer
+from outrider.speculative.base import Proposer, TokenDrafter
 from outrider.speculative.controller import SpecController
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
 from outrider.speculative.stats import SpecStats, record_verify
@@ -112,8 +112,12 @@ class Speculator:
         if p is not None and p.topk > 1 and p.on_device:
             self._tree = TreeShape(k, p.topk, p.num_steps or min(k, DEFAULT_MAX_STEPS))
         self._stepped = p is not None and (p.topk == 1 or self._tree is not None)
+        # Whether the step drafts its rows' next k: a device drafter, or a host proposer that
+        # can look its drafts up on the device too where steps run ahead (TokenDrafter).
+        self._drafts_in_step = False
         if self._stepped:
-            drafter = p if p.on_device else None
+            drafter = p if p.on_device else self._token_drafter(p)
+            self._drafts_in_step = drafter is not None
             self._runner.set_speculation(drafter, tuple(range(1, k + 1)), self._tree)
         else:
             self._runner.set_aux_layers(p.aux_layers if p is not None else ())
@@ -124,6 +128,14 @@ class Speculator:
             self.controller = SpecController(self._measure_profile(), max_k=k)
             self.controller.ahead = self._plain_ahead
             self.controller.drafts_inside = p.on_device
+
+    def _token_drafter(self, p: Proposer) -> TokenDrafter | None:
+        """A host proposer of chains that also drafts inside the step from the tokens alone,
+        where steps run ahead of their read (plain ones: `ahead`): then its speculative steps
+        run ahead too (`launches`). Elsewhere a step's lookup would only repeat the host's."""
+        if self._plain_ahead and isinstance(p, TokenDrafter) and p.token_window > 0:
+            return p
+        return None
 
     def _measure_profile(self) -> StepProfile:
         """The step profile kept from an earlier start with the same key (machine, model and
@@ -191,7 +203,7 @@ class Speculator:
             "device": f"{runner.device.type}: {machine}, {torch.get_num_threads()} threads",
             "dtype": str(runner.dtype),
             "model": repr(runner.model_config),
-            "drafter": f"{p.name}: {drafter!r}",
+            "drafter": f"{p.name}: {drafter!r}, drafts in the step: {self._drafts_in_step}",
             "backend": type(runner.backend).__name__,
             "graphs": str(runner.graphs is not None),
             "deterministic": str(runner.config.model.deterministic),
@@ -326,7 +338,7 @@ class Speculator:
         p = self.proposer
         return (
             p is not None
-            and p.on_device
+            and self._drafts_in_step
             and self._tree is None
             and self._k > 0
             and self._runner.tp.size == 1
@@ -336,11 +348,17 @@ class Speculator:
 
     def launch(self, batch: ScheduledBatch) -> SpecLaunch:
         """`run` for a batch `launches` accepted, without its read (SpecLaunch.read)."""
-        t0 = time.perf_counter()
-        self.proposer.catch_up()  # the draft KV of the plain steps before this one
-        self._aside_ms += (time.perf_counter() - t0) * 1e3
+        self._catch_up()  # the draft KV of the plain steps before this one
         self._drafted_only = not any(s.drafts for s in batch.seqs)
         return self._runner.spec_step.launch(batch, self._k, self._k)
+
+    def _catch_up(self) -> None:
+        """A device drafter's extension over the rows it deferred, timed aside (not the
+        step's k's cost); a host proposer has none."""
+        if self.proposer.on_device:
+            t0 = time.perf_counter()
+            self.proposer.catch_up()
+            self._aside_ms += (time.perf_counter() - t0) * 1e3
 
     def launch_after(
         self, batch: ScheduledBatch, launched: SpecLaunch, joins: Sequence[Request] = ()
@@ -373,9 +391,7 @@ class Speculator:
         if joins:
             seqs, joined = self._joined(seqs, joins, 2 * k + 1)
             if joined:
-                t0 = time.perf_counter()
-                self.proposer.catch_up()  # their draft KV over the prompt, which the step reads
-                self._aside_ms += (time.perf_counter() - t0) * 1e3
+                self._catch_up()  # their draft KV over the prompt, which the step reads
         rows = ScheduledBatch(ForwardMode.VERIFY, seqs) if joined else batch
         return self._runner.spec_step.launch_after(launched, rows, joined)
 
@@ -465,13 +481,9 @@ class Speculator:
         """The speculative step on the runner: verify, accept and (a device drafter) draft the
         next k. Only for decoding rows is_speculative_step accepted (a prefill step's prompt
         chunks run before them: `split`)."""
-        on_device = self.proposer.on_device
-        self._drafted_only = on_device and not any(s.drafts for s in batch.seqs)
-        if on_device:  # the draft KV of the plain steps before this one, which the step reads
-            t0 = time.perf_counter()
-            self.proposer.catch_up()
-            self._aside_ms += (time.perf_counter() - t0) * 1e3
-        out = self._runner.run_spec(batch, self._k, self._k if on_device else 0)
+        self._drafted_only = self.proposer.on_device and not any(s.drafts for s in batch.seqs)
+        self._catch_up()  # the draft KV of the plain steps before this one, which the step reads
+        out = self._runner.run_spec(batch, self._k, self._k if self._drafts_in_step else 0)
         self._speculated = True
         return out
 

@@ -31,6 +31,7 @@ from outrider.executor.sampler import (
     top_candidates_no_sync,
 )
 from outrider.executor.spec_step import SpecStep
+from outrider.executor.token_drafts import TokenStepDrafter, token_pool, write_tokens_no_sync
 from outrider.executor.tp_channel import TARGET_GRAPH, StepSender
 from outrider.executor.verify_step import sample_and_verify, tree_kv_slots
 from outrider.layers.attn_backends.base import get_backend
@@ -40,6 +41,7 @@ from outrider.models.deterministic import make_batch_invariant
 from outrider.models.registry import model_class
 from outrider.models.weights import load_weights
 from outrider.progress import progress
+from outrider.speculative.base import TokenDrafter
 from outrider.speculative.tree_batch import TreeShape
 from outrider.transfer import to_device_no_sync
 
@@ -97,6 +99,9 @@ class ModelRunner:
         # drafts come from the host) and the fixed-shape chain step (set_speculation).
         self.drafter = None
         self.spec_step: SpecStep | None = None
+        # The token at each KV slot, written by every forward, for a drafter that drafts
+        # inside the step from tokens alone (executor/token_drafts.py); None without one.
+        self.token_pool: torch.Tensor | None = None
         self.spec_ks: tuple[int, ...] = ()
         log.info(
             "model %s on %s/%s (tensor-parallel rank %d of %d): KV pool %d blocks x %d tokens "
@@ -192,15 +197,28 @@ class ModelRunner:
     def set_speculation(self, drafter, ks: tuple[int, ...], tree: TreeShape | None = None) -> None:
         """Chain speculation at the draft lengths `ks` (each a k >= 1 the step may be asked to
         verify), or trees of one shape (`tree`; ks is then (tree.num_nodes,)). drafter: an
-        EAGLE-3 drafter the runner runs inside the step, or None (chain drafts come from the
-        host); every target forward keeps the drafter's aux streams. Call before
-        capture_graphs."""
+        EAGLE-3 drafter the runner runs inside the step (every target forward keeps its aux
+        streams), a TokenDrafter whose lookup the step runs over the tokens every forward
+        keeps (executor/token_drafts.py), or None (chain drafts come from the host). Call
+        before capture_graphs."""
         if tree is not None and self.backend.deterministic and not self.backend.deterministic_trees:
             raise ValueError(
                 f"deterministic=True with tree speculation (topk > 1): the {self.backend.name} "
                 "attention backend computes tree rows over masked key tiles, not as a decode "
                 "row; use a chain (topk 1), or deterministic=False"
             )
+        if isinstance(drafter, TokenDrafter):
+            if tree is not None:
+                raise ValueError("a TokenDrafter drafts chains: use topk 1")
+            # Kept from an earlier one: blocks the prefix cache holds keep their tokens. (A
+            # pool made after forwards ran without one reads zeros in blocks cached before:
+            # poorer drafts there, the same output.)
+            if self.token_pool is None:
+                slots = self.kv_pool.num_blocks * self.block_size
+                self.token_pool = token_pool(slots, self.device)
+            drafter = TokenStepDrafter(drafter, self.token_pool, self.block_size)
+        else:
+            self.token_pool = None
         self.drafter = drafter
         self.aux_layers = tuple(drafter.aux_layers) if drafter is not None else ()
         self._set_spec_step(drafter, ks, tree)
@@ -232,6 +250,7 @@ class ModelRunner:
             max_positions=self.max_model_len, batch_sizes=self._graph_batch_sizes(),
             aux_layers=tuple(drafter.aux_layers) if drafter is not None else (),
             tree=tree, kv_pool=self.kv_pool, sender=self.tp_sender, tp=self.tp,
+            token_pool=self.token_pool,
         )  # fmt: skip
 
     def _graph_batch_sizes(self) -> tuple[int, ...]:
@@ -379,6 +398,8 @@ class ModelRunner:
             rows = inputs.logits_indices if any(s.sample for s in batch.seqs) else None
             graph = None if key is None else (TARGET_GRAPH, key.mode, key.batch, key.tokens_per_seq)
             self.tp_sender.forward(inputs.input_ids, inputs.positions, inputs.attn, rows, graph)
+        if self.token_pool is not None:
+            write_tokens_no_sync(self.token_pool, inputs.attn.slot_mapping, inputs.input_ids)
         if key is not None:
             hidden, aux = graphs.replay(key, inputs)
             return hidden, ([] if aux is None else [aux]), inputs

@@ -53,6 +53,7 @@ from outrider.executor.sampler import (
 )
 from outrider.executor.spec_graphs import SpecGraphs
 from outrider.executor.spec_launch import SpecLaunch, SpecOutput
+from outrider.executor.token_drafts import TokenStepDrafter, write_tokens_no_sync
 from outrider.executor.tp_channel import ALL_ROWS
 from outrider.executor.verify_step import masked_greedy_chain_no_sync, verify_chain_rows_no_sync
 from outrider.layers import fused
@@ -152,7 +153,7 @@ class SpecStep:
         self,
         model: torch.nn.Module,
         backend: AttentionBackend,
-        drafter: DeviceDrafter | None,  # None: chain drafts come from the host (n-gram)
+        drafter: DeviceDrafter | TokenStepDrafter | None,  # None: chain drafts from the host
         *,
         max_k: int,
         block_size: int,
@@ -165,8 +166,10 @@ class SpecStep:
         kv_pool=None,  # executor.kv_cache.KVPool: trees move accepted nodes' KV in it
         sender=None,  # executor.tp_channel.StepSender on rank 0 of several, else None
         tp: TPGroup | None = None,  # the model's group: captures record, replays count
+        token_pool: torch.Tensor | None = None,  # [slots] int64 (executor/token_drafts.py)
     ) -> None:
         self.model, self.backend, self.drafter = model, backend, drafter
+        self.token_pool = token_pool  # every verify writes its rows' tokens there
         self.sender = sender
         self.tp = tp or single()
         self.tree, self.kv_pool = tree, kv_pool
@@ -402,6 +405,8 @@ class SpecStep:
             positions = rope.clamp_(max=self.max_positions - 1).view(-1)
         if self.sender is not None and send:  # the others verify too, logits for every row
             self.sender.forward(ids, positions, meta, ALL_ROWS)
+        if self.token_pool is not None:
+            write_tokens_no_sync(self.token_pool, meta.slot_mapping, ids)
         self.backend.prepare(meta)
         with forward_context(ForwardContext(meta, self.backend)):
             hidden, aux = self.model(ids, positions, self.aux_layers)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from outrider.models.eagle3 import Eagle3Draft
     from outrider.speculative.tree_batch import TreeShape
 
-__all__ = ["DeviceDrafter", "Proposer", "SeqDrafts"]
+__all__ = ["DeviceDrafter", "Proposer", "SeqDrafts", "TokenDrafter"]
 
 
 @runtime_checkable
@@ -130,4 +130,30 @@ class DeviceDrafter(Proposer, Protocol):
         aux_rows: torch.Tensor | None = None,  # [T]: hidden is these rows of the last aux
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [R, draft_vocab], pre-norm hidden [R, H]
         """One eager draft forward (a sharded drafter's other ranks run it alongside)."""
+        ...
+
+
+@runtime_checkable
+class TokenDrafter(Protocol):
+    """A host proposer of chains (n-gram lookup) that also drafts inside the speculative step,
+    on the device, from each row's last tokens alone, where steps run ahead of their read
+    (engine/overlap.py): there the host does not have the tokens a step's successor drafts
+    from. The runner keeps every target forward's input tokens beside the KV and hands it a
+    window of them after each verify (executor/token_drafts.py); `propose` still drafts for
+    rows the step did not (a request just admitted, speculation just turned on).
+
+    Invariants: `draft_from_tokens_no_sync` reads nothing on the host, so a CUDA graph can
+    capture it; it returns k target token ids a row (a row with nothing to draft from repeats
+    a token: drafts change acceptance, never output).
+    """
+
+    token_window: int  # tokens before each row's last that a lookup reads; 0: host only
+
+    def draft_from_tokens_no_sync(
+        self,
+        tokens: torch.Tensor,  # [B, token_window + 1] int64: each row's last tokens, last last
+        valid: torch.Tensor,  # [B, token_window + 1] bool: False before a row's first token
+        k: int,
+    ) -> torch.Tensor:  # [B, k] int64
+        """Each row's next k drafts."""
         ...

@@ -67,12 +67,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from outrider.core import Request
 from outrider.speculative.base import SeqDrafts
+from outrider.speculative.ngram_device import ngram_drafts_no_sync
 from outrider.speculative.ngram_index import Arena, Seq, Table, hash_constants, hash_ngrams
 
 NgramKey = tuple[int, ...]
+
+# Tokens a lookup on the device reads before a row's last: [B, 2049] int64 at every step that
+# drafts there, about 30 small launches (ngram_device.py); occurrences further back are the
+# host's alone.
+DEVICE_WINDOW = 2048
 
 
 @dataclass(frozen=True)
@@ -80,13 +87,16 @@ class NgramConfig:
     """min_n..max_n: suffix lengths tried, longest first. num_draft_tokens: k, the default cap
     (the engine may ask for fewer per call). shared_cache: when a request's own tokens have no
     match, also look in recently finished requests, up to shared_cache_max_tokens tokens of them
-    (least recently used requests are dropped whole)."""
+    (least recently used requests are dropped whole). device_window: tokens before a row's
+    last that the lookup inside the speculative step reads where steps run ahead
+    (ngram_device.py; the host's reads the whole sequence); 0 drafts on the host only."""
 
     min_n: int = 1
     max_n: int = 4
     num_draft_tokens: int = 4
     shared_cache: bool = False
     shared_cache_max_tokens: int = 1 << 16
+    device_window: int = DEVICE_WINDOW
 
     def __post_init__(self) -> None:
         if self.min_n < 1:
@@ -103,6 +113,11 @@ class NgramConfig:
             raise ValueError(
                 f"invalid num_draft_tokens={self.num_draft_tokens}: use an integer >= 1; "
                 "to switch drafting off, pass max_draft_tokens=0 to propose()"
+            )
+        if self.device_window < 0:
+            raise ValueError(
+                f"invalid device_window={self.device_window}: use a token count >= 0 "
+                f"(0 drafts on the host only; default {DEVICE_WINDOW})"
             )
         if self.shared_cache_max_tokens < 1:
             raise ValueError(
@@ -207,6 +222,9 @@ class NgramProposer:
 
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
+        # Satisfies TokenDrafter too; the shared cache is the host's, so with it only the host
+        # drafts (a step's lookup would miss what it finds).
+        self.token_window = 0 if config.shared_cache else config.device_window
         self._seqs: dict[str, Seq] = {}
         self._serials = itertools.count()
         self._arena = Arena()
@@ -257,6 +275,13 @@ class NgramProposer:
 
     def observe(self, batch, output) -> None:
         """Lookup indexes the request's own tokens in `propose`; nothing to catch up on."""
+
+    def draft_from_tokens_no_sync(
+        self, tokens: torch.Tensor, valid: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        """TokenDrafter's lookup: the same drafts from each row's last token_window + 1 tokens,
+        on their device (ngram_device.py)."""
+        return ngram_drafts_no_sync(tokens, valid, self.config.min_n, self.config.max_n, k)
 
     def positions_needed(self, k: int) -> int:
         return 1 + k

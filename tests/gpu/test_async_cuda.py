@@ -78,6 +78,27 @@ def test_speculative_steps_run_ahead_on_cuda(drafter_path):
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
 
 
+def test_ngram_steps_run_ahead_on_cuda():
+    """N-gram chains in graphs (fp32): the lookup runs inside the step over the tokens every
+    forward keeps (executor/token_drafts.py), so each speculative step launches the next
+    before its read; the output equals plain decoding's, stepped one batch at a time."""
+    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
+    params = [SamplingParams(temperature=0, max_tokens=40 + 8 * (i % 3)) for i in range(8)]
+    plain = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, async_scheduling=False)
+    want = [o.token_ids for o in plain.chat(convs, params)]
+    del plain
+    spec = {"method": "ngram", "controller": "fixed", "num_draft_tokens": 4}
+    ahead = LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec)
+    engine = ahead.engine
+    assert engine.runner.token_pool is not None and engine.runner.spec_step.graphs
+    assert [o.token_ids for o in ahead.chat(convs, params)] == want
+    stats = engine.speculator.stats
+    assert stats.num_verify_steps > 15 and stats.num_accepted_tokens > 0
+    assert engine.num_steps_run_ahead > 15
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
+
+
 def test_sampled_speculative_steps_run_ahead_on_cuda(drafter_path):
     """Unseeded sampled rows run ahead in the graphs, decided between the replays from their
     parameters: at top_k=1 their sampler is the argmax, so they give the greedy tokens."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from outrider import LLM, SamplingParams
+from outrider.speculative.ngram import NgramConfig, NgramProposer
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_eagle3 import K, _ScriptedController, eagle_llm
 from tests.unit.test_spec_engine import OracleProposer
@@ -82,8 +83,11 @@ def test_async_scheduling_is_off_by_default_on_the_cpu_and_never_ahead_of_a_fixe
         str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=64,
         async_scheduling=True, speculative={"method": "ngram", "controller": "fixed"},
     )  # fmt: skip
-    # A fixed k verifies drafts every step it finds some: their tokens must be on the host,
-    # so no step runs ahead, whether or not the lookup found drafts.
+    # A fixed k verifies drafts every step it finds some. Drafted on the host alone (no
+    # lookup inside the step: device_window 0), their tokens must be on the host, so no step
+    # runs ahead, whether or not the lookup found drafts. (With the lookup inside the step
+    # they do: test_ngram_device.py.)
+    spec.engine.speculator.use_proposer(NgramProposer(NgramConfig(device_window=0)))
     outs = spec.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12))
     want = _llm(tiny_dir, False).generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12))
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
