@@ -348,6 +348,32 @@ def top_logprobs_reference(logits: torch.Tensor, t: int) -> tuple[torch.Tensor, 
     return torch.cat(values, -1) - lse, torch.cat(ids, -1)
 
 
+NGRAM_MAX_WINDOW = 1 << 14  # candidates one program of ngram_drafts holds
+
+
+def ngram_drafts(
+    window: torch.Tensor,  # [B, W + 1] int64, rows contiguous
+    valid: torch.Tensor,  # [B, W + 1] bool
+    min_n: int,
+    max_n: int,
+    k: int,
+) -> torch.Tensor | None:
+    """[B, k] int64: speculative/ngram_device.ngram_drafts_no_sync's drafts in one launch; None
+    where the fused path does not serve (the caller's torch ops then do it)."""
+    b, width = window.shape
+    if not use_fused(window) or not 2 <= width <= NGRAM_MAX_WINDOW + 1 or k < 1:
+        return None
+    kern = _kernels()
+    out = torch.empty(b, k, dtype=torch.int64, device=window.device)
+    if b:
+        kern.ngram_drafts_kernel[(b,)](
+            window.contiguous(), valid.contiguous().view(torch.uint8), out, width,
+            K=k, K_PAD=kern.next_pow2(k), MIN_N=min_n, MAX_N=max_n,
+            BLOCK=kern.next_pow2(width - 1), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     """Compiled lazily: importing this module never needs triton."""

@@ -402,3 +402,41 @@ def topk_merge_kernel(
         tl.store(out_ptr + r * 2 * K + j, pick.to(tl.float64))
         tl.store(out_ptr + r * 2 * K + K + j, best.to(tl.float64))
         taken = taken | (tok == pick)
+
+
+@triton.jit
+def ngram_drafts_kernel(
+    window_ptr, valid_ptr, out_ptr, width,
+    K: tl.constexpr, K_PAD: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Program b: row b's k drafts as speculative/ngram_device.py's ngram_drafts_no_sync makes
+    # them in ~30 launches. Lanes are the candidate ends e = 0 .. width - 2 of an earlier
+    # occurrence; the suffix ends at last = width - 1.
+    b = tl.program_id(0).to(tl.int64)
+    row = window_ptr + b * width
+    vrow = valid_ptr + b * width
+    last = width - 1
+    e = tl.arange(0, BLOCK)
+    run = e < last
+    match = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in tl.static_range(MAX_N):
+        at = e - i
+        ok = run & (at >= 0)
+        tok = tl.load(row + at, mask=ok, other=-1)
+        seen = tl.load(vrow + at, mask=ok, other=0) != 0
+        back = tl.maximum(last - i, 0)
+        suffix = tl.load(row + back)
+        live = (tl.load(vrow + back) != 0) & (last - i >= 0)
+        run = ok & seen & live & (tok == suffix)
+        match += run.to(tl.int32)
+    score = tl.where(match >= MIN_N, match * BLOCK + e, -1)
+    best = tl.max(score, axis=0)
+    end = tl.argmax(score, axis=0)
+    period = tl.maximum(last - end, 1)
+    j = tl.arange(0, K_PAD)
+    idx = tl.minimum(end + 1 + j % period, last)
+    drafts = tl.load(row + idx, mask=j < K, other=0)
+    newest = tl.load(row + last)
+    drafts = tl.where(best >= 0, drafts, newest)
+    tl.store(out_ptr + b * K + j, drafts, mask=j < K)

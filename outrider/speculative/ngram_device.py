@@ -22,13 +22,16 @@ continuation, were the pattern to go on) where the host's are cut short: the ste
 drafts a row whatever it is given. A row with no occurrence drafts its last token k times.
 Drafts change nothing but acceptance: the verify keeps only what the target computes.
 
-Cost: about 4 * max_n + 12 launches over [B, W + 1] int64 (in the step's graph on a GPU).
+Cost: one launch on a GPU (layers/fused.py's ngram_drafts, a program a row); elsewhere about
+4 * max_n + 12 torch ops over [B, W + 1] int64.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from outrider.layers import fused
 
 
 def ngram_drafts_no_sync(
@@ -40,6 +43,9 @@ def ngram_drafts_no_sync(
 ) -> torch.Tensor:  # [B, k] int64
     """Each row's k drafts: the tokens after the most recent earlier occurrence of its
     longest suffix of min_n..max_n tokens (the module doc draws it)."""
+    fused_out = fused.ngram_drafts(window, valid, min_n, max_n, k)
+    if fused_out is not None:  # one launch on the GPU
+        return fused_out
     b, width = window.shape
     last = width - 1
     if last < 1 or k < 1:

@@ -330,3 +330,20 @@ def test_top_candidates_rank_as_torch_topk_with_ties_to_the_lowest_token(rows, d
     order = torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :16]  # ties: lowest
     assert torch.equal(got[:, :16].long(), order)
     assert got[0, :3].long().tolist() == [3, 2049, 40000]
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_ngram_drafts_match_the_torch_ops(rows, monkeypatch):
+    """The n-gram lookup in one launch at the step's real window (2,049 tokens a row)."""
+    from outrider.speculative.ngram import DEVICE_WINDOW
+    from outrider.speculative.ngram_device import ngram_drafts_no_sync
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    window = torch.randint(0, 40, (rows, DEVICE_WINDOW + 1), device="cuda", generator=gen)
+    valid = torch.ones_like(window, dtype=torch.bool)
+    valid[rows // 2, :1000] = False
+    with torch.inference_mode():
+        got = fused.ngram_drafts(window, valid, 1, 4, 4)
+        monkeypatch.setattr(fused, "use_fused", lambda x: False)
+        want = ngram_drafts_no_sync(window, valid, 1, 4, 4)
+    assert got is not None and torch.equal(got, want)

@@ -6,6 +6,7 @@ beside stops, arrivals and aborts."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from outrider.executor.token_drafts import TokenStepDrafter
 from outrider.speculative.base import TokenDrafter
 from outrider.speculative.ngram import DEVICE_WINDOW, NgramConfig, NgramProposer
 from outrider.speculative.ngram_device import ngram_drafts_no_sync
+from tests.interpreter import emit, run_worker
 from tests.unit.test_async_speculation import _drive
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 
@@ -58,6 +60,46 @@ def test_the_lookup_drafts_what_the_host_lookup_drafts():
             else:  # nothing to draft from: the last token, k times
                 assert drafts == [row[-1]] * k, (row, min_n, max_n, k)
     assert hits > 150
+
+
+def _worker() -> None:  # runs in a subprocess, TRITON_INTERPRET=1
+    """The one-launch lookup (layers/fused.py's ngram_drafts) against the torch ops, forced on
+    the CPU: rows that match at several n, that match nothing, left-padded (invalid) rows,
+    windows of 2 tokens, max_n past the window, k past the period."""
+    from outrider.layers import fused
+
+    gen = torch.Generator().manual_seed(5)
+    cases = [
+        (48, 1, 4, 4, 4),
+        (48, 2, 3, 7, 3),
+        (9, 1, 6, 5, 2),
+        (2, 1, 2, 3, 5),
+        (300, 1, 4, 4, 40),
+    ]
+    for width, min_n, max_n, k, vocab in cases:
+        window = torch.randint(0, vocab, (6, width), generator=gen)
+        valid = torch.ones(6, width, dtype=torch.bool)
+        valid[1, : width // 2] = False  # a row shorter than the window
+        valid[2, :-1] = False  # its last token alone
+        window[3] = torch.arange(width) + 100  # nothing repeats
+        fused.use_fused = lambda x: False
+        want = ngram_drafts_no_sync(window, valid, min_n, max_n, k)
+        fused.use_fused = lambda x: True
+        got = fused.ngram_drafts(window, valid, min_n, max_n, k)
+        emit(
+            name=f"ngram-{width}-{min_n}-{max_n}-{k}",
+            same=got is not None and torch.equal(got, want),
+            found=int((want != window[:, -1:]).any(1).sum()),
+        )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_the_lookup_in_one_launch_drafts_what_the_torch_ops_draft():
+    results = run_worker("tests.unit.test_ngram_device")
+    assert len(results) == 5
+    for r in results:
+        assert r["same"], r
+    assert sum(r["found"] for r in results) >= 10  # rows that found an occurrence
 
 
 def test_drafts_past_the_end_repeat_the_period_and_a_narrow_window_sees_only_itself():
