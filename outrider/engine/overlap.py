@@ -49,9 +49,10 @@ A speculative step runs ahead too, for chains drafted inside the step (EAGLE-3, 
 lookup over the tokens every forward keeps on the device: executor/token_drafts.py) whose rows
 are all plain greedy or sample from their parameters alone (spec_step.runs_ahead: no penalties
 or grammar; a seeded row's output positions are completed on the device, logprobs come back in
-the read; Speculator.launches): step n+1 verifies the k drafts step n drafted, from the root
-after the drafts step n accepted, all computed on the device (SpecStep.advance_no_sync), so
-nothing of it waits for the host. Its positions depend on that acceptance, so every row gets blocks for the
+the read; Speculator.launches), and for EAGLE-3 trees whose rows are all plain greedy: step n+1
+verifies the k drafts (the tree) step n drafted, from the root after the drafts step n
+accepted, all computed on the device (SpecStep.advance_no_sync; a tree's accepted nodes' KV
+moved there too), so nothing of it waits for the host. Its positions depend on that acceptance, so every row gets blocks for the
 furthest it can reach (3k + 1 past step n's start), and step n's postprocess keeps the 2k
 positions past each row's tokens that step n+1 writes (Scheduler.postprocess's hold). It runs at
 the same k (the controller is asked first: another pick waits for the step after) and only where

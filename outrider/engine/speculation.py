@@ -41,7 +41,7 @@ from outrider.engine.structured import Grammars
 from outrider.executor import step_timing
 from outrider.executor.model_runner import ModelRunner
 from outrider.executor.spec_launch import SpecLaunch
-from outrider.executor.spec_step import masked_greedy, runs_ahead, simple_greedy
+from outrider.executor.spec_step import masked_greedy, plain_greedy, runs_ahead, simple_greedy
 from outrider.speculative.base import Proposer, TokenDrafter
 from outrider.speculative.controller import SpecController
 from outrider.speculative.eagle3_tree import DEFAULT_MAX_STEPS
@@ -339,7 +339,7 @@ class Speculator:
         return (
             p is not None
             and self._drafts_in_step
-            and self._tree is None
+            and (self._tree is None or all(map(simple_greedy, batch.seqs)))
             and self._k > 0
             and self._runner.tp.size == 1
             and batch.mode != ForwardMode.PREFILL
@@ -382,14 +382,19 @@ class Speculator:
             self._drafted_only = False
         elif self.controller is not None and not self._picks(batch, k):
             return None
+        if self._tree is not None and not all(map(plain_greedy, joins)):
+            return None  # a tree step decides greedy rows alone
+        # A row's root moves on by at most `most` + 1, and the step writes `reach` positions
+        # from there (chains: k accepted, the root, the k drafts and the drafter's k - 1).
+        most, reach = (k, 2 * k) if self._tree is None else (self._tree.num_steps, self._tree.reach)
         reqs = [s.request for s in batch.seqs if not s.request.is_finished]
-        if any(r.num_tokens + 3 * k + 2 > self._max_model_len for r in [*reqs, *joins]):
+        if any(r.num_tokens + most + reach + 2 > self._max_model_len for r in [*reqs, *joins]):
             return None
-        if not all(self._block_manager.allocate(r, 3 * k + 1) for r in reqs):
+        if not all(self._block_manager.allocate(r, most + 1 + reach) for r in reqs):
             return None  # (what was allocated goes back when `batch` is postprocessed)
         seqs, joined = list(batch.seqs), []
         if joins:
-            seqs, joined = self._joined(seqs, joins, 2 * k + 1)
+            seqs, joined = self._joined(seqs, joins, reach + 1)
             if joined:
                 self._catch_up()  # their draft KV over the prompt, which the step reads
         rows = ScheduledBatch(ForwardMode.VERIFY, seqs) if joined else batch

@@ -115,3 +115,54 @@ class SpecLaunch:
                 n = batch.seqs[i].request.params.logprobs
                 logprobs[i] = unpack_logprobs(mine[: len(tokens[i])], tokens[i], top_n, n)
         return _chain_output(batch, tokens, accepted, drafts, logprobs)
+
+
+class TreeLaunch(SpecLaunch):
+    """A tree step whose read is still to come (SpecStep.run_tree reads it at once; launch
+    and launch_after later): every row plain greedy, so nothing but the step's own outputs
+    comes back, packed: the accepted path's tokens and verify rows, the accept counts, and the
+    next trees' tokens and parents."""
+
+    def __init__(
+        self,
+        out: SpecOutput,
+        b: int,
+        padded: int,
+        k: int,
+        reach: int,  # TreeShape.reach: positions past a row's root that one step writes
+        joined: dict[int, ScheduledSeq] | None = None,
+    ) -> None:
+        self.out, self.b, self.padded, self.k = out, b, padded, k
+        self.joined = joined or {}
+        self._reach = reach
+        parts = [
+            out.tokens,
+            out.path_rows,
+            out.num_accepted[:, None],
+            out.drafts,
+            out.draft_parents,
+        ]
+        self._host = HostCopy(torch.cat([p[:b] for p in parts], dim=1).reshape(-1))
+
+    @property
+    def reach(self) -> int:
+        return self._reach
+
+    def read(self, batch: ScheduledBatch) -> StepOutput:
+        """The step's output for `batch`: each row's accepted path (tokens, the nodes along
+        it) and its next tree (waits for it)."""
+        flat = self._host.tolist()  # CPU-GPU sync point: this step's outputs only
+        w, n = self.out.tokens.shape[1], self.k  # 1 + S path rows, N nodes
+        width = 2 * w + 1 + 2 * n
+        tokens, nodes, drafts = [], [], []
+        for i in range(self.b):
+            row = flat[i * width : (i + 1) * width]
+            acc = row[2 * w]
+            tokens.append(row[: acc + 1])
+            nodes.append([r - 1 for r in row[w + 1 : w + 1 + acc]])
+            tail = row[2 * w + 1 :]
+            drafts.append(SeqDrafts(tail[:n], tail[n:]))
+        return StepOutput(
+            [s.request.request_id for s in batch.seqs], tokens, num_accepted=[len(x) for x in nodes],
+            accepted_nodes=nodes, next_drafts=drafts,
+        )  # fmt: skip

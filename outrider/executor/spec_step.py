@@ -52,14 +52,14 @@ from outrider.executor.sampler import (
     top_candidates,
 )
 from outrider.executor.spec_graphs import SpecGraphs
-from outrider.executor.spec_launch import SpecLaunch, SpecOutput
+from outrider.executor.spec_launch import SpecLaunch, SpecOutput, TreeLaunch
 from outrider.executor.token_drafts import TokenStepDrafter, write_tokens_no_sync
 from outrider.executor.tp_channel import ALL_ROWS
 from outrider.executor.verify_step import masked_greedy_chain_no_sync, verify_chain_rows_no_sync
 from outrider.layers import fused
 from outrider.layers.attn_backends.base import AttentionBackend
 from outrider.layers.forward_context import AttentionMetadata, ForwardContext, forward_context
-from outrider.speculative.base import DeviceDrafter, SeqDrafts
+from outrider.speculative.base import DeviceDrafter
 from outrider.speculative.tree_batch import (
     TreeShape,
     accept_tree_greedy_no_sync,
@@ -122,7 +122,19 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
     """Whether a row's token is the plain argmax: what step 2 decides on the device (a
     constrained row's is the argmax among the tokens its grammar allows: decided between the
     replays, with the other rows that are not plain)."""
-    return _greedy_argmax(seq) and seq.request.params.structured_outputs is None
+    return plain_greedy(seq.request)
+
+
+def plain_greedy(req: Request) -> bool:
+    """simple_greedy for a request's next row."""
+    p = req.params
+    return (
+        p.greedy
+        and not p.has_penalties
+        and p.logprobs is None
+        and len(req.output_token_ids) >= p.min_tokens
+        and p.structured_outputs is None
+    )
 
 
 def runs_ahead(req: Request) -> bool:
@@ -321,7 +333,8 @@ class SpecStep:
         grew by joined rows).
 
         Row at start 10 with num_accepted 2, tokens [a, b, x, .], drafts [d, e, f] (k = 3):
-        -> ids [x, d, e, f] at positions 13..16."""
+        -> ids [x, d, e, f] at positions 13..16 (a tree: every row at 13, the nodes' depths
+        added by the verify, and out's next tree's parents)."""
         t = 1 + k
         padded = live.shape[0]
         s, dev, bs = self.inputs, self.device, self.block_size
@@ -339,8 +352,13 @@ class SpecStep:
         own = tables.gather(1, (pos // bs).clamp(max=self._w - 1)) * bs + pos % bs
         real = (ar[None, :] <= ns[:, None]) & (pos // bs < self.num_blocks[:padded, None])
         slots = torch.where(real, own, self.scratch_block * bs + ar[None, :] % bs)
+        rope = pos
+        if self.tree is not None:  # out's next trees; every row at its root's position (`load`)
+            parents = _rows(out.draft_parents, padded)
+            self.parents[:padded].copy_(torch.where(live[:, None], parents, -1))
+            rope = starts[:, None].expand(padded, t)
         s.input_ids[:n].copy_(ids.reshape(-1))
-        s.positions[:n].copy_(pos.clamp(max=self.max_positions - 1).reshape(-1))
+        s.positions[:n].copy_(rope.clamp(max=self.max_positions - 1).reshape(-1))
         s.slot_mapping[:n].copy_(slots.reshape(-1))
         s.seq_lens[:padded].copy_(starts + t)
         self.num_drafts[:padded].copy_(ns)
@@ -510,9 +528,12 @@ class SpecStep:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, k: int, k_draft: int) -> SpecLaunch:
-        """A chain step without its read (`run` reads it at once): queued, its outputs on
-        their way to the host; SpecLaunch.read waits for them. A step launched after it
-        (launch_after) needs drafts on the device (k_draft = k) and rows `runs_ahead`."""
+        """A step without its read (`run` and `run_tree` read it at once): queued, its outputs
+        on their way to the host; SpecLaunch.read waits for them. A step launched after it
+        (launch_after) needs drafts on the device (k_draft = k) and rows `runs_ahead` (a
+        tree's: `simple_greedy`)."""
+        if self.tree is not None:
+            return self._launch_tree(batch)
         packed: list[torch.Tensor] = []
         fixup, asked, top_n = self._fixup(batch, k, packed)
         out, padded = self.run_no_sync(batch, k, k_draft, fixup)
@@ -527,9 +548,15 @@ class SpecStep:
         further and verifying the k drafts prev drafted, but those in `joined`: requests
         decoding from the host's tokens (their root, no drafts: the drafter drafts their first
         k inside this step), in the place of rows whose requests finished or past prev's. Every
-        row's blocks must reach its furthest position there (load_after)."""
+        row's blocks must reach its furthest position there (load_after). Trees: prev's next
+        trees, every row greedy (TreeLaunch)."""
         padded = max(prev.padded, self.padded_batch(len(batch.seqs)) or len(batch.seqs))
         live, ids, starts = self.load_after(batch, prev.k, padded, prev.b, joined)
+        rows = {i: batch.seqs[i] for i in joined}
+        if self.tree is not None:  # every row plain greedy: nothing to decide between replays
+            self.advance_no_sync(prev.out, live, ids, starts, prev.k)
+            out = self._step_no_sync(padded, prev.k, prev.k)
+            return TreeLaunch(out, len(batch.seqs), padded, prev.k, self.tree.reach, rows)
         # What prev's rows emitted (0: a joined row's output positions are the host's), before
         # the replay below overwrites prev's outputs.
         emitted = torch.where(live, _rows(prev.out.num_accepted, padded) + 1, 0)
@@ -539,7 +566,6 @@ class SpecStep:
         packed: list[torch.Tensor] = []
         fixup, asked, top_n = self._fixup(batch, prev.k, packed, emitted)
         out = self._step_no_sync(padded, prev.k, prev.k, fixup)
-        rows = {i: batch.seqs[i] for i in joined}
         return SpecLaunch(out, len(batch.seqs), padded, prev.k, packed, asked, top_n, rows)
 
     # -- the step as the engine runs it: one host read --------------------------------------
@@ -630,6 +656,10 @@ class SpecStep:
         Grammars.attach_masks), decided between the verify and the acceptance, while the
         masks were filled as the device verified. One read: the path's tokens and rows, the
         accept counts, the next trees."""
+        return self._launch_tree(batch).read(batch)  # CPU-GPU sync point
+
+    def _launch_tree(self, batch: ScheduledBatch) -> TreeLaunch:
+        """run_tree without its read."""
         seqs = batch.seqs
         b, n = len(seqs), self.tree.num_nodes
         t = 1 + n
@@ -654,27 +684,8 @@ class SpecStep:
                 )
                 out.argmax.index_copy_(0, idx, target.view(len(masked), t))
 
-        out, _ = self.run_no_sync(batch, n, n, fixup if picked or masked else None)
-        w = out.tokens.shape[1]  # 1 + S
-        parts = [
-            out.tokens,
-            out.path_rows,
-            out.num_accepted[:, None],
-            out.drafts,
-            out.draft_parents,
-        ]
-        host = torch.cat([p[:b] for p in parts], dim=1).tolist()  # CPU-GPU sync point
-        tokens, nodes, drafts = [], [], []
-        for row in host:
-            acc = row[2 * w]
-            tokens.append(row[: acc + 1])
-            nodes.append([r - 1 for r in row[w + 1 : w + 1 + acc]])
-            tail = row[2 * w + 1 :]
-            drafts.append(SeqDrafts(tail[:n], tail[n:]))
-        return StepOutput(
-            [s.request.request_id for s in seqs], tokens, num_accepted=[len(x) for x in nodes],
-            accepted_nodes=nodes, next_drafts=drafts,
-        )  # fmt: skip
+        out, padded = self.run_no_sync(batch, n, n, fixup if picked or masked else None)
+        return TreeLaunch(out, b, padded, n, self.tree.reach)
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ verifies: test_spec_eagle3.py's dense recomputation.)"""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from outrider import SamplingParams
+from outrider import LLM, SamplingParams
 from outrider.engine.block_manager import BlockManager
 from tests.unit.test_engine_tiny import prompts, reference, tiny_dir  # noqa: F401 (fixtures)
 from tests.unit.test_spec_eagle3 import eagle_llm
@@ -236,3 +237,104 @@ def test_arrivals_beside_steps_run_ahead_in_every_case(
         assert engine.speculator.num_rows_joined > 0
     if case == "short pool":
         assert any(short)
+
+
+@pytest.mark.parametrize("topk,steps", [(2, 3), (3, 2)])
+def test_eagle3_trees_run_ahead_and_the_output_stays_plain(
+    tiny_dir,  # noqa: F811
+    prompts,  # noqa: F811
+    reference,  # noqa: F811
+    topk,
+    steps,
+):
+    """Greedy trees launch each step on the last one's accepted path and next tree, still on
+    the device (its KV moves done there): the output equals plain decoding and the same engine
+    stepping one batch at a time, with paths of accepted nodes among them."""
+    params = SamplingParams(temperature=0, max_tokens=20)
+    sync = eagle_llm(tiny_dir, topk=topk, num_steps=steps, async_scheduling=False)
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert want == reference
+    llm = eagle_llm(tiny_dir, topk=topk, num_steps=steps, async_scheduling=True)
+    engine = llm.engine
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    spec = engine.speculator
+    assert spec.stats.num_accepted_tokens > 0  # some paths past the root
+    assert spec.stats.num_verify_steps == sync.engine.speculator.stats.num_verify_steps
+    assert engine.num_steps_run_ahead >= sum(spec.steps_by_k.values()) - 2
+    assert _free(engine)
+
+
+def test_trees_beside_sampled_rows_arrivals_and_aborts(tiny_dir, prompts):  # noqa: F811
+    """A tree step decides greedy rows alone: steps with a sampled, seeded or logprob row
+    (and requests joining with one) are read before the next is launched, the rest run
+    ahead; the outputs are stepping one batch at a time's."""
+    for sampled in (False, True):
+        want = _drive(eagle_llm(tiny_dir, topk=2, num_steps=3, async_scheduling=False), prompts,
+                      sampled)  # fmt: skip
+        llm = eagle_llm(tiny_dir, topk=2, num_steps=3, async_scheduling=True)
+        got = _drive(llm, prompts, sampled)
+        a, b = sorted((got.pop("r1"), want.pop("r1")), key=len)  # aborted after a few calls
+        assert a == b[: len(a)], sampled
+        assert got == want, sampled
+        assert llm.engine.num_steps_run_ahead >= 3, sampled
+        assert _free(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "ngram"])
+def test_a_step_run_ahead_loads_what_the_host_would_have_loaded(tiny_dir, prompts, kind):  # noqa: F811
+    """What the device wrote for a step launched before its predecessor was read (SpecStep.
+    advance_no_sync) equals what `load` writes for the host's view of that step once the
+    predecessor is read (Speculator.batch_after): each live row's tokens, positions, KV slots,
+    lengths, draft counts and, for trees, parents. Acceptance aside: a wrong position or
+    parent changes only the drafts' rows, which a random drafter's output rarely shows."""
+    if kind == "ngram":
+        llm = LLM(
+            str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+            async_scheduling=True,
+            speculative={"method": "ngram", "controller": "fixed", "num_draft_tokens": 4},
+        )  # fmt: skip
+    else:
+        topk = 3 if kind == "tree" else 1
+        llm = eagle_llm(
+            tiny_dir, topk=topk, num_steps=2 if topk > 1 else None, async_scheduling=True
+        )
+    engine = llm.engine
+    spec, step = engine.speculator, engine.runner.spec_step
+    after_of = spec.batch_after
+    compared = []
+
+    def check(batch, output, launched):
+        after = after_of(batch, output, launched)
+        s, padded, t = step.inputs, launched.padded, 1 + launched.k
+        n = padded * t
+        names = ["input_ids", "positions", "slot_mapping"]
+        device = [getattr(s, x)[:n].view(padded, t).clone() for x in names]
+        device += [s.seq_lens[:padded].clone(), step.num_drafts[:padded].clone()]
+        if step.tree is not None:
+            device.append(step.parents[:padded].clone())
+        # (The step after `after` loads its own tables: load_after.)
+        step.load(after, launched.k, padded)
+        host = [getattr(s, x)[:n].view(padded, t).clone() for x in names]
+        host += [s.seq_lens[:padded].clone(), step.num_drafts[:padded].clone()]
+        if step.tree is not None:
+            host.append(step.parents[:padded].clone())
+        for x, v in zip(names, device[:3]):  # back as the device had them
+            getattr(s, x)[:n].copy_(v.view(-1))
+        s.seq_lens[:padded].copy_(device[3])
+        step.num_drafts[:padded].copy_(device[4])
+        if step.tree is not None:
+            step.parents[:padded].copy_(device[5])
+        for i, seq in enumerate(after.seqs):
+            if seq.request.is_finished:
+                continue  # its row kept, its output dropped
+            for name, d, h in zip(
+                ["ids", "pos", "slots", "lens", "drafts", "parents"], device, host
+            ):
+                assert torch.equal(d[i], h[i]), (kind, name, i, d[i].tolist(), h[i].tolist())
+            compared.append(i)
+        return after
+
+    spec.batch_after = check
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    assert len(compared) > 40
+    assert spec.stats.num_accepted_tokens > 0
