@@ -38,7 +38,8 @@ CONFIGS = (
     "ngram", "eagle3_chain", "eagle3_tree", "adaptive_ngram", "adaptive_eagle3",
     # The same with async scheduling off: each step read before the next is launched (what
     # running a step ahead gains, side by side).
-    "eagle3_chain_sync", "adaptive_ngram_sync", "adaptive_eagle3_sync",
+    "eagle3_chain_sync", "eagle3_tree_sync", "ngram_sync", "adaptive_ngram_sync",
+    "adaptive_eagle3_sync",
 )  # fmt: skip
 SUMMARY_KEYS = {"heldout": "speedup", "grounded": "speedup_grounded"}
 
