@@ -125,7 +125,9 @@ class Speculator:
         self.controller: SpecController | None = None
         # The controller chooses chain lengths; a tree verifies its whole shape every step.
         if self._stepped and self._tree is None and self._config.controller == "adaptive":
-            self.controller = SpecController(self._measure_profile(), max_k=k)
+            # Without graphs a step runs at its own batch size, not padded to the profile's.
+            exact = self._runner.graphs is None
+            self.controller = SpecController(self._measure_profile(), max_k=k, exact_batches=exact)
             self.controller.ahead = self._plain_ahead
             self.controller.drafts_inside = p.on_device
 

@@ -66,7 +66,7 @@ from outrider.speculative.step_profile import StepProfile
 
 
 def _robust(window: Sequence[float]) -> float:
-    """What a (bucket, k) costs from its recent steps: the median, or the least of fewer than 3."""
+    """What a (batch key, k) costs from its recent steps: the median, or the least of fewer than 3."""
     if len(window) < 3:
         return min(window)
     return statistics.median(window)
@@ -103,7 +103,10 @@ class SpecController:
         probe_every: int = 64,
         prior: float = 0.6,
         run_prior: float = 16.0,
+        exact_batches: bool = False,
     ) -> None:
+        """exact_batches: steps run at their own batch size (eagerly: a CPU), not padded to the
+        profile's batch sizes (CUDA graphs): live step times are kept per batch size (`_key`)."""
         if max_k < 0:
             raise ValueError(f"invalid max_k={max_k}: use 0 (never speculate) or more")
         if not 0 < ema <= 1:
@@ -119,6 +122,7 @@ class SpecController:
         if ks is not None and max(ks, default=0) > max_k:
             raise ValueError(f"ks={list(ks)} go past max_k={max_k}: drop them or raise max_k")
         self.max_k, self.hysteresis, self.ema = max_k, hysteresis, ema
+        self.exact_batches = exact_batches
         self.probe_every, self.prior = probe_every, prior
         self._ks_given = None if ks is None else sorted(set(ks) | {0})
         self.set_profile(profile)
@@ -136,9 +140,9 @@ class SpecController:
         self._steps: dict[int, int] = {}
         self._probes = 0
         self.live_window = 9
-        # (batch bucket, k) -> the last live_window measured ms, newest last, and what they say
+        # (batch key, k) -> the last live_window measured ms, newest last, and what they say
         # the step costs (_robust of them; read every choose, so kept, not recomputed)
-        # (bucket, "mixed" or "alone") the same for steps with prompt chunks (record_prompts).
+        # (batch key, "mixed" or "alone") the same for steps with prompt chunks (record_prompts).
         self._live: dict[tuple[int, int | str], deque[float]] = {}
         self._live_ms: dict[tuple[int, int | str], float] = {}
         # Whether plain steps run ahead of their read (async scheduling): then the plain step
@@ -245,9 +249,7 @@ class SpecController:
             )
             if probe:
                 k = probe_k
-        elif (
-            k > 0 and self._timed and len(self._live.get((self._profile.bucket(batch), 0), ())) < 3
-        ):
+        elif k > 0 and self._timed and len(self._live.get((self._key(batch), 0), ())) < 3:
             # A plain probe: the plain step's cost at this batch size was never timed live
             # (three times), and a start-up profile measured on a busy machine can make it
             # look dearer than it is and hold speculation on where it loses (on 2 shared CPU
@@ -328,9 +330,9 @@ class SpecController:
         and a speculative step's prompt forward alone, as timed live (record_prompts); one
         untimed reads as the other, both untimed as a plain step (the prompts' work unknown,
         P's extra forward then costs a plain step's time)."""
-        bucket = self._profile.bucket(batch)
-        mixed = self._live_ms.get((bucket, "mixed"))
-        alone = self._live_ms.get((bucket, "alone"))
+        key = self._key(batch)
+        mixed = self._live_ms.get((key, "mixed"))
+        alone = self._live_ms.get((key, "alone"))
         if mixed is None and alone is None:
             mixed = alone = self._step_ms(batch, 0)
         return mixed or alone, alone or mixed
@@ -340,13 +342,13 @@ class SpecController:
         along (alone False), or a speculative step's prompt forward before its verify of
         batch_size rows (alone True). Kept as record_step keeps a k's steps."""
         if math.isfinite(ms) and ms > 0:
-            key = (self._profile.bucket(batch_size), "alone" if alone else "mixed")
+            key = (self._key(batch_size), "alone" if alone else "mixed")
             self._enter(key, ms)
             self._last_timed = key
 
     def record_step(self, batch_size: int, k: int, ms: float) -> None:
         """A step the engine ran, timed whole (scheduling, proposing, the runner, the host's
-        bookkeeping of what it emitted): it refines that (batch size bucket, k) entry, which
+        bookkeeping of what it emitted): it refines that (batch key, k) entry (`_key`), which
         becomes the median of its last `live_window` steps (the least of them while there are
         fewer than 3: one stalled step, a first lookup over a new prompt, a collection, must
         not turn a k off; a k that is slow every time is seen at its first step). A moving
@@ -359,9 +361,9 @@ class SpecController:
         if k not in self._ks or not (math.isfinite(ms) and ms > 0):
             return
         self._timed = True
-        bucket = self._profile.bucket(batch_size)
-        last, self._last_timed = self._last_timed, (bucket, k)
-        plain = self._live_ms.get((bucket, 0))
+        key = self._key(batch_size)
+        last, self._last_timed = self._last_timed, (key, k)
+        plain = self._live_ms.get((key, 0))
         if self.ahead and k == 0 and last is not None and last[1] != 0:
             # The first plain step after a step read before the next was launched (a
             # speculative one, or one with prompts): launched with nothing running ahead of
@@ -372,7 +374,7 @@ class SpecController:
             # it: timed as plain's, probes of one step each had a 64-stream H100 server read
             # a plain step at 3.2 ms where one run ahead took 2.0 (the probe's second step,
             # run ahead, is timed instead).
-            if last[0] != bucket or plain is None or len(self._live[(bucket, 0)]) < 3:
+            if last[0] != key or plain is None or len(self._live[(key, 0)]) < 3:
                 return
             extra = ms - plain
             if extra > 0:
@@ -384,8 +386,9 @@ class SpecController:
         # it: a step read right after a long one finds its tokens ready and takes a fraction
         # of a step (0.37 ms at 48 rows on an H100, where a plain step takes 1.5). One such
         # period is no stall ending.
-        live = self._enter((bucket, k), ms, fresh=not (self.ahead and k == 0))
-        self._extra[(bucket, k > 0)] = live - self._profile.step_ms(bucket, k)
+        live = self._enter((key, k), ms, fresh=not (self.ahead and k == 0))
+        extra = live - self._profile.step_ms(key, k)
+        self._extra[(self._profile.bucket(batch_size), k > 0)] = extra
 
     def _enter(self, key: tuple[int, int | str], ms: float, fresh: bool = True) -> float:
         """ms into key's window of live steps; what the window now says the step costs. fresh:
@@ -399,18 +402,25 @@ class SpecController:
         live = self._live_ms[key] = _robust(window)
         return live
 
+    def _key(self, batch_size: int) -> int:
+        """The batch size live step times are kept under: the profile's bucket where a step is
+        padded to it (CUDA graphs), else its own (`exact_batches`: an eager step costs what its
+        rows cost; on 2 CPU cores a plain step of 2 rows took 47-50 ms where 4 took 36-40, and
+        in one bucket with them a wave's last 2-row steps read plain as 20% dearer at the next
+        wave's 4 rows, where n-gram then verified at k=1 and lost 9% a step)."""
+        return batch_size if self.exact_batches else self._profile.bucket(batch_size)
+
     def _step_ms(self, batch_size: int, k: int) -> float:
-        """The live time at this bucket and k; else the profile's plus the host work the last
-        timed step of its kind (plain or speculative) showed there. A host proposer's lookup
-        costs about the same whatever k it drafts, so one k timed tells what the others cost
-        (without it, each k > 0 would take one slow step of its own to be seen losing)."""
-        bucket = self._profile.bucket(batch_size)
-        live = self._live_ms.get((bucket, k))
+        """The live time at this batch (`_key`) and k; else the profile's plus the host work
+        the last timed step of its kind (plain or speculative) showed in its bucket. A host
+        proposer's lookup costs about the same whatever k it drafts, so one k timed tells what
+        the others cost (without it, each k > 0 would take one slow step of its own to be seen
+        losing)."""
+        live = self._live_ms.get((self._key(batch_size), k))
         if live is not None:
             return live
-        return self._profile.step_ms(batch_size, k) + max(
-            0.0, self._extra.get((bucket, k > 0), 0.0)
-        )
+        extra = self._extra.get((self._profile.bucket(batch_size), k > 0), 0.0)
+        return self._profile.step_ms(batch_size, k) + max(0.0, extra)
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """After a verify: num_drafts drafts were verified and the first num_accepted accepted.
@@ -460,9 +470,9 @@ class SpecController:
         ms = {k: self._step_ms(batch_size, k) for k in self._ks}
         rate = {k: expect[k] / ms[k] * 1e3 for k in self._ks}
         best = max(self._ks[1:], key=rate.__getitem__)
-        bucket = self._profile.bucket(batch_size)
-        timed = "timed live" if (bucket, best) in self._live_ms else "start-up profile"
-        plain_timed = "timed live" if (bucket, 0) in self._live_ms else "start-up profile"
+        key = self._key(batch_size)
+        timed = "timed live" if (key, best) in self._live_ms else "start-up profile"
+        plain_timed = "timed live" if (key, 0) in self._live_ms else "start-up profile"
         if self._global:
             seen = f"acceptance {', '.join(f'{a:.2f}' for a in self._global)} by position, seen"
         else:
@@ -475,10 +485,10 @@ class SpecController:
         )
 
     def live_table(self) -> dict[int, dict[int | str, float]]:
-        """The step costs timed live: batch bucket -> {k: ms}, what `choose` used there."""
+        """The step costs timed live: batch key (`_key`) -> {k: ms}, what `choose` used there."""
         out: dict[int, dict[int | str, float]] = {}
-        for (bucket, k), ms in sorted(self._live_ms.items(), key=lambda e: (e[0][0], str(e[0][1]))):
-            out.setdefault(bucket, {})[k] = round(ms, 3)
+        for (key, k), ms in sorted(self._live_ms.items(), key=lambda e: (e[0][0], str(e[0][1]))):
+            out.setdefault(key, {})[k] = round(ms, 3)
         return out
 
     def snapshot(self) -> dict:

@@ -278,6 +278,29 @@ def test_host_work_timed_at_one_k_is_assumed_for_the_ks_not_yet_timed():
     assert ctl._step_ms(4, 0) == 12.0 and ctl._step_ms(4, 1) == 39.0
 
 
+@pytest.mark.parametrize("exact", [False, True])
+def test_steps_of_other_batch_sizes_in_a_bucket_price_it_only_where_steps_are_padded(exact):
+    """Steps padded to the profile's batch sizes (CUDA graphs) cost their bucket's time, so a
+    2-row step's time is the 4-row bucket's; eager steps (exact_batches: the CPU) cost their
+    own rows', and slow 2-row steps (a wave's tail) must not make plain look dear at 4 rows,
+    where k=1 would then be chosen at a loss."""
+    table = StepProfile({1: {0: 30.0, 1: 35.0}, 4: {0: 40.0, 1: 50.0}})
+    ctl = SpecController(table, max_k=1, hysteresis=0.0, prior=0.3, exact_batches=exact)
+    four = [f"r{i}" for i in range(4)]
+    for _ in range(5):
+        ctl.record_step(4, 0, 38.0)
+        ctl.record_step(4, 1, 50.0)
+    assert ctl.choose(four) == 0  # 4 x 1.3 / 50 < 4 / 38
+    for _ in range(9):
+        ctl.record_step(2, 0, 50.0)
+    assert ctl._step_ms(2, 0) == 50.0
+    if exact:  # 4 rows keep their own time
+        assert ctl._step_ms(4, 0) == 38.0 and ctl.choose(four) == 0
+        assert ctl.live_table()[2] == {0: 50.0} and ctl.live_table()[4][0] == 38.0
+    else:  # one bucket: what a step of it costs now
+        assert ctl._step_ms(4, 0) == 50.0 and ctl.choose(four) == 1
+
+
 def test_one_stalled_step_does_not_hold_a_k_off():
     """Live times are the median of the recent steps (the least of fewer than 3): a stalled step
     among normal ones moves nothing, a stalled first step is undone by the next normal one (and
