@@ -80,12 +80,17 @@ class SpecLaunch:
         # Rows that joined from the host (their ScheduledSeq by row), launch_after's.
         self.joined = joined or {}
         self._asked, self._top_n = list(asked), top_n
+        self._host = HostCopy(self._packed(packed))
+
+    def _packed(self, packed: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What the read brings back, in one tensor."""
+        out, b = self.out, self.b
         parts = [out.tokens[:b].reshape(-1), out.num_accepted[:b]]
         if out.drafts is not None:
             parts.append(out.drafts[:b].reshape(-1))
         if packed:
             parts = [p.double() for p in parts] + [packed[0].reshape(-1)]
-        self._host = HostCopy(torch.cat(parts))
+        return torch.cat(parts)
 
     @property
     def drafted(self) -> bool:
@@ -132,9 +137,11 @@ class TreeLaunch(SpecLaunch):
         reach: int,  # TreeShape.reach: positions past a row's root that one step writes
         joined: dict[int, ScheduledSeq] | None = None,
     ) -> None:
-        self.out, self.b, self.padded, self.k = out, b, padded, k
-        self.joined = joined or {}
+        super().__init__(out, b, padded, k, joined=joined)
         self._reach = reach
+
+    def _packed(self, packed: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = self.out
         parts = [
             out.tokens,
             out.path_rows,
@@ -142,7 +149,7 @@ class TreeLaunch(SpecLaunch):
             out.drafts,
             out.draft_parents,
         ]
-        self._host = HostCopy(torch.cat([p[:b] for p in parts], dim=1).reshape(-1))
+        return torch.cat([p[: self.b] for p in parts], dim=1).reshape(-1)
 
     @property
     def reach(self) -> int:

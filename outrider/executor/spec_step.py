@@ -105,10 +105,9 @@ def _grammar_targets(
     return idx, to_device_no_sync(targets, torch.long, dev)
 
 
-def _greedy_argmax(seq: ScheduledSeq) -> bool:
-    """Whether a row's token is an argmax of its logits as they are (greedy, no penalties, no
-    logprobs, min_tokens met), a grammar's mask aside."""
-    req = seq.request
+def _greedy_argmax(req: Request) -> bool:
+    """Whether a request's next token is an argmax of its logits as they are (greedy, no
+    penalties, no logprobs, min_tokens met), a grammar's mask aside."""
     p = req.params
     return (
         p.greedy
@@ -127,14 +126,7 @@ def simple_greedy(seq: ScheduledSeq) -> bool:
 
 def plain_greedy(req: Request) -> bool:
     """simple_greedy for a request's next row."""
-    p = req.params
-    return (
-        p.greedy
-        and not p.has_penalties
-        and p.logprobs is None
-        and len(req.output_token_ids) >= p.min_tokens
-        and p.structured_outputs is None
-    )
+    return _greedy_argmax(req) and req.params.structured_outputs is None
 
 
 def runs_ahead(req: Request) -> bool:
@@ -154,7 +146,7 @@ def runs_ahead(req: Request) -> bool:
 def masked_greedy(seq: ScheduledSeq) -> bool:
     """Whether a row is plain greedy but for its grammar: its token is the argmax among the
     tokens the grammar allows (verify_step.masked_greedy_chain_no_sync, one launch)."""
-    return _greedy_argmax(seq) and seq.request.params.structured_outputs is not None
+    return _greedy_argmax(seq.request) and seq.request.params.structured_outputs is not None
 
 
 class SpecStep:

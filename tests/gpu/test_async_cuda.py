@@ -54,13 +54,16 @@ def test_plain_steps_of_a_speculating_engine_run_ahead_on_cuda(drafter_path):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_speculative_steps_run_ahead_on_cuda(drafter_path):
-    """EAGLE-3 chains in graphs (fp32): each speculative step launches the next on its own
-    acceptance, still on the device, before its read; the output equals the same engine
-    stepping one batch at a time, and every block comes back."""
+@pytest.mark.parametrize("topk", [1, 3])
+def test_speculative_steps_run_ahead_on_cuda(drafter_path, topk):
+    """EAGLE-3 chains and trees in graphs (fp32): each speculative step launches the next on
+    its own acceptance (a tree's: its accepted path, KV moved, and next tree), still on the
+    device, before its read; the output equals the same engine stepping one batch at a time,
+    and every block comes back."""
     convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
     params = [SamplingParams(temperature=0, max_tokens=40 + 8 * (i % 3)) for i in range(8)]
-    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path, "num_draft_tokens": 4}
+    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path, "num_draft_tokens": 4,
+            "topk": topk, "num_steps": 3 if topk > 1 else None}  # fmt: skip
 
     def llm(async_scheduling: bool) -> LLM:
         return LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec,
@@ -73,7 +76,7 @@ def test_speculative_steps_run_ahead_on_cuda(drafter_path):
     engine = ahead.engine
     assert engine.runner.spec_step.graphs
     assert [o.token_ids for o in ahead.chat(convs, params)] == want
-    assert engine.num_steps_run_ahead > 15
+    assert engine.num_steps_run_ahead > 15 and engine.speculator.stats.num_accepted_tokens > 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
 
@@ -95,31 +98,6 @@ def test_ngram_steps_run_ahead_on_cuda():
     stats = engine.speculator.stats
     assert stats.num_verify_steps > 15 and stats.num_accepted_tokens > 0
     assert engine.num_steps_run_ahead > 15
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
-
-
-def test_tree_steps_run_ahead_on_cuda(drafter_path):
-    """EAGLE-3 trees in graphs (fp32): each greedy tree step launches the next on its accepted
-    path and next tree, still on the device (KV moves included); the output equals the same
-    engine stepping one batch at a time."""
-    convs = [[{"role": "user", "content": p}] for p in GROUNDED[:4] + OPEN[:4]]
-    params = [SamplingParams(temperature=0, max_tokens=40 + 8 * (i % 3)) for i in range(8)]
-    spec = {"method": "eagle3", "controller": "fixed", "draft": drafter_path,
-            "num_draft_tokens": 4, "topk": 3, "num_steps": 3}  # fmt: skip
-
-    def llm(async_scheduling: bool) -> LLM:
-        return LLM(dtype="float32", device="cuda", gpu_memory_utilization=0.2, speculative=spec,
-                   async_scheduling=async_scheduling)  # fmt: skip
-
-    sync = llm(False)
-    want = [o.token_ids for o in sync.chat(convs, params)]
-    del sync
-    ahead = llm(True)
-    engine = ahead.engine
-    assert engine.runner.spec_step.tree is not None and engine.runner.spec_step.graphs
-    assert [o.token_ids for o in ahead.chat(convs, params)] == want
-    assert engine.num_steps_run_ahead > 15 and engine.speculator.stats.num_accepted_tokens > 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
 
