@@ -124,8 +124,9 @@ def test_the_proposer_is_a_token_drafter_unless_the_shared_cache_is_on():
 
 
 def _ngram(tiny_dir, async_scheduling: bool, controller: str = "fixed", **options) -> LLM:  # noqa: F811
+    options = {"num_blocks": 256, **options}
     return LLM(
-        str(tiny_dir[0]), dtype="float32", device="cpu", num_blocks=256,
+        str(tiny_dir[0]), dtype="float32", device="cpu",
         async_scheduling=async_scheduling,
         speculative={"method": "ngram", "controller": controller, "num_draft_tokens": 4},
         **options,
@@ -150,11 +151,22 @@ def test_ngram_steps_run_ahead_and_the_output_stays_plain(tiny_dir, prompts, con
     assert bm.num_free_blocks == bm.num_blocks and engine._ahead is None
 
 
-def test_every_window_is_its_request_own_tokens(tiny_dir, prompts, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_blocks": 20, "block_size": 8, "enable_prefix_caching": False},  # preemption
+        {"num_blocks": 64, "block_size": 8},  # the second run's prompts hit cached blocks
+        {"max_num_batched_tokens": 7},  # chunked prefill
+    ],
+)
+def test_every_window_is_its_request_own_tokens(tiny_dir, prompts, monkeypatch, options):  # noqa: F811
     """What the step hands the lookup, row by row: the tokens of one request, up to its new
-    last token, as the host has them at the end. Rows of padding, and of requests that ended
-    with the step before (their row kept, their blocks given back: TokenStepDrafter reads
-    the scratch block there), hold no request's tokens; their drafts are never used."""
+    last token, as the host has them at the end, whoever wrote them into the pool (a prompt
+    chunk, a recompute after preemption, an earlier request whose cached blocks a prefix hit
+    reuses). Rows of padding, and of requests that ended with the step before (their row
+    kept, their blocks given back: TokenStepDrafter reads the scratch block there), hold no
+    request's tokens; their drafts are never used."""
     seen: list[list[int]] = []
     owned: list[list[bool]] = []  # per call: whether each row has blocks of its own
     step, lookup = TokenStepDrafter.after_verify_no_sync, NgramProposer.draft_from_tokens_no_sync
@@ -171,14 +183,25 @@ def test_every_window_is_its_request_own_tokens(tiny_dir, prompts, monkeypatch):
 
     monkeypatch.setattr(TokenStepDrafter, "after_verify_no_sync", spy_step)
     monkeypatch.setattr(NgramProposer, "draft_from_tokens_no_sync", spy)
-    llm = _ngram(tiny_dir, True)
+    llm = _ngram(tiny_dir, True, **options)
     scratch = llm.engine.runner.num_blocks
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     final = [o.prompt_token_ids + o.token_ids for o in llm.generate(prompts, params)]
+    if options:  # again, the same prompts: prefix hits where blocks stay cached
+        plain = LLM(str(tiny_dir[0]), dtype="float32", device="cpu", **options)
+        assert [o.prompt_token_ids + o.token_ids for o in plain.generate(prompts, params)] == final
+        seen.clear()
+        again = [o.prompt_token_ids + o.token_ids for o in llm.generate(prompts, params)]
+        assert again == final
     assert len(seen) > 50
     for row in seen:
         # A request that ended in the step computed past its end: its tokens are a prefix.
         assert any(row[: len(f)] == f[: len(row)] for f in final), row
+    engine = llm.engine
+    if "enable_prefix_caching" in options:
+        assert engine.scheduler.num_preemptions > 0
+    if not options:
+        return
     # A narrow window: 9 tokens of a request in a row (past its end for one that ended).
     seen.clear()
     llm.engine.speculator.use_proposer(NgramProposer(NgramConfig(device_window=8)))
