@@ -77,8 +77,8 @@ from outrider.speculative.ngram_index import Arena, Seq, Table, hash_constants, 
 NgramKey = tuple[int, ...]
 
 # Tokens a lookup on the device reads before a row's last: [B, 2049] int64 at every step that
-# drafts there, about 30 small launches (ngram_device.py); occurrences further back are the
-# host's alone.
+# drafts there, one launch on a GPU (ngram_device.py); occurrences further back are the host's
+# alone.
 DEVICE_WINDOW = 2048
 
 
